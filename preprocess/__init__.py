@@ -1,0 +1,1 @@
+"""shardcache preprocess package."""

@@ -1,0 +1,90 @@
+"""What every console script shares: exit codes, error-to-message mapping, common options, Slurm defaults.
+
+Only CLI code reads environment variables (Slurm's array variables); library functions take explicit configs.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import sys
+from typing import Any, Callable
+
+import click
+
+from shards.errors import InputError, ShardcacheError
+from shards.progress import setup_logging
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+log = logging.getLogger("shardcache")
+
+
+def handle_errors(func: Callable) -> Callable:
+    """Turn domain errors into a one-line message and the documented exit code (2 bad input, 1 failure)."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except InputError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(EXIT_USAGE)
+        except ShardcacheError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(EXIT_FAILED)
+        except KeyboardInterrupt:
+            click.echo("error: interrupted", err=True)
+            sys.exit(130)
+
+    return wrapper
+
+
+def quiet_option(func: Callable) -> Callable:
+    """``--quiet``: no progress bars, warnings and errors only."""
+
+    @click.option("--quiet", "-q", is_flag=True, help="No progress bars; log warnings and errors only.")
+    @functools.wraps(func)
+    def wrapper(*args, quiet: bool, **kwargs):
+        setup_logging(quiet=quiet)
+        return func(*args, quiet=quiet, **kwargs)
+
+    return wrapper
+
+
+def slurm_task_default(name: str, fallback: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return fallback
+    try:
+        return int(value)
+    except ValueError:
+        raise click.UsageError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def task_options(func: Callable) -> Callable:
+    """``--task-index/--num-tasks``, defaulting from a Slurm job array (the only place Slurm variables are read)."""
+
+    @click.option("--task-index", type=int, default=None,
+                  help="This task's index in [0, num-tasks). Default: $SLURM_ARRAY_TASK_ID or 0.")
+    @click.option("--num-tasks", type=int, default=None,
+                  help="How many tasks split the work. Default: $SLURM_ARRAY_TASK_COUNT or 1.")
+    @functools.wraps(func)
+    def wrapper(*args, task_index: int | None, num_tasks: int | None, **kwargs):
+        if num_tasks is None:
+            num_tasks = slurm_task_default("SLURM_ARRAY_TASK_COUNT", 1)
+        if task_index is None:
+            task_index = slurm_task_default("SLURM_ARRAY_TASK_ID", 0)
+            # Arrays may start at a non-zero index (--array=1-4); count from SLURM_ARRAY_TASK_MIN.
+            task_index -= slurm_task_default("SLURM_ARRAY_TASK_MIN", 0)
+        if num_tasks < 1 or not 0 <= task_index < num_tasks:
+            raise click.BadParameter(f"task index {task_index} is not in [0, {num_tasks})", param_hint="--task-index")
+        return func(*args, task_index=task_index, num_tasks=num_tasks, **kwargs)
+
+    return wrapper
+
+
+def emit_json(result: Any) -> None:
+    """The machine-readable result: one JSON line on stdout."""
+    click.echo(json.dumps(result, sort_keys=True, default=str))

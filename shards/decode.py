@@ -1,0 +1,58 @@
+"""Decoding encoded image bytes to RGB, with no I/O and no randomness.
+
+Every mode becomes RGB the way a user expects: EXIF orientation applied; alpha composited on white (not dropped
+to black); palette and 16-bit images converted through their proper paths; CMYK through PIL's conversion.
+"""
+
+from __future__ import annotations
+
+import io
+
+from PIL import Image, ImageOps
+
+# Decompression-bomb guard: PIL raises above twice this; we keep its default unless the caller says otherwise.
+DEFAULT_MAX_PIXELS = Image.MAX_IMAGE_PIXELS
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Convert any PIL mode to RGB correctly (alpha over white, 16-bit scaled, palette expanded)."""
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
+        # 16-bit grayscale: scale to 8 bits instead of clipping everything above 255 to white.
+        import numpy as np
+
+        array = np.asarray(image, dtype=np.uint32 if image.mode == "I" else np.uint16).astype("float32")
+        peak = 65535.0 if image.mode != "I" or array.max() > 255 else 255.0
+        array = (array * (255.0 / peak)).round().clip(0, 255).astype("uint8")
+        return Image.fromarray(array, mode="L").convert("RGB")
+    if image.mode == "P":
+        image = image.convert("RGBA" if "transparency" in image.info else "RGB")
+    if image.mode in ("RGBA", "LA", "PA"):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGB", rgba.size, (255, 255, 255))
+        background.paste(rgba, mask=rgba.getchannel("A"))
+        return background
+    return image.convert("RGB")
+
+
+def open_image(data: bytes) -> Image.Image:
+    """Open without decoding pixels yet (so callers can ``draft`` a JPEG before the decode)."""
+    return Image.open(io.BytesIO(data))
+
+
+def decode_image(data: bytes, *, draft_size: tuple[int, int] | None = None) -> Image.Image:
+    """Decode to an RGB image with EXIF orientation applied.
+
+    ``draft_size`` lets the JPEG decoder scale by 1/2, 1/4 or 1/8 while decoding, keeping the result at least
+    that large: much faster when the stored image is far bigger than what the transform needs.
+    """
+    image = open_image(data)
+    if draft_size is not None and image.format == "JPEG":
+        orientation = image.getexif().get(0x0112, 1)
+        width, height = draft_size
+        if orientation in (5, 6, 7, 8):  # rotated 90 degrees: the stored image is transposed
+            width, height = height, width
+        image.draft("RGB", (width, height))
+    image = ImageOps.exif_transpose(image)
+    return to_rgb(image)

@@ -1,0 +1,340 @@
+"""The manifests: the versioned contract between the stages and the commit marker of each output folder.
+
+``dataset.json`` describes image shards (written by ``pack-shards``); ``features.json`` describes feature shards
+(written by ``precompute-features``). Both are written last and atomically; a folder without one is unfinished.
+Readers check ``format`` and ``version`` and refuse what they do not know. Unknown extra keys are kept in
+``extra`` so a newer minor writer does not break an older reader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from shards.atomic import sha256_file, write_json_atomic
+from shards.errors import ManifestError, MissingInputError
+
+TOOL = "shardcache 0.1.0"
+DATASET_FORMAT = "shardcache.dataset"
+FEATURES_FORMAT = "shardcache.features"
+DATASET_FILE = "dataset.json"
+FEATURES_FILE = "features.json"
+VERSION = 1
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard file, relative to the manifest's folder."""
+
+    path: str
+    samples: int
+    bytes: int
+    sha256: str
+    # Feature shards name the image shard they are aligned with, and its checksum when computed.
+    source: str | None = None
+    source_sha256: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"path": self.path, "samples": self.samples, "bytes": self.bytes, "sha256": self.sha256}
+        if self.source is not None:
+            out["source"] = self.source
+        if self.source_sha256 is not None:
+            out["source_sha256"] = self.source_sha256
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ShardInfo":
+        return cls(
+            path=str(data["path"]),
+            samples=int(data["samples"]),
+            bytes=int(data["bytes"]),
+            sha256=str(data["sha256"]),
+            source=data.get("source"),
+            source_sha256=data.get("source_sha256"),
+        )
+
+
+@dataclass(frozen=True)
+class SplitInfo:
+    samples: int
+    class_counts: tuple[int, ...]
+    shards: tuple[ShardInfo, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "samples": self.samples,
+            "class_counts": list(self.class_counts),
+            "shards": [s.to_dict() for s in self.shards],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "SplitInfo":
+        return cls(
+            samples=int(data["samples"]),
+            class_counts=tuple(int(c) for c in data["class_counts"]),
+            shards=tuple(ShardInfo.from_dict(s) for s in data["shards"]),
+        )
+
+    @property
+    def shard_sizes(self) -> list[int]:
+        return [s.samples for s in self.shards]
+
+
+@dataclass(frozen=True)
+class SkippedFile:
+    path: str
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    kind: str  # "imagefolder", "imagefolder-splits", "csv", "jsonl"
+    root: str
+    files_seen: int
+    skipped: tuple[SkippedFile, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "root": self.root,
+            "files_seen": self.files_seen,
+            "skipped": [s.to_dict() for s in self.skipped],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "SourceInfo":
+        return cls(
+            kind=str(data["kind"]),
+            root=str(data["root"]),
+            files_seen=int(data["files_seen"]),
+            skipped=tuple(SkippedFile(str(s["path"]), str(s["reason"])) for s in data.get("skipped", [])),
+        )
+
+
+def _check_header(data: Mapping[str, Any], expected_format: str, where: str) -> None:
+    if not isinstance(data, Mapping):
+        raise ManifestError("not a JSON object", path=where)
+    fmt = data.get("format")
+    if fmt != expected_format:
+        raise ManifestError(f"format is {fmt!r}, expected {expected_format!r}", path=where)
+    version = data.get("version")
+    if version != VERSION:
+        raise ManifestError(
+            f"manifest version {version!r} is not supported by {TOOL} (knows version {VERSION}); "
+            "upgrade shardcache or repack",
+            path=where,
+        )
+
+
+@dataclass(frozen=True)
+class DatasetManifest:
+    """What ``pack-shards`` wrote: classes (sorted; label = index), splits of shards, provenance."""
+
+    storage: str
+    classes: tuple[str, ...]
+    splits: Mapping[str, SplitInfo]
+    source: SourceInfo
+    packing: Mapping[str, Any]
+    created: str = field(default_factory=utc_now)
+    tool: str = TOOL
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    kind = "images"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dict(self.extra)
+        out.update(
+            {
+                "format": DATASET_FORMAT,
+                "version": VERSION,
+                "storage": self.storage,
+                "classes": list(self.classes),
+                "splits": {name: split.to_dict() for name, split in self.splits.items()},
+                "source": self.source.to_dict(),
+                "packing": dict(self.packing),
+                "created": self.created,
+                "tool": self.tool,
+            }
+        )
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = DATASET_FILE) -> "DatasetManifest":
+        _check_header(data, DATASET_FORMAT, where)
+        known = {"format", "version", "storage", "classes", "splits", "source", "packing", "created", "tool"}
+        try:
+            return cls(
+                storage=str(data["storage"]),
+                classes=tuple(str(c) for c in data["classes"]),
+                splits={name: SplitInfo.from_dict(s) for name, s in data["splits"].items()},
+                source=SourceInfo.from_dict(data["source"]),
+                packing=dict(data.get("packing", {})),
+                created=str(data.get("created", "")),
+                tool=str(data.get("tool", "")),
+                extra={k: v for k, v in data.items() if k not in known},
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ManifestError(f"malformed manifest ({type(exc).__name__}: {exc})", path=where) from exc
+
+    @property
+    def class_to_idx(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.classes)}
+
+    def split(self, name: str, where: str = DATASET_FILE) -> SplitInfo:
+        if name not in self.splits:
+            raise ManifestError(f"no split {name!r}; the manifest has {sorted(self.splits)}", path=where)
+        return self.splits[name]
+
+    def save(self, folder: str | os.PathLike) -> Path:
+        path = Path(folder) / DATASET_FILE
+        write_json_atomic(path, self.to_dict())
+        return path
+
+    def replace(self, **changes: Any) -> "DatasetManifest":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class FeatureManifest:
+    """What ``precompute-features`` wrote: one feature shard per image shard, same order and keys.
+
+    ``config`` holds everything that changes the numbers (backbone, weights sha256, transform, views, dtype);
+    ``config_hash`` is its digest and ``dataset_sha256`` the digest of the ``dataset.json`` it was computed from.
+    """
+
+    storage: str  # "pt" or "hdf5"
+    classes: tuple[str, ...]
+    splits: Mapping[str, SplitInfo]
+    features_dim: int
+    dtype: str
+    views: int
+    config: Mapping[str, Any]
+    config_hash: str
+    dataset_dir: str
+    dataset_sha256: str
+    created: str = field(default_factory=utc_now)
+    tool: str = TOOL
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    kind = "features"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dict(self.extra)
+        out.update(
+            {
+                "format": FEATURES_FORMAT,
+                "version": VERSION,
+                "storage": self.storage,
+                "classes": list(self.classes),
+                "splits": {name: split.to_dict() for name, split in self.splits.items()},
+                "features_dim": self.features_dim,
+                "dtype": self.dtype,
+                "views": self.views,
+                "config": dict(self.config),
+                "config_hash": self.config_hash,
+                "dataset_dir": self.dataset_dir,
+                "dataset_sha256": self.dataset_sha256,
+                "created": self.created,
+                "tool": self.tool,
+            }
+        )
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = FEATURES_FILE) -> "FeatureManifest":
+        _check_header(data, FEATURES_FORMAT, where)
+        known = {
+            "format", "version", "storage", "classes", "splits", "features_dim", "dtype", "views", "config",
+            "config_hash", "dataset_dir", "dataset_sha256", "created", "tool",
+        }
+        try:
+            return cls(
+                storage=str(data["storage"]),
+                classes=tuple(str(c) for c in data["classes"]),
+                splits={name: SplitInfo.from_dict(s) for name, s in data["splits"].items()},
+                features_dim=int(data["features_dim"]),
+                dtype=str(data["dtype"]),
+                views=int(data.get("views", 0)),
+                config=dict(data["config"]),
+                config_hash=str(data["config_hash"]),
+                dataset_dir=str(data["dataset_dir"]),
+                dataset_sha256=str(data["dataset_sha256"]),
+                created=str(data.get("created", "")),
+                tool=str(data.get("tool", "")),
+                extra={k: v for k, v in data.items() if k not in known},
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ManifestError(f"malformed manifest ({type(exc).__name__}: {exc})", path=where) from exc
+
+    @property
+    def class_to_idx(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.classes)}
+
+    def split(self, name: str, where: str = FEATURES_FILE) -> SplitInfo:
+        if name not in self.splits:
+            raise ManifestError(f"no split {name!r}; the manifest has {sorted(self.splits)}", path=where)
+        return self.splits[name]
+
+    def save(self, folder: str | os.PathLike) -> Path:
+        path = Path(folder) / FEATURES_FILE
+        write_json_atomic(path, self.to_dict())
+        return path
+
+    def replace(self, **changes: Any) -> "FeatureManifest":
+        return dataclasses.replace(self, **changes)
+
+
+Manifest = DatasetManifest | FeatureManifest
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise MissingInputError("no such file", path=str(path)) from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"not valid JSON ({exc})", path=str(path)) from exc
+
+
+def load_dataset_manifest(folder: str | os.PathLike) -> DatasetManifest:
+    path = Path(folder) / DATASET_FILE
+    return DatasetManifest.from_dict(_read_json(path), where=str(path))
+
+
+def load_feature_manifest(folder: str | os.PathLike) -> FeatureManifest:
+    path = Path(folder) / FEATURES_FILE
+    return FeatureManifest.from_dict(_read_json(path), where=str(path))
+
+
+def load_manifest(folder: str | os.PathLike) -> Manifest:
+    """Read whichever manifest ``folder`` holds (a folder, or the path of a manifest file itself)."""
+    folder = Path(folder)
+    if folder.is_file():
+        folder = folder.parent
+    if not folder.exists():
+        raise MissingInputError("no such folder", path=str(folder))
+    if (folder / FEATURES_FILE).exists():
+        return load_feature_manifest(folder)
+    if (folder / DATASET_FILE).exists():
+        return load_dataset_manifest(folder)
+    raise ManifestError(
+        f"holds neither {DATASET_FILE} nor {FEATURES_FILE} (unfinished or not a shardcache folder)",
+        path=str(folder),
+    )
+
+
+def dataset_manifest_sha256(folder: str | os.PathLike) -> str:
+    """Digest of ``dataset.json`` as bytes: the identity a feature cache is tied to."""
+    return sha256_file(Path(folder) / DATASET_FILE)

@@ -1,0 +1,1 @@
+"""shardcache train package."""
