@@ -1,0 +1,196 @@
+"""The fast path: encoded bytes to uint8 CHW tensors at the size the model wants, normalised later per batch.
+
+Why it is fast: the standard pipeline decodes the whole image, resizes it, crops, converts to float and normalises
+per sample in a worker, then ships 4-byte floats through the queues. Here a worker does only
+``decode (reduced by DCT scaling when the JPEG is >= 2x the target) -> one resize of just the crop box -> uint8``,
+and ``Normalize`` turns a whole batch into float on the consuming device. The geometry is the torchvision one
+(Resize + CenterCrop, RandomResizedCrop), computed on the decoded size and applied as crop-then-resize with
+``PIL.Image.resize(box=...)``, so pixels match the reference to well under one gray level (see tests).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+
+from shards.decode import decode_image
+
+try:  # libjpeg-turbo without PIL's per-call overhead; optional, PIL is the fallback and handles other formats
+    import simplejpeg
+except ImportError:  # pragma: no cover - exercised where simplejpeg is absent
+    simplejpeg = None
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+JPEG_MAGIC = b"\xff\xd8"
+
+
+def jpeg_orientation(data: bytes) -> int:
+    """EXIF orientation of a JPEG from its APP1 segment (1 when absent), without decoding anything."""
+    pos, end = 2, min(len(data), 1 << 16)
+    while pos + 4 <= end and data[pos] == 0xFF:
+        marker = data[pos + 1]
+        length = int.from_bytes(data[pos + 2 : pos + 4], "big")
+        if marker == 0xE1 and data[pos + 4 : pos + 10] == b"Exif\x00\x00":
+            return _tiff_orientation(data[pos + 10 : pos + 2 + length])
+        if marker in (0xDA, 0xD9):  # start of scan / end of image: no EXIF before the pixels
+            break
+        pos += 2 + length
+    return 1
+
+
+def _tiff_orientation(tiff: bytes) -> int:
+    if len(tiff) < 8 or tiff[:2] not in (b"II", b"MM"):
+        return 1
+    order = "little" if tiff[:2] == b"II" else "big"
+    ifd = int.from_bytes(tiff[4:8], order)
+    if ifd + 2 > len(tiff):
+        return 1
+    count = int.from_bytes(tiff[ifd : ifd + 2], order)
+    for i in range(count):
+        entry = ifd + 2 + 12 * i
+        if entry + 12 > len(tiff):
+            break
+        if int.from_bytes(tiff[entry : entry + 2], order) == 0x0112:
+            return int.from_bytes(tiff[entry + 8 : entry + 10], order) or 1
+    return 1
+
+
+def draft_factor(short_side: int, min_size: int) -> int:
+    """The largest of 8, 4, 2 that keeps the short side >= ``min_size`` (1: decode at full size)."""
+    for factor in (8, 4, 2):
+        if short_side >= min_size * factor:
+            return factor
+    return 1
+
+
+def decode_rgb_array(data: bytes, min_size: int | None = None) -> np.ndarray:
+    """Decode to an RGB ``uint8[H, W, 3]`` array, EXIF orientation applied.
+
+    ``min_size``: the shorter side the transform needs; a JPEG at least twice that is decoded at 1/2, 1/4 or 1/8
+    scale by the decoder itself (DCT scaling), never below ``min_size``.
+    """
+    if simplejpeg is not None and data[:2] == JPEG_MAGIC and jpeg_orientation(data) == 1:
+        try:
+            factor = 1
+            if min_size is not None:
+                height, width = simplejpeg.decode_jpeg_header(data)[:2]
+                factor = draft_factor(min(height, width), min_size)
+            if factor == 1:
+                return simplejpeg.decode_jpeg(data, colorspace="RGB")
+            # libjpeg-turbo also offers 3/4, 5/8, ...: pin the scale to 1/factor, where pixels stay faithful.
+            return simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=-(-height // factor),
+                                          min_width=-(-width // factor))
+        except ValueError:
+            pass  # CMYK, lossless or unusual JPEGs: PIL handles them below
+    draft = None if min_size is None else (min_size, min_size)
+    return np.asarray(decode_image(data, draft_size=draft))
+
+
+def _to_chw(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).permute(2, 0, 1)
+
+
+def _resize_box(array: np.ndarray, box: tuple[float, float, float, float], size: tuple[int, int]) -> np.ndarray:
+    """Resize only ``box`` (left, top, right, bottom in source pixels) to ``size`` = (width, height)."""
+    image = Image.fromarray(array)
+    return np.asarray(image.resize(size, Image.BILINEAR, box=box, reducing_gap=3.0))
+
+
+@dataclass(frozen=True)
+class FastEval:
+    """Resize(``resize``) + CenterCrop(``crop``) as one crop-then-resize, emitting uint8 CHW."""
+
+    resize: int = 256
+    crop: int = 224
+    draft: bool = True
+
+    def __call__(self, data: bytes, seed: int = 0) -> torch.Tensor:
+        array = decode_rgb_array(data, self.resize if self.draft else None)
+        return _to_chw(_resize_box(array, self.box(array.shape[1], array.shape[0]), (self.crop, self.crop)))
+
+    def box(self, width: int, height: int) -> tuple[float, float, float, float]:
+        """The source region torchvision's Resize(resize) + CenterCrop(crop) would end up showing."""
+        new_w, new_h = (self.resize, int(self.resize * height / width)) if width <= height else (
+            int(self.resize * width / height), self.resize)
+        sx, sy = new_w / width, new_h / height
+        left = int(round((new_w - self.crop) / 2.0))
+        top = int(round((new_h - self.crop) / 2.0))
+        return (left / sx, top / sy, (left + self.crop) / sx, (top + self.crop) / sy)
+
+
+@dataclass(frozen=True)
+class FastTrain:
+    """RandomResizedCrop(``size``) + horizontal flip on the decoded size, applied as crop-then-resize on uint8.
+
+    Randomness comes from the per-sample ``seed`` the dataset passes (derived from seed, epoch and key), so the
+    augmentation of a sample does not depend on worker count or on resuming.
+    """
+
+    size: int = 224
+    scale: tuple[float, float] = (0.08, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    flip: bool = True
+
+    def __call__(self, data: bytes, seed: int = 0) -> torch.Tensor:
+        rng = random.Random(seed)
+        array = decode_rgb_array(data)
+        box = self.crop_box(array.shape[1], array.shape[0], rng)
+        out = _resize_box(array, box, (self.size, self.size))
+        if self.flip and rng.random() < 0.5:
+            out = out[:, ::-1]
+        return _to_chw(out)
+
+    def crop_box(self, width: int, height: int, rng: random.Random) -> tuple[int, int, int, int]:
+        """torchvision's RandomResizedCrop.get_params, drawn from ``rng``."""
+        area = width * height
+        log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
+        for _ in range(10):
+            target_area = area * rng.uniform(*self.scale)
+            aspect = math.exp(rng.uniform(*log_ratio))
+            w = int(round(math.sqrt(target_area * aspect)))
+            h = int(round(math.sqrt(target_area / aspect)))
+            if 0 < w <= width and 0 < h <= height:
+                top = rng.randint(0, height - h)
+                left = rng.randint(0, width - w)
+                return (left, top, left + w, top + h)
+        in_ratio = width / height
+        if in_ratio < min(self.ratio):
+            w, h = width, int(round(width / min(self.ratio)))
+        elif in_ratio > max(self.ratio):
+            w, h = int(round(height * max(self.ratio))), height
+        else:
+            w, h = width, height
+        top, left = (height - h) // 2, (width - w) // 2
+        return (left, top, left + w, top + h)
+
+
+class Normalize(torch.nn.Module):
+    """uint8 NCHW batch -> normalised float (or bf16/fp16) on the batch's device, in one fused step.
+
+    Put it in front of any model (``torch.nn.Sequential(Normalize(), model)``) or call it on each batch after
+    ``.to(device, non_blocking=True)``. ``channels_last`` suits convolutional nets on GPUs.
+    """
+
+    def __init__(self, mean=IMAGENET_MEAN, std=IMAGENET_STD, dtype: torch.dtype = torch.float32,
+                 channels_last: bool = False):
+        super().__init__()
+        mean_t = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1) * 255.0
+        inv_std = 1.0 / (torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1) * 255.0)
+        self.register_buffer("mean", mean_t, persistent=False)
+        self.register_buffer("inv_std", inv_std, persistent=False)
+        self.dtype = dtype
+        self.channels_last = channels_last
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        if batch.dtype != torch.uint8:  # already normalised (standard path): pass through
+            return batch
+        out = (batch.float() - self.mean) * self.inv_std
+        if self.channels_last:
+            out = out.contiguous(memory_format=torch.channels_last)
+        return out.to(self.dtype)
