@@ -1,0 +1,196 @@
+"""Part manifests: what a (possibly killed, possibly one-of-many) packing task leaves behind, and the merge.
+
+Layout inside ``OUT/``::
+
+    .pack/plan.json              the plan every task computed: digest, classes, source, options, shard names
+    .pack/<shard>.json           one part manifest per finished shard: its ShardInfo, class counts, skipped
+                                 files and per-sample source index; written after the shard was renamed
+    source-index.jsonl           (at merge) one line per source file: key, path, size, mtime_ns, label, split,
+                                 shard (null and a reason for skipped files); lets ``--append`` find what is packed
+    dataset.json                 (at merge, last) the manifest; ``packing.plan_sha256`` ties it to the plan
+
+A shard counts as finished only when its part manifest matches the plan digest and the shard file still has the
+recorded size and sha256, so a rerun redoes exactly the shards that are missing, partial or damaged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from shards.atomic import fsync_dir, sha256_file, write_json_atomic
+from shards.errors import ManifestError, OutputExistsError, ShardcacheError
+from shards.manifest import (DATASET_FILE, DatasetManifest, ShardInfo, SkippedFile, SourceInfo, SplitInfo,
+                             load_dataset_manifest)
+
+STATE_DIR = ".pack"
+PLAN_FILE = "plan.json"
+INDEX_FILE = "source-index.jsonl"
+_OWN_FILES = (DATASET_FILE, INDEX_FILE)
+_SHARD_FILE = re.compile(r"^[A-Za-z0-9_]+-\d{6}\.(tar|h5)(\.tmp)?$")
+
+
+def write_text_shared(path: Path, text: str) -> None:
+    """Atomic write safe when several tasks write the same file at once (a per-process temp name)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as handle:
+        handle.write(text.encode("utf-8"))
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def write_json_shared(path: Path, obj: Any) -> None:
+    write_text_shared(path, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def part_path(out: Path, shard_name: str) -> Path:
+    return out / STATE_DIR / f"{shard_name}.json"
+
+
+def existing_plan_digest(out: Path) -> str | None:
+    """The plan digest of whatever ``out`` holds ("" for something unrecognisable, None for nothing of ours)."""
+    plan_file = out / STATE_DIR / PLAN_FILE
+    if plan_file.is_file():
+        try:
+            return str(json.loads(plan_file.read_text(encoding="utf-8"))["plan_sha256"])
+        except (ValueError, KeyError, TypeError):
+            return ""
+    if (out / DATASET_FILE).is_file():
+        try:
+            return str(load_dataset_manifest(out).packing.get("plan_sha256", ""))
+        except ShardcacheError:
+            return ""
+    return None
+
+
+def remove_packed_output(out: Path) -> None:
+    """What ``--overwrite`` deletes: shardcache's own files only, never anything else a user keeps there."""
+    for entry in out.iterdir():
+        if entry.name == STATE_DIR and entry.is_dir():
+            shutil.rmtree(entry)
+        elif entry.is_file() and (_SHARD_FILE.match(entry.name) or entry.name in _OWN_FILES
+                                  or (entry.name.startswith(_OWN_FILES) and entry.name.endswith(".tmp"))):
+            entry.unlink()
+
+
+def prepare_output(out: Path, plan_doc: Mapping[str, Any], overwrite: bool) -> None:
+    """Refuse a folder holding a different dataset (or foreign files) unless ``overwrite``; write the plan."""
+    digest = plan_doc["plan_sha256"]
+    if out.exists() and not out.is_dir():
+        raise OutputExistsError("is a file, not a folder", path=str(out))
+    existing = existing_plan_digest(out)
+    if existing is None and out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise OutputExistsError("is not empty and holds no shardcache dataset; pass --overwrite to pack "
+                                    "into it anyway", path=str(out))
+        remove_packed_output(out)
+    elif existing is not None and existing != digest:
+        if not overwrite:
+            raise OutputExistsError("already holds a different dataset (other source files or options); "
+                                    "pass --overwrite to replace it", path=str(out))
+        remove_packed_output(out)
+    (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
+    plan_file = out / STATE_DIR / PLAN_FILE
+    if not plan_file.is_file():
+        write_json_shared(plan_file, dict(plan_doc))
+
+
+def load_part(out: Path, shard_name: str, digest: str, *, check_sha256: bool) -> dict[str, Any] | None:
+    """The shard's part manifest if the shard is finished and intact, else None (so it is packed again)."""
+    path = part_path(out, shard_name)
+    try:
+        part = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if part.get("plan_sha256") != digest:
+        return None
+    info = part.get("shard")
+    if info is None:
+        return part
+    shard_file = out / info["path"]
+    try:
+        if shard_file.stat().st_size != info["bytes"]:
+            return None
+    except OSError:
+        return None
+    if check_sha256 and sha256_file(shard_file) != info["sha256"]:
+        return None
+    return part
+
+
+def write_part(out: Path, shard_name: str, part: Mapping[str, Any]) -> None:
+    write_json_atomic(part_path(out, shard_name), dict(part))
+
+
+def read_plan_doc(out: Path) -> dict[str, Any]:
+    path = out / STATE_DIR / PLAN_FILE
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ManifestError(f"no {STATE_DIR}/{PLAN_FILE}: nothing was packed here", path=str(out)) from None
+    except ValueError as exc:
+        raise ManifestError(f"unreadable plan ({exc})", path=str(path)) from None
+
+
+def missing_parts(out: Path, plan_doc: Mapping[str, Any]) -> list[str]:
+    digest = plan_doc["plan_sha256"]
+    return [s["name"] for s in plan_doc["shards"]
+            if load_part(out, s["name"], digest, check_sha256=False) is None]
+
+
+def _write_index(out: Path, parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    lines = []
+    for part in parts:
+        for row in part["index"]:
+            lines.append(json.dumps(row, sort_keys=True, ensure_ascii=False))
+    write_text_shared(out / INDEX_FILE, "\n".join(lines) + "\n" if lines else "")
+    return {"path": INDEX_FILE, "entries": len(lines), "sha256": sha256_file(out / INDEX_FILE)}
+
+
+def build_manifest(plan_doc: Mapping[str, Any], parts: Sequence[Mapping[str, Any]]) -> DatasetManifest:
+    classes = tuple(plan_doc["classes"])
+    splits: dict[str, SplitInfo] = {}
+    for split in plan_doc["splits"]:
+        mine = [p for p in parts if p["split"] == split]
+        shards = tuple(ShardInfo.from_dict(p["shard"]) for p in mine if p["shard"] is not None)
+        counts = [sum(p["class_counts"][i] for p in mine) for i in range(len(classes))]
+        if shards:
+            splits[split] = SplitInfo(sum(s.samples for s in shards), tuple(counts), shards)
+    skipped = sorted((SkippedFile(s["path"], s["reason"]) for p in parts for s in p["skipped"]),
+                     key=lambda s: s.path)
+    source = plan_doc["source"]
+    return DatasetManifest(
+        storage=plan_doc["storage"],
+        classes=classes,
+        splits=splits,
+        source=SourceInfo(source["kind"], source["root"], int(source["files_seen"]), tuple(skipped)),
+        packing={**plan_doc["packing"], "plan_sha256": plan_doc["plan_sha256"]},
+    )
+
+
+def merge_parts(out: str | os.PathLike) -> DatasetManifest:
+    """Write ``source-index.jsonl`` and then ``dataset.json`` from the part manifests of every planned shard.
+
+    Raises when a part is missing: the manifest only ever describes a complete dataset.
+    """
+    out = Path(out)
+    plan_doc = read_plan_doc(out)
+    missing = missing_parts(out, plan_doc)
+    if missing:
+        raise ShardcacheError(f"{len(missing)} of {len(plan_doc['shards'])} shards are not packed yet "
+                              f"(first: {missing[0]}); run the remaining tasks, then merge", path=str(out))
+    parts = [load_part(out, s["name"], plan_doc["plan_sha256"], check_sha256=False) for s in plan_doc["shards"]]
+    manifest = build_manifest(plan_doc, parts)
+    index = _write_index(out, parts)
+    manifest = manifest.replace(extra={"source_index": index})
+    write_json_shared(out / DATASET_FILE, manifest.to_dict())
+    for leftover in out.glob("*.tmp"):
+        if _SHARD_FILE.match(leftover.name):
+            leftover.unlink(missing_ok=True)
+    return manifest

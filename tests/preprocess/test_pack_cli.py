@@ -1,0 +1,117 @@
+"""The pack-shards command: exit codes, one-line errors with nothing written, JSON summary, Slurm defaults."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from preprocess.cli import pack_shards_command
+from tests.helpers import write_image_folder
+
+
+def run(args, env=None):
+    return CliRunner().invoke(pack_shards_command, [str(a) for a in args], env=env)
+
+
+def error_lines(result):
+    return [line for line in result.stderr.splitlines() if line.startswith("error:")]
+
+
+def test_help_lists_the_options():
+    result = run(["--help"])
+    assert result.exit_code == 0
+    for option in ("--storage", "--max-samples", "--max-bytes", "--val-fraction", "--verify", "--resize-max-side",
+                   "--task-index", "--workers", "--overwrite", "--merge", "--quiet", "--strict"):
+        assert option in result.output
+
+
+def test_summary_is_one_json_line_on_stdout(tmp_path):
+    write_image_folder(tmp_path / "src", ["a", "b"], 3, size=(24, 16))
+    (tmp_path / "src" / "a" / "zero.png").write_bytes(b"")
+    result = run([tmp_path / "src", "--out", tmp_path / "out", "--max-samples", "4", "--max-bytes", "1M"])
+    assert result.exit_code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1
+    summary = json.loads(lines[0])
+    assert (summary["samples"], summary["shards"], summary["skipped"], summary["complete"]) == (6, 2, 1, True)
+    assert summary["bytes"] > 0 and summary["seconds"] >= 0
+    assert "file/s" in result.stderr and "MB/s" in result.stderr
+
+
+def test_quiet_leaves_only_the_summary(tmp_path):
+    write_image_folder(tmp_path / "src", ["a"], 2, size=(16, 16))
+    result = run([tmp_path / "src", "--out", tmp_path / "out", "--quiet"])
+    assert result.exit_code == 0
+    assert result.stderr == ""
+    assert json.loads(result.stdout)["samples"] == 2
+
+
+def _empty_class(src):
+    write_image_folder(src, ["a"], 2)
+    (src / "b").mkdir()
+    return src
+
+
+def _csv(src, text):
+    write_image_folder(src / "imgs", ["a"], 1)
+    (src / "list.csv").write_text(text)
+    return src / "list.csv"
+
+
+@pytest.mark.parametrize("make_source, message", [
+    (lambda src: src / "missing", "missing: no such file or folder"),
+    (lambda src: src.mkdir() or src, "holds no class folders"),
+    (_empty_class, "class folder holds no images"),
+    (lambda src: _csv(src, "path,label,weight\nimgs/a/img_0000.jpg,a,1\n"), "line 1: unknown column 'weight'"),
+    (lambda src: _csv(src, "path,label\nimgs/a/nope.jpg,a\n"), "line 2: no such file"),
+    (lambda src: _csv(src, "path,label\nimgs/a/img_0000.jpg,\n"), "line 2: empty label"),
+], ids=["missing-root", "empty-root", "empty-class", "csv-column", "csv-missing-file", "csv-empty-label"])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, make_source, message):
+    source = make_source(tmp_path / "src")
+    result = run([source, "--out", tmp_path / "out"])
+    assert result.exit_code == 2
+    assert len(error_lines(result)) == 1 and message in error_lines(result)[0]
+    assert result.stdout == ""
+    assert not (tmp_path / "out").exists()
+
+
+def test_allow_empty_classes_keeps_the_class(tmp_path):
+    _empty_class(tmp_path / "src")
+    result = run([tmp_path / "src", "--out", tmp_path / "out", "--allow-empty-classes", "-q"])
+    assert result.exit_code == 0
+    manifest = json.loads((tmp_path / "out" / "dataset.json").read_text())
+    assert manifest["classes"] == ["a", "b"] and manifest["splits"]["train"]["class_counts"] == [2, 0]
+
+
+def test_existing_different_dataset_exits_2(tmp_path):
+    write_image_folder(tmp_path / "src", ["a"], 3, size=(16, 16))
+    assert run([tmp_path / "src", "--out", tmp_path / "out", "-q"]).exit_code == 0
+    result = run([tmp_path / "src", "--out", tmp_path / "out", "--seed", "7", "-q"])
+    assert result.exit_code == 2 and "--overwrite" in error_lines(result)[0]
+    assert run([tmp_path / "src", "--out", tmp_path / "out", "--seed", "7", "--overwrite", "-q"]).exit_code == 0
+
+
+def test_strict_exits_1_naming_the_file(tmp_path):
+    write_image_folder(tmp_path / "src", ["a"], 2, size=(16, 16))
+    (tmp_path / "src" / "a" / "cut.jpg").write_bytes(b"\xff\xd8\xff")
+    result = run([tmp_path / "src", "--out", tmp_path / "out", "--strict", "-q"])
+    assert result.exit_code == 1 and "cut.jpg" in error_lines(result)[0]
+
+
+def test_slurm_array_variables_pick_the_task_and_merge_finishes(tmp_path):
+    write_image_folder(tmp_path / "src", ["a", "b"], 4, size=(16, 16))
+    args = [tmp_path / "src", "--out", tmp_path / "out", "--max-samples", "2", "-q"]
+    first = run(args, env={"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2"})
+    summary = json.loads(first.stdout)
+    assert (summary["task_index"], summary["num_tasks"], summary["complete"], summary["shards"]) == (1, 2, False, 2)
+    early = run(["--merge", tmp_path / "out", "-q"])
+    assert early.exit_code == 1 and "not packed yet" in error_lines(early)[0]
+    second = run(args + ["--task-index", "0", "--num-tasks", "2"])
+    assert json.loads(second.stdout)["complete"] is True
+    merged = run(["--merge", tmp_path / "out", "-q"])
+    assert merged.exit_code == 0 and json.loads(merged.stdout)["samples"] == 8
+
+
+def test_source_and_out_are_required_without_merge(tmp_path):
+    result = run(["--quiet"])
+    assert result.exit_code == 2 and "--out" in error_lines(result)[0]

@@ -1,0 +1,118 @@
+"""shards verify: a clean folder passes; every kind of damage fails and names the shard (and sample)."""
+
+import json
+import sys
+import types
+
+from click.testing import CliRunner
+
+from shards.cli import main
+from shards.manifest import ShardInfo, load_dataset_manifest
+from shards.sample import RawSample
+from shards.storage import STORAGES
+from shards.verify import decode_positions, verify_dataset
+from tests.helpers import class_image, make_shard_dataset
+
+
+def verify_cli(*args):
+    return CliRunner().invoke(main, ["verify", *map(str, args)])
+
+
+def test_clean_dataset_passes(tmp_path):
+    make_shard_dataset(tmp_path)
+    report = verify_dataset(tmp_path, samples_per_shard=2)
+    assert report.ok and report.problems == ()
+    assert report.shards_checked == 6 and report.samples_read == 36
+    assert report.samples_decoded == 12
+    assert verify_dataset(tmp_path, full=True).samples_decoded == 36
+    result = verify_cli(tmp_path)
+    assert result.exit_code == 0 and json.loads(result.stdout)["ok"] is True
+
+
+def test_flipped_byte_fails_the_checksum_and_names_the_shard(tmp_path):
+    manifest = make_shard_dataset(tmp_path)
+    shard = tmp_path / manifest.splits["train"].shards[1].path
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    result = verify_cli(tmp_path)
+    assert result.exit_code == 1
+    assert "train-000001.tar: sha256" in result.stderr
+    assert json.loads(result.stdout)["ok"] is False
+
+
+def test_truncated_and_missing_shards_are_named(tmp_path):
+    manifest = make_shard_dataset(tmp_path)
+    first, second = (tmp_path / s.path for s in manifest.splits["train"].shards[:2])
+    first.write_bytes(first.read_bytes()[:3000])
+    second.unlink()
+    problems = verify_dataset(tmp_path).problems
+    assert any(p.startswith("train-000000.tar: size") for p in problems)
+    assert any(p.startswith("train-000000.tar: holds") for p in problems)
+    assert "train-000001.tar: missing" in problems
+
+
+def test_undecodable_image_names_the_sample_with_full(tmp_path):
+    """A shard whose checksum matches the manifest but holds a corrupt image: only decoding finds it."""
+    manifest = make_shard_dataset(tmp_path, shard_sizes={"train": [6]})
+    path = tmp_path / "train-000000.tar"
+    samples = list(STORAGES["tar"].read(path))
+    samples[3] = samples[3]._replace(data=class_image(0, 3)[:200])
+    with STORAGES["tar"].writer(path) as writer:
+        for sample in samples:
+            writer.write(sample)
+    split = manifest.splits["train"]
+    shard = ShardInfo(split.shards[0].path, 6, writer.bytes, writer.sha256)
+    manifest.replace(splits={"train": split.__class__(6, split.class_counts, (shard,))}).save(tmp_path)
+    assert verify_dataset(tmp_path, samples_per_shard=2).ok  # positions 0 and 5 decode fine
+    report = verify_dataset(tmp_path, full=True)
+    assert not report.ok
+    assert report.problems[0].startswith(f"train-000000.tar [sample {samples[3].key}]: image does not decode")
+
+
+def test_wrong_sample_count_and_bad_label_are_reported(tmp_path):
+    make_shard_dataset(tmp_path, shard_sizes={"train": [4]})
+    path = tmp_path / "train-000000.tar"
+    samples = list(STORAGES["tar"].read(path)) + [RawSample("extra", class_image(1, 9), "jpg", 7, b"{}")]
+    with STORAGES["tar"].writer(path) as writer:
+        for sample in samples:
+            writer.write(sample)
+    manifest = load_dataset_manifest(tmp_path)
+    split = manifest.splits["train"]
+    shard = ShardInfo(split.shards[0].path, 4, writer.bytes, writer.sha256)
+    manifest.replace(splits={"train": split.__class__(4, split.class_counts, (shard,))}).save(tmp_path)
+    problems = verify_dataset(tmp_path).problems
+    assert "train-000000.tar [sample extra]: label 7 outside 0..2" in problems
+    assert "train-000000.tar: holds 5 samples, manifest says 4" in problems
+
+
+def test_feature_folders_are_checked_by_the_feature_verifier(tmp_path, monkeypatch):
+    make_shard_dataset(tmp_path / "ds")
+    calls = []
+    fake = types.ModuleType("shards.features_verify")
+
+    def verify_feature_folder(folder, *, full=False):
+        calls.append((str(folder), full))
+        return ["train-000000.pt: 3 rows, manifest says 4"]
+
+    fake.verify_feature_folder = verify_feature_folder
+    monkeypatch.setitem(sys.modules, "shards.features_verify", fake)
+    features = {"format": "shardcache.features", "version": 1, "storage": "pt", "classes": ["a"],
+                "splits": {}, "features_dim": 4, "dtype": "float16", "views": 0, "config": {},
+                "config_hash": "x", "dataset_dir": "../ds", "dataset_sha256": "y"}
+    (tmp_path / "feats").mkdir()
+    (tmp_path / "feats" / "features.json").write_text(json.dumps(features))
+    result = verify_cli(tmp_path / "feats", "--full")
+    assert result.exit_code == 1 and "train-000000.pt: 3 rows" in result.stderr
+    assert calls == [(str(tmp_path / "feats"), True)]
+
+
+def test_not_a_dataset_folder_exits_2(tmp_path):
+    result = verify_cli(tmp_path)
+    assert result.exit_code == 2 and "neither dataset.json nor features.json" in result.stderr
+
+
+def test_decode_positions_spread_and_are_stable():
+    assert decode_positions(10, 3) == {0, 4, 9} == decode_positions(10, 3)
+    assert decode_positions(2, 5) == {0, 1}
+    assert decode_positions(0, 4) == set() and decode_positions(7, 1) == {0}
