@@ -18,6 +18,8 @@ from torch import nn
 from shards.errors import CorruptDataError
 
 JPEG_EXTENSIONS = frozenset({"jpg", "jpeg"})
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def exif_orientation(data: bytes) -> int:
@@ -122,7 +124,7 @@ class Normalize(nn.Module):
     match the torchvision reference to float rounding; ``dtype`` and ``channels_last`` set the model's input layout.
     """
 
-    def __init__(self, mean: Sequence[float], std: Sequence[float], *, dtype: torch.dtype = torch.float32,
+    def __init__(self, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD, *, dtype: torch.dtype = torch.float32,
                  channels_last: bool = False):
         super().__init__()
         self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
@@ -131,5 +133,7 @@ class Normalize(nn.Module):
         self.channels_last = channels_last
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if images.is_floating_point():  # already normalised by a standard transform: pass through
+            return images
         out = images.to(torch.float32, copy=True).div_(255.0).sub_(self.mean).div_(self.std).to(self.dtype)
         return out.contiguous(memory_format=torch.channels_last) if self.channels_last else out

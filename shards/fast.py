@@ -3,7 +3,7 @@
 Why it is fast: the standard pipeline decodes the whole image, resizes it, crops, converts to float and normalises
 per sample in a worker, then ships 4-byte floats through the queues. Here a worker does only
 ``decode (reduced by DCT scaling when the JPEG is >= 2x the target) -> one resize of just the crop box -> uint8``,
-and ``Normalize`` turns a whole batch into float on the consuming device. The geometry is the torchvision one
+and ``Normalize`` (from ``shards.device_transforms``) turns a whole batch into float on the consuming device. The geometry is the torchvision one
 (Resize + CenterCrop, RandomResizedCrop), computed on the decoded size and applied as crop-then-resize with
 ``PIL.Image.resize(box=...)``, so pixels match the reference to well under one gray level (see tests).
 """
@@ -19,14 +19,15 @@ import torch
 from PIL import Image
 
 from shards.decode import decode_image
+from shards.device_transforms import IMAGENET_MEAN, IMAGENET_STD, Normalize
+
+__all__ = ["FastEval", "FastTrain", "Normalize", "decode_rgb_array", "draft_factor", "jpeg_orientation"]
 
 try:  # libjpeg-turbo without PIL's per-call overhead; optional, PIL is the fallback and handles other formats
     import simplejpeg
 except ImportError:  # pragma: no cover - exercised where simplejpeg is absent
     simplejpeg = None
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 JPEG_MAGIC = b"\xff\xd8"
 
 
@@ -168,29 +169,3 @@ class FastTrain:
             w, h = width, height
         top, left = (height - h) // 2, (width - w) // 2
         return (left, top, left + w, top + h)
-
-
-class Normalize(torch.nn.Module):
-    """uint8 NCHW batch -> normalised float (or bf16/fp16) on the batch's device, in one fused step.
-
-    Put it in front of any model (``torch.nn.Sequential(Normalize(), model)``) or call it on each batch after
-    ``.to(device, non_blocking=True)``. ``channels_last`` suits convolutional nets on GPUs.
-    """
-
-    def __init__(self, mean=IMAGENET_MEAN, std=IMAGENET_STD, dtype: torch.dtype = torch.float32,
-                 channels_last: bool = False):
-        super().__init__()
-        mean_t = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1) * 255.0
-        inv_std = 1.0 / (torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1) * 255.0)
-        self.register_buffer("mean", mean_t, persistent=False)
-        self.register_buffer("inv_std", inv_std, persistent=False)
-        self.dtype = dtype
-        self.channels_last = channels_last
-
-    def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        if batch.dtype != torch.uint8:  # already normalised (standard path): pass through
-            return batch
-        out = (batch.float() - self.mean) * self.inv_std
-        if self.channels_last:
-            out = out.contiguous(memory_format=torch.channels_last)
-        return out.to(self.dtype)
