@@ -1,16 +1,66 @@
-"""The ``train-from-shards`` console script."""
+"""The ``train-from-shards`` console script: options -> ``TrainConfig`` -> ``train(cfg)`` -> one JSON line."""
 
 from __future__ import annotations
 
-import sys
+import os
 
 import click
 
-from shards.cli_common import EXIT_USAGE
+from shards.cli_common import emit_json, handle_errors, quiet_option
+from train.config import DATA_KINDS, DEVICES, HEADS, OPTIMIZERS, TrainConfig
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-def train_command() -> None:
-    """Train from image or feature shards (coming in the training issue)."""
-    click.echo("train-from-shards: not built yet", err=True)
-    sys.exit(EXIT_USAGE)
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.argument("path", type=click.Path(file_okay=False))
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Run folder: config.json, metrics.jsonl, curves.png, last.pt, best.pt, model.pt.")
+@click.option("--data", type=click.Choice(DATA_KINDS), default="auto",
+              help="Input kind; auto reads it from the manifest (features.json or dataset.json).")
+@click.option("--head", type=click.Choice(HEADS), default="linear", help="Classifier head on features.")
+@click.option("--hidden-dim", type=int, default=512, help="Hidden width of the mlp head.")
+@click.option("--dropout", type=float, default=0.0, help="Dropout before the mlp head's last layer.")
+@click.option("--model", default="resnet18", help="torchvision classification model for --data images.")
+@click.option("--weights", type=click.Path(dir_okay=False), default=None,
+              help="Local weights file to fine-tune from (loaded with weights_only=True; classifier re-initialised "
+                   "when the class count differs).")
+@click.option("--image-size", type=int, default=224, help="Crop size of the image transforms.")
+@click.option("--fast-decode", is_flag=True,
+              help="Let PIL decode JPEGs at reduced size when the crop is much smaller than the stored image.")
+@click.option("--epochs", type=int, default=10)
+@click.option("--batch-size", type=int, default=256, help="Per process (under torchrun the global batch is N x this).")
+@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="sgd", help="SGD (Nesterov momentum) or AdamW.")
+@click.option("--lr", type=float, default=None, help="Peak learning rate. Default: 0.1 for sgd, 0.001 for adamw.")
+@click.option("--momentum", type=float, default=0.9)
+@click.option("--warmup-epochs", type=float, default=0.0, help="Linear warmup before the cosine decay.")
+@click.option("--weight-decay", type=float, default=1e-4, help="Applied to weights, not biases or norms.")
+@click.option("--label-smoothing", type=float, default=0.0)
+@click.option("--class-weighted-loss", is_flag=True, help="Weight the loss by inverse class frequency.")
+@click.option("--balanced-sampler", is_flag=True, help="Sample classes evenly (seeded) instead of weighting the loss.")
+@click.option("--seed", type=int, default=0)
+@click.option("--workers", type=int, default=None, help="DataLoader workers. Default: the loader's choice.")
+@click.option("--prefetch", type=int, default=2,
+              help="Feature batches a background thread gathers ahead of the training step (0: none).")
+@click.option("--amp", is_flag=True, help="Mixed precision (float16 autocast + GradScaler); CUDA only.")
+@click.option("--device", type=click.Choice(DEVICES), default="auto")
+@click.option("--train-split", default="train")
+@click.option("--val-split", default="val", help="Split to validate on every epoch.")
+@click.option("--checkpoint-every", type=int, default=0, help="Also write last.pt every N steps (0: epoch ends only).")
+@click.option("--resume", is_flag=True, help="Continue the run in --out exactly from last.pt (start if there is none).")
+@click.option("--dry-run", is_flag=True, help="Print one batch's shape, dtype, value range and labels, then exit.")
+@click.option("--overwrite", is_flag=True, help="Replace a different run in --out.")
+@click.option("--stop-after-steps", type=int, default=None, hidden=True,
+              help="Testing and profiling: return after N steps as if killed (nothing more is written).")
+@quiet_option
+@handle_errors
+def train_command(path: str, out_dir: str, quiet: bool, **options) -> None:
+    """Train a classifier from image shards (dataset.json) or cached features (features.json) in PATH.
+
+    Prints one JSON line with val_top1, data_wait_share and run_dir. Under torchrun, every process runs this
+    command; rank 0 writes the run folder.
+    """
+    from train.loop import train
+
+    cfg = TrainConfig(data_path=os.path.abspath(path), out_dir=os.path.abspath(out_dir), quiet=quiet, **options)
+    summary = train(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        emit_json(summary)

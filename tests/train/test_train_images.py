@@ -1,0 +1,71 @@
+"""Training a torchvision model from image shards: it learns, fine-tunes from local weights, and dry-runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shards.errors import InputError
+from train.config import TrainConfig
+from train.loop import train
+from train.models import build_image_model
+from train.run_dir import read_metrics
+
+
+def config(data: Path, out: Path, **changes) -> TrainConfig:
+    options = dict(data="images", model="resnet18", image_size=32, epochs=3, batch_size=8, optimizer="adamw",
+                   lr=2e-3, workers=0, quiet=True, device="cpu")
+    options.update(changes)
+    return TrainConfig(data_path=str(data), out_dir=str(out), **options)
+
+
+def test_image_model_loss_falls(image_folder: Path, tmp_path: Path):
+    summary = train(config(image_folder, tmp_path / "run"))
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert len(rows) == 3 and summary["steps"] == 18  # 48 samples, batches of 8
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"]
+    model = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    assert model["model"] == "resnet18" and model["transform"]["size"] == 32
+    assert model["classes"] == ["red", "green", "blue"]
+
+
+def test_fine_tune_from_local_weights_with_another_class_count(image_folder: Path, tmp_path: Path):
+    pretrained = build_image_model("resnet18", 10)
+    weights = tmp_path / "resnet18-10.pt"
+    torch.save(pretrained.state_dict(), weights)
+    model = build_image_model("resnet18", 3, weights=weights)
+    assert torch.equal(model.conv1.weight, pretrained.conv1.weight)
+    assert model.fc.out_features == 3
+    summary = train(config(image_folder, tmp_path / "run", epochs=1, weights=str(weights)))
+    assert summary["steps"] == 6
+    assert torch.load(tmp_path / "run" / "model.pt", weights_only=True)["state_dict"]["fc.weight"].shape == (3, 512)
+
+
+def test_weights_of_another_architecture_are_refused(tmp_path: Path):
+    weights = tmp_path / "mobilenet.pt"
+    torch.save(build_image_model("mobilenet_v3_small", 3).state_dict(), weights)
+    with pytest.raises(InputError, match="do not fit"):
+        build_image_model("resnet18", 3, weights=weights)
+
+
+def test_dry_run_shows_normalised_image_batch(image_folder: Path, tmp_path: Path):
+    report = train(config(image_folder, tmp_path / "run", dry_run=True))
+    assert report["batch_shape"] == [8, 3, 32, 32]
+    assert report["dtype"] == "float32"
+    assert report["min"] < 0 < report["max"]  # ImageNet-normalised, not 0..255 bytes
+    assert report["max"] < 5
+    assert not (tmp_path / "run").exists()
+
+
+def test_image_run_killed_mid_epoch_resumes_bitwise_with_a_worker(image_folder: Path, tmp_path: Path):
+    """Random crops and flips run in a DataLoader worker; the reader seeds them per sample, so they replay."""
+    options = dict(model="mobilenet_v3_small", epochs=2, workers=1, checkpoint_every=4)
+    train(config(image_folder, tmp_path / "whole", **options))
+    stopped = train(config(image_folder, tmp_path / "resumed", stop_after_steps=5, **options))
+    assert stopped["stopped"]
+    train(config(image_folder, tmp_path / "resumed", resume=True, **options))
+    expected = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)["state_dict"]
+    actual = torch.load(tmp_path / "resumed" / "model.pt", weights_only=True)["state_dict"]
+    assert all(torch.equal(expected[name], actual[name]) for name in expected)

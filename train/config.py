@@ -1,0 +1,131 @@
+"""The training run's configuration: one frozen dataclass, validated on entry, saved into the run folder.
+
+Everything that changes the numbers lives here, so ``config.json`` and every checkpoint record how a run was made
+and ``--resume`` can refuse to continue a run with different settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from shards.errors import InputError
+
+DATA_KINDS = ("auto", "images", "features")
+HEADS = ("linear", "mlp")
+OPTIMIZERS = ("sgd", "adamw")
+DEVICES = ("auto", "cpu", "cuda")
+DEFAULT_LR = {"sgd": 0.1, "adamw": 1e-3}
+
+# Fields a resumed run may change without it being a different run: they steer the process, not the numbers
+# (``epochs`` extends a run; the schedule then follows the new length).
+RESUMABLE_CHANGES = frozenset(
+    {"epochs", "resume", "overwrite", "quiet", "dry_run", "checkpoint_every", "stop_after_steps", "device"}
+)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train: data, model, optimisation, run folder. ``lr=None`` means the optimizer's usual default."""
+
+    data_path: str
+    out_dir: str
+    data: str = "auto"
+    head: str = "linear"
+    hidden_dim: int = 512
+    dropout: float = 0.0
+    model: str = "resnet18"
+    weights: str | None = None
+    image_size: int = 224
+    fast_decode: bool = False
+    epochs: int = 10
+    batch_size: int = 256
+    optimizer: str = "sgd"
+    lr: float | None = None
+    momentum: float = 0.9
+    warmup_epochs: float = 0.0
+    weight_decay: float = 1e-4
+    label_smoothing: float = 0.0
+    class_weighted_loss: bool = False
+    balanced_sampler: bool = False
+    seed: int = 0
+    workers: int | None = None
+    prefetch: int = 2  # feature batches a background thread gathers ahead (0: none)
+    amp: bool = False
+    device: str = "auto"
+    train_split: str = "train"
+    val_split: str = "val"
+    checkpoint_every: int = 0
+    resume: bool = False
+    overwrite: bool = False
+    dry_run: bool = False
+    quiet: bool = False
+    # Test and profiling hook: return after this many optimizer steps without writing anything more, exactly as
+    # if the process had been killed there.
+    stop_after_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        _choice("data", self.data, DATA_KINDS)
+        _choice("head", self.head, HEADS)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("device", self.device, DEVICES)
+        _positive("epochs", self.epochs)
+        _positive("batch_size", self.batch_size)
+        _positive("hidden_dim", self.hidden_dim)
+        _positive("image_size", self.image_size)
+        if self.lr is not None and not self.lr > 0:
+            raise InputError(f"lr={self.lr!r} must be > 0")
+        for name in ("warmup_epochs", "weight_decay", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise InputError(f"{name}={getattr(self, name)!r} must be >= 0")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise InputError(f"label_smoothing={self.label_smoothing!r} must be in [0, 1)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise InputError(f"dropout={self.dropout!r} must be in [0, 1)")
+        if not 0.0 <= self.momentum < 1.0:
+            raise InputError(f"momentum={self.momentum!r} must be in [0, 1)")
+        if self.warmup_epochs > self.epochs:
+            raise InputError(f"warmup_epochs={self.warmup_epochs!r} is longer than epochs={self.epochs}")
+        if self.prefetch < 0:
+            raise InputError(f"prefetch={self.prefetch!r} must be >= 0")
+        if self.workers is not None and self.workers < 0:
+            raise InputError(f"workers={self.workers!r} must be >= 0")
+        if self.class_weighted_loss and self.balanced_sampler:
+            raise InputError("class_weighted_loss and balanced_sampler both correct the imbalance; choose one")
+        if self.stop_after_steps is not None and self.stop_after_steps < 1:
+            raise InputError(f"stop_after_steps={self.stop_after_steps!r} must be >= 1")
+        if self.resume and self.overwrite:
+            raise InputError("resume and overwrite contradict each other; choose one")
+        if self.train_split == self.val_split:
+            raise InputError(f"train_split and val_split are both {self.val_split!r}")
+
+    @property
+    def resolved_lr(self) -> float:
+        return DEFAULT_LR[self.optimizer] if self.lr is None else self.lr
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+    def differences(self, other: "TrainConfig") -> list[str]:
+        """Fields that make ``other`` a different run (ignoring the ones a resume may change)."""
+        mine, theirs = self.to_dict(), other.to_dict()
+        return sorted(k for k in mine if k not in RESUMABLE_CHANGES and mine[k] != theirs.get(k))
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise InputError(f"{name}={value!r} is not one of {', '.join(choices)}")
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise InputError(f"{name}={value!r} must be a positive integer")

@@ -1,0 +1,172 @@
+"""From a shards folder to train and val loaders: read the manifest, check it, open the streaming reader.
+
+The kind of input (image shards or cached features) comes from the manifest, never from globbing. A feature cache
+is checked against the dataset it was computed from, so a stale cache is refused before any training starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import shards
+from shards.errors import InputError, ManifestError, StaleCacheError
+from shards.manifest import (
+    DATASET_FILE,
+    FEATURES_FILE,
+    DatasetManifest,
+    FeatureManifest,
+    dataset_manifest_sha256,
+    load_dataset_manifest,
+    load_feature_manifest,
+    load_manifest,
+)
+from shards.transforms import TransformSpec
+from train.config import TrainConfig
+from train.distributed import DistContext
+
+log = logging.getLogger("shardcache.train")
+
+
+@dataclass
+class RunData:
+    """Everything the loop needs from the data side."""
+
+    kind: str  # "images" or "features"
+    manifest: DatasetManifest | FeatureManifest
+    train_loader: Any
+    val_loader: Any
+    workers: int
+    eval_transform: TransformSpec | None = None
+
+    @property
+    def classes(self) -> list[str]:
+        return list(self.manifest.classes)
+
+    @property
+    def features_dim(self) -> int | None:
+        return self.manifest.features_dim if self.kind == "features" else None
+
+    def train_class_counts(self, split: str) -> list[int]:
+        return list(self.manifest.split(split).class_counts)
+
+    def feature_config(self) -> dict[str, Any]:
+        """What a user of the trained head needs to reproduce its inputs (backbone, weights, transform)."""
+        if not isinstance(self.manifest, FeatureManifest):
+            return {}
+        m = self.manifest
+        return {"config": dict(m.config), "config_hash": m.config_hash, "features_dim": m.features_dim,
+                "dtype": m.dtype, "views": m.views, "dataset_sha256": m.dataset_sha256}
+
+
+def read_manifest(path: str, data: str) -> DatasetManifest | FeatureManifest:
+    """The manifest the ``--data`` choice asks for, with a clear error when the folder holds the other kind."""
+    folder = Path(path)
+    if data == "auto":
+        return load_manifest(folder)
+    if data == "features":
+        if not (folder / FEATURES_FILE).exists() and (folder / DATASET_FILE).exists():
+            raise InputError("holds image shards (dataset.json), not features; use --data images or auto",
+                             path=str(folder))
+        return load_feature_manifest(folder)
+    if not (folder / DATASET_FILE).exists() and (folder / FEATURES_FILE).exists():
+        raise InputError("holds features (features.json), not image shards; use --data features or pass the "
+                         "dataset folder it was computed from", path=str(folder))
+    return load_dataset_manifest(folder)
+
+
+def check_features_fresh(folder: str | Path, manifest: FeatureManifest) -> None:
+    """Refuse features computed from a ``dataset.json`` that has since changed (the cheap sha256 check)."""
+    dataset_dir = Path(manifest.dataset_dir)
+    if not dataset_dir.is_absolute():
+        dataset_dir = Path(folder) / dataset_dir
+    if not (dataset_dir / DATASET_FILE).exists():
+        log.warning("%s: the dataset it was computed from (%s) is gone; cannot check freshness",
+                    folder, dataset_dir)
+        return
+    current = dataset_manifest_sha256(dataset_dir)
+    if current != manifest.dataset_sha256:
+        raise StaleCacheError(
+            f"stale features: computed from a dataset.json with sha256 {manifest.dataset_sha256[:12]}..., but "
+            f"{dataset_dir / DATASET_FILE} now has {current[:12]}...; rerun precompute-features",
+            path=str(Path(folder) / FEATURES_FILE),
+        )
+
+
+def check_splits(manifest: DatasetManifest | FeatureManifest, cfg: TrainConfig) -> None:
+    for role, name in (("train", cfg.train_split), ("val", cfg.val_split)):
+        if name not in manifest.splits:
+            option = "--val-split" if role == "val" else "--train-split"
+            raise ManifestError(f"no {role} split {name!r} (splits: {', '.join(sorted(manifest.splits))}); "
+                                f"pack one or choose another with {option}",
+                                path=str(Path(cfg.data_path) / (FEATURES_FILE if manifest.kind == "features"
+                                                                else DATASET_FILE)))
+        if manifest.splits[name].samples == 0:
+            raise ManifestError(f"the {role} split {name!r} holds no samples", path=cfg.data_path)
+
+
+def prepare_manifest(cfg: TrainConfig) -> DatasetManifest | FeatureManifest:
+    """Read and check everything about the input that can be wrong, before any process group or folder."""
+    manifest = read_manifest(cfg.data_path, cfg.data)
+    if isinstance(manifest, FeatureManifest):
+        check_features_fresh(cfg.data_path, manifest)
+    check_splits(manifest, cfg)
+    if len(manifest.classes) < 2:
+        raise ManifestError(f"needs at least 2 classes, the manifest has {len(manifest.classes)}",
+                            path=cfg.data_path)
+    return manifest
+
+
+def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ctx: DistContext) -> RunData:
+    """Train and val loaders for this rank: train shuffled from the seed, val in manifest order."""
+    kind = manifest.kind
+    rank, world = (ctx.rank, ctx.world_size) if ctx.distributed else (0, 1)
+    image_options: dict[str, Any] = {}
+    train_spec = eval_spec = None
+    if kind == "images":
+        train_spec = TransformSpec(preset="train", size=cfg.image_size)
+        eval_spec = TransformSpec(preset="eval", size=cfg.image_size)
+        image_options = {"draft": True} if cfg.fast_decode else {}
+    sampler_options: dict[str, Any] = {"class_weights": "balanced"} if cfg.balanced_sampler else {}
+    train_set = shards.open_dataset(cfg.data_path, cfg.train_split, transform=train_spec, shuffle=True,
+                                    seed=cfg.seed, rank=rank, world_size=world, **sampler_options, **image_options)
+    val_set = shards.open_dataset(cfg.data_path, cfg.val_split, transform=eval_spec, shuffle=False,
+                                  seed=cfg.seed, rank=rank, world_size=world, **image_options)
+    train_loader = _loader(train_set, cfg, ctx, drop_last=True)
+    val_loader = _loader(val_set, cfg, ctx, drop_last=False)
+    if len(train_loader) == 0:
+        raise InputError(f"the train split has fewer samples per process than --batch-size {cfg.batch_size}",
+                         path=cfg.data_path)
+    workers = int(getattr(train_loader, "num_workers", cfg.workers or 0))
+    return RunData(kind, manifest, train_loader, val_loader, workers, eval_spec)
+
+
+def _loader(dataset: Any, cfg: TrainConfig, ctx: DistContext, *, drop_last: bool) -> Any:
+    options: dict[str, Any] = {} if cfg.workers is None else {"num_workers": cfg.workers}
+    # DataLoader otherwise draws its worker base seed from the global torch RNG at every ``iter()``, so a resumed
+    # run (one extra ``iter()``) would see different dropout than an uninterrupted one. The reader seeds each
+    # sample's transform itself, so this generator's values do not matter, only that it is not the global one.
+    options["generator"] = torch.Generator().manual_seed(cfg.seed)
+    return shards.make_loader(dataset, batch_size=cfg.batch_size, drop_last=drop_last,
+                              pin_memory=ctx.device.type == "cuda", **options)
+
+
+def describe_batch(batch: tuple[torch.Tensor, torch.Tensor], classes: list[str]) -> dict[str, Any]:
+    """The dry run's report: what the model will actually be fed."""
+    inputs, labels = batch[0], batch[1]
+    values = inputs.float()
+    counts = torch.bincount(labels.long(), minlength=len(classes)).tolist()
+    return {
+        "batch_shape": list(inputs.shape),
+        "dtype": str(inputs.dtype).removeprefix("torch."),
+        "min": float(values.min()),
+        "max": float(values.max()),
+        "mean": float(values.mean()),
+        "std": float(values.std()) if values.numel() > 1 else 0.0,
+        "labels_shape": list(labels.shape),
+        "label_counts": {name: count for name, count in zip(classes, counts) if count},
+    }

@@ -1,0 +1,92 @@
+"""Distributed set-up: one process, or one process per device under ``torchrun``.
+
+torchrun (and Slurm through it) describes the job with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``; that
+is the process-group contract rather than configuration, so it is read here. gloo on CPU, NCCL on CUDA. Only rank 0
+logs and writes files; the others compute and join the collectives.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shards.errors import InputError
+
+log = logging.getLogger("shardcache.train")
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    owns_group: bool  # we initialised the process group, so we tear it down
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise InputError("device=cuda but CUDA is not available on this machine; use --device auto or cpu")
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+    return torch.device("cpu")
+
+
+def setup_distributed(requested_device: str, env: Mapping[str, str] | None = None) -> DistContext:
+    """Join the job's process group (or use the one the caller made); a single process needs none."""
+    env = os.environ if env is None else env
+    local_rank = int(env.get("LOCAL_RANK", "0"))
+    if dist.is_available() and dist.is_initialized():
+        device = resolve_device(requested_device, local_rank)
+        return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device, owns_group=False)
+    world_size = int(env.get("WORLD_SIZE", "1"))
+    device = resolve_device(requested_device, local_rank)
+    if world_size <= 1:
+        return DistContext(0, 1, 0, device, owns_group=False)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, init_method="env://")
+    log.info("rank %d of %d on %s (%s)", dist.get_rank(), world_size, device, backend)
+    return DistContext(dist.get_rank(), world_size, local_rank, device, owns_group=True)
+
+
+def wrap_model(model: nn.Module, ctx: DistContext) -> nn.Module:
+    """DistributedDataParallel when there are several processes; the plain model otherwise."""
+    if not ctx.distributed:
+        return model
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+
+def broadcast_flag(value: bool, ctx: DistContext) -> bool:
+    """Rank 0's decision, shared, so every rank takes the same branch (e.g. whether a checkpoint exists)."""
+    if not ctx.distributed:
+        return value
+    flag = torch.tensor([1 if value else 0], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        flag = flag.to(ctx.device)
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())

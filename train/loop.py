@@ -1,0 +1,233 @@
+"""``train(cfg) -> dict``: the training run from manifest to ``model.pt``, in one process or under torchrun.
+
+Order of work: check the input (manifest, freshness, splits), join the process group, decide what the run folder
+allows, build loaders, model and optimizer, restore a checkpoint, then epochs of train + validate + checkpoint.
+Every rank computes; rank 0 alone logs and writes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from train import run_dir as rd
+from train.checkpoint import capture_rng_state, copy_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
+from train.config import TrainConfig
+from train.data import RunData, build_data, describe_batch, prepare_manifest
+from train.distributed import DistContext, setup_distributed, wrap_model
+from train.epoch import StepContext, TrainState, evaluate, run_train_epoch
+from train.meter import wait_advice
+from train.models import build_head, build_image_model, check_image_model
+from train.optim import build_optimizer, build_scheduler
+from train.plot import plot_curves
+from train.prefetch import ThreadPrefetcher
+
+log = logging.getLogger("shardcache.train")
+CONFUSION_IN_METRICS_MAX_CLASSES = 64  # a 1000x1000 matrix per epoch would swamp metrics.jsonl
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train as ``cfg`` says; return the summary (last and best val top-1, throughput, data-wait share, run dir)."""
+    manifest = prepare_manifest(cfg)
+    if manifest.kind == "images":
+        check_image_model(cfg.model, cfg.weights)
+    plan = None if cfg.dry_run else rd.plan_run(cfg)
+    ctx = setup_distributed(cfg.device)
+    if not ctx.is_main:
+        logging.getLogger("shardcache").setLevel(logging.WARNING)  # one voice per job: rank 0's
+    try:
+        if cfg.amp and ctx.device.type != "cuda":
+            log.warning("--amp needs CUDA; training in float32 on %s", ctx.device)
+        data = build_data(cfg, manifest, ctx)
+        if plan is None:
+            return dry_run(cfg, data)
+        ctx.barrier()  # every rank has judged the folder before rank 0 writes into it
+        if ctx.is_main:
+            rd.start_run(plan, cfg)
+        ctx.barrier()
+        return Run(cfg, ctx, data, plan).fit()
+    finally:
+        ctx.close()
+
+
+def dry_run(cfg: TrainConfig, data: RunData) -> dict[str, Any]:
+    """Build everything, look at one training batch, write nothing."""
+    batch = next(iter(data.train_loader))
+    report = {"dry_run": True, "data": data.kind, "classes": len(data.classes), "train_batches": len(data.train_loader),
+              "val_batches": len(data.val_loader), **describe_batch(batch, data.classes)}
+    log.info("dry run: batch %s %s, values [%.4g, %.4g], labels %s", report["batch_shape"], report["dtype"],
+             report["min"], report["max"], report["label_counts"])
+    return report
+
+
+def build_model(cfg: TrainConfig, data: RunData) -> nn.Module:
+    if data.kind == "features":
+        return build_head(cfg.head, data.features_dim, len(data.classes), hidden_dim=cfg.hidden_dim,
+                          dropout=cfg.dropout)
+    return build_image_model(cfg.model, len(data.classes), weights=cfg.weights)
+
+
+def class_weights(counts: list[int]) -> torch.Tensor:
+    """Inverse class frequency, normalised so a balanced dataset gets all ones; absent classes get zero."""
+    total, present = sum(counts), sum(1 for c in counts if c > 0)
+    return torch.tensor([total / (present * c) if c > 0 else 0.0 for c in counts], dtype=torch.float32)
+
+
+@dataclass
+class Run:
+    cfg: TrainConfig
+    ctx: DistContext
+    data: RunData
+    plan: rd.RunPlan
+
+    def __post_init__(self) -> None:
+        cfg, device = self.cfg, self.ctx.device
+        self.amp = cfg.amp and device.type == "cuda"
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank and every rerun
+        self.model = build_model(cfg, self.data).to(device)
+        self.optimizer = build_optimizer(cfg, self.model)
+        self.scheduler = build_scheduler(cfg, self.optimizer, len(self.data.train_loader))
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp)
+        weight = class_weights(self.data.train_class_counts(cfg.train_split)).to(device) \
+            if cfg.class_weighted_loss else None
+        self.loss_fn = nn.CrossEntropyLoss(weight=weight, label_smoothing=cfg.label_smoothing)
+        self.state = TrainState()
+        if self.plan.resume_from is not None:
+            self.restore(load_checkpoint(self.plan.resume_from))
+        self.ddp_model = wrap_model(self.model, self.ctx)
+
+    # -- checkpoints -----------------------------------------------------------------------------------------
+    def checkpoint_state(self, loader_state: dict[str, Any] | None) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+            "loader": loader_state, "train_state": self.state.to_dict(), "rng": capture_rng_state(),
+            "config": self.cfg.to_dict(), "classes": list(self.data.classes),
+        }
+
+    def save_last(self, *, mid_epoch: bool) -> None:
+        """``last.pt``: at an epoch end the loader state is None (the next epoch starts fresh)."""
+        loader_state = None
+        if mid_epoch:
+            # The batches this loop has trained on, not the ones a prefetcher has already drawn.
+            loader_state = {**self.data.train_loader.state_dict(), "batches": self.state.batch_in_epoch}
+        if self.ctx.is_main:
+            save_checkpoint(self.plan.path(rd.LAST_FILE), self.checkpoint_state(loader_state))
+
+    def restore(self, checkpoint: dict[str, Any]) -> None:
+        self.model.load_state_dict(checkpoint["model"])
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        self.scheduler.load_state_dict(checkpoint["scheduler"])
+        self.scaler.load_state_dict(checkpoint["scaler"])
+        self.state = TrainState.from_dict(checkpoint["train_state"])
+        if checkpoint["loader"] is not None:
+            # Rank 0 saved its loader position; every rank has consumed as many batches (equal shares per rank).
+            self.data.train_loader.set_epoch(self.state.epoch)
+            self.data.train_loader.load_state_dict({**checkpoint["loader"], "rank": self.ctx.rank})
+        restore_rng_state(checkpoint["rng"])
+        log.info("resumed from %s at epoch %d, step %d", self.plan.resume_from, self.state.epoch + 1,
+                 self.state.step)
+
+    def batches(self, loader: Any) -> Any:
+        """Feature batches come from a background thread; loaders with workers already prefetch."""
+        if self.data.kind == "features" and self.data.workers == 0 and self.cfg.prefetch > 0:
+            return ThreadPrefetcher(loader, depth=self.cfg.prefetch, pin_memory=self.ctx.device.type == "cuda")
+        return loader
+
+    # -- the epochs ------------------------------------------------------------------------------------------
+    def after_step(self) -> bool:
+        cfg = self.cfg
+        if cfg.checkpoint_every and self.state.step % cfg.checkpoint_every == 0 \
+                and self.state.batch_in_epoch < len(self.data.train_loader):
+            self.save_last(mid_epoch=True)
+        return cfg.stop_after_steps is not None and self.state.step >= cfg.stop_after_steps
+
+    def fit(self) -> dict[str, Any]:
+        cfg = self.cfg
+        step_ctx = StepContext(self.ddp_model, self.optimizer, self.scheduler, self.scaler, self.loss_fn,
+                               self.ctx.device, self.amp)
+        row: dict[str, Any] = self.state.history[-1] if self.state.history else {}
+        while self.state.epoch < cfg.epochs:
+            if self.state.batch_in_epoch == 0:
+                self.data.train_loader.set_epoch(self.state.epoch)
+            meter, stopped = run_train_epoch(
+                step_ctx, self.batches(self.data.train_loader), self.state, total_epochs=cfg.epochs,
+                quiet=cfg.quiet or not self.ctx.is_main, after_step=self.after_step,
+                checkpoint_due=lambda step: bool(cfg.checkpoint_every) and step % cfg.checkpoint_every == 0)
+            if stopped:
+                return self.summary(row, stopped=True)
+            row = self.end_epoch(meter)
+        self.finish()
+        return self.summary(row, stopped=False)
+
+    def end_epoch(self, meter) -> dict[str, Any]:
+        cfg, state = self.cfg, self.state
+        samples_per_s, wait_share = meter.reduced(self.ctx.device)
+        train_sums = torch.tensor([state.loss_sum, float(state.correct), float(state.samples)], dtype=torch.float64,
+                                  device=self.ctx.device)
+        if self.ctx.distributed:
+            torch.distributed.all_reduce(train_sums)
+        val = evaluate(self.model, self.batches(self.data.val_loader), self.ctx.device, self.data.classes, self.amp)
+        row = {"epoch": state.epoch + 1, "step": state.step, "lr": self.optimizer.param_groups[0]["lr"],
+               "train_loss": float(train_sums[0] / train_sums[2]), "train_top1": float(train_sums[1] / train_sums[2]),
+               "samples_per_s": samples_per_s, "data_wait_share": wait_share, "epoch_time_s": meter.wall_s, **val}
+        if len(self.data.classes) > CONFUSION_IN_METRICS_MAX_CLASSES:
+            row.pop("val_confusion")
+        state.history.append(row)
+        improved = row["val_top1"] > state.best_val_top1
+        state.best_val_top1 = max(state.best_val_top1, row["val_top1"])
+        state.epoch += 1
+        state.start_epoch()
+        if self.ctx.is_main:
+            self.write_epoch_files(row, improved)
+            self.log_epoch(row)
+        self.ctx.barrier()
+        return row
+
+    def write_epoch_files(self, row: dict[str, Any], improved: bool) -> None:
+        rd.write_metrics(self.plan.path(rd.METRICS_FILE), self.state.history)
+        plot_curves(self.state.history, self.plan.path(rd.CURVES_FILE))
+        self.save_last(mid_epoch=False)
+        if improved:
+            copy_checkpoint(self.plan.path(rd.LAST_FILE), self.plan.path(rd.BEST_FILE))
+
+    def log_epoch(self, row: dict[str, Any]) -> None:
+        top5 = f", val_top5 {row['val_top5']:.2%}" if "val_top5" in row else ""
+        log.info("epoch %d/%d: train_loss %.4f, val_loss %.4f, val_top1 %.2f%%%s | %.0f samples/s, data wait %.1f%%",
+                 row["epoch"], self.cfg.epochs, row["train_loss"], row["val_loss"], 100 * row["val_top1"], top5,
+                 row["samples_per_s"], 100 * row["data_wait_share"])
+        advice = wait_advice(row["data_wait_share"], data_kind=self.data.kind, workers=self.data.workers)
+        if advice:
+            log.warning(advice)
+
+    def finish(self) -> None:
+        """``model.pt``: what using the model needs, and nothing that needs this package to load."""
+        if not self.ctx.is_main:
+            return
+        cfg, data = self.cfg, self.data
+        payload: dict[str, Any] = {
+            "kind": "head" if data.kind == "features" else "image_model",
+            "state_dict": self.model.state_dict(), "classes": list(data.classes),
+            "head": cfg.head if data.kind == "features" else None,
+            "model": cfg.model if data.kind == "images" else None,
+            "features_dim": data.features_dim, "hidden_dim": cfg.hidden_dim,
+            "feature_config": data.feature_config(),
+            "transform": data.eval_transform.to_dict() if data.eval_transform else None,
+            "train_config": cfg.to_dict(), "epochs": self.state.epoch,
+        }
+        save_checkpoint(self.plan.path(rd.MODEL_FILE), payload)
+
+    def summary(self, row: dict[str, Any], *, stopped: bool) -> dict[str, Any]:
+        keep = ("epoch", "train_loss", "val_loss", "val_top1", "val_top5", "samples_per_s", "data_wait_share")
+        out = {k: row.get(k) for k in keep if k in row}
+        out.update({"run_dir": str(self.plan.folder), "data": self.data.kind, "classes": len(self.data.classes),
+                    "best_val_top1": self.state.best_val_top1 if self.state.history else None,
+                    "steps": self.state.step, "stopped": stopped, "world_size": self.ctx.world_size,
+                    "device": str(self.ctx.device)})
+        out.setdefault("val_top1", None)
+        out.setdefault("data_wait_share", None)
+        return out

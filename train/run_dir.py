@@ -1,0 +1,89 @@
+"""The run folder: what it holds, and whether a new run may start in it, continue it, or must refuse.
+
+``RUN_DIR`` holds ``config.json``, ``metrics.jsonl``, ``curves.png``, ``last.pt``, ``best.pt``, ``model.pt``. A folder
+that holds a different run, or anything that is not a run, is never touched without ``--overwrite``. The same
+decision is computed on every rank (read-only), so an error stops all ranks alike instead of leaving some waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from shards.atomic import atomic_output, tmp_path_for, write_json_atomic
+from shards.errors import ManifestError, OutputExistsError
+from train.config import TrainConfig
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+CURVES_FILE = "curves.png"
+LAST_FILE = "last.pt"
+BEST_FILE = "best.pt"
+MODEL_FILE = "model.pt"
+RUN_FILES = (CONFIG_FILE, METRICS_FILE, CURVES_FILE, LAST_FILE, BEST_FILE, MODEL_FILE)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What to do with the folder: start fresh (clearing our own files when overwriting) or resume."""
+
+    folder: Path
+    resume_from: Path | None
+    clear: bool
+
+    def path(self, name: str) -> Path:
+        return self.folder / name
+
+
+def _read_config(path: Path) -> TrainConfig:
+    try:
+        return TrainConfig.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    except (ValueError, TypeError) as exc:
+        raise ManifestError(f"not a readable run config ({exc}); use --overwrite to replace the run",
+                            path=str(path)) from exc
+
+
+def plan_run(cfg: TrainConfig) -> RunPlan:
+    """Decide, without writing, how this config may use ``cfg.out_dir``."""
+    folder = Path(cfg.out_dir)
+    if cfg.overwrite or not folder.exists() or not any(folder.iterdir()):
+        return RunPlan(folder, None, clear=cfg.overwrite)
+    config_path = folder / CONFIG_FILE
+    if not config_path.exists():
+        raise OutputExistsError("is not empty and holds no training run; choose another --out or pass --overwrite",
+                                path=str(folder))
+    differences = _read_config(config_path).differences(cfg)
+    if differences:
+        raise OutputExistsError(f"holds a different run (differs in {', '.join(differences)}); "
+                                "choose another --out or pass --overwrite", path=str(folder))
+    if not cfg.resume:
+        raise OutputExistsError("holds a run of this config; pass --resume to continue it or --overwrite to "
+                                "start again", path=str(folder))
+    last = folder / LAST_FILE
+    return RunPlan(folder, last if last.exists() else None, clear=False)
+
+
+def start_run(plan: RunPlan, cfg: TrainConfig) -> None:
+    """Rank 0 only: clear our own files when overwriting, then record the config."""
+    plan.folder.mkdir(parents=True, exist_ok=True)
+    if plan.clear:
+        for name in RUN_FILES:
+            for path in (plan.path(name), tmp_path_for(plan.path(name))):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+    write_json_atomic(plan.path(CONFIG_FILE), cfg.to_dict())
+
+
+def write_metrics(path: Path, history: Iterable[Mapping[str, Any]]) -> None:
+    """Rewrite ``metrics.jsonl`` from the history (kept in the checkpoint), so a resume never duplicates lines."""
+    text = "".join(json.dumps(row, sort_keys=True) + "\n" for row in history)
+    with atomic_output(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
