@@ -1,4 +1,4 @@
-"""Console scripts of the preprocess stage (thin click shells over library functions)."""
+"""The ``pack-shards`` console script (``precompute-features`` lives in features_cli.py: it imports torch)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import time
 
 import click
 
+from preprocess.append import append
 from preprocess.pack import PackConfig, pack
 from preprocess.parts import merge_parts
 from shards.cli_common import emit_json, handle_errors, quiet_option, task_options
@@ -56,6 +57,12 @@ class ByteSize(click.ParamType):
 @click.option("--allow-empty-classes", is_flag=True, help="Keep class folders that hold no images.")
 @click.option("--workers", type=int, default=1, show_default=True, help="Processes packing shards in parallel.")
 @click.option("--overwrite", is_flag=True, help="Replace a different dataset already in --out.")
+@click.option("--append", "append_new", is_flag=True,
+              help="Pack only source files not yet in OUT (known by relative path, size and mtime) into new shards, "
+                   "with the packing options recorded in OUT/dataset.json; packed shards are never rewritten.")
+@click.option("--prune", is_flag=True,
+              help="With --append: drop files that disappeared or changed since packing (shards holding them are "
+                   "copied without them into new shards; changed files are packed again).")
 @click.option("--merge", "merge_dir", type=click.Path(path_type=str), default=None,
               help="Only merge the part manifests in this folder into dataset.json (after a task array).")
 @task_options
@@ -63,7 +70,7 @@ class ByteSize(click.ParamType):
 @handle_errors
 def pack_shards_command(source, out, storage, max_samples, max_bytes, val_fraction, seed, no_shuffle, verify,
                         max_pixels, resize_max_side, quality, strict, allow_empty_classes, workers, overwrite,
-                        merge_dir, task_index, num_tasks, quiet) -> None:
+                        append_new, prune, merge_dir, task_index, num_tasks, quiet) -> None:
     """Pack an ImageFolder tree (or train/val/test trees, or a CSV/JSONL list) into shards in OUT.
 
     Prints a progress bar on stderr and one JSON summary line on stdout. Exit codes: 0 done, 1 failed,
@@ -84,12 +91,12 @@ def pack_shards_command(source, out, storage, max_samples, max_bytes, val_fracti
                      max_pixels=max_pixels, resize_max_side=resize_max_side, quality=quality, strict=strict,
                      allow_empty_classes=allow_empty_classes, workers=workers, task_index=task_index,
                      num_tasks=num_tasks, overwrite=overwrite, quiet=quiet)
-    result = pack(cfg)
+    if prune and not append_new:
+        raise InputError("--prune works only with --append")
+    result = append(cfg, prune=prune) if append_new else pack(cfg)
     if result.manifest is None:
         log.info("task %d/%d done; dataset.json appears when every task has finished", task_index, num_tasks)
     else:
         log.info("wrote %s/dataset.json", out)
     emit_json(result.summary)
 
-
-from preprocess.features_cli import precompute_features_command  # noqa: E402  (its own module: big option set)
