@@ -56,3 +56,30 @@ def decode_image(data: bytes, *, draft_size: tuple[int, int] | None = None) -> I
         image.draft("RGB", (width, height))
     image = ImageOps.exif_transpose(image)
     return to_rgb(image)
+
+
+class ImageDecoder:
+    """The decode stage of the streaming reader: encoded bytes -> RGB image -> ``transform``.
+
+    A plain picklable object so DataLoader workers can carry it; other decoders (uint8 tensors, batch-level
+    ones) replace it without touching the reader. Undecodable bytes raise ``CorruptDataError`` so the reader's
+    ``on_error`` policy, not the decoder, decides what happens.
+    """
+
+    def __init__(self, transform=None, *, draft_size: tuple[int, int] | None = None):
+        self.transform = transform
+        self.draft_size = draft_size
+
+    def decode(self, data: bytes, ext: str = "") -> Image.Image:
+        from shards.errors import CorruptDataError
+
+        try:
+            image = decode_image(data, draft_size=self.draft_size)
+            image.load()
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+            raise CorruptDataError(f"cannot decode .{ext} image ({type(exc).__name__}: {exc})") from exc
+        return image
+
+    def __call__(self, sample):
+        image = self.decode(sample.data, sample.ext)
+        return image if self.transform is None else self.transform(image)

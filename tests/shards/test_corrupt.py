@@ -1,0 +1,80 @@
+"""Corrupt data: a clear error naming shard and key, or counted skips that keep the epoch length; no unpickling."""
+
+import io
+import pickle
+import tarfile
+
+import pytest
+
+import shards
+from shards.errors import CorruptDataError
+from tests.shards.stream_helpers import write_labelled_shards
+
+
+@pytest.mark.parametrize("storage", ["tar", "hdf5"])
+def test_undecodable_sample_names_shard_and_key(tmp_path, storage):
+    write_labelled_shards(tmp_path, [[0, 1, 2], [0, 1]], storage=storage, bad_keys=["s00003"])
+    with pytest.raises(CorruptDataError) as info:
+        list(shards.open_dataset(tmp_path, shuffle=False))
+    assert info.value.key == "s00003"
+    assert "train-000001" in str(info.value) and "s00003" in str(info.value)
+
+
+def test_skip_counts_and_keeps_the_epoch_length(tmp_path):
+    write_labelled_shards(tmp_path, [[0, 1, 2, 0], [1, 2, 0]], bad_keys=["s00001", "s00005"])
+    dataset = shards.open_dataset(tmp_path, shuffle=False, on_error="skip", return_keys=True)
+    got = [key for _, _, key in dataset]
+    assert len(got) == len(dataset) == 7
+    assert "s00001" not in got and "s00005" not in got
+    assert got == ["s00000", "s00000", "s00002", "s00003", "s00004", "s00004", "s00006"]
+    assert dataset.skipped == 2
+
+
+def test_skip_counts_across_workers(tmp_path):
+    write_labelled_shards(tmp_path, [[0, 1, 2, 0], [1, 2, 0]], bad_keys=["s00001", "s00005"])
+    dataset = shards.open_dataset(tmp_path, on_error="skip", transform="eval")
+    loader = shards.make_loader(dataset, batch_size=2, num_workers=2, drop_last=False, persistent_workers=False)
+    assert sum(len(labels) for _, labels in loader) == 7
+    assert dataset.skipped == 2
+
+
+def test_skip_stops_after_too_many_consecutive_failures(tmp_path):
+    write_labelled_shards(tmp_path, [[0, 1, 2, 0, 1, 2]], bad_keys=["s00001", "s00002", "s00003"])
+    dataset = shards.open_dataset(tmp_path, shuffle=False, on_error="skip", max_consecutive_errors=3)
+    with pytest.raises(CorruptDataError, match="3 consecutive"):
+        list(dataset)
+
+
+def test_truncated_tar_names_the_shard(tmp_path):
+    write_labelled_shards(tmp_path, [[0, 1, 2], [0, 1, 2]])
+    shard = tmp_path / "train-000001.tar"
+    shard.write_bytes(shard.read_bytes()[:1500])
+    with pytest.raises(CorruptDataError, match="train-000001.tar"):
+        list(shards.open_dataset(tmp_path, shuffle=False))
+    skipping = shards.open_dataset(tmp_path, shuffle=False, on_error="skip")
+    assert len(list(skipping)) == 6 and skipping.skipped >= 1
+
+
+class Boom:
+    def __reduce__(self):
+        return (exec, ("raise SystemExit('unpickled!')",))
+
+
+def test_unknown_members_are_ignored_and_never_unpickled(tmp_path):
+    write_labelled_shards(tmp_path, [[0, 1]])
+    shard = tmp_path / "train-000000.tar"
+    original = shard.read_bytes()
+    with tarfile.open(fileobj=io.BytesIO(original)) as src:
+        members = [(m, src.extractfile(m).read()) for m in src.getmembers()]
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as out:
+        for member, data in members:
+            out.addfile(member, io.BytesIO(data))
+            if member.name.endswith(".cls"):
+                evil = pickle.dumps(Boom())
+                info = tarfile.TarInfo(member.name.replace(".cls", ".pyd"))
+                info.size = len(evil)
+                out.addfile(info, io.BytesIO(evil))
+    shard.write_bytes(buffer.getvalue())
+    got = list(shards.open_dataset(tmp_path, shuffle=False, return_keys=True))
+    assert [(label, key) for _, label, key in got] == [(0, "s00000"), (1, "s00001")]

@@ -1,0 +1,92 @@
+"""make_loader: same samples with any number of workers, lengths right for the rank, epochs reach workers."""
+
+import collections
+
+import pytest
+import torch
+
+import shards
+from shards.loader import pad_collate
+from tests.helpers import make_shard_dataset
+
+SIZES = {"train": [7, 5, 9, 3, 1], "val": [4]}
+
+
+@pytest.fixture(scope="module")
+def tar_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tar")
+    make_shard_dataset(folder, shard_sizes=SIZES, size=(16, 16))
+    return folder
+
+
+def keys_of(loader):
+    return [k for batch in loader for k in batch[2]]
+
+
+@pytest.mark.parametrize("storage", ["tar", "hdf5"])
+def test_any_worker_count_yields_the_same_multiset(tmp_path, storage):
+    make_shard_dataset(tmp_path, shard_sizes=SIZES, storage=storage, size=(16, 16))
+    results = {}
+    for workers in (0, 1, 2, 3):
+        dataset = shards.open_dataset(tmp_path, transform="eval", return_keys=True, seed=4, shuffle_buffer=8)
+        loader = shards.make_loader(dataset, batch_size=4, num_workers=workers, drop_last=False,
+                                    persistent_workers=False)
+        keys = keys_of(loader)
+        assert len(keys) == len(dataset) == 25
+        assert sum(1 for _ in loader) == len(loader)
+        results[workers] = collections.Counter(keys)
+    assert all(r == results[0] for r in results.values())
+    assert set(results[0]) == {f"train_{i:05d}" for i in range(25)}
+
+
+def test_len_counts_partial_batches_per_worker(tar_folder):
+    dataset = shards.open_dataset(tar_folder, return_keys=True, transform="eval")
+    for workers, drop_last in ((0, False), (2, False), (3, True), (2, True)):
+        loader = shards.make_loader(dataset, batch_size=4, num_workers=workers, drop_last=drop_last,
+                                    persistent_workers=False)
+        assert len(list(loader)) == len(loader)
+
+
+def test_set_epoch_reaches_persistent_workers(tar_folder):
+    dataset = shards.open_dataset(tar_folder, return_keys=True, transform="eval", seed=1)
+    loader = shards.make_loader(dataset, batch_size=5, num_workers=2, persistent_workers=True, drop_last=False)
+    epoch0 = keys_of(loader)
+    loader.set_epoch(1)
+    epoch1 = keys_of(loader)
+    assert epoch0 != epoch1 and sorted(epoch0) == sorted(epoch1)
+
+    fresh = shards.open_dataset(tar_folder, return_keys=True, transform="eval", seed=1)
+    fresh.set_epoch(1)
+    fresh_loader = shards.make_loader(fresh, batch_size=5, num_workers=2, persistent_workers=False, drop_last=False)
+    assert keys_of(fresh_loader) == epoch1
+
+
+def test_no_shuffle_in_process_is_manifest_order(tar_folder):
+    dataset = shards.open_dataset(tar_folder, split="val", shuffle=False, return_keys=True)
+    assert [key for _, _, key in dataset] == [f"val_{i:05d}" for i in range(4)]
+
+
+def test_defaults(tar_folder):
+    train = shards.make_loader(shards.open_dataset(tar_folder, transform="eval"), batch_size=2)
+    val = shards.make_loader(shards.open_dataset(tar_folder, split="val", shuffle=False), batch_size=2)
+    assert train.drop_last and not val.drop_last
+    assert train.num_workers >= 1
+    assert train.loader.pin_memory == torch.cuda.is_available()
+
+
+def test_pad_collate_pads_to_the_largest_and_keeps_sizes():
+    batch = [(torch.ones(3, 4, 6), 1, "a"), (torch.ones(3, 5, 2), 0, "b")]
+    out = pad_collate(batch)
+    assert out["images"].shape == (2, 3, 5, 6)
+    assert out["sizes"].tolist() == [[4, 6], [5, 2]]
+    assert out["mask"][0].sum() == 24 and out["mask"][1].sum() == 10
+    assert out["images"][1, :, :, 2:].abs().sum() == 0
+    assert out["labels"].tolist() == [1, 0] and out["keys"] == ["a", "b"]
+
+
+def test_pad_collate_with_pil_images_through_a_loader(tmp_path):
+    make_shard_dataset(tmp_path, shard_sizes={"train": [3, 3]}, size=(16, 12))
+    dataset = shards.open_dataset(tmp_path, shuffle=False)
+    loader = shards.make_loader(dataset, batch_size=3, num_workers=0, collate_fn=pad_collate)
+    batch = next(iter(loader))
+    assert batch["images"].dtype == torch.uint8 and batch["images"].shape == (3, 3, 12, 16)

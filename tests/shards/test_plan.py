@@ -1,0 +1,121 @@
+"""Properties of the epoch plan: what every rank and worker reads, as a pure function of its inputs."""
+
+import collections
+import random
+
+import pytest
+
+from shards.errors import InputError
+from shards.plan import epoch_sizes, plan_epoch, round_robin_consumed, worker_sample_counts
+
+
+def samples_of(slices):
+    return [(s.shard, i) for s in slices for i in range(s.start, s.stop)]
+
+
+def all_reads(sizes, seed, epoch, world, workers, drop_last=False):
+    """rank -> list of samples, concatenating the rank's workers in worker order."""
+    return {rank: [x for w in range(workers) for x in samples_of(plan_epoch(
+        sizes, seed=seed, epoch=epoch, rank=rank, world_size=world, worker=w, num_workers=workers,
+        drop_last=drop_last))] for rank in range(world)}
+
+
+CASES = [([7, 5, 9, 3], 2, 3), ([1, 1, 1], 4, 2), ([10], 3, 4), ([0, 4, 0, 6], 2, 1), ([3, 8, 2, 2, 9], 3, 3),
+         ([2], 5, 1)] + [([random.Random(i).randint(0, 12) for _ in range(random.Random(i).randint(1, 7))],
+                          random.Random(i + 1).randint(1, 4), random.Random(i + 2).randint(1, 4)) for i in range(40)]
+
+
+@pytest.mark.parametrize("sizes,world,workers", CASES)
+def test_every_sample_once_and_ranks_equal(sizes, world, workers):
+    reads = all_reads(sizes, 3, 1, world, workers)
+    counts = {len(r) for r in reads.values()}
+    assert len(counts) == 1  # equal per-rank counts
+    everything = [x for r in reads.values() for x in r]
+    universe = [(s, i) for s, n in enumerate(sizes) for i in range(n)]
+    sizes_info = epoch_sizes(sum(sizes), world)
+    assert len(everything) == sum(sizes) + sizes_info.padded
+    tally = collections.Counter(everything)
+    assert set(tally) == set(universe)
+    assert sum(c - 1 for c in tally.values()) == sizes_info.padded
+
+
+@pytest.mark.parametrize("sizes,world,workers", CASES)
+def test_drop_last_drops_the_same_manifest_tail_every_epoch(sizes, world, workers):
+    universe = [(s, i) for s, n in enumerate(sizes) for i in range(n)]
+    dropped = epoch_sizes(sum(sizes), world, drop_last=True).dropped
+    expected_missing = set(universe[len(universe) - dropped:]) if dropped else set()
+    for epoch in (0, 1, 2):
+        reads = all_reads(sizes, 0, epoch, world, workers, drop_last=True)
+        everything = [x for r in reads.values() for x in r]
+        assert len(everything) == len(set(everything))  # no repeats
+        assert set(universe) - set(everything) == expected_missing
+        assert len({len(r) for r in reads.values()}) == 1
+
+
+def test_padding_repeats_the_first_samples_of_the_epoch():
+    sizes = [4, 3]
+    reads = all_reads(sizes, 5, 0, 3, 1)  # 7 samples over 3 ranks -> 9, two repeated
+    order = [x for r in range(3) for x in reads[r]]
+    assert order[7:] == order[:2]
+
+
+def test_workers_split_the_rank_share_without_loss():
+    sizes = [7, 5, 9, 3]
+    for world in (1, 2, 3):
+        for rank in range(world):
+            whole = samples_of(plan_epoch(sizes, seed=1, epoch=2, rank=rank, world_size=world))
+            for workers in (1, 2, 3, 5):
+                split = [x for w in range(workers) for x in samples_of(plan_epoch(
+                    sizes, seed=1, epoch=2, rank=rank, world_size=world, worker=w, num_workers=workers))]
+                assert split == whole
+
+
+def test_same_inputs_same_plan_and_new_epoch_new_order():
+    sizes = [5] * 12
+    first = plan_epoch(sizes, seed=7, epoch=0)
+    assert first == plan_epoch(sizes, seed=7, epoch=0)
+    assert first != plan_epoch(sizes, seed=7, epoch=1)
+    assert first != plan_epoch(sizes, seed=8, epoch=0)
+
+
+def test_no_shuffle_is_manifest_order():
+    sizes = [3, 0, 4]
+    assert samples_of(plan_epoch(sizes, seed=9, epoch=4, shuffle=False)) == [
+        (0, 0), (0, 1), (0, 2), (2, 0), (2, 1), (2, 2), (2, 3)]
+
+
+def test_bad_arguments_are_input_errors():
+    with pytest.raises(InputError, match="rank"):
+        plan_epoch([3], seed=0, epoch=0, rank=2, world_size=2)
+    with pytest.raises(InputError, match="worker"):
+        plan_epoch([3], seed=0, epoch=0, worker=3, num_workers=2)
+    with pytest.raises(InputError, match="non-negative"):
+        plan_epoch([-1], seed=0, epoch=0)
+
+
+def naive_round_robin(batches, consumed):
+    remaining, taken, order = list(batches), [0] * len(batches), []
+    w = 0
+    while len(order) < consumed:
+        if remaining[w]:
+            remaining[w] -= 1
+            taken[w] += 1
+            order.append(w)
+        w = (w + 1) % len(batches)
+    if not any(remaining):
+        return taken, 0
+    nxt = w
+    while not remaining[nxt]:
+        nxt = (nxt + 1) % len(batches)
+    return taken, nxt
+
+
+@pytest.mark.parametrize("batches", [[3, 1, 2], [5], [2, 2, 2], [4, 4, 3, 0], [1, 6], [0, 3]])
+def test_round_robin_replay_matches_a_step_by_step_simulation(batches):
+    for consumed in range(sum(batches) + 1):
+        assert round_robin_consumed(batches, consumed) == naive_round_robin(batches, consumed)
+
+
+def test_worker_counts_add_up():
+    assert worker_sample_counts(10, 3) == [4, 3, 3]
+    assert sum(worker_sample_counts(0, 4)) == 0

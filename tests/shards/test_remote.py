@@ -1,0 +1,73 @@
+"""Remote shards: the same samples over http:// (a local server started here) and through pipe: commands."""
+
+import functools
+import http.server
+import threading
+
+import pytest
+
+import shards
+from shards.errors import InputError
+from tests.helpers import make_shard_dataset
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("served")
+    make_shard_dataset(folder, shard_sizes={"train": [4, 3, 5]}, size=(16, 16))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
+    http.server.SimpleHTTPRequestHandler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield folder, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def keys(dataset):
+    return [key for _, _, key in dataset]
+
+
+def test_http_manifest_and_shards_match_local(served):
+    folder, url = served
+    local = keys(shards.open_dataset(folder, return_keys=True, seed=2))
+    remote = shards.open_dataset(url, return_keys=True, seed=2)
+    assert keys(remote) == local
+    assert remote.locations[0].startswith("http://127.0.0.1")
+
+
+def test_http_through_workers_with_slices(served):
+    folder, url = served
+    dataset = shards.open_dataset(url + "/dataset.json", return_keys=True, transform="eval", world_size=2, rank=1)
+    loader = shards.make_loader(dataset, batch_size=2, num_workers=2, drop_last=False, persistent_workers=False)
+    got = [k for batch in loader for k in batch[2]]
+    local = shards.open_dataset(folder, return_keys=True, transform="eval", world_size=2, rank=1)
+    assert sorted(got) == sorted(keys(local)) and len(got) == 6
+
+
+def test_local_manifest_with_base_url(served):
+    folder, url = served
+    dataset = shards.open_dataset(folder, return_keys=True, base_url=url, shuffle=False)
+    assert dataset.locations[1] == f"{url}/train-000001.tar"
+    assert keys(dataset) == [f"train_{i:05d}" for i in range(12)]
+
+
+def test_pipe_command(served):
+    folder, _ = served
+    dataset = shards.open_dataset(folder, return_keys=True, base_url=None, shuffle=False)
+    dataset.locations = [f"pipe:cat {location}" for location in dataset.locations]
+    assert keys(dataset) == [f"train_{i:05d}" for i in range(12)]
+
+
+def test_missing_remote_shard_names_the_url(served):
+    folder, url = served
+    dataset = shards.open_dataset(folder, base_url=url + "/nowhere")
+    with pytest.raises(FileNotFoundError, match="nowhere/train-0000"):
+        list(dataset)
+
+
+def test_hdf5_must_be_local(tmp_path):
+    make_shard_dataset(tmp_path, shard_sizes={"train": [2]}, storage="hdf5")
+    with pytest.raises(InputError, match="local"):
+        shards.open_dataset(tmp_path, base_url="http://127.0.0.1:9/")

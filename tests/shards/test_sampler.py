@@ -1,0 +1,68 @@
+"""Class-weighted streaming: balanced class frequencies from an imbalanced split, seeded, epoch length unchanged."""
+
+import collections
+
+import numpy as np
+import pytest
+
+import shards
+from shards.errors import InputError
+from shards.plan import rng_for
+from shards.stages import systematic_resample
+from tests.shards.stream_helpers import write_labelled_shards
+
+# 60 / 24 / 12 samples of classes a / b / c over uneven shards, classes interleaved as a packer's shuffle would.
+LABELS = [0] * 60 + [1] * 24 + [2] * 12
+
+
+@pytest.fixture(scope="module")
+def imbalanced(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("imbalanced")
+    order = np.random.default_rng(0).permutation(LABELS).tolist()
+    write_labelled_shards(folder, [order[:40], order[40:70], order[70:]], size=(8, 8))
+    return folder
+
+
+def labels_over(dataset, epochs):
+    out = []
+    for epoch in range(epochs):
+        dataset.set_epoch(epoch)
+        out += [label for _, label, _ in dataset]
+    return out
+
+
+def test_balanced_weights_even_out_class_frequencies(imbalanced):
+    dataset = shards.open_dataset(imbalanced, return_keys=True, class_weights="balanced", weight_window=48, seed=1)
+    labels = labels_over(dataset, 4)
+    assert len(labels) == 4 * len(LABELS)  # epoch length unchanged
+    shares = [labels.count(c) / len(labels) for c in range(3)]
+    assert all(abs(share - 1 / 3) < 0.06 for share in shares), shares
+    plain = labels_over(shards.open_dataset(imbalanced, return_keys=True, seed=1), 1)
+    assert plain.count(2) / len(plain) == pytest.approx(12 / 96)
+
+
+def test_given_weights_and_seed_reproducibility(imbalanced):
+    def run(seed):
+        return [key for _, _, key in shards.open_dataset(imbalanced, return_keys=True, class_weights=[0, 1, 1],
+                                                         weight_window=96, seed=seed)]
+    keys = run(3)
+    assert keys == run(3) and keys != run(4)
+    assert len(keys) == 96
+    dataset = shards.open_dataset(imbalanced, return_keys=True, class_weights=[0, 1, 1], weight_window=96, seed=3)
+    assert {label for _, label, _ in dataset} == {1, 2}  # weight 0: class a is never drawn
+
+
+def test_systematic_resample_counts_are_floor_or_ceiling_of_expectation():
+    labels = [0] * 6 + [1] * 2 + [2]
+    picked = systematic_resample(labels, [1.0, 3.0, 6.0], rng_for(0, 1))
+    counts = collections.Counter(labels[i] for i in picked)
+    expected = {0: 9 * 6 / 18, 1: 9 * 6 / 18, 2: 9 * 6 / 18}
+    assert all(abs(counts[c] - expected[c]) < 1.0 + 1e-9 for c in expected)
+    assert len(picked) == len(labels)
+
+
+def test_bad_weights_are_refused(imbalanced):
+    with pytest.raises(InputError, match="3 classes"):
+        shards.open_dataset(imbalanced, class_weights=[1, 2])
+    with pytest.raises(InputError, match="balanced"):
+        shards.open_dataset(imbalanced, class_weights="inverse")
