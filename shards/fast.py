@@ -20,8 +20,10 @@ from PIL import Image
 
 from shards.decode import decode_image
 from shards.device_transforms import IMAGENET_MEAN, IMAGENET_STD, Normalize
+from shards.errors import CorruptDataError, InputError
 
-__all__ = ["FastEval", "FastTrain", "Normalize", "decode_rgb_array", "draft_factor", "jpeg_orientation"]
+__all__ = ["FastDecoder", "FastEval", "FastTrain", "Normalize", "decode_rgb_array", "draft_factor", "jpeg_orientation",
+           "random_resized_crop_box", "IMAGENET_MEAN", "IMAGENET_STD"]
 
 try:  # libjpeg-turbo without PIL's per-call overhead; optional, PIL is the fallback and handles other formats
     import simplejpeg
@@ -97,10 +99,39 @@ def _to_chw(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array)).permute(2, 0, 1)
 
 
-def _resize_box(array: np.ndarray, box: tuple[float, float, float, float], size: tuple[int, int]) -> np.ndarray:
+RESAMPLING = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC, "nearest": Image.NEAREST}
+
+
+def _resize_box(array: np.ndarray, box: tuple[float, float, float, float], size: tuple[int, int],
+                interpolation: str = "bilinear") -> np.ndarray:
     """Resize only ``box`` (left, top, right, bottom in source pixels) to ``size`` = (width, height)."""
     image = Image.fromarray(array)
-    return np.asarray(image.resize(size, Image.BILINEAR, box=box, reducing_gap=3.0))
+    return np.asarray(image.resize(size, RESAMPLING[interpolation], box=box, reducing_gap=3.0))
+
+
+def random_resized_crop_box(width: int, height: int, scale: tuple[float, float], ratio: tuple[float, float],
+                            rng: random.Random) -> tuple[int, int, int, int]:
+    """torchvision's ``RandomResizedCrop.get_params`` drawn from ``rng``: (left, top, right, bottom)."""
+    area = width * height
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target_area = area * rng.uniform(*scale)
+        aspect = math.exp(rng.uniform(*log_ratio))
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            top = rng.randint(0, height - h)
+            left = rng.randint(0, width - w)
+            return (left, top, left + w, top + h)
+    in_ratio = width / height  # torchvision's fallback: the central crop at the nearest allowed aspect ratio
+    if in_ratio < min(ratio):
+        w, h = width, int(round(width / min(ratio)))
+    elif in_ratio > max(ratio):
+        w, h = int(round(height * max(ratio))), height
+    else:
+        w, h = width, height
+    top, left = (height - h) // 2, (width - w) // 2
+    return (left, top, left + w, top + h)
 
 
 @dataclass(frozen=True)
@@ -110,10 +141,12 @@ class FastEval:
     resize: int = 256
     crop: int = 224
     draft: bool = True
+    interpolation: str = "bilinear"
 
     def __call__(self, data: bytes, seed: int = 0) -> torch.Tensor:
         array = decode_rgb_array(data, self.resize if self.draft else None)
-        return _to_chw(_resize_box(array, self.box(array.shape[1], array.shape[0]), (self.crop, self.crop)))
+        box = self.box(array.shape[1], array.shape[0])
+        return _to_chw(_resize_box(array, box, (self.crop, self.crop), self.interpolation))
 
     def box(self, width: int, height: int) -> tuple[float, float, float, float]:
         """The source region torchvision's Resize(resize) + CenterCrop(crop) would end up showing."""
@@ -127,7 +160,7 @@ class FastEval:
 
 @dataclass(frozen=True)
 class FastTrain:
-    """RandomResizedCrop(``size``) + horizontal flip on the decoded size, applied as crop-then-resize on uint8.
+    """RandomResizedCrop(``size``) + horizontal flip (probability ``hflip``) on the decoded size, applied as crop-then-resize on uint8.
 
     Randomness comes from the per-sample ``seed`` the dataset passes (derived from seed, epoch and key), so the
     augmentation of a sample does not depend on worker count or on resuming.
@@ -136,30 +169,20 @@ class FastTrain:
     size: int = 224
     scale: tuple[float, float] = (0.08, 1.0)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
-    flip: bool = True
+    hflip: float = 0.5
+    interpolation: str = "bilinear"
 
     def __call__(self, data: bytes, seed: int = 0) -> torch.Tensor:
         rng = random.Random(seed)
         array = decode_rgb_array(data)
         box = self.crop_box(array.shape[1], array.shape[0], rng)
-        out = _resize_box(array, box, (self.size, self.size))
-        if self.flip and rng.random() < 0.5:
+        out = _resize_box(array, box, (self.size, self.size), self.interpolation)
+        if rng.random() < self.hflip:
             out = out[:, ::-1]
         return _to_chw(out)
 
     def crop_box(self, width: int, height: int, rng: random.Random) -> tuple[int, int, int, int]:
-        """torchvision's RandomResizedCrop.get_params, drawn from ``rng``."""
-        area = width * height
-        log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
-        for _ in range(10):
-            target_area = area * rng.uniform(*self.scale)
-            aspect = math.exp(rng.uniform(*log_ratio))
-            w = int(round(math.sqrt(target_area * aspect)))
-            h = int(round(math.sqrt(target_area / aspect)))
-            if 0 < w <= width and 0 < h <= height:
-                top = rng.randint(0, height - h)
-                left = rng.randint(0, width - w)
-                return (left, top, left + w, top + h)
+        return random_resized_crop_box(width, height, self.scale, self.ratio, rng)
         in_ratio = width / height
         if in_ratio < min(self.ratio):
             w, h = width, int(round(width / min(self.ratio)))
@@ -169,3 +192,33 @@ class FastTrain:
             w, h = width, height
         top, left = (height - h) // 2, (width - w) // 2
         return (left, top, left + w, top + h)
+
+
+class FastDecoder:
+    """The reader's decode stage on the fast path: ``RawSample`` -> uint8 [3, size, size] for a ``TransformSpec``.
+
+    Train samples draw their crop seed from torch's default generator, which the reader seeds per sample in its
+    workers, so augmentations replay exactly on resume. ColorJitter has no uint8 counterpart here: such a spec
+    is refused, and callers keep the standard pipeline for it.
+    """
+
+    def __init__(self, spec):
+        if spec.color_jitter > 0:
+            raise InputError("the fast pipeline has no ColorJitter; use the standard pipeline for color_jitter > 0")
+        self.spec = spec
+        if spec.preset == "train":
+            self.geometry = FastTrain(spec.size, tuple(spec.scale), hflip=spec.hflip,
+                                      interpolation=spec.interpolation)
+        else:
+            self.geometry = FastEval(spec.eval_resize, spec.size, interpolation=spec.interpolation)
+
+    def normalizer(self, **options) -> Normalize:
+        """The per-batch step that turns this decoder's uint8 output into the spec's normalised input."""
+        return Normalize(self.spec.mean, self.spec.std, **options)
+
+    def __call__(self, sample):
+        seed = int(torch.randint(0, 2**62, (1,)).item()) if self.spec.preset == "train" else 0
+        try:
+            return self.geometry(sample.data, seed)
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+            raise CorruptDataError(f"cannot decode .{sample.ext} image ({type(exc).__name__}: {exc})") from exc

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 from shards.dataset import ImageShardDataset, ShardDataset, StreamConfig
 from shards.decode import ImageDecoder
 from shards.errors import InputError
+from shards.fast import FastDecoder
 from shards.feature_stream import FeatureShardDataset
 from shards.manifest import DATASET_FILE, DatasetManifest, FeatureManifest, Manifest, load_manifest
 from shards.remote import is_remote, join_location, read_remote_json
@@ -72,6 +73,19 @@ def _resolve_transform(transform: Any, draft: bool | int | tuple[int, int] | Non
     return spec, draft_size
 
 
+PIPELINES = ("standard", "fast")
+
+
+def _fast_spec(transform: Any) -> TransformSpec:
+    if transform is None:
+        return TransformSpec(preset="eval")
+    if isinstance(transform, str):
+        return TransformSpec(preset=transform)
+    if isinstance(transform, TransformSpec):
+        return transform
+    raise InputError("the fast pipeline needs the transform as a preset name or TransformSpec, not a callable")
+
+
 def open_dataset(path: str | os.PathLike, split: str = "train", *,
                  transform: Callable | str | TransformSpec | None = None, shuffle: bool = True, seed: int = 0,
                  rank: int | None = None, world_size: int | None = None,
@@ -79,12 +93,16 @@ def open_dataset(path: str | os.PathLike, split: str = "train", *,
                  class_weights: str | Sequence[float] | None = None, weight_window: int = 1024,
                  on_error: str = "raise", max_consecutive_errors: int = 10,
                  draft: bool | int | tuple[int, int] | None = None, decoder: Callable | None = None,
-                 cache: str = "auto", base_url: str | None = None) -> ShardDataset:
+                 pipeline: str = "standard", cache: str = "auto", base_url: str | None = None) -> ShardDataset:
     """Stream one split of a ``dataset.json`` (images) or ``features.json`` (features).
 
     Yields ``(sample, label)`` or ``(sample, label, key)``; the sample is an RGB PIL image (or ``transform`` of
     it) for image shards and a feature tensor for feature shards. ``base_url`` fetches shards from
     ``base_url/<shard path>`` instead of next to the manifest.
+
+    ``pipeline="fast"`` (image shards, ``transform`` a preset name or ``TransformSpec``) yields uint8
+    [3, size, size] tensors made by crop-then-resize with DCT-scaled JPEG decoding; normalise each batch on the
+    consuming device with ``shards.fast.Normalize(spec.mean, spec.std)`` (or ``dataset.decoder.normalizer()``).
     """
     manifest, base = _load(path)
     split_info = manifest.split(split)
@@ -104,7 +122,13 @@ def open_dataset(path: str | os.PathLike, split: str = "train", *,
         if transform is not None or decoder is not None or draft:
             raise InputError("transform, decoder and draft apply to image shards, not to feature shards")
         return FeatureShardDataset(split_info, locations, config, cache=cache, num_classes=len(manifest.classes))
-    if decoder is None:
+    if pipeline not in PIPELINES:
+        raise InputError(f"pipeline {pipeline!r} is unknown; choose one of {list(PIPELINES)}")
+    if pipeline == "fast":
+        if decoder is not None or draft:
+            raise InputError("the fast pipeline chooses its own decoder and draft; drop decoder/draft")
+        decoder = FastDecoder(_fast_spec(transform))
+    elif decoder is None:
         image_transform, draft_size = _resolve_transform(transform, draft)
         decoder = ImageDecoder(image_transform, draft_size=draft_size)
     elif transform is not None or draft:

@@ -11,10 +11,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from shards.device_transforms import IMAGENET_MEAN, IMAGENET_STD
 from shards.errors import InputError
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 PRESETS = ("train", "eval")
 
 

@@ -7,7 +7,7 @@ import os
 import click
 
 from shards.cli_common import emit_json, handle_errors, quiet_option
-from train.config import DATA_KINDS, DEVICES, HEADS, OPTIMIZERS, TrainConfig
+from train.config import DATA_KINDS, DEVICES, HEADS, OPTIMIZERS, PIPELINES, TrainConfig
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -24,8 +24,11 @@ from train.config import DATA_KINDS, DEVICES, HEADS, OPTIMIZERS, TrainConfig
               help="Local weights file to fine-tune from (loaded with weights_only=True; classifier re-initialised "
                    "when the class count differs).")
 @click.option("--image-size", type=int, default=224, help="Crop size of the image transforms.")
+@click.option("--pipeline", type=click.Choice(PIPELINES), default="fast", show_default=True,
+              help="Image input: fast = uint8 crop-then-resize in workers, normalised per batch on the device; "
+                   "standard = torchvision transforms in workers.")
 @click.option("--fast-decode", is_flag=True,
-              help="Let PIL decode JPEGs at reduced size when the crop is much smaller than the stored image.")
+              help="Standard pipeline only: let PIL decode JPEGs at reduced size when the crop is much smaller.")
 @click.option("--epochs", type=int, default=10)
 @click.option("--batch-size", type=int, default=256, help="Per process (under torchrun the global batch is N x this).")
 @click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="sgd", help="SGD (Nesterov momentum) or AdamW.")

@@ -15,6 +15,7 @@ from shards.errors import InputError
 DATA_KINDS = ("auto", "images", "features")
 HEADS = ("linear", "mlp")
 OPTIMIZERS = ("sgd", "adamw")
+PIPELINES = ("fast", "standard")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_LR = {"sgd": 0.1, "adamw": 1e-3}
 
@@ -38,6 +39,7 @@ class TrainConfig:
     model: str = "resnet18"
     weights: str | None = None
     image_size: int = 224
+    pipeline: str = "fast"
     fast_decode: bool = False
     epochs: int = 10
     batch_size: int = 256
@@ -69,6 +71,9 @@ class TrainConfig:
         _choice("data", self.data, DATA_KINDS)
         _choice("head", self.head, HEADS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("pipeline", self.pipeline, PIPELINES)
+        if self.pipeline == "fast" and self.fast_decode:
+            raise InputError("fast_decode applies to the standard pipeline; the fast one drafts JPEGs itself")
         _choice("device", self.device, DEVICES)
         _positive("epochs", self.epochs)
         _positive("batch_size", self.batch_size)

@@ -25,6 +25,7 @@ from shards.manifest import (
     load_feature_manifest,
     load_manifest,
 )
+from shards.fast import Normalize
 from shards.transforms import TransformSpec
 from train.config import TrainConfig
 from train.distributed import DistContext
@@ -42,6 +43,8 @@ class RunData:
     val_loader: Any
     workers: int
     eval_transform: TransformSpec | None = None
+    # The fast pipeline yields uint8 batches: this turns them into the model input on the device.
+    normalize: torch.nn.Module | None = None
 
     @property
     def classes(self) -> list[str]:
@@ -130,7 +133,9 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
     if kind == "images":
         train_spec = TransformSpec(preset="train", size=cfg.image_size)
         eval_spec = TransformSpec(preset="eval", size=cfg.image_size)
-        image_options = {"draft": True} if cfg.fast_decode else {}
+        image_options = {"pipeline": cfg.pipeline}
+        if cfg.fast_decode:
+            image_options["draft"] = True
     sampler_options: dict[str, Any] = {"class_weights": "balanced"} if cfg.balanced_sampler else {}
     train_set = shards.open_dataset(cfg.data_path, cfg.train_split, transform=train_spec, shuffle=True,
                                     seed=cfg.seed, rank=rank, world_size=world, **sampler_options, **image_options)
@@ -142,7 +147,10 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
         raise InputError(f"the train split has fewer samples per process than --batch-size {cfg.batch_size}",
                          path=cfg.data_path)
     workers = int(getattr(train_loader, "num_workers", cfg.workers or 0))
-    return RunData(kind, manifest, train_loader, val_loader, workers, eval_spec)
+    normalize = None
+    if kind == "images" and cfg.pipeline == "fast":
+        normalize = Normalize(eval_spec.mean, eval_spec.std, channels_last=ctx.device.type == "cuda").to(ctx.device)
+    return RunData(kind, manifest, train_loader, val_loader, workers, eval_spec, normalize)
 
 
 def _loader(dataset: Any, cfg: TrainConfig, ctx: DistContext, *, drop_last: bool) -> Any:

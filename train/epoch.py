@@ -56,14 +56,19 @@ class StepContext:
     loss_fn: nn.Module
     device: torch.device
     amp: bool
+    normalize: nn.Module | None = None
 
 
-def to_device(batch: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs as float32 (feature caches are float16) and labels as int64 on the training device."""
+def to_device(batch: Sequence[torch.Tensor], device: torch.device,
+              normalize: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs as float32 (feature caches are float16; the fast image pipeline's uint8 batches are normalised
+    here, once per batch on the device) and labels as int64 on the training device."""
     inputs, labels = batch[0], batch[1]
     if not isinstance(labels, torch.Tensor):
         labels = torch.as_tensor(labels)
     inputs = inputs.to(device, non_blocking=True)
+    if normalize is not None and inputs.dtype == torch.uint8:
+        inputs = normalize(inputs)
     if inputs.dtype != torch.float32:
         inputs = inputs.float()
     return inputs, labels.to(device, dtype=torch.int64, non_blocking=True)
@@ -107,7 +112,7 @@ def run_train_epoch(ctx: StepContext, loader: Any, state: TrainState, *, total_e
 
     try:
         for batch in meter.iterate(loader):
-            inputs, labels = to_device(batch, ctx.device)
+            inputs, labels = to_device(batch, ctx.device, ctx.normalize)
             loss, correct = train_step(ctx, inputs, labels)
             count = int(labels.shape[0])
             sums += torch.stack([loss.double() * count, correct.double()])
@@ -134,12 +139,12 @@ def run_train_epoch(ctx: StepContext, loader: Any, state: TrainState, *, total_e
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: Any, device: torch.device, classes: Sequence[str],
-             amp: bool) -> dict[str, Any]:
+             amp: bool, normalize: nn.Module | None = None) -> dict[str, Any]:
     """Loss (plain cross-entropy, no smoothing or weights), top-1/5, per-class accuracy, confusion; all ranks."""
     model.eval()
     tally = ClassificationTally(len(classes), device)
     for batch in loader:
-        inputs, labels = to_device(batch, device)
+        inputs, labels = to_device(batch, device, normalize)
         with torch.autocast(device_type=device.type, dtype=torch.float16, enabled=amp):
             logits = logits_of(model(inputs)).float()
         tally.update(logits, labels, F.cross_entropy(logits, labels, reduction="sum"))

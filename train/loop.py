@@ -57,8 +57,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 def dry_run(cfg: TrainConfig, data: RunData) -> dict[str, Any]:
     """Build everything, look at one training batch, write nothing."""
     batch = next(iter(data.train_loader))
+    loader_dtype = str(batch[0].dtype).removeprefix("torch.")
+    if data.normalize is not None:  # report what the model sees, after the per-batch normalisation
+        batch = (data.normalize(batch[0].to(next(data.normalize.buffers()).device)).cpu(), batch[1])
     report = {"dry_run": True, "data": data.kind, "classes": len(data.classes), "train_batches": len(data.train_loader),
-              "val_batches": len(data.val_loader), **describe_batch(batch, data.classes)}
+              "val_batches": len(data.val_loader), "loader_dtype": loader_dtype, **describe_batch(batch, data.classes)}
     log.info("dry run: batch %s %s, values [%.4g, %.4g], labels %s", report["batch_shape"], report["dtype"],
              report["min"], report["max"], report["label_counts"])
     return report
@@ -149,7 +152,7 @@ class Run:
     def fit(self) -> dict[str, Any]:
         cfg = self.cfg
         step_ctx = StepContext(self.ddp_model, self.optimizer, self.scheduler, self.scaler, self.loss_fn,
-                               self.ctx.device, self.amp)
+                               self.ctx.device, self.amp, self.data.normalize)
         row: dict[str, Any] = self.state.history[-1] if self.state.history else {}
         while self.state.epoch < cfg.epochs:
             if self.state.batch_in_epoch == 0:
@@ -171,7 +174,8 @@ class Run:
                                   device=self.ctx.device)
         if self.ctx.distributed:
             torch.distributed.all_reduce(train_sums)
-        val = evaluate(self.model, self.batches(self.data.val_loader), self.ctx.device, self.data.classes, self.amp)
+        val = evaluate(self.model, self.batches(self.data.val_loader), self.ctx.device, self.data.classes, self.amp,
+                       self.data.normalize)
         row = {"epoch": state.epoch + 1, "step": state.step, "lr": self.optimizer.param_groups[0]["lr"],
                "train_loss": float(train_sums[0] / train_sums[2]), "train_top1": float(train_sums[1] / train_sums[2]),
                "samples_per_s": samples_per_s, "data_wait_share": wait_share, "epoch_time_s": meter.wall_s, **val}

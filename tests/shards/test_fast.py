@@ -91,3 +91,53 @@ def test_normalize_equals_to_tensor_plus_normalize():
     assert torch.allclose(out, reference, atol=1e-5)
     assert Normalize(dtype=torch.bfloat16)(batch).dtype == torch.bfloat16
     assert torch.equal(Normalize()(reference), reference)  # float input passes through
+
+
+def test_fast_pipeline_streams_uint8_matching_the_standard_pipeline(tmp_path):
+    import shards
+    from tests.helpers import make_shard_dataset
+
+    make_shard_dataset(tmp_path, size=(120, 90))
+    spec = shards.TransformSpec(preset="eval", size=64)
+    fast_set = shards.open_dataset(tmp_path, "val", transform=spec, shuffle=False, pipeline="fast",
+                                   return_keys=True)
+    standard_set = shards.open_dataset(tmp_path, "val", transform=spec, shuffle=False, return_keys=True)
+    fast_rows, standard_rows = list(fast_set), list(standard_set)
+    assert [r[2] for r in fast_rows] == [r[2] for r in standard_rows]
+    assert [r[1] for r in fast_rows] == [r[1] for r in standard_rows]
+    batch = torch.stack([r[0] for r in fast_rows])
+    assert batch.dtype == torch.uint8 and batch.shape[1:] == (3, 64, 64)
+    normalized = fast_set.decoder.normalizer()(batch)
+    reference = torch.stack([r[0] for r in standard_rows])
+    assert (normalized - reference).abs().mean().item() < 1.0 / (255 * 0.225)
+
+
+def test_fast_train_pipeline_replays_with_the_same_seed_and_changes_with_another(tmp_path):
+    import shards
+    from tests.helpers import make_shard_dataset
+
+    make_shard_dataset(tmp_path, size=(80, 60))
+    spec = shards.TransformSpec(preset="train", size=32)
+    runs = []
+    for seed in (3, 3, 4):
+        dataset = shards.open_dataset(tmp_path, "train", transform=spec, pipeline="fast", seed=seed,
+                                      shuffle=False, return_keys=True)
+        loader = shards.make_loader(dataset, batch_size=4, num_workers=2, drop_last=False,
+                                    persistent_workers=False)
+        runs.append({key: image for images, _, keys in loader for key, image in zip(keys, images)})
+    assert runs[0].keys() == runs[1].keys() == runs[2].keys()
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+    assert not all(torch.equal(runs[0][k], runs[2][k]) for k in runs[0])
+
+
+def test_fast_pipeline_refuses_what_it_cannot_do(tmp_path):
+    import shards
+    from shards.errors import InputError
+    from tests.helpers import make_shard_dataset
+
+    make_shard_dataset(tmp_path)
+    with pytest.raises(InputError, match="ColorJitter"):
+        shards.open_dataset(tmp_path, transform=shards.TransformSpec(preset="train", color_jitter=0.4),
+                            pipeline="fast")
+    with pytest.raises(InputError, match="callable"):
+        shards.open_dataset(tmp_path, transform=lambda image: image, pipeline="fast")
