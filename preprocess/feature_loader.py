@@ -3,8 +3,9 @@
 Shards are dealt to DataLoader workers round-robin; each worker reads its shards sequentially with the storage's
 own reader and yields batches that never span two shards, tagged with the shard's job index and an ``last`` flag,
 so the consumer can write a feature shard as soon as its final batch arrives, sample for sample in shard order.
-Workers either decode and transform to uint8 (``decode="cpu"``) or only read bytes and the EXIF orientation
-(``decode="device"``: the consumer decodes the batch on the model's device). A sample that cannot be decoded is
+Workers either decode and transform to uint8 (``decode="fast"``: DCT-scaled decode and one crop-then-resize;
+``decode="cpu"``: PIL and torchvision's exact reference ops) or only read bytes and the EXIF orientation
+(``decode="gpu"``: the consumer decodes the batch on the model's device). A sample that cannot be decoded is
 reported as an error record rather than raised inside the worker, so the user gets one clean line naming it.
 """
 
@@ -17,12 +18,13 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from preprocess.feature_transforms import AugmentSpec, FeatureTransform, eval_pil, views_pil
+from preprocess.feature_transforms import AugmentSpec, FeatureTransform, eval_fast, eval_pil, views_fast, views_pil
 from shards.decode import decode_image
+from shards.fast import decode_rgb_array
 from shards.device_transforms import exif_orientation
 from shards.storage import get_storage
 
-DECODE_MODES = ("cpu", "gpu")
+DECODE_MODES = ("fast", "cpu", "gpu")
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,9 @@ class ShardBatches(IterableDataset):
             return batch
         images, views = [], []
         for sample in samples:
+            if self.decode == "fast":
+                self._add_fast(sample, images, views)
+                continue
             try:
                 image = decode_image(sample.data)
             except Exception as exc:
@@ -100,6 +105,17 @@ class ShardBatches(IterableDataset):
             batch["views"] = (torch.stack(views) if views
                               else torch.empty(0, self.augment.views, 3, crop, crop, dtype=torch.uint8))
         return batch
+
+
+    def _add_fast(self, sample, images: list, views: list) -> None:
+        """``--decode fast``: DCT-scaled decode (unless views need full resolution), crop-then-resize to uint8."""
+        try:
+            array = decode_rgb_array(sample.data, None if self.augment is not None else self.spec.resize)
+        except Exception as exc:
+            raise _SampleError(sample.key) from exc
+        images.append(eval_fast(array, self.spec))
+        if self.augment is not None:
+            views.append(views_fast(array, self.spec, self.augment, sample.key))
 
 
 class _SampleError(Exception):

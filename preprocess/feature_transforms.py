@@ -10,14 +10,15 @@ seeded by (seed, key, v) only: the views do not depend on worker count, batch si
 from __future__ import annotations
 
 import hashlib
-import math
 import random
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from shards.errors import InputError
+from shards.fast import FastEval, random_resized_crop_box, resize_box
 
 INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
 
@@ -81,32 +82,31 @@ def view_rng(seed: int, key: str, view: int) -> random.Random:
 def view_params(aug: AugmentSpec, key: str, view: int, width: int, height: int) -> tuple[tuple[int, int, int, int], bool]:
     """RandomResizedCrop's box (top, left, h, w), torchvision's algorithm, plus the flip decision."""
     rng = view_rng(aug.seed, key, view)
-    area = width * height
-    log_ratio = (math.log(aug.ratio[0]), math.log(aug.ratio[1]))
-    box = None
-    for _ in range(10):
-        target = area * rng.uniform(*aug.scale)
-        aspect = math.exp(rng.uniform(*log_ratio))
-        w, h = int(round(math.sqrt(target * aspect))), int(round(math.sqrt(target / aspect)))
-        if 0 < w <= width and 0 < h <= height:
-            box = (rng.randint(0, height - h), rng.randint(0, width - w), h, w)
-            break
-    if box is None:  # torchvision's fallback: the central crop at the nearest allowed aspect ratio
-        in_ratio = width / height
-        w, h = width, height
-        if in_ratio < aug.ratio[0]:
-            h = int(round(w / aug.ratio[0]))
-        elif in_ratio > aug.ratio[1]:
-            w = int(round(h * aug.ratio[1]))
-        box = ((height - h) // 2, (width - w) // 2, h, w)
+    left, top, right, bottom = random_resized_crop_box(width, height, aug.scale, aug.ratio, rng)
     flip = aug.flip and rng.random() < 0.5
-    return box, flip
+    return (top, left, bottom - top, right - left), flip
 
 
 def _mode(spec: FeatureTransform):
     from torchvision.transforms import InterpolationMode
 
     return InterpolationMode(spec.interpolation)
+
+
+def eval_fast(array, spec: FeatureTransform) -> torch.Tensor:
+    """The eval geometry as one crop-then-resize on a decoded array (``--decode fast``; < 0.01 gray levels from
+    ``eval_pil`` on the same pixels, see tests)."""
+    return FastEval(spec.resize, spec.crop, interpolation=spec.interpolation).apply(array)
+
+
+def views_fast(array, spec: FeatureTransform, aug: AugmentSpec, key: str) -> torch.Tensor:
+    """[K, 3, crop, crop] uint8 augmented views of one decoded array, the same boxes and flips as ``views_pil``."""
+    out = []
+    for view in range(aug.views):
+        (top, left, h, w), flip = view_params(aug, key, view, array.shape[1], array.shape[0])
+        crop = resize_box(array, (left, top, left + w, top + h), (spec.crop, spec.crop), spec.interpolation)
+        out.append(torch.from_numpy(np.ascontiguousarray(crop[:, ::-1] if flip else crop)).permute(2, 0, 1))
+    return torch.stack(out)
 
 
 def eval_pil(image, spec: FeatureTransform) -> torch.Tensor:

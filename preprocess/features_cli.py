@@ -45,8 +45,9 @@ def _triple(name: str, value: str | None) -> tuple[float, ...] | None:
 @click.option("--device", default="auto", show_default=True, help="auto (CUDA when present), cpu, cuda, cuda:1...")
 @click.option("--amp", type=click.Choice([*AMP_MODES, "auto"]), default="auto", show_default=True,
               help="Autocast dtype; auto is bf16 on CUDA and off on CPU.")
-@click.option("--decode", type=click.Choice(DECODE_MODES), default="cpu", show_default=True,
-              help="cpu: PIL in DataLoader workers; gpu: batched decode_jpeg + resize/crop on the model's device.")
+@click.option("--decode", type=click.Choice(DECODE_MODES), default="fast", show_default=True,
+              help="fast: DCT-scaled decode + one crop-then-resize in workers (default); cpu: PIL + torchvision ops, "
+                   "the exact reference; gpu: batched decode_jpeg + resize/crop on the model's device.")
 @click.option("--batch-size", default=64, show_default=True)
 @click.option("--workers", default=2, show_default=True, help="DataLoader worker processes (decode + transform).")
 @click.option("--split", "splits", multiple=True, help="Only these splits (repeatable). Default: all.")

@@ -55,7 +55,7 @@ class FeatureConfig:
     storage: str = "pt"
     device: str = "auto"
     amp: str = "auto"
-    decode: str = "cpu"
+    decode: str = "fast"
     batch_size: int = 64
     workers: int = 2
     splits: tuple[str, ...] | None = None
@@ -123,7 +123,7 @@ def resolve_transform(cfg: FeatureConfig, backbone: Backbone) -> FeatureTransfor
 def _run_record(cfg: FeatureConfig, backbone: Backbone, spec: FeatureTransform, device: torch.device,
                 splits: list[str]) -> dict[str, Any]:
     amp = ("bf16" if device.type == "cuda" else "off") if cfg.amp == "auto" else cfg.amp
-    decoder = "pil" if cfg.decode == "cpu" else f"decode_jpeg:{device.type}"
+    decoder = {"fast": "fast", "cpu": "pil"}.get(cfg.decode, f"decode_jpeg:{device.type}")
     augment = AugmentSpec(cfg.views, seed=cfg.seed) if cfg.augment else None
     config = {
         "backbone": backbone.name,

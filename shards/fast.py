@@ -102,7 +102,7 @@ def _to_chw(array: np.ndarray) -> torch.Tensor:
 RESAMPLING = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC, "nearest": Image.NEAREST}
 
 
-def _resize_box(array: np.ndarray, box: tuple[float, float, float, float], size: tuple[int, int],
+def resize_box(array: np.ndarray, box: tuple[float, float, float, float], size: tuple[int, int],
                 interpolation: str = "bilinear") -> np.ndarray:
     """Resize only ``box`` (left, top, right, bottom in source pixels) to ``size`` = (width, height)."""
     image = Image.fromarray(array)
@@ -145,8 +145,12 @@ class FastEval:
 
     def __call__(self, data: bytes, seed: int = 0) -> torch.Tensor:
         array = decode_rgb_array(data, self.resize if self.draft else None)
+        return self.apply(array)
+
+    def apply(self, array: np.ndarray) -> torch.Tensor:
+        """The eval geometry on an already decoded RGB array."""
         box = self.box(array.shape[1], array.shape[0])
-        return _to_chw(_resize_box(array, box, (self.crop, self.crop), self.interpolation))
+        return _to_chw(resize_box(array, box, (self.crop, self.crop), self.interpolation))
 
     def box(self, width: int, height: int) -> tuple[float, float, float, float]:
         """The source region torchvision's Resize(resize) + CenterCrop(crop) would end up showing."""
@@ -176,7 +180,7 @@ class FastTrain:
         rng = random.Random(seed)
         array = decode_rgb_array(data)
         box = self.crop_box(array.shape[1], array.shape[0], rng)
-        out = _resize_box(array, box, (self.size, self.size), self.interpolation)
+        out = resize_box(array, box, (self.size, self.size), self.interpolation)
         if rng.random() < self.hflip:
             out = out[:, ::-1]
         return _to_chw(out)

@@ -179,13 +179,15 @@ def test_augmented_views_are_seeded_per_key_not_per_worker(datasets, tmp_path):
     assert verify_feature_folder(tmp_path / "one", full=True) == []
 
 
-def test_device_decode_path_matches_cpu_decoding_closely(datasets, tmp_path):
-    """The ``--decode gpu`` path run on the CPU: same decoder bits, tensor resize instead of PIL's."""
+@pytest.mark.parametrize("decode, recorded", [("gpu", "decode_jpeg:cpu"), ("fast", "fast")])
+def test_other_decode_paths_match_the_pil_reference_closely(datasets, tmp_path, decode, recorded):
+    """``--decode gpu`` run on the CPU (tensor resize instead of PIL's) and ``--decode fast`` (crop-then-resize)
+    give nearly the reference features, views included."""
     data_dir, _ = datasets["tar"]
     options = dict(dtype="float32", views=1, augment=True, splits=("train",))
-    cpu = precompute_features(_config(data_dir, tmp_path / "cpu", **options))
-    dev = precompute_features(_config(data_dir, tmp_path / "dev", decode="gpu", **options))
-    assert cpu.config["decode"] == "pil" and dev.config["decode"] == "decode_jpeg:cpu"
+    cpu = precompute_features(_config(data_dir, tmp_path / "cpu", decode="cpu", **options))
+    dev = precompute_features(_config(data_dir, tmp_path / "dev", decode=decode, **options))
+    assert cpu.config["decode"] == "pil" and dev.config["decode"] == recorded
     for info in cpu.splits["train"].shards:
         a, b = (load_feature_shard(tmp_path / d / info.path) for d in ("cpu", "dev"))
         assert a.keys == b.keys
