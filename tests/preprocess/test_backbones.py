@@ -25,13 +25,6 @@ PENULTIMATE = [
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: tiny models on shared cores run several times faster than with oversubscription."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 @pytest.mark.parametrize("name,dim", PENULTIMATE)
 def test_penultimate_width_per_family(name, dim):

@@ -26,13 +26,6 @@ SMALL = dict(backbone="resnet18", weights="none", resize=40, crop=32, batch_size
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: tiny models on shared cores run several times faster than with oversubscription."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 @pytest.fixture(scope="module")
 def datasets(tmp_path_factory):

@@ -79,11 +79,3 @@ def image_folder(tmp_path: Path) -> Path:
                        size=(32, 32))
     return out
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on a shared 2-core machine, spinning thread pools make small models many times slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
