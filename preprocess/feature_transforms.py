@@ -79,7 +79,8 @@ def view_rng(seed: int, key: str, view: int) -> random.Random:
     return random.Random(int.from_bytes(digest[:8], "little"))
 
 
-def view_params(aug: AugmentSpec, key: str, view: int, width: int, height: int) -> tuple[tuple[int, int, int, int], bool]:
+def view_params(aug: AugmentSpec, key: str, view: int, width: int,
+                height: int) -> tuple[tuple[int, int, int, int], bool]:
     """RandomResizedCrop's box (top, left, h, w), torchvision's algorithm, plus the flip decision."""
     rng = view_rng(aug.seed, key, view)
     left, top, right, bottom = random_resized_crop_box(width, height, aug.scale, aug.ratio, rng)

@@ -124,7 +124,8 @@ class Normalize(nn.Module):
     match the torchvision reference to float rounding; ``dtype`` and ``channels_last`` set the model's input layout.
     """
 
-    def __init__(self, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD, *, dtype: torch.dtype = torch.float32,
+    def __init__(self, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD, *,
+                 dtype: torch.dtype = torch.float32,
                  channels_last: bool = False):
         super().__init__()
         self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)

@@ -71,7 +71,7 @@ class Hdf5ShardWriter:
             with h5py.File(tmp, "w", track_order=True) as f:
                 f.attrs["format"] = HDF5_FORMAT
                 f.attrs["version"] = 1
-                f.attrs["classes"] = np.array(self.classes, dtype=object) if self.classes else np.array([], dtype=object)
+                f.attrs.create("classes", np.array(self.classes, dtype=object), dtype=text)
                 chunk = (max(1, min(CHUNK_BYTES, len(data))),)
                 f.create_dataset("data", data=data, chunks=chunk if len(data) else None, track_times=False)
                 f.create_dataset("offsets", data=offsets, track_times=False)
