@@ -120,21 +120,26 @@ def resized_crop(image: torch.Tensor, box: tuple[int, int, int, int], size: int,
 class Normalize(nn.Module):
     """uint8 [B, 3, H, W] -> normalised float batch, on whatever device the batch is on.
 
-    Same arithmetic order as ``ToTensor`` + ``Normalize`` (divide by 255, subtract mean, divide by std) so results
-    match the torchvision reference to float rounding; ``dtype`` and ``channels_last`` set the model's input layout.
+    One cast and one fused multiply-add per element (``x * 1/(255 std) - mean/std``): the same values as
+    ``ToTensor`` + ``Normalize`` to within 1e-6, at half the cost of four passes over a float batch, which matters
+    when the consumer is a CPU. ``dtype`` and ``channels_last`` set the model's input layout; the layout is chosen
+    on the uint8 batch, before the four-times-larger float copy exists.
     """
 
     def __init__(self, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD, *,
-                 dtype: torch.dtype = torch.float32,
-                 channels_last: bool = False):
+                 dtype: torch.dtype = torch.float32, channels_last: bool = False):
         super().__init__()
-        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
-        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
+        mean_t = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+        std_t = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+        self.register_buffer("scale", 1.0 / (255.0 * std_t), persistent=False)
+        self.register_buffer("shift", -mean_t / std_t, persistent=False)
         self.dtype = dtype
         self.channels_last = channels_last
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if images.is_floating_point():  # already normalised by a standard transform: pass through
             return images
-        out = images.to(torch.float32, copy=True).div_(255.0).sub_(self.mean).div_(self.std).to(self.dtype)
-        return out.contiguous(memory_format=torch.channels_last) if self.channels_last else out
+        if self.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        out = images.to(torch.float32).mul_(self.scale).add_(self.shift)
+        return out if self.dtype == torch.float32 else out.to(self.dtype)

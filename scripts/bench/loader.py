@@ -1,41 +1,56 @@
-"""Benchmark: images/s of shardcache's streaming reader against ImageFolder and plain webdataset, cold cache.
+"""Benchmark: images/s of shardcache's readers (standard and fast path) against ImageFolder and webdataset, cold cache.
 
-One generated corpus of ImageNet-like JPEGs (about 500x375, ~100 KB) is packed into tar and HDF5 shards; every
-pass uses the same eval transform (Resize 256, CenterCrop 224, ToTensor, Normalize), batch size and worker count,
-and drops the page cache of its data files first (``posix_fadvise(DONTNEED)`` per file). I/O-only passes replace
-decoding by counting bytes; the single-core decode rate is the ceiling one worker can reach.
+One generated corpus of ImageNet-like JPEGs (about 500x375, ~100 KB) is packed into tar and HDF5 shards. Every
+decoding pass ends in the same thing on the consumer: normalised float [B, 3, 224, 224] batches from the eval
+transform (Resize 256, CenterCrop 224). The peers and shardcache's standard path normalise in the workers; the
+fast path ships uint8 and runs ``Normalize`` per batch in the main process, inside the timed loop (``fast_tar``;
+``fast_tar_1thread`` does it with one intra-op thread, ``fast_tar_uint8`` not at all, standing in for a GPU
+consumer where normalising costs the CPU nothing). Same batch size
+and worker count everywhere, and each pass first drops the page cache of its data files
+(``posix_fadvise(DONTNEED)`` per file). The fast path also runs with simplejpeg switched off (PIL decoding) to see
+whether simplejpeg earns its dependency. I/O-only passes replace decoding by counting bytes; single-core rates
+(decode only with PIL and simplejpeg, and decode plus transform) are the per-core ceilings. An accuracy check
+compares the fast eval path's uint8 pixels and a seeded random resnet18's features with torchvision's reference.
 
-    python scripts/bench/loader.py            # ~3000 images
-    python scripts/bench/loader.py --quick    # small corpus, under three minutes
+    python scripts/bench/loader.py --repeat 3   # 3000 images, ~3.5 minutes on 2 cores
+    python scripts/bench/loader.py --quick --repeat 3   # 600 images, ~70 s
 
-Progress and the table go to stderr; stdout gets one JSON line with ``images_per_s`` and the ratios.
+Progress and the table go to stderr; stdout gets one JSON line with ``images_per_s``, ``fast_vs_best_peer``, the
+ratios and the accuracy numbers.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import io
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
 import webdataset as wds
+import torchvision.transforms as T
 from PIL import Image
 from torchvision.datasets import ImageFolder
+from torchvision.models import resnet18
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import shards  # noqa: E402
+from shards import fast  # noqa: E402
 from shards.decode import decode_image  # noqa: E402
+from shards.fast import FastDecoder  # noqa: E402
 from shards.manifest import DatasetManifest, ShardInfo, SourceInfo, SplitInfo  # noqa: E402
 from shards.progress import setup_logging  # noqa: E402
 from shards.sample import RawSample  # noqa: E402
@@ -50,6 +65,10 @@ SPEC = TransformSpec(preset="eval", size=224)
 # Draft decoding only helps when the stored JPEG is at least twice the transform's input: 500x375 against
 # Resize(256) is not, so the draft gain is measured a second time at a small input size where it applies.
 SMALL_SPEC = TransformSpec(preset="eval", size=112)
+
+
+PEERS = ("imagefolder", "webdataset", "shardcache_tar", "shardcache_hdf5")
+NOT_FLOAT = ("fast_tar_uint8", "io_imagefolder", "io_webdataset", "io_shardcache_tar", "io_shardcache_hdf5")
 
 
 # -- corpus --------------------------------------------------------------------------------------------------------
@@ -151,11 +170,61 @@ def shardcache_loader(folder: Path, args, io_only: bool, draft: bool = False, sp
                               persistent_workers=False)
 
 
+def _check_decoder(expect_simplejpeg: bool, confirmed, worker_id: int) -> None:
+    """Runs in each worker: proves the parent's simplejpeg switch reached the forked copy of ``shards.fast``."""
+    if (fast.simplejpeg is not None) != expect_simplejpeg:
+        raise RuntimeError(f"worker {worker_id}: simplejpeg is {'on' if fast.simplejpeg else 'off'}, "
+                           f"expected {'on' if expect_simplejpeg else 'off'}")
+    with confirmed.get_lock():
+        confirmed.value += 1
+
+
+@contextlib.contextmanager
+def simplejpeg_switch(enabled: bool) -> Iterator[None]:
+    """``shards.fast`` decodes with PIL inside the block when ``enabled`` is False; workers forked inside inherit
+    the module as it is then, so the switch reaches them too."""
+    saved = fast.simplejpeg
+    fast.simplejpeg = saved if enabled else None
+    try:
+        yield
+    finally:
+        fast.simplejpeg = saved
+
+
+def fast_batches(folder: Path, args, use_simplejpeg: bool = True, consumer: str = "normalize",
+                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The fast path as a consumer sees it: uint8 batches from the workers, normalised here, per batch.
+
+    ``consumer``: ``normalize`` (torch's default intra-op threads), ``normalize_1thread`` (one thread, so idle
+    OpenMP threads do not spin on the cores the workers decode on), ``uint8`` (no normalisation here: a proxy for a
+    GPU consumer, where the per-batch Normalize costs the CPU nothing).
+    """
+    dataset = shards.open_dataset(folder, transform=SPEC, pipeline="fast", seed=0)
+    normalize = dataset.decoder.normalizer() if consumer != "uint8" else torch.nn.Identity()
+    confirmed = multiprocessing.Value("i", 0)
+    check = functools.partial(_check_decoder, use_simplejpeg and fast.simplejpeg is not None, confirmed)
+    loader = shards.make_loader(dataset, batch_size=args.batch_size, num_workers=args.workers, drop_last=False,
+                                persistent_workers=False, worker_init_fn=check)
+    threads = torch.get_num_threads()
+    if consumer == "normalize_1thread":
+        torch.set_num_threads(1)
+    try:
+        with simplejpeg_switch(use_simplejpeg):
+            for images, labels in loader:
+                yield normalize(images), labels
+    finally:
+        torch.set_num_threads(threads)
+    if args.workers > 0 and confirmed.value != args.workers:
+        raise RuntimeError(f"only {confirmed.value} of {args.workers} workers confirmed the decoder setting")
+
+
 def timed_pass(name: str, make: Callable, files: list[Path], expected: int) -> float:
     drop_cache(files)
     start = time.perf_counter()
     seen = 0
     for batch in make():
+        if not seen and name not in NOT_FLOAT and not batch[0].is_floating_point():
+            raise RuntimeError(f"{name}: the consumer got {batch[0].dtype} batches, not normalised floats")
         seen += len(batch[1])
     elapsed = time.perf_counter() - start
     if seen != expected:
@@ -174,19 +243,67 @@ def best_of_rounds(passes: dict, expected: int, repeat: int) -> dict[str, float]
     return rates
 
 
-def single_core(files: list[Path], limit: int) -> tuple[float, float]:
-    """Decode-only and decode+transform rates of one core, page cache warm (the CPU ceiling, not the disk)."""
+def _rate(function: Callable, items: list) -> float:
+    start = time.perf_counter()
+    for item in items:
+        function(item)
+    return len(items) / (time.perf_counter() - start)
+
+
+def single_core(files: list[Path], limit: int) -> dict[str, float]:
+    """Per-core ceilings, page cache warm: decode only (PIL, simplejpeg), decode + standard transform (what a
+    standard worker does per image), and the fast path's decode + resize/crop to uint8 (simplejpeg, PIL)."""
     blobs = [p.read_bytes() for p in files[:limit]]
     transform = build_transform(SPEC)
+    samples = [RawSample(str(i), data, "jpg", 0, b"") for i, data in enumerate(blobs)]
+    decoder = FastDecoder(SPEC)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core, as in a DataLoader worker (torch sets one thread there)
-    start = time.perf_counter()
-    for data in blobs:
-        decode_image(data).load()
-    decode_rate = len(blobs) / (time.perf_counter() - start)
-    start = time.perf_counter()
-    for data in blobs:
-        transform(decode_image(data))
-    return decode_rate, len(blobs) / (time.perf_counter() - start)
+    try:
+        rates = {"decode_pil_1core": _rate(lambda data: Image.open(io.BytesIO(data)).load(), blobs)}
+        if fast.simplejpeg is not None:
+            rates["decode_simplejpeg_1core"] = _rate(
+                lambda data: fast.simplejpeg.decode_jpeg(data, colorspace="RGB"), blobs)
+        rates["decode_transform_1core"] = _rate(lambda data: transform(decode_image(data)), blobs)
+        rates["fast_eval_1core"] = _rate(decoder, samples)
+        with simplejpeg_switch(False):
+            rates["fast_eval_pil_1core"] = _rate(decoder, samples)
+    finally:
+        torch.set_num_threads(threads)
+    return rates
+
+
+def fast_accuracy(files: list[Path], limit: int) -> dict[str, float]:
+    """The fast eval path against torchvision's Resize(256) + CenterCrop(224) on the PIL-decoded image.
+
+    Pixels: mean absolute difference of the uint8 images in gray levels (mean and max over images). Features: the
+    cosine between a seeded, randomly initialised resnet18's penultimate features of the two inputs (min over
+    images). Both with simplejpeg (when present) and with PIL as the fast path's decoder.
+    """
+    reference = T.Compose([T.Resize(SPEC.eval_resize), T.CenterCrop(SPEC.size), T.PILToTensor()])
+    decoder = FastDecoder(SPEC)
+    blobs = [p.read_bytes() for p in files[:limit]]
+    expected = torch.stack([reference(decode_image(data)) for data in blobs])
+    torch.manual_seed(0)
+    model = resnet18(weights=None, num_classes=10)
+    model.fc = torch.nn.Identity()
+    model.eval()
+    normalize = decoder.normalizer()
+    with torch.no_grad():
+        expected_features = model(normalize(expected))
+    result = {}
+    for label, use_simplejpeg in (("simplejpeg", True), ("pil", False)):
+        if use_simplejpeg and fast.simplejpeg is None:
+            continue
+        with simplejpeg_switch(use_simplejpeg):
+            got = torch.stack([decoder(RawSample(str(i), data, "jpg", 0, b"")) for i, data in enumerate(blobs)])
+        per_image = (got.float() - expected.float()).abs().mean(dim=(1, 2, 3))
+        with torch.no_grad():
+            cosine = torch.nn.functional.cosine_similarity(model(normalize(got)), expected_features, dim=1)
+        result[label] = {"images": len(blobs), "mean_abs_diff_gray": round(float(per_image.mean()), 4),
+                         "max_abs_diff_gray": round(float(per_image.max()), 4),
+                         "min_feature_cosine": round(float(cosine.min()), 6)}
+    return result
 
 
 def draft_difference(files: list[Path], limit: int, spec: TransformSpec) -> float:
@@ -224,6 +341,67 @@ def main() -> None:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
+def loader_passes(args, workdir: Path, files: list[Path], tars: list[Path], h5s: list[Path]) -> dict:
+    tar, hdf5 = workdir / "tar", workdir / "hdf5"
+    return {
+        "imagefolder": (lambda: imagefolder(workdir / "images", args, False), files),
+        "webdataset": (lambda: webdataset_loader(tar, args, False), tars),
+        "shardcache_tar": (lambda: shardcache_loader(tar, args, False), tars),
+        "shardcache_hdf5": (lambda: shardcache_loader(hdf5, args, False), h5s),
+        "fast_tar": (lambda: fast_batches(tar, args), tars),
+        "fast_hdf5": (lambda: fast_batches(hdf5, args), h5s),
+        "fast_tar_pil": (lambda: fast_batches(tar, args, use_simplejpeg=False), tars),
+        "fast_tar_1thread": (lambda: fast_batches(tar, args, consumer="normalize_1thread"), tars),
+        "fast_tar_uint8": (lambda: fast_batches(tar, args, consumer="uint8"), tars),
+        "shardcache_tar_draft": (lambda: shardcache_loader(tar, args, False, draft=True), tars),
+        "shardcache_tar_112": (lambda: shardcache_loader(tar, args, False, spec=SMALL_SPEC), tars),
+        "shardcache_tar_112_draft": (lambda: shardcache_loader(tar, args, False, draft=True, spec=SMALL_SPEC), tars),
+        "io_imagefolder": (lambda: imagefolder(workdir / "images", args, True), files),
+        "io_webdataset": (lambda: webdataset_loader(tar, args, True), tars),
+        "io_shardcache_tar": (lambda: shardcache_loader(tar, args, True), tars),
+        "io_shardcache_hdf5": (lambda: shardcache_loader(hdf5, args, True), h5s),
+    }
+
+
+def ratios_of(rates: dict[str, float]) -> dict[str, float]:
+    best_peer = max(rates[name] for name in PEERS)
+    ratios = {
+        "fast_vs_best_peer": rates["fast_tar"] / best_peer,
+        "fast_hdf5_vs_best_peer": rates["fast_hdf5"] / best_peer,
+        "fast_pil_vs_best_peer": rates["fast_tar_pil"] / best_peer,
+        "fast_1thread_vs_best_peer": rates["fast_tar_1thread"] / best_peer,
+        "fast_uint8_vs_best_peer": rates["fast_tar_uint8"] / best_peer,
+        "fast_simplejpeg_vs_fast_pil": rates["fast_tar"] / rates["fast_tar_pil"],
+        "fast_tar_vs_shardcache_tar": rates["fast_tar"] / rates["shardcache_tar"],
+        "shardcache_tar_vs_webdataset": rates["shardcache_tar"] / rates["webdataset"],
+        "shardcache_tar_vs_imagefolder": rates["shardcache_tar"] / rates["imagefolder"],
+        "shardcache_hdf5_vs_imagefolder": rates["shardcache_hdf5"] / rates["imagefolder"],
+        "draft_vs_shardcache_tar": rates["shardcache_tar_draft"] / rates["shardcache_tar"],
+        "draft_vs_shardcache_tar_at_112": rates["shardcache_tar_112_draft"] / rates["shardcache_tar_112"],
+        "io_tar_vs_imagefolder": rates["io_shardcache_tar"] / rates["io_imagefolder"],
+        "io_hdf5_vs_imagefolder": rates["io_shardcache_hdf5"] / rates["io_imagefolder"],
+        "io_webdataset_vs_imagefolder": rates["io_webdataset"] / rates["io_imagefolder"],
+    }
+    if "decode_simplejpeg_1core" in rates:
+        ratios["decode_simplejpeg_vs_pil_1core"] = rates["decode_simplejpeg_1core"] / rates["decode_pil_1core"]
+    return ratios
+
+
+def report(rates: dict[str, float], ratios: dict[str, float], accuracy: dict, drafts: dict[str, float]) -> str:
+    best = max(PEERS, key=rates.__getitem__)
+    lines = [f"{'loader':<28}{'img/s':>10}"] + [f"{name:<28}{rate:>10.1f}" for name, rate in rates.items()]
+    lines.append(f"best peer: {best} ({rates[best]:.1f} img/s)")
+    lines += [f"{name:<40}{value:>8.2f}x" for name, value in ratios.items()]
+    for decoder, numbers in accuracy.items():
+        lines.append(f"fast eval vs torchvision ({decoder}, {numbers['images']} images): mean |diff| "
+                     f"{numbers['mean_abs_diff_gray']:.3f} gray levels (max per image "
+                     f"{numbers['max_abs_diff_gray']:.3f}), min resnet18 feature cosine "
+                     f"{numbers['min_feature_cosine']:.6f}")
+    lines.append(f"draft decode: mean |diff| {drafts['224']:.2f} gray levels after the 224 eval transform, "
+                 f"{drafts['112']:.2f} after the 112 one")
+    return "\n".join(lines)
+
+
 def run(args, workdir: Path, count: int, per_shard: int) -> None:
     log.info("corpus: %d JPEGs in %s", count, workdir)
     files = build_corpus(workdir / "images", count)
@@ -233,47 +411,25 @@ def run(args, workdir: Path, count: int, per_shard: int) -> None:
     tars = sorted((workdir / "tar").glob("*.tar"))
     h5s = sorted((workdir / "hdf5").glob("*.h5"))
     mean_kb = sum(p.stat().st_size for p in files) / len(files) / 1024
-    log.info("mean file %.0f KB; %d tar and %d HDF5 shards; %d workers, batch %d", mean_kb, len(tars), len(h5s),
-             args.workers, args.batch_size)
-    passes = {
-        "imagefolder": (lambda: imagefolder(workdir / "images", args, False), files),
-        "webdataset": (lambda: webdataset_loader(workdir / "tar", args, False), tars),
-        "shardcache_tar": (lambda: shardcache_loader(workdir / "tar", args, False), tars),
-        "shardcache_hdf5": (lambda: shardcache_loader(workdir / "hdf5", args, False), h5s),
-        "shardcache_tar_draft": (lambda: shardcache_loader(workdir / "tar", args, False, draft=True), tars),
-        "shardcache_tar_112": (lambda: shardcache_loader(workdir / "tar", args, False, spec=SMALL_SPEC), tars),
-        "shardcache_tar_112_draft": (lambda: shardcache_loader(workdir / "tar", args, False, draft=True,
-                                                               spec=SMALL_SPEC), tars),
-        "io_imagefolder": (lambda: imagefolder(workdir / "images", args, True), files),
-        "io_webdataset": (lambda: webdataset_loader(workdir / "tar", args, True), tars),
-        "io_shardcache_tar": (lambda: shardcache_loader(workdir / "tar", args, True), tars),
-        "io_shardcache_hdf5": (lambda: shardcache_loader(workdir / "hdf5", args, True), h5s),
-    }
-    rates = best_of_rounds(passes, count, args.repeat)
-    decode_rate, decode_transform_rate = single_core(files, min(count, 300))
-    rates["decode_1core"] = decode_rate
-    rates["decode_transform_1core"] = decode_transform_rate
-    gray = draft_difference(files, min(count, 50), SPEC)
-    gray_small = draft_difference(files, min(count, 50), SMALL_SPEC)
-    ratios = {
-        "shardcache_tar_vs_webdataset": rates["shardcache_tar"] / rates["webdataset"],
-        "shardcache_tar_vs_imagefolder": rates["shardcache_tar"] / rates["imagefolder"],
-        "shardcache_hdf5_vs_imagefolder": rates["shardcache_hdf5"] / rates["imagefolder"],
-        "draft_vs_shardcache_tar": rates["shardcache_tar_draft"] / rates["shardcache_tar"],
-        "draft_vs_shardcache_tar_at_112": rates["shardcache_tar_112_draft"] / rates["shardcache_tar_112"],
-        "io_shardcache_tar_vs_io_imagefolder": rates["io_shardcache_tar"] / rates["io_imagefolder"],
-        "io_webdataset_vs_io_imagefolder": rates["io_webdataset"] / rates["io_imagefolder"],
-        "io_shardcache_hdf5_vs_io_imagefolder": rates["io_shardcache_hdf5"] / rates["io_imagefolder"],
-    }
-    lines = [f"{'loader':<24}{'img/s':>10}"] + [f"{name:<24}{rate:>10.1f}" for name, rate in rates.items()]
-    lines += [f"{name:<40}{value:>8.2f}x" for name, value in ratios.items()]
-    lines.append(f"draft decode: mean |diff| {gray:.2f} gray levels after the 224 eval transform, "
-                 f"{gray_small:.2f} after the 112 one")
-    print("\n".join(lines), file=sys.stderr)
+    log.info("mean file %.0f KB; %d tar and %d HDF5 shards; %d workers, batch %d; simplejpeg %s", mean_kb,
+             len(tars), len(h5s), args.workers, args.batch_size,
+             getattr(fast.simplejpeg, "__version__", "absent"))
+    rates = best_of_rounds(loader_passes(args, workdir, files, tars, h5s), count, args.repeat)
+    rates.update(single_core(files, min(count, 300)))
+    accuracy = fast_accuracy(files, min(count, 50))
+    drafts = {"224": draft_difference(files, min(count, 50), SPEC),
+              "112": draft_difference(files, min(count, 50), SMALL_SPEC)}
+    ratios = ratios_of(rates)
+    print(report(rates, ratios, accuracy, drafts), file=sys.stderr)
     print(json.dumps({"images": count, "workers": args.workers, "batch_size": args.batch_size,
-                      "mean_file_kb": round(mean_kb, 1), "images_per_s": {k: round(v, 1) for k, v in rates.items()},
+                      "repeat": args.repeat, "mean_file_kb": round(mean_kb, 1),
+                      "simplejpeg": getattr(fast.simplejpeg, "__version__", None),
+                      "images_per_s": {k: round(v, 1) for k, v in rates.items()},
+                      "best_peer": max(PEERS, key=rates.__getitem__),
+                      "fast_vs_best_peer": round(ratios["fast_vs_best_peer"], 3),
                       "ratios": {k: round(v, 3) for k, v in ratios.items()},
-                      "draft_mean_abs_diff_gray": {"224": round(gray, 3), "112": round(gray_small, 3)}}))
+                      "accuracy": accuracy,
+                      "draft_mean_abs_diff_gray": {k: round(v, 3) for k, v in drafts.items()}}))
 
 
 if __name__ == "__main__":

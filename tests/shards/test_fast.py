@@ -141,3 +141,37 @@ def test_fast_pipeline_refuses_what_it_cannot_do(tmp_path):
                             pipeline="fast")
     with pytest.raises(InputError, match="callable"):
         shards.open_dataset(tmp_path, transform=lambda image: image, pipeline="fast")
+
+
+def test_train_crop_matches_torchvision_resized_crop_within_one_gray_level():
+    import torchvision.transforms.functional as TF
+
+    data = jpeg_bytes(photo(500, 375))
+    transform = FastTrain(size=96, hflip=0.0)
+    for seed in range(4):
+        left, top, right, bottom = transform.crop_box(500, 375, random.Random(seed))
+        source = Image.open(io.BytesIO(data)).convert("RGB")
+        reference = TF.pil_to_tensor(TF.resized_crop(source, top, left, bottom - top, right - left, [96, 96]))
+        assert (transform(data, seed).float() - reference.float()).abs().mean().item() < 1.0
+
+
+def test_pil_path_gives_decode_image_pixels_and_still_turns_rotated_jpegs(monkeypatch):
+    from shards.decode import decode_image
+
+    monkeypatch.setattr(fast, "simplejpeg", None)
+    data = jpeg_bytes(photo(400, 300))
+    assert np.array_equal(decode_rgb_array(data), np.asarray(decode_image(data)))
+    assert np.array_equal(decode_rgb_array(data, 100), np.asarray(decode_image(data, draft_size=(100, 100))))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    assert decode_rgb_array(jpeg_bytes(photo(400, 300), exif=exif.tobytes())).shape == (400, 300, 3)
+
+
+@pytest.mark.parametrize("interpolation", ["bicubic", "nearest"])
+def test_other_interpolations_keep_the_pil_path(interpolation):
+    data = jpeg_bytes(photo(500, 375))
+    out = FastEval(interpolation=interpolation)(data)
+    reference = T.Compose([T.Resize(256, interpolation=T.InterpolationMode(interpolation)), T.CenterCrop(224),
+                           T.PILToTensor()])(Image.open(io.BytesIO(data)).convert("RGB"))
+    assert out.shape == (3, 224, 224) and (out.float() - reference.float()).abs().mean().item() < 1.0
+    assert FastTrain(size=64, interpolation=interpolation)(data, seed=1).shape == (3, 64, 64)
