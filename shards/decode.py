@@ -48,13 +48,14 @@ def decode_image(data: bytes, *, draft_size: tuple[int, int] | None = None) -> I
     that large: much faster when the stored image is far bigger than what the transform needs.
     """
     image = open_image(data)
+    orientation = image.getexif().get(0x0112, 1)  # header only: no pixels decoded yet
     if draft_size is not None and image.format == "JPEG":
-        orientation = image.getexif().get(0x0112, 1)
         width, height = draft_size
         if orientation in (5, 6, 7, 8):  # rotated 90 degrees: the stored image is transposed
             width, height = height, width
         image.draft("RGB", (width, height))
-    image = ImageOps.exif_transpose(image)
+    if orientation != 1:  # exif_transpose copies the whole image even when nothing turns
+        image = ImageOps.exif_transpose(image)
     return to_rgb(image)
 
 
