@@ -32,6 +32,7 @@ PLAN_FILE = "plan.json"
 INDEX_FILE = "source-index.jsonl"
 _OWN_FILES = (DATASET_FILE, INDEX_FILE)
 _SHARD_FILE = re.compile(r"^[A-Za-z0-9_]+-\d{6}\.(tar|h5)(\.tmp)?$")
+_APPEND_INDEX_FILE = re.compile(r"^source-index-\d{4}\.jsonl(\.tmp)?$")  # written by ``--append``
 
 
 def write_text_shared(path: Path, text: str) -> None:
@@ -74,7 +75,8 @@ def remove_packed_output(out: Path) -> None:
     for entry in out.iterdir():
         if entry.name == STATE_DIR and entry.is_dir():
             shutil.rmtree(entry)
-        elif entry.is_file() and (_SHARD_FILE.match(entry.name) or entry.name in _OWN_FILES
+        elif entry.is_file() and (_SHARD_FILE.match(entry.name) or _APPEND_INDEX_FILE.match(entry.name)
+                                  or entry.name in _OWN_FILES
                                   or (entry.name.startswith(_OWN_FILES) and entry.name.endswith(".tmp"))):
             entry.unlink()
 

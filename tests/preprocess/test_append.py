@@ -157,3 +157,17 @@ def test_cli_append_prints_what_it_packed_and_prune_needs_append(tmp_path):
     assert summary["new_files"] == 2 and summary["samples"] == 20
     refused = runner.invoke(pack_shards_command, [cfg.source, "--out", cfg.out, "--prune", "--quiet"])
     assert refused.exit_code == 2 and "--prune works only with --append" in refused.output
+
+
+def test_overwrite_removes_the_index_files_appends_wrote(tmp_path):
+    cfg = _packed(tmp_path)
+    out = Path(cfg.out)
+    _add(tmp_path, 0, range(3))
+    append_shards(cfg)
+    appended = sorted(p.name for p in out.glob("source-index-*.jsonl"))
+    assert appended, "the append should have written its own index file"
+    (out / "notes.txt").write_text("mine")
+    pack(_config(tmp_path, seed=6, overwrite=True))
+    assert not list(out.glob("source-index-*.jsonl"))
+    assert (out / "notes.txt").read_text() == "mine"
+    assert _total(out) == 6 * 3 + 3
