@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from shards.atomic import sha256_file
+from shards.device_transforms import IMAGENET_MEAN, IMAGENET_STD
 from shards.errors import InputError, MissingInputError
 
 log = logging.getLogger(__name__)
@@ -48,9 +49,6 @@ FAMILIES: dict[str, str] = {
     "swin": "head",
 }
 
-# torchvision's ImageNet eval preset: what an unknown weights file (or random init) gets unless options say otherwise.
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 _HUB_NAME = re.compile(r"^(?P<stem>.+)-(?P<hash>[0-9a-f]{6,})\.(pth|pt)$")
 
 
