@@ -10,6 +10,8 @@ import io
 
 from PIL import Image, ImageOps
 
+JPEG_MAGIC = b"\xff\xd8"
+
 # Decompression-bomb guard: PIL raises above twice this; we keep its default unless the caller says otherwise.
 DEFAULT_MAX_PIXELS = Image.MAX_IMAGE_PIXELS
 
@@ -84,3 +86,34 @@ class ImageDecoder:
     def __call__(self, sample):
         image = self.decode(sample.data, sample.ext)
         return image if self.transform is None else self.transform(image)
+
+
+def jpeg_orientation(data: bytes) -> int:
+    """EXIF orientation of a JPEG from its APP1 segment (1 when absent), without decoding anything."""
+    pos, end = 2, min(len(data), 1 << 16)
+    while pos + 4 <= end and data[pos] == 0xFF:
+        marker = data[pos + 1]
+        length = int.from_bytes(data[pos + 2 : pos + 4], "big")
+        if marker == 0xE1 and data[pos + 4 : pos + 10] == b"Exif\x00\x00":
+            return _tiff_orientation(data[pos + 10 : pos + 2 + length])
+        if marker in (0xDA, 0xD9):  # start of scan / end of image: no EXIF before the pixels
+            break
+        pos += 2 + length
+    return 1
+
+
+def _tiff_orientation(tiff: bytes) -> int:
+    if len(tiff) < 8 or tiff[:2] not in (b"II", b"MM"):
+        return 1
+    order = "little" if tiff[:2] == b"II" else "big"
+    ifd = int.from_bytes(tiff[4:8], order)
+    if ifd + 2 > len(tiff):
+        return 1
+    count = int.from_bytes(tiff[ifd : ifd + 2], order)
+    for i in range(count):
+        entry = ifd + 2 + 12 * i
+        if entry + 12 > len(tiff):
+            break
+        if int.from_bytes(tiff[entry : entry + 2], order) == 0x0112:
+            return int.from_bytes(tiff[entry + 8 : entry + 10], order) or 1
+    return 1

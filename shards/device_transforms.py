@@ -24,8 +24,10 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 def exif_orientation(data: bytes) -> int:
     """The EXIF orientation tag of an encoded image (1 when absent); parses the header only, decodes no pixels."""
-    from shards.decode import open_image
+    from shards.decode import JPEG_MAGIC, jpeg_orientation, open_image
 
+    if data[:2] == JPEG_MAGIC:
+        return jpeg_orientation(data)  # a few byte comparisons instead of opening the image with PIL
     try:
         return int(open_image(data).getexif().get(0x0112, 1))
     except Exception:  # a broken header is reported by the decoder itself, with the sample's key

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from shards.decode import decode_image
+from shards.decode import JPEG_MAGIC, decode_image, jpeg_orientation
 from shards.device_transforms import IMAGENET_MEAN, IMAGENET_STD, Normalize
 from shards.errors import CorruptDataError, InputError
 
@@ -34,38 +34,6 @@ try:  # libjpeg-turbo without PIL's per-call overhead; optional, PIL is the fall
 except ImportError:  # pragma: no cover - exercised where simplejpeg is absent
     simplejpeg = None
 
-JPEG_MAGIC = b"\xff\xd8"
-
-
-def jpeg_orientation(data: bytes) -> int:
-    """EXIF orientation of a JPEG from its APP1 segment (1 when absent), without decoding anything."""
-    pos, end = 2, min(len(data), 1 << 16)
-    while pos + 4 <= end and data[pos] == 0xFF:
-        marker = data[pos + 1]
-        length = int.from_bytes(data[pos + 2 : pos + 4], "big")
-        if marker == 0xE1 and data[pos + 4 : pos + 10] == b"Exif\x00\x00":
-            return _tiff_orientation(data[pos + 10 : pos + 2 + length])
-        if marker in (0xDA, 0xD9):  # start of scan / end of image: no EXIF before the pixels
-            break
-        pos += 2 + length
-    return 1
-
-
-def _tiff_orientation(tiff: bytes) -> int:
-    if len(tiff) < 8 or tiff[:2] not in (b"II", b"MM"):
-        return 1
-    order = "little" if tiff[:2] == b"II" else "big"
-    ifd = int.from_bytes(tiff[4:8], order)
-    if ifd + 2 > len(tiff):
-        return 1
-    count = int.from_bytes(tiff[ifd : ifd + 2], order)
-    for i in range(count):
-        entry = ifd + 2 + 12 * i
-        if entry + 12 > len(tiff):
-            break
-        if int.from_bytes(tiff[entry : entry + 2], order) == 0x0112:
-            return int.from_bytes(tiff[entry + 8 : entry + 10], order) or 1
-    return 1
 
 
 def draft_factor(short_side: int, min_size: int) -> int:
