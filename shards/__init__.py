@@ -11,21 +11,22 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "open_dataset": "shards.reader",
-    "make_loader": "shards.loader",
-    "pad_collate": "shards.loader",
-    "ShardLoader": "shards.loader",
-    "FeatureBatchLoader": "shards.feature_stream",
-    "ShardDataset": "shards.dataset",
-    "ImageShardDataset": "shards.dataset",
-    "FeatureShardDataset": "shards.feature_stream",
-    "StreamConfig": "shards.dataset",
-    "ImageDecoder": "shards.decode",
-    "TransformSpec": "shards.transforms",
-    "build_transform": "shards.transforms",
-    "train_transform": "shards.transforms",
-    "eval_transform": "shards.transforms",
-    "plan_epoch": "shards.plan",
+    "open_dataset": "shards.stream.reader",
+    "make_loader": "shards.stream.loader",
+    "pad_collate": "shards.stream.loader",
+    "ShardLoader": "shards.stream.loader",
+    "FeatureBatchLoader": "shards.stream.feature_stream",
+    "ShardDataset": "shards.stream.dataset",
+    "ImageShardDataset": "shards.stream.dataset",
+    "FeatureShardDataset": "shards.stream.feature_stream",
+    "StreamConfig": "shards.stream.dataset",
+    "ImageDecoder": "shards.image.decode",
+    "TransformSpec": "shards.image.transforms",
+    "build_transform": "shards.image.transforms",
+    "train_transform": "shards.image.transforms",
+    "eval_transform": "shards.image.transforms",
+    "plan_epoch": "shards.stream.plan",
+    "Normalize": "shards.image.device",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -11,8 +11,8 @@ from typing import Sequence
 from PIL import Image
 
 from shards.manifest import DatasetManifest, ShardInfo, SourceInfo, SplitInfo
-from shards.sample import RawSample
-from shards.storage import get_storage, shard_name
+from shards.formats.sample import RawSample
+from shards.formats.storage import get_storage, shard_name
 
 PALETTE = [(220, 30, 30), (30, 200, 40), (40, 60, 230), (230, 220, 40), (200, 40, 220), (40, 220, 220)]
 

@@ -6,7 +6,7 @@ import os
 
 import click
 
-from shards.cli_common import emit_json, handle_errors, quiet_option
+from shards.cli.common import emit_json, handle_errors, quiet_option
 from train.config import DATA_KINDS, DEVICES, HEADS, OPTIMIZERS, PIPELINES, TrainConfig
 
 

@@ -25,8 +25,8 @@ from shards.manifest import (
     load_feature_manifest,
     load_manifest,
 )
-from shards.fast import Normalize
-from shards.transforms import TransformSpec
+from shards.image.fast import Normalize
+from shards.image.transforms import TransformSpec
 from train.config import TrainConfig
 from train.distributed import DistContext
 

@@ -33,15 +33,15 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from preprocess.backbones import build_backbone  # noqa: E402
-from preprocess.feature_transforms import FeatureTransform, eval_pil, eval_tensors  # noqa: E402
-from preprocess.featurize import FeatureConfig, resolve_device, run_precompute  # noqa: E402
-from shards.decode import decode_image  # noqa: E402
-from shards.device_transforms import decode_images  # noqa: E402
-from shards.features import load_feature_shard  # noqa: E402
+from preprocess.features.backbones import build_backbone  # noqa: E402
+from preprocess.features.transforms import FeatureTransform, eval_pil, eval_tensors  # noqa: E402
+from preprocess.features.featurize import FeatureConfig, resolve_device, run_precompute  # noqa: E402
+from shards.image.decode import decode_image  # noqa: E402
+from shards.image.device import decode_images  # noqa: E402
+from shards.formats.features import load_feature_shard  # noqa: E402
 from shards.manifest import DatasetManifest, ShardInfo, SourceInfo, SplitInfo  # noqa: E402
-from shards.sample import RawSample  # noqa: E402
-from shards.tar import TarShardWriter  # noqa: E402
+from shards.formats.sample import RawSample  # noqa: E402
+from shards.formats.tar import TarShardWriter  # noqa: E402
 
 SPEC = FeatureTransform(256, 224, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 

@@ -48,14 +48,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import shards  # noqa: E402
-from shards import fast  # noqa: E402
-from shards.decode import decode_image  # noqa: E402
-from shards.fast import FastDecoder  # noqa: E402
+from shards.image import fast  # noqa: E402
+from shards.image.decode import decode_image  # noqa: E402
+from shards.image.fast import FastDecoder  # noqa: E402
 from shards.manifest import DatasetManifest, ShardInfo, SourceInfo, SplitInfo  # noqa: E402
 from shards.progress import setup_logging  # noqa: E402
-from shards.sample import RawSample  # noqa: E402
-from shards.storage import get_storage, shard_name  # noqa: E402
-from shards.transforms import TransformSpec, build_transform  # noqa: E402
+from shards.formats.sample import RawSample  # noqa: E402
+from shards.formats.storage import get_storage, shard_name  # noqa: E402
+from shards.image.transforms import TransformSpec, build_transform  # noqa: E402
 
 # Every library is imported above, before any timed pass, so no loader pays another's import time.
 
@@ -171,7 +171,7 @@ def shardcache_loader(folder: Path, args, io_only: bool, draft: bool = False, sp
 
 
 def _check_decoder(expect_simplejpeg: bool, confirmed, worker_id: int) -> None:
-    """Runs in each worker: proves the parent's simplejpeg switch reached the forked copy of ``shards.fast``."""
+    """Runs in each worker: proves the parent's simplejpeg switch reached the forked copy of ``shards.image.fast``."""
     if (fast.simplejpeg is not None) != expect_simplejpeg:
         raise RuntimeError(f"worker {worker_id}: simplejpeg is {'on' if fast.simplejpeg else 'off'}, "
                            f"expected {'on' if expect_simplejpeg else 'off'}")
@@ -181,7 +181,7 @@ def _check_decoder(expect_simplejpeg: bool, confirmed, worker_id: int) -> None:
 
 @contextlib.contextmanager
 def simplejpeg_switch(enabled: bool) -> Iterator[None]:
-    """``shards.fast`` decodes with PIL inside the block when ``enabled`` is False; workers forked inside inherit
+    """``shards.image.fast`` decodes with PIL inside the block when ``enabled`` is False; workers forked inside inherit
     the module as it is then, so the switch reaches them too."""
     saved = fast.simplejpeg
     fast.simplejpeg = saved if enabled else None

@@ -28,7 +28,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from preprocess.pack import PackConfig, pack  # noqa: E402
+from preprocess.pack.packer import PackConfig, pack  # noqa: E402
 
 
 def make_image(rng: np.random.Generator, width: int = 500, height: int = 375) -> bytes:

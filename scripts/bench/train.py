@@ -34,12 +34,12 @@ import numpy as np
 import torch
 from PIL import Image
 
-from shards.features import FeatureShard, feature_shard_name, write_feature_shard
+from shards.formats.features import FeatureShard, feature_shard_name, write_feature_shard
 from shards.manifest import (DatasetManifest, FeatureManifest, ShardInfo, SourceInfo, SplitInfo,
                              dataset_manifest_sha256)
 from shards.progress import setup_logging
-from shards.sample import RawSample
-from shards.storage import get_storage, shard_name
+from shards.formats.sample import RawSample
+from shards.formats.storage import get_storage, shard_name
 from train.config import TrainConfig
 from train.loop import train
 from train.run_dir import read_metrics

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from preprocess.append import append, append_shards
-from preprocess.pack import PackConfig, pack
+from preprocess.pack.append import append, append_shards
+from preprocess.pack.packer import PackConfig, pack
 from shards.errors import InputError
 from shards.manifest import load_dataset_manifest
-from shards.storage import get_storage
+from shards.formats.storage import get_storage
 from tests.helpers import class_image, write_image_folder
 
 CLASSES = ["a", "b", "c"]
@@ -118,7 +118,7 @@ def test_a_run_killed_before_the_commit_is_redone_identically(tmp_path, monkeypa
     out = Path(cfg.out)
     _add(tmp_path, 2, range(3))
     manifest_bytes = (out / "dataset.json").read_bytes()
-    monkeypatch.setattr("preprocess.append.DatasetManifest.save", lambda self, folder: (_ for _ in ()).throw(
+    monkeypatch.setattr("preprocess.pack.append.DatasetManifest.save", lambda self, folder: (_ for _ in ()).throw(
         KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         append(cfg)
@@ -146,7 +146,7 @@ def test_append_without_a_dataset_packs_everything(tmp_path):
 def test_cli_append_prints_what_it_packed_and_prune_needs_append(tmp_path):
     from click.testing import CliRunner
 
-    from preprocess.cli import pack_shards_command
+    from preprocess.pack.cli import pack_shards_command
 
     cfg = _packed(tmp_path)
     _add(tmp_path, 0, range(2))

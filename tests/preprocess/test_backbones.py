@@ -6,8 +6,8 @@ import pytest
 import torch
 import torchvision
 
-from preprocess import backbones
-from preprocess.backbones import build_backbone, build_model
+from preprocess.features import backbones
+from preprocess.features.backbones import build_backbone, build_model
 from shards.atomic import sha256_file
 from shards.errors import InputError, MissingInputError
 

@@ -10,15 +10,15 @@ import torch
 import torchvision.transforms as T
 from click.testing import CliRunner
 
-from preprocess.backbones import build_backbone
-from preprocess.featurize import FeatureConfig, merge_features, precompute_features, run_precompute
-from preprocess.features_cli import precompute_features_command
-from shards.decode import decode_image
+from preprocess.features.backbones import build_backbone
+from preprocess.features.featurize import FeatureConfig, merge_features, precompute_features, run_precompute
+from preprocess.features.cli import precompute_features_command
+from shards.image.decode import decode_image
 from shards.errors import OutputExistsError, ShardcacheError
-from shards.features import load_feature_shard
-from shards.features_verify import verify_feature_folder
+from shards.formats.features import load_feature_shard
+from shards.check.features_verify import verify_feature_folder
 from shards.manifest import load_dataset_manifest, load_feature_manifest
-from shards.storage import get_storage
+from shards.formats.storage import get_storage
 from tests.helpers import make_shard_dataset
 
 SHARDS = {"train": [5, 3, 4], "val": [4]}

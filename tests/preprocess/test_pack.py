@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-import preprocess.pack as pack_module
-from preprocess.pack import PackConfig, pack, pack_shards
-from preprocess.parts import INDEX_FILE, merge_parts
+import preprocess.pack.packer as pack_module
+from preprocess.pack.packer import PackConfig, pack, pack_shards
+from preprocess.pack.parts import INDEX_FILE, merge_parts
 from shards.errors import CorruptDataError, InputError, OutputExistsError, ShardcacheError
 from shards.manifest import load_dataset_manifest
-from shards.storage import STORAGES
+from shards.formats.storage import STORAGES
 from tests.helpers import write_image_folder
 from tests.preprocess.corpus import BROKEN_KINDS, write_mixed_tree
 

@@ -5,7 +5,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from preprocess.cli import pack_shards_command
+from preprocess.pack.cli import pack_shards_command
 from tests.helpers import write_image_folder
 
 

@@ -5,7 +5,7 @@ import io
 import pytest
 from PIL import Image
 
-from preprocess.validate import InvalidImage, ValidateOptions, read_and_validate, validate_image
+from preprocess.pack.validate import InvalidImage, ValidateOptions, read_and_validate, validate_image
 from tests.preprocess import corpus
 
 FULL = ValidateOptions(verify="full")

@@ -8,10 +8,10 @@ from typing import Sequence
 
 import torch
 
-from shards.features import FeatureShard, feature_shard_name, write_feature_shard
+from shards.formats.features import FeatureShard, feature_shard_name, write_feature_shard
 from shards.manifest import DatasetManifest, FeatureManifest, ShardInfo, SourceInfo, SplitInfo
-from shards.sample import RawSample
-from shards.storage import get_storage, shard_name
+from shards.formats.sample import RawSample
+from shards.formats.storage import get_storage, shard_name
 from tests.helpers import class_image
 
 

@@ -6,10 +6,10 @@ import pytest
 from PIL import Image
 
 import shards
-import shards.dataset as dataset_module
+import shards.stream.dataset as dataset_module
 from shards.errors import MissingInputError
-from shards.tar import iter_tar_shard
-from shards.tarseek import iter_tar_slice
+from shards.formats.tar import iter_tar_shard
+from shards.formats.tarseek import iter_tar_slice
 from tests.helpers import make_shard_dataset
 
 SIZES = {"train": [7, 5, 9, 3], "val": [6, 6]}

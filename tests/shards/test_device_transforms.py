@@ -10,8 +10,8 @@ import torch
 import torchvision.transforms as T
 from PIL import Image
 
-from shards.decode import decode_image
-from shards.device_transforms import Normalize, apply_orientation, decode_images, exif_orientation
+from shards.image.decode import decode_image
+from shards.image.device import Normalize, apply_orientation, decode_images, exif_orientation
 from shards.errors import CorruptDataError
 from tests.helpers import class_image
 

@@ -9,8 +9,8 @@ import torch
 import torchvision.transforms as T
 from PIL import Image
 
-from shards import fast
-from shards.fast import FastEval, FastTrain, Normalize, decode_rgb_array, jpeg_orientation
+from shards.image import fast
+from shards.image.fast import FastEval, FastTrain, Normalize, decode_rgb_array, jpeg_orientation
 
 
 def photo(width: int, height: int, seed: int = 0) -> Image.Image:
@@ -156,7 +156,7 @@ def test_train_crop_matches_torchvision_resized_crop_within_one_gray_level():
 
 
 def test_pil_path_gives_decode_image_pixels_and_still_turns_rotated_jpegs(monkeypatch):
-    from shards.decode import decode_image
+    from shards.image.decode import decode_image
 
     monkeypatch.setattr(fast, "simplejpeg", None)
     data = jpeg_bytes(photo(400, 300))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import shards
-from shards.feature_stream import FeatureBatchLoader, FeatureShardDataset
+from shards.stream.feature_stream import FeatureBatchLoader, FeatureShardDataset
 from tests.shards.stream_helpers import write_feature_dataset
 
 SIZES = [10, 3, 7, 5]

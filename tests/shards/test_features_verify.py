@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from shards.features import FeatureShard, write_feature_shard
-from shards.features_verify import verify_feature_folder
+from shards.formats.features import FeatureShard, write_feature_shard
+from shards.check.features_verify import verify_feature_folder
 from shards.manifest import FeatureManifest, ShardInfo, SplitInfo, dataset_manifest_sha256
-from shards.storage import get_storage
+from shards.formats.storage import get_storage
 from tests.helpers import make_shard_dataset
 
 DIM = 8

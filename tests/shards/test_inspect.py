@@ -5,8 +5,8 @@ import json
 from click.testing import CliRunner
 from PIL import Image
 
-from shards.cli import main
-from shards.inspect import batch_report, save_grid, summarize
+from shards.cli.main import main
+from shards.check.inspect import batch_report, save_grid, summarize
 from tests.helpers import make_shard_dataset
 
 

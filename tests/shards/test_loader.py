@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import shards
-from shards.loader import pad_collate
+from shards.stream.loader import pad_collate
 from tests.helpers import make_shard_dataset
 
 SIZES = {"train": [7, 5, 9, 3, 1], "val": [4]}

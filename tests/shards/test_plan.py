@@ -6,7 +6,7 @@ import random
 import pytest
 
 from shards.errors import InputError
-from shards.plan import epoch_sizes, plan_epoch, round_robin_consumed, worker_sample_counts
+from shards.stream.plan import epoch_sizes, plan_epoch, round_robin_consumed, worker_sample_counts
 
 
 def samples_of(slices):

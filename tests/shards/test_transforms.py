@@ -7,9 +7,9 @@ import pytest
 import torch
 from PIL import Image
 
-from shards.decode import ImageDecoder, decode_image
+from shards.image.decode import ImageDecoder, decode_image
 from shards.errors import CorruptDataError, InputError
-from shards.transforms import IMAGENET_MEAN, TransformSpec, build_transform, eval_transform, train_transform
+from shards.image.transforms import IMAGENET_MEAN, TransformSpec, build_transform, eval_transform, train_transform
 
 
 def jpeg(size=(400, 300)):

@@ -6,11 +6,11 @@ import types
 
 from click.testing import CliRunner
 
-from shards.cli import main
+from shards.cli.main import main
 from shards.manifest import ShardInfo, load_dataset_manifest
-from shards.sample import RawSample
-from shards.storage import STORAGES
-from shards.verify import decode_positions, verify_dataset
+from shards.formats.sample import RawSample
+from shards.formats.storage import STORAGES
+from shards.check.verify import decode_positions, verify_dataset
 from tests.helpers import class_image, make_shard_dataset
 
 
@@ -89,14 +89,14 @@ def test_wrong_sample_count_and_bad_label_are_reported(tmp_path):
 def test_feature_folders_are_checked_by_the_feature_verifier(tmp_path, monkeypatch):
     make_shard_dataset(tmp_path / "ds")
     calls = []
-    fake = types.ModuleType("shards.features_verify")
+    fake = types.ModuleType("shards.check.features_verify")
 
     def verify_feature_folder(folder, *, full=False):
         calls.append((str(folder), full))
         return ["train-000000.pt: 3 rows, manifest says 4"]
 
     fake.verify_feature_folder = verify_feature_folder
-    monkeypatch.setitem(sys.modules, "shards.features_verify", fake)
+    monkeypatch.setitem(sys.modules, "shards.check.features_verify", fake)
     features = {"format": "shardcache.features", "version": 1, "storage": "pt", "classes": ["a"],
                 "splits": {}, "features_dim": 4, "dtype": "float16", "views": 0, "config": {},
                 "config_hash": "x", "dataset_dir": "../ds", "dataset_sha256": "y"}

@@ -8,7 +8,7 @@ from typing import Sequence
 import pytest
 import torch
 
-from shards.features import FeatureShard, feature_shard_name, write_feature_shard
+from shards.formats.features import FeatureShard, feature_shard_name, write_feature_shard
 from shards.manifest import (
     DatasetManifest,
     FeatureManifest,
@@ -17,7 +17,7 @@ from shards.manifest import (
     SplitInfo,
     dataset_manifest_sha256,
 )
-from shards.storage import shard_name
+from shards.formats.storage import shard_name
 from tests.helpers import make_shard_dataset
 
 

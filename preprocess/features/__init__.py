@@ -1,0 +1,1 @@
+"""``precompute-features``: a frozen backbone over image shards, penultimate features out, cached per shard."""

@@ -1,0 +1,79 @@
+"""The ``precompute-features`` console script: options -> ``FeatureConfig`` -> ``run_precompute``, one JSON line out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from preprocess.features.loader import DECODE_MODES
+from preprocess.features.transforms import INTERPOLATIONS
+from preprocess.features.featurize import AMP_MODES, DTYPES, FeatureConfig, merge_features, run_precompute
+from shards.cli.common import emit_json, handle_errors, quiet_option, task_options
+from shards.errors import InputError
+from shards.formats.features import FEATURE_SUFFIXES
+
+
+def _triple(name: str, value: str | None) -> tuple[float, ...] | None:
+    if value is None:
+        return None
+    try:
+        numbers = tuple(float(v) for v in value.split(","))
+    except ValueError:
+        numbers = ()
+    if len(numbers) != 3:
+        raise InputError(f"--{name} {value!r}: expected three comma-separated numbers, e.g. 0.485,0.456,0.406")
+    return numbers
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("data_dir", required=False, type=click.Path(path_type=Path))
+@click.option("--out", "-o", "out_dir", type=click.Path(path_type=Path), help="Feature folder to write (FEAT_DIR).")
+@click.option("--backbone", default="resnet50", show_default=True, help="torchvision classification model name.")
+@click.option("--weights", help="'none' (random init from --seed), a local .pt/.pth/.safetensors state dict, or a "
+                                "torchvision weights name (IMAGENET1K_V2) already in the torch hub cache. Required.")
+@click.option("--seed", default=0, show_default=True, help="Seed of a random init and of augmented views.")
+@click.option("--resize", type=int, help="Shorter side before the centre crop. Default: the weights' preset, or 256.")
+@click.option("--crop", type=int, help="Centre crop size. Default: the weights' preset, or 224.")
+@click.option("--mean", help="Normalisation mean, three comma-separated values. Default: the weights' preset.")
+@click.option("--std", help="Normalisation std, three comma-separated values. Default: the weights' preset.")
+@click.option("--interpolation", type=click.Choice(INTERPOLATIONS), help="Resize filter. Default: the preset's.")
+@click.option("--views", default=0, show_default=True, help="Augmented views per image to store (with --augment).")
+@click.option("--augment", is_flag=True, help="Store --views seeded RandomResizedCrop+flip views as 'views' [N,K,D].")
+@click.option("--dtype", type=click.Choice(sorted(DTYPES)), default="float16", show_default=True)
+@click.option("--format", "storage", type=click.Choice(sorted(FEATURE_SUFFIXES)), default="pt", show_default=True)
+@click.option("--device", default="auto", show_default=True, help="auto (CUDA when present), cpu, cuda, cuda:1...")
+@click.option("--amp", type=click.Choice([*AMP_MODES, "auto"]), default="auto", show_default=True,
+              help="Autocast dtype; auto is bf16 on CUDA and off on CPU.")
+@click.option("--decode", type=click.Choice(DECODE_MODES), default="fast", show_default=True,
+              help="fast: DCT-scaled decode + one crop-then-resize in workers (default); cpu: PIL + torchvision ops, "
+                   "the exact reference; gpu: batched decode_jpeg + resize/crop on the model's device.")
+@click.option("--batch-size", default=64, show_default=True)
+@click.option("--workers", default=2, show_default=True, help="DataLoader worker processes (decode + transform).")
+@click.option("--split", "splits", multiple=True, help="Only these splits (repeatable). Default: all.")
+@click.option("--overwrite", is_flag=True, help="Replace a feature folder computed with a different config.")
+@click.option("--merge", "merge_dir", type=click.Path(path_type=Path),
+              help="Only write FEAT_DIR/features.json from finished parts (after a task array).")
+@task_options
+@quiet_option
+@handle_errors
+def precompute_features_command(data_dir: Path | None, out_dir: Path | None, weights: str | None, mean: str | None,
+                                std: str | None, splits: tuple[str, ...], merge_dir: Path | None, **options) -> None:
+    """Cache a frozen backbone's penultimate features of every image shard in DATA_DIR under --out.
+
+    One feature file per image shard, aligned sample for sample; features.json is written last, when all parts
+    exist. Reruns skip finished shards; a different config refuses without --overwrite.
+    """
+    if merge_dir is not None:
+        manifest = merge_features(merge_dir)
+        emit_json({"out": str(merge_dir), "complete": True, "config_hash": manifest.config_hash,
+                   "shards_total": sum(len(s.shards) for s in manifest.splits.values())})
+        return
+    missing = [name for name, value in (("DATA_DIR", data_dir), ("--out", out_dir), ("--weights", weights))
+               if value is None]
+    if missing:
+        raise InputError(f"missing {', '.join(missing)} (see precompute-features --help)")
+    cfg = FeatureConfig(data_dir=data_dir, out_dir=out_dir, weights=weights, mean=_triple("mean", mean),
+                        std=_triple("std", std), splits=tuple(splits) or None, **options)
+    _, summary = run_precompute(cfg)
+    emit_json(summary)

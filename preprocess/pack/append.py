@@ -1,0 +1,294 @@
+"""``pack-shards --append``: pack what is new in the source into new shards, never rewriting a packed one.
+
+A packed file is known by its source-relative path with size and mtime, from the source index that packing
+writes (``source-index*.jsonl``, named in ``dataset.json``). New files go into new shards with the next indices of
+their split, packed like the first time: the packing options recorded in ``dataset.json`` apply, not the ones given
+now. Files that changed or disappeared since are reported and keep their packed version; ``prune`` instead writes a
+new version without them: every shard holding one is copied, minus those samples, into a new shard, and changed
+files are packed again as new ones. The new ``dataset.json`` (naming a new index file) is the commit: a run killed
+before it leaves the old dataset whole, and a rerun redoes the same work under the same names. Appends must not
+run concurrently on one folder (``scripts/cron/nightly`` holds a lock).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import random
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from preprocess.pack.packer import PackConfig, ShardJob, _Meter, _run_jobs, pack
+from preprocess.pack.parts import PLAN_FILE, STATE_DIR
+from preprocess.pack.plan import PlannedShard, assign_splits, cut_shards, split_order_key
+from preprocess.pack.sources import SourceSample, SourceScan, scan_source
+from shards.atomic import sha256_file, write_bytes_atomic
+from shards.errors import CorruptDataError, InputError, ManifestError
+from shards.manifest import (DATASET_FILE, DatasetManifest, ShardInfo, SkippedFile, SourceInfo, SplitInfo,
+                             load_dataset_manifest, utc_now)
+from shards.formats.storage import get_storage, shard_name
+
+log = logging.getLogger("shardcache.append")
+_SHARD_INDEX = re.compile(r"-(\d{6})\.[a-z0-9]+$")
+
+
+@dataclass(frozen=True)
+class SourceDiff:
+    """The source compared with the index: files to pack, files whose packed version is outdated or gone."""
+
+    new: tuple[SourceSample, ...]
+    changed: tuple[SourceSample, ...]  # the current version of files whose size, mtime or label changed
+    disappeared: tuple[str, ...]  # relative paths
+    unchanged: int
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    manifest: DatasetManifest
+    summary: dict[str, Any]
+
+
+def read_index(out: Path, manifest: DatasetManifest) -> dict[str, dict[str, Any]]:
+    """The committed source index (relative path -> row), checked against the checksum in ``dataset.json``."""
+    entry = manifest.extra.get("source_index")
+    if not isinstance(entry, Mapping) or "path" not in entry:
+        raise ManifestError("records no source index, so --append cannot tell what is packed; repack it",
+                            path=str(out / DATASET_FILE))
+    path = out / str(entry["path"])
+    if not path.is_file():
+        raise ManifestError(f"source index {entry['path']} is missing", path=str(out))
+    if entry.get("sha256") and sha256_file(path) != entry["sha256"]:
+        raise CorruptDataError("source index does not match the checksum in dataset.json", path=str(path))
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return {row["path"]: row for row in rows}
+
+
+def recorded_config(cfg: PackConfig, manifest: DatasetManifest) -> PackConfig:
+    """``cfg`` with the packing options the dataset was made with, so appended shards are made the same way."""
+    packing = manifest.packing
+    reencode = packing.get("reencode") or {}
+    return dataclasses.replace(
+        cfg, storage=manifest.storage, max_samples=int(packing["max_samples"]), max_bytes=int(packing["max_bytes"]),
+        val_fraction=float(packing["val_fraction"]), seed=int(packing["seed"]), shuffle=bool(packing["shuffle"]),
+        verify=str(packing["verify"]), max_pixels=int(packing["max_pixels"]),
+        resize_max_side=reencode.get("max_side"), quality=reencode.get("quality"))
+
+
+def relabel(scan: SourceScan, manifest: DatasetManifest) -> list[SourceSample]:
+    """The scanned samples with labels in the dataset's class list; a new class cannot be appended."""
+    if scan.kind != manifest.source.kind:
+        raise InputError(f"the source is now {scan.kind!r} but was packed as {manifest.source.kind!r}",
+                         path=scan.root)
+    unknown = sorted(set(scan.classes) - set(manifest.classes))
+    if unknown:
+        raise InputError(f"new class {unknown[0]!r}: appending cannot add classes (the labels of packed shards "
+                         "would change); repack with --overwrite", path=scan.root)
+    to_label = manifest.class_to_idx
+    return [s._replace(label=to_label[scan.classes[s.label]]) for s in scan.samples]
+
+
+def diff_source(samples: Iterable[SourceSample], index: Mapping[str, Mapping[str, Any]]) -> SourceDiff:
+    new, changed, seen = [], [], set()
+    for sample in samples:
+        seen.add(sample.rel_path)
+        row = index.get(sample.rel_path)
+        if row is None:
+            new.append(sample)
+        elif (row["size"], row["mtime_ns"], row["label"]) != (sample.size, sample.mtime_ns, sample.label):
+            changed.append(sample)
+    disappeared = tuple(sorted(set(index) - seen))
+    return SourceDiff(tuple(new), tuple(changed), disappeared, len(seen) - len(new) - len(changed))
+
+
+def _next_indices(out: Path, manifest: DatasetManifest) -> dict[str, int]:
+    """Per split, one past the highest shard index ever used (the manifest's shards and the first pack's plan,
+    whose all-skipped shards have no file), so a new shard never reuses a name."""
+    names = [(split, s.path) for split, info in manifest.splits.items() for s in info.shards]
+    plan_file = out / STATE_DIR / PLAN_FILE
+    if plan_file.is_file():
+        names += [(s["split"], s["name"]) for s in json.loads(plan_file.read_text(encoding="utf-8"))["shards"]]
+    nxt: dict[str, int] = {}
+    for split, name in names:
+        match = _SHARD_INDEX.search(name)
+        if match:
+            nxt[split] = max(nxt.get(split, 0), int(match.group(1)) + 1)
+    return nxt
+
+
+def plan_new_shards(samples: Sequence[SourceSample], cfg: PackConfig, manifest: DatasetManifest, scan_kind: str,
+                    next_index: dict[str, int], batch: int) -> list[PlannedShard]:
+    """Split (stratified within the batch, as packing does), shuffle (seeded by the batch) and cut into shards."""
+    if not samples:
+        return []
+    scan = SourceScan(scan_kind, manifest.source.root, manifest.classes, tuple(samples))
+    planned: list[PlannedShard] = []
+    for split, members in assign_splits(scan, cfg.val_fraction, cfg.seed).items():
+        ordered = sorted(members, key=lambda s: s.rel_path)
+        if cfg.shuffle:
+            random.Random(f"{cfg.seed}/append/{batch}/{split}").shuffle(ordered)
+        start = next_index.get(split, 0)
+        for i, shard in enumerate(cut_shards(ordered, split, cfg.storage, cfg.max_samples, cfg.max_bytes)):
+            planned.append(PlannedShard(shard_name(split, start + i, cfg.storage), split, shard.samples))
+        next_index[split] = start + i + 1
+    return planned
+
+
+def rewrite_without(out: Path, manifest: DatasetManifest, index: dict[str, dict[str, Any]], drop: set[str],
+                    next_index: dict[str, int]) -> dict[str, ShardInfo | None]:
+    """Copy every shard holding a dropped file, minus those samples, into a new shard: old path -> new info."""
+    storage = get_storage(manifest.storage)
+    split_of = {s.path: name for name, info in manifest.splits.items() for s in info.shards}
+    rows_of: dict[str, list[dict[str, Any]]] = {}
+    for row in index.values():
+        if row.get("shard"):
+            rows_of.setdefault(row["shard"], []).append(row)
+    holders = sorted({index[p]["shard"] for p in drop if index[p].get("shard")}, key=_by_split_then_name)
+    replaced: dict[str, ShardInfo | None] = {}
+    for old in holders:
+        split = split_of[old]
+        drop_keys = {index[p]["key"] for p in drop if index[p].get("shard") == old}
+        kept_rows = [row for row in rows_of[old] if row["key"] not in drop_keys]
+        if not kept_rows:
+            replaced[old] = None
+            continue
+        name = shard_name(split, next_index.get(split, 0), manifest.storage)
+        next_index[split] = next_index.get(split, 0) + 1
+        with storage.writer(out / name, classes=manifest.classes) as writer:
+            for raw in storage.read(out / old):
+                if raw.key not in drop_keys:
+                    writer.write(raw)
+        replaced[old] = ShardInfo(name, writer.samples, writer.bytes, writer.sha256)
+        for row in kept_rows:
+            row["shard"] = name
+    return replaced
+
+
+def _by_split_then_name(path: str) -> tuple[tuple[int, str], str]:
+    return split_order_key(path.rsplit("-", 1)[0]), path
+
+
+def _write_index(out: Path, rows: Iterable[Mapping[str, Any]], batch: int) -> dict[str, Any]:
+    name = f"source-index-{batch:04d}.jsonl"
+    lines = [json.dumps(dict(row), sort_keys=True, ensure_ascii=False) for row in sorted(rows, key=lambda r: r["path"])]
+    write_bytes_atomic(out / name, ("\n".join(lines) + "\n" if lines else "").encode("utf-8"))
+    return {"path": name, "entries": len(lines), "sha256": sha256_file(out / name)}
+
+
+def build_manifest(manifest: DatasetManifest, rows: Sequence[Mapping[str, Any]], replaced: Mapping[str, Any],
+                   new_infos: Sequence[tuple[str, ShardInfo]], files_seen: int,
+                   append_record: Mapping[str, Any]) -> DatasetManifest:
+    """The next version: old shards (or their replacements) then new ones; counts recomputed from the index."""
+    shards: dict[str, list[ShardInfo]] = {}
+    for split, info in manifest.splits.items():
+        kept = [replaced.get(s.path, s) for s in info.shards]
+        shards[split] = [s for s in kept if s is not None]
+    for split, info in new_infos:
+        shards.setdefault(split, []).append(info)
+    counts: dict[str, Counter] = {split: Counter() for split in shards}
+    for row in rows:
+        if row.get("shard"):
+            counts.setdefault(row["split"], Counter())[row["label"]] += 1
+    splits = {}
+    for split in sorted(shards, key=split_order_key):
+        if shards[split]:
+            class_counts = tuple(counts[split][i] for i in range(len(manifest.classes)))
+            splits[split] = SplitInfo(sum(s.samples for s in shards[split]), class_counts, tuple(shards[split]))
+    skipped = tuple(SkippedFile(r["path"], r["skipped"]) for r in sorted(rows, key=lambda r: r["path"])
+                    if r.get("skipped"))
+    source = SourceInfo(manifest.source.kind, manifest.source.root, files_seen, skipped)
+    packing = {**manifest.packing, "appends": [*manifest.packing.get("appends", []), dict(append_record)]}
+    return manifest.replace(splits=splits, source=source, packing=packing, created=utc_now())
+
+
+def _report(diff: SourceDiff, prune: bool) -> None:
+    for what, paths in (("changed", [s.rel_path for s in diff.changed]), ("disappeared", list(diff.disappeared))):
+        if paths:
+            action = "dropping them (--prune)" if prune else "their packed version stays; --prune drops them"
+            log.warning("%d source file(s) %s since packing (first: %s); %s", len(paths), what, paths[0], action)
+
+
+def append(cfg: PackConfig, *, prune: bool = False) -> AppendResult:
+    """Pack the source's new files into new shards of ``cfg.out`` (everything, when nothing is packed yet)."""
+    started = time.monotonic()
+    out = Path(cfg.out)
+    if not (out / DATASET_FILE).is_file():
+        result = pack(cfg)
+        if result.manifest is None:
+            raise InputError("--append found no dataset.json and packed only this task's share; run all tasks, "
+                             "then append", path=str(out))
+        return AppendResult(result.manifest, {**result.summary, "new_files": result.summary["files_seen"]})
+    if cfg.num_tasks != 1:
+        raise InputError("--append runs as one task; drop --task-index/--num-tasks", path=str(out))
+    manifest = load_dataset_manifest(out)
+    index = read_index(out, manifest)
+    cfg = recorded_config(cfg, manifest)
+    scan = scan_source(cfg.source, allow_empty_classes=cfg.allow_empty_classes)
+    diff = diff_source(relabel(scan, manifest), index)
+    _report(diff, prune)
+    drop = set(diff.disappeared) | {s.rel_path for s in diff.changed} if prune else set()
+    to_pack = list(diff.new) + (list(diff.changed) if prune else [])
+    if not to_pack and not drop:
+        log.info("%s: nothing new in %s (%d files packed already)", out, cfg.source, diff.unchanged)
+        return AppendResult(manifest, _summary(cfg, manifest, diff, [], {}, started, drop))
+    batch = len(manifest.packing.get("appends", [])) + 1
+    next_index = _next_indices(out, manifest)
+    replaced = rewrite_without(out, manifest, index, drop, next_index)
+    planned = plan_new_shards(to_pack, cfg, manifest, scan.kind, next_index, batch)
+    parts = _pack_planned(out, planned, manifest.classes, cfg, batch)
+    rows = [row for path, row in index.items() if path not in drop] + [row for p in parts for row in p["index"]]
+    new_infos = sorted(((p["split"], ShardInfo.from_dict(p["shard"])) for p in parts if p["shard"] is not None),
+                       key=lambda item: _by_split_then_name(item[1].path))
+    record = {"created": utc_now(), "new_files": len(diff.new), "dropped_files": len(drop),
+              "shards": [info.path for _, info in new_infos],
+              "replaced": {old: (new.path if new else None) for old, new in replaced.items()}}
+    updated = build_manifest(manifest, rows, replaced, new_infos, scan.files_seen, record)
+    updated = updated.replace(extra={**manifest.extra, "source_index": _write_index(out, rows, batch)})
+    updated.save(out)
+    _remove_superseded(out, manifest, replaced)
+    return AppendResult(updated, _summary(cfg, updated, diff, [i.path for _, i in new_infos], replaced, started, drop))
+
+
+def _pack_planned(out: Path, planned: Sequence[PlannedShard], classes: tuple[str, ...], cfg: PackConfig,
+                  batch: int) -> list[dict[str, Any]]:
+    """Pack the new shards with the packer's own shard job, in ``cfg.workers`` processes."""
+    digest = hashlib.sha256(json.dumps([batch, [s.name for s in planned]]).encode()).hexdigest()
+    jobs = [ShardJob(str(out), s, classes, cfg.storage, cfg.validate, cfg.strict, digest) for s in planned]
+    meter = _Meter(sum(len(s.samples) for s in planned), cfg.quiet)
+    try:
+        parts = _run_jobs(jobs, cfg.workers, meter)
+    finally:
+        meter.bar.close()
+    return parts
+
+
+def _remove_superseded(out: Path, previous: DatasetManifest, replaced: Mapping[str, Any]) -> None:
+    """After the commit: the old index file and the shards that pruning replaced are no longer referenced."""
+    old_index = previous.extra.get("source_index", {}).get("path")
+    if old_index:
+        (out / old_index).unlink(missing_ok=True)
+    for old in replaced:
+        (out / old).unlink(missing_ok=True)
+
+
+def _summary(cfg: PackConfig, manifest: DatasetManifest, diff: SourceDiff, written: list[str],
+             replaced: Mapping[str, Any], started: float, drop: set[str]) -> dict[str, Any]:
+    shards = [s for split in manifest.splits.values() for s in split.shards]
+    return {"out": str(cfg.out), "complete": True, "append": True, "new_files": len(diff.new),
+            "changed_files": len(diff.changed), "disappeared_files": len(diff.disappeared),
+            "dropped_files": len(drop), "shards_written": len(written), "new_shards": written,
+            "replaced_shards": {old: (new.path if new else None) for old, new in replaced.items()},
+            "samples": sum(s.samples for s in shards), "shards": len(shards), "bytes": sum(s.bytes for s in shards),
+            "skipped": len(manifest.source.skipped), "files_seen": diff.unchanged + len(diff.new) + len(diff.changed),
+            "splits": {name: split.samples for name, split in manifest.splits.items()},
+            "seconds": round(time.monotonic() - started, 3)}
+
+
+def append_shards(cfg: PackConfig, *, prune: bool = False) -> DatasetManifest:
+    """The library entry point of ``pack-shards --append``: returns the new (or unchanged) manifest."""
+    return append(cfg, prune=prune).manifest

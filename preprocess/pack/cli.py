@@ -1,0 +1,102 @@
+"""The ``pack-shards`` console script (``precompute-features`` lives in features_cli.py: it imports torch)."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+import click
+
+from preprocess.pack.append import append
+from preprocess.pack.packer import PackConfig, pack
+from preprocess.pack.parts import merge_parts
+from shards.cli.common import emit_json, handle_errors, quiet_option, task_options
+from shards.image.decode import DEFAULT_MAX_PIXELS
+from shards.errors import InputError
+from shards.formats.storage import STORAGES
+
+log = logging.getLogger("shardcache.pack")
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+class ByteSize(click.ParamType):
+    """``268435456``, ``256M``, ``256MiB`` or ``1G`` (binary units)."""
+
+    name = "bytes"
+
+    def convert(self, value, param, ctx) -> int:
+        if isinstance(value, int):
+            return value
+        match = _SIZE.match(str(value))
+        if not match:
+            self.fail(f"{value!r} is not a size like 268435456, 256M or 1G", param, ctx)
+        unit = (match.group(2) or "").upper()[:1]
+        return int(match.group(1)) * _UNITS[unit]
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("source", required=False, type=click.Path(path_type=str))
+@click.option("--out", "-o", type=click.Path(path_type=str), help="Output folder for shards and dataset.json.")
+@click.option("--storage", type=click.Choice(sorted(STORAGES)), default="tar", show_default=True,
+              help="tar: WebDataset shards; hdf5: HDF5 shards.")
+@click.option("--max-samples", type=int, default=1000, show_default=True, help="Samples per shard at most.")
+@click.option("--max-bytes", type=ByteSize(), default="256M", show_default=True, help="Bytes per shard at most.")
+@click.option("--val-fraction", type=float, default=0.0, show_default=True,
+              help="Carve a stratified val split from train when the source has none.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the val split and the shuffle.")
+@click.option("--no-shuffle", is_flag=True, help="Keep source order instead of mixing samples across shards.")
+@click.option("--verify", type=click.Choice(["header", "full"]), default="full", show_default=True,
+              help="header: parse headers only (fast); full: decode every image (finds truncated data).")
+@click.option("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS, show_default=True,
+              help="Skip images with more pixels (JPEGs are drafted down instead when re-encoding).")
+@click.option("--resize-max-side", type=int, default=None, help="Re-encode to JPEG no larger than this side.")
+@click.option("--quality", type=int, default=None, help="JPEG quality when re-encoding (default 90).")
+@click.option("--strict", is_flag=True, help="Fail (exit 1) on the first unreadable image instead of skipping.")
+@click.option("--allow-empty-classes", is_flag=True, help="Keep class folders that hold no images.")
+@click.option("--workers", type=int, default=1, show_default=True, help="Processes packing shards in parallel.")
+@click.option("--overwrite", is_flag=True, help="Replace a different dataset already in --out.")
+@click.option("--append", "append_new", is_flag=True,
+              help="Pack only source files not yet in OUT (known by relative path, size and mtime) into new shards, "
+                   "with the packing options recorded in OUT/dataset.json; packed shards are never rewritten.")
+@click.option("--prune", is_flag=True,
+              help="With --append: drop files that disappeared or changed since packing (shards holding them are "
+                   "copied without them into new shards; changed files are packed again).")
+@click.option("--merge", "merge_dir", type=click.Path(path_type=str), default=None,
+              help="Only merge the part manifests in this folder into dataset.json (after a task array).")
+@task_options
+@quiet_option
+@handle_errors
+def pack_shards_command(source, out, storage, max_samples, max_bytes, val_fraction, seed, no_shuffle, verify,
+                        max_pixels, resize_max_side, quality, strict, allow_empty_classes, workers, overwrite,
+                        append_new, prune, merge_dir, task_index, num_tasks, quiet) -> None:
+    """Pack an ImageFolder tree (or train/val/test trees, or a CSV/JSONL list) into shards in OUT.
+
+    Prints a progress bar on stderr and one JSON summary line on stdout. Exit codes: 0 done, 1 failed,
+    2 bad input (nothing written).
+    """
+    if merge_dir is not None:
+        started = time.monotonic()
+        manifest = merge_parts(merge_dir)
+        shards = [s for split in manifest.splits.values() for s in split.shards]
+        emit_json({"out": merge_dir, "complete": True, "samples": sum(s.samples for s in shards),
+                   "shards": len(shards), "bytes": sum(s.bytes for s in shards),
+                   "skipped": len(manifest.source.skipped), "seconds": round(time.monotonic() - started, 3)})
+        return
+    if source is None or out is None:
+        raise InputError("give SOURCE and --out OUT (or --merge OUT to merge part manifests)")
+    cfg = PackConfig(source=source, out=out, storage=storage, max_samples=max_samples, max_bytes=max_bytes,
+                     val_fraction=val_fraction, seed=seed, shuffle=not no_shuffle, verify=verify,
+                     max_pixels=max_pixels, resize_max_side=resize_max_side, quality=quality, strict=strict,
+                     allow_empty_classes=allow_empty_classes, workers=workers, task_index=task_index,
+                     num_tasks=num_tasks, overwrite=overwrite, quiet=quiet)
+    if prune and not append_new:
+        raise InputError("--prune works only with --append")
+    result = append(cfg, prune=prune) if append_new else pack(cfg)
+    if result.manifest is None:
+        log.info("task %d/%d done; dataset.json appears when every task has finished", task_index, num_tasks)
+    else:
+        log.info("wrote %s/dataset.json", out)
+    emit_json(result.summary)
+

@@ -1,0 +1,242 @@
+"""``pack_shards``: source files in, validated, shuffled, sequential shards and ``dataset.json`` out.
+
+The job is planned first (a pure function of the source and options, see ``preprocess.pack.plan``), then each shard is
+packed independently, by one of ``--workers`` processes and one of ``--num-tasks`` Slurm tasks, into a temp file
+that is fsynced and renamed, followed by its part manifest. ``dataset.json`` is written last, by whichever task
+finds every part present (or by ``merge_parts``), so a folder with a ``dataset.json`` is always complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import time
+from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, Sequence
+
+from preprocess.pack.parts import (load_part, merge_parts, missing_parts, prepare_output, read_plan_doc,
+                              write_part)
+from preprocess.pack.plan import PackPlan, PlannedShard, make_plan
+from preprocess.pack.sources import scan_source
+from preprocess.pack.validate import InvalidImage, ValidateOptions, read_and_validate, sample_meta
+from shards.image.decode import DEFAULT_MAX_PIXELS
+from shards.errors import CorruptDataError, InputError
+from shards.manifest import DATASET_FILE, DatasetManifest, load_dataset_manifest
+from shards.progress import progress
+from shards.formats.sample import RawSample
+from shards.formats.storage import STORAGES, get_storage
+
+log = logging.getLogger("shardcache.pack")
+
+
+@dataclass(frozen=True)
+class PackConfig:
+    """Every option of ``pack-shards``; those that shape the output bytes are recorded in ``dataset.json``."""
+
+    source: str
+    out: str
+    storage: str = "tar"
+    max_samples: int = 1000
+    max_bytes: int = 256 * 1024 * 1024
+    val_fraction: float = 0.0
+    seed: int = 0
+    shuffle: bool = True
+    verify: str = "full"
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    resize_max_side: int | None = None
+    quality: int | None = None
+    strict: bool = False
+    allow_empty_classes: bool = False
+    workers: int = 1
+    task_index: int = 0
+    num_tasks: int = 1
+    overwrite: bool = False
+    quiet: bool = False
+    validate: ValidateOptions = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        get_storage(self.storage)
+        for name in ("max_samples", "max_bytes", "workers", "num_tasks"):
+            if getattr(self, name) < 1:
+                raise InputError(f"{name}={getattr(self, name)}: must be at least 1")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise InputError(f"val_fraction={self.val_fraction}: must be in [0, 1)")
+        if not 0 <= self.task_index < self.num_tasks:
+            raise InputError(f"task_index={self.task_index}: must be in [0, num_tasks={self.num_tasks})")
+        object.__setattr__(self, "validate", ValidateOptions(self.verify, self.max_pixels, self.resize_max_side,
+                                                             self.quality))
+
+    def packing(self) -> dict[str, Any]:
+        """The options that decide the output (task split, workers and verbosity do not)."""
+        reencode = None
+        if self.validate.reencode:
+            reencode = {"format": "jpg", "max_side": self.resize_max_side, "quality": self.quality or 90}
+        return {"seed": self.seed, "shuffle": self.shuffle, "val_fraction": self.val_fraction,
+                "max_samples": self.max_samples, "max_bytes": self.max_bytes, "verify": self.verify,
+                "max_pixels": self.max_pixels, "reencode": reencode}
+
+
+@dataclass(frozen=True)
+class PackResult:
+    manifest: DatasetManifest | None  # None while other tasks' shards are still missing
+    summary: dict[str, Any]
+
+
+class ShardJob(NamedTuple):
+    """What a worker process needs to pack one shard (picklable)."""
+
+    out: str
+    shard: PlannedShard
+    classes: tuple[str, ...]
+    storage: str
+    validate: ValidateOptions
+    strict: bool
+    plan_sha256: str
+
+
+def _pack_sample(job: ShardJob, sample, skipped: list[dict], index: list[dict]) -> RawSample | None:
+    row = {"key": sample.key, "path": sample.rel_path, "size": sample.size, "mtime_ns": sample.mtime_ns,
+           "label": sample.label, "split": job.shard.split, "shard": None}
+    try:
+        image = read_and_validate(sample.abs_path, job.validate)
+    except InvalidImage as exc:
+        if job.strict:
+            raise CorruptDataError(f"{exc} (--strict)", path=sample.abs_path) from None
+        skipped.append({"path": sample.rel_path, "reason": str(exc)})
+        index.append({**row, "skipped": str(exc)})
+        return None
+    index.append({**row, "shard": job.shard.name})
+    meta = sample_meta(sample.rel_path, job.classes[sample.label], image)
+    return RawSample(sample.key, image.data, image.ext, sample.label, meta)
+
+
+def pack_shard(job: ShardJob, on_file: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Validate and write one shard, then its part manifest; returns the part. No file for an all-skipped shard."""
+    out = Path(job.out)
+    counts = [0] * len(job.classes)
+    skipped: list[dict] = []
+    index: list[dict] = []
+    writer = None
+    with ExitStack() as stack:
+        for sample in job.shard.samples:
+            raw = _pack_sample(job, sample, skipped, index)
+            if raw is not None:
+                if writer is None:
+                    spec = STORAGES[job.storage]
+                    writer = stack.enter_context(spec.writer(out / job.shard.name, classes=job.classes))
+                writer.write(raw)
+                counts[raw.label] += 1
+            if on_file is not None:
+                on_file(sample.size)
+    info = None
+    if writer is not None:
+        info = {"path": job.shard.name, "samples": writer.samples, "bytes": writer.bytes, "sha256": writer.sha256}
+    part = {"plan_sha256": job.plan_sha256, "split": job.shard.split, "shard": info, "class_counts": counts,
+            "skipped": skipped, "index": index, "source_files": len(job.shard.samples),
+            "source_bytes": sum(s.size for s in job.shard.samples)}
+    write_part(out, job.shard.name, part)
+    return part
+
+
+def _plan_doc(plan: PackPlan, storage: str) -> dict[str, Any]:
+    scan = plan.scan
+    return {"plan_sha256": plan.sha256, "storage": storage, "classes": list(scan.classes),
+            "source": {"kind": scan.kind, "root": scan.root, "files_seen": scan.files_seen},
+            "packing": plan.packing, "splits": plan.splits,
+            "shards": [{"name": s.name, "split": s.split} for s in plan.shards]}
+
+
+class _Meter:
+    """The progress bar: files/s from tqdm, MB/s of source bytes as a postfix."""
+
+    def __init__(self, total_files: int, quiet: bool):
+        self.bar = progress(total=total_files, desc="pack", unit="file", quiet=quiet)
+        self.start = time.monotonic()
+        self.bytes = 0
+
+    def add(self, files: int, nbytes: int) -> None:
+        self.bytes += nbytes
+        self.bar.update(files)
+        elapsed = max(time.monotonic() - self.start, 1e-6)
+        self.bar.set_postfix_str(f"{self.bytes / elapsed / 1e6:.1f} MB/s", refresh=False)
+
+
+def _run_jobs(jobs: Sequence[ShardJob], workers: int, meter: _Meter) -> list[dict[str, Any]]:
+    if workers == 1 or len(jobs) <= 1:
+        return [pack_shard(job, on_file=lambda nbytes: meter.add(1, nbytes)) for job in jobs]
+    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    parts = []
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=context) as pool:
+        pending = {pool.submit(pack_shard, job) for job in jobs}
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            for future in done:
+                if future.exception() is not None:
+                    for other in pending:
+                        other.cancel()
+                    raise future.exception()
+                part = future.result()
+                parts.append(part)
+                meter.add(part["source_files"], part["source_bytes"])
+    return parts
+
+
+def _finish(out: Path, plan: PackPlan, wrote: int) -> DatasetManifest | None:
+    """Merge when every part exists; keep an identical finished manifest untouched when nothing changed."""
+    if missing_parts(out, read_plan_doc(out)):
+        return None
+    if wrote == 0 and (out / DATASET_FILE).is_file():
+        existing = load_dataset_manifest(out)
+        if existing.packing.get("plan_sha256") == plan.sha256:
+            return existing
+    return merge_parts(out)
+
+
+def pack(cfg: PackConfig) -> PackResult:
+    """Pack this task's share of the shards (resuming what is finished) and merge if all parts are there."""
+    started = time.monotonic()
+    scan = scan_source(cfg.source, allow_empty_classes=cfg.allow_empty_classes)
+    plan = make_plan(scan, cfg.packing(), cfg.storage)
+    out = Path(cfg.out)
+    prepare_output(out, _plan_doc(plan, cfg.storage), cfg.overwrite)
+    mine = [s for i, s in enumerate(plan.shards) if i % cfg.num_tasks == cfg.task_index]
+    todo = [s for s in mine if load_part(out, s.name, plan.sha256, check_sha256=True) is None]
+    log.info("%d files, %d classes -> %d shards; task %d/%d packs %d (%d already done)", scan.files_seen,
+             len(scan.classes), len(plan.shards), cfg.task_index, cfg.num_tasks, len(todo), len(mine) - len(todo))
+    jobs = [ShardJob(str(out), s, scan.classes, cfg.storage, cfg.validate, cfg.strict, plan.sha256) for s in todo]
+    meter = _Meter(sum(len(s.samples) for s in todo), cfg.quiet)
+    try:
+        _run_jobs(jobs, cfg.workers, meter)
+    finally:
+        meter.bar.close()
+    manifest = _finish(out, plan, len(todo))
+    summary = _summary(cfg, plan, manifest, mine, len(todo), time.monotonic() - started)
+    return PackResult(manifest, summary)
+
+
+def _summary(cfg: PackConfig, plan: PackPlan, manifest: DatasetManifest | None, mine: Sequence[PlannedShard],
+             written: int, seconds: float) -> dict[str, Any]:
+    summary: dict[str, Any] = {"out": str(cfg.out), "complete": manifest is not None, "task_index": cfg.task_index,
+                               "num_tasks": cfg.num_tasks, "shards_written": written,
+                               "shards_reused": len(mine) - written, "seconds": round(seconds, 3),
+                               "files_seen": plan.scan.files_seen}
+    if manifest is not None:
+        shards = [s for split in manifest.splits.values() for s in split.shards]
+        summary.update(samples=sum(s.samples for s in shards), shards=len(shards),
+                       bytes=sum(s.bytes for s in shards), skipped=len(manifest.source.skipped),
+                       splits={name: split.samples for name, split in manifest.splits.items()})
+    else:
+        parts = [load_part(Path(cfg.out), s.name, plan.sha256, check_sha256=False) for s in mine]
+        infos = [p["shard"] for p in parts if p is not None and p["shard"] is not None]
+        summary.update(samples=sum(i["samples"] for i in infos), shards=len(infos),
+                       bytes=sum(i["bytes"] for i in infos),
+                       skipped=sum(len(p["skipped"]) for p in parts if p is not None))
+    return summary
+
+
+def pack_shards(cfg: PackConfig) -> DatasetManifest | None:
+    """The library entry point: returns the manifest, or None when other tasks still have shards to pack."""
+    return pack(cfg).manifest

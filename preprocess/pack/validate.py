@@ -1,0 +1,187 @@
+"""Checking that a source file is an image worth packing, and optionally re-encoding it to a bounded JPEG.
+
+``header`` reads only the headers (and, for PNG, walks the chunk CRCs without inflating): it catches empty
+files, non-images, unknown formats, oversized images and broken PNGs, but not a JPEG or WebP cut short in its
+pixel data. ``full`` decodes every pixel, so truncated or corrupt data is found at pack time instead of in the
+middle of a training epoch. Sizes are always checked from the header, so an oversized image is never decoded
+in full: it is skipped, or (when re-encoding a JPEG) decoded at 1/2, 1/4 or 1/8 scale with ``draft``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import warnings
+from dataclasses import dataclass
+from typing import Iterator, NamedTuple
+
+from PIL import Image, ImageOps
+
+from shards.image.decode import DEFAULT_MAX_PIXELS, to_rgb
+from shards.errors import InputError
+
+VERIFY_MODES = ("header", "full")
+# The extension a sample is stored under follows its real encoding, not the source file's name.
+FORMAT_EXTENSIONS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp", "BMP": "bmp", "GIF": "gif",
+                     "TIFF": "tif"}
+ROTATED_ORIENTATIONS = (5, 6, 7, 8)
+JPEG_FORMATS = ("JPEG", "MPO")
+# Formats whose PIL ``verify()`` checks structure without decoding (PNG walks chunk CRCs); for others it is a no-op.
+STRUCTURE_CHECKED = ("PNG",)
+
+
+class InvalidImage(Exception):
+    """The file cannot be packed; the message is the reason recorded in the manifest."""
+
+
+@dataclass(frozen=True)
+class ValidateOptions:
+    verify: str = "full"
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    resize_max_side: int | None = None
+    quality: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.verify not in VERIFY_MODES:
+            raise InputError(f"verify={self.verify!r}: choose one of {', '.join(VERIFY_MODES)}")
+        if self.max_pixels < 1:
+            raise InputError(f"max_pixels={self.max_pixels}: must be at least 1")
+        if self.resize_max_side is not None and self.resize_max_side < 1:
+            raise InputError(f"resize_max_side={self.resize_max_side}: must be at least 1")
+        if self.quality is not None and not 1 <= self.quality <= 100:
+            raise InputError(f"quality={self.quality}: must be in 1..100")
+
+    @property
+    def reencode(self) -> bool:
+        return self.resize_max_side is not None or self.quality is not None
+
+
+class ValidImage(NamedTuple):
+    data: bytes  # what is stored: the source bytes, or the re-encoded JPEG
+    ext: str
+    width: int  # as displayed (EXIF orientation applied)
+    height: int
+    mode: str  # the source's PIL mode, e.g. "CMYK" or "I;16"
+    format: str  # the source's format, e.g. "PNG"
+
+
+@contextlib.contextmanager
+def _own_pixel_limit() -> Iterator[None]:
+    """PIL's bomb check would raise inside ``open``; we check ``--max-pixels`` ourselves from the header."""
+    saved = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        Image.MAX_IMAGE_PIXELS = saved
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:200]
+
+
+def _open(data: bytes) -> Image.Image:
+    if not data:
+        raise InvalidImage("empty file (0 bytes)")
+    try:
+        image = Image.open(io.BytesIO(data))
+    except Image.UnidentifiedImageError:
+        raise InvalidImage("not an image (no known image format recognised)") from None
+    except Exception as exc:  # PIL raises many types on malformed headers
+        raise InvalidImage(f"unreadable image header ({_describe(exc)})") from None
+    if image.format not in FORMAT_EXTENSIONS:
+        raise InvalidImage(f"unsupported image format {image.format}")
+    return image
+
+
+def _display_size(image: Image.Image) -> tuple[int, int]:
+    width, height = image.size
+    try:
+        orientation = image.getexif().get(0x0112, 1)
+    except Exception:  # a broken EXIF block must not reject an otherwise good image
+        orientation = 1
+    return (height, width) if orientation in ROTATED_ORIENTATIONS else (width, height)
+
+
+def _check_pixels(image: Image.Image, opts: ValidateOptions) -> None:
+    width, height = image.size
+    pixels = width * height
+    if pixels <= opts.max_pixels:
+        return
+    if opts.reencode and image.format in JPEG_FORMATS:
+        return  # drafted down while decoding; see _reencode
+    why = "" if not opts.reencode else " (only JPEG can be downscaled without a full decode)"
+    raise InvalidImage(f"too large: {width}x{height} = {pixels} pixels exceeds --max-pixels {opts.max_pixels}{why}")
+
+
+def _target_size(size: tuple[int, int], max_side: int | None) -> tuple[int, int]:
+    width, height = size
+    if max_side is None or max(width, height) <= max_side:
+        return width, height
+    scale = max_side / max(width, height)
+    return max(1, round(width * scale)), max(1, round(height * scale))
+
+
+def _reencode(image: Image.Image, opts: ValidateOptions) -> tuple[bytes, int, int]:
+    target = _target_size(image.size, opts.resize_max_side)
+    if image.format in JPEG_FORMATS:
+        if image.size[0] * image.size[1] > opts.max_pixels:
+            # Ask for the smallest DCT scale that still keeps the result within the pixel limit.
+            shrink = (image.size[0] * image.size[1] / opts.max_pixels) ** 0.5
+            target = (min(target[0], max(1, int(image.size[0] / shrink))),
+                      min(target[1], max(1, int(image.size[1] / shrink))))
+        image.draft("RGB", target)
+        if image.size[0] * image.size[1] > opts.max_pixels:
+            raise InvalidImage(f"too large: {image.size[0]}x{image.size[1]} pixels even at 1/8 scale exceeds "
+                               f"--max-pixels {opts.max_pixels}")
+    image = to_rgb(ImageOps.exif_transpose(image))
+    final = _target_size(image.size, opts.resize_max_side)
+    if final != image.size:
+        image = image.resize(final, Image.Resampling.LANCZOS, reducing_gap=3.0)
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=opts.quality or 90)
+    return buffer.getvalue(), image.size[0], image.size[1]
+
+
+def validate_image(data: bytes, opts: ValidateOptions) -> ValidImage:
+    """Return what to store for ``data``, or raise ``InvalidImage`` with the reason it must be skipped."""
+    with _own_pixel_limit():
+        image = _open(data)
+        source_format, source_mode = image.format, image.mode
+        _check_pixels(image, opts)
+        width, height = _display_size(image)
+        try:
+            if opts.reencode:
+                stored, width, height = _reencode(image, opts)
+                return ValidImage(stored, "jpg", width, height, source_mode, source_format)
+            if opts.verify == "full":
+                image.load()
+            elif source_format in STRUCTURE_CHECKED:
+                # verify() must come straight after open; getexif() above has read on, so start afresh.
+                Image.open(io.BytesIO(data)).verify()
+        except InvalidImage:
+            raise
+        except Exception as exc:
+            raise InvalidImage(f"truncated or corrupt image data ({_describe(exc)})") from None
+    return ValidImage(data, FORMAT_EXTENSIONS[source_format], width, height, source_mode, source_format)
+
+
+def read_and_validate(path: str, opts: ValidateOptions) -> ValidImage:
+    """Read one file and validate it; unreadable files are skipped like corrupt ones."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read()
+    except OSError as exc:
+        raise InvalidImage(f"unreadable file ({exc.strerror or _describe(exc)})") from None
+    return validate_image(data, opts)
+
+
+def sample_meta(rel_path: str, class_name: str, image: ValidImage) -> bytes:
+    """The ``<key>.json`` member: sorted keys, so equal inputs give equal bytes."""
+    meta = {"path": rel_path, "class": class_name, "width": image.width, "height": image.height,
+            "mode": image.mode, "format": image.format}
+    return json.dumps(meta, sort_keys=True, ensure_ascii=False).encode("utf-8")

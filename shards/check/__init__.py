@@ -1,0 +1,1 @@
+"""Checks of finished folders: ``shards verify`` (images and features) and ``shards inspect``."""

@@ -1,0 +1,138 @@
+"""``shards verify``: does a folder still hold exactly what its manifest says?
+
+For image shards: every shard exists with the recorded size and sha256, reads to the end, holds the recorded
+number of samples with in-range labels and unique keys, and the class counts add up; a spread sample of images per
+shard (every image with ``full``) decodes. Feature folders are checked by ``shards.check.features_verify``. Every
+problem names the shard (and sample key), so a corrupt file can be found and repacked.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shards.atomic import sha256_file
+from shards.image.decode import decode_image
+from shards.errors import CorruptDataError
+from shards.manifest import DatasetManifest, ShardInfo, load_manifest
+from shards.formats.storage import get_storage
+
+DEFAULT_SAMPLES_PER_SHARD = 4
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    folder: str
+    kind: str  # "images" or "features"
+    problems: tuple[str, ...]
+    shards_checked: int = 0
+    samples_read: int = 0
+    samples_decoded: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"folder": self.folder, "kind": self.kind, "ok": self.ok, "problems": list(self.problems),
+                "shards_checked": self.shards_checked, "samples_read": self.samples_read,
+                "samples_decoded": self.samples_decoded}
+
+
+def decode_positions(count: int, wanted: int) -> set[int]:
+    """Which samples to decode: evenly spread, always the first and last, the same on every run."""
+    if wanted <= 0 or count <= 0:
+        return set()
+    if wanted >= count:
+        return set(range(count))
+    if wanted == 1:
+        return {0}
+    return {round(i * (count - 1) / (wanted - 1)) for i in range(wanted)}
+
+
+class _Tally:
+    def __init__(self, n_classes: int):
+        self.problems: list[str] = []
+        self.class_counts: dict[str, list[int]] = {}
+        self.keys: dict[str, str] = {}
+        self.read = 0
+        self.decoded = 0
+        self.n_classes = n_classes
+
+
+def _check_file(folder: Path, shard: ShardInfo, tally: _Tally) -> bool:
+    path = folder / shard.path
+    if not path.is_file():
+        tally.problems.append(f"{shard.path}: missing")
+        return False
+    size = path.stat().st_size
+    if size != shard.bytes:
+        tally.problems.append(f"{shard.path}: size {size} bytes, manifest says {shard.bytes}")
+    digest = sha256_file(path)
+    if digest != shard.sha256:
+        tally.problems.append(f"{shard.path}: sha256 {digest[:16]}... does not match the manifest's "
+                              f"{shard.sha256[:16]}...")
+    return True
+
+
+def _check_samples(folder: Path, storage: str, split: str, shard: ShardInfo, decode_wanted: int | None,
+                   tally: _Tally) -> None:
+    counts = tally.class_counts.setdefault(split, [0] * tally.n_classes)
+    positions = None if decode_wanted is None else decode_positions(shard.samples, decode_wanted)
+    seen = 0
+    try:
+        for position, sample in enumerate(get_storage(storage).read(folder / shard.path)):
+            seen += 1
+            where = f"{shard.path} [sample {sample.key}]"
+            if sample.key in tally.keys:
+                tally.problems.append(f"{where}: key also in {tally.keys[sample.key]}")
+            tally.keys[sample.key] = shard.path
+            if not 0 <= sample.label < tally.n_classes:
+                tally.problems.append(f"{where}: label {sample.label} outside 0..{tally.n_classes - 1}")
+            else:
+                counts[sample.label] += 1
+            if positions is None or position in positions:
+                try:
+                    decode_image(sample.data)
+                    tally.decoded += 1
+                except Exception as exc:  # any decoder failure is corruption worth naming
+                    tally.problems.append(f"{where}: image does not decode ({type(exc).__name__}: {exc})")
+    except CorruptDataError as exc:
+        tally.problems.append(f"{shard.path}: unreadable after {seen} samples ({exc})")
+    tally.read += seen
+    if seen != shard.samples:
+        tally.problems.append(f"{shard.path}: holds {seen} samples, manifest says {shard.samples}")
+
+
+def _verify_images(folder: Path, manifest: DatasetManifest, full: bool, samples_per_shard: int) -> VerifyReport:
+    tally = _Tally(len(manifest.classes))
+    shards_checked = 0
+    for split_name, split in manifest.splits.items():
+        for shard in split.shards:
+            shards_checked += 1
+            if _check_file(folder, shard, tally):
+                _check_samples(folder, manifest.storage, split_name, shard, None if full else samples_per_shard,
+                               tally)
+        if sum(s.samples for s in split.shards) != split.samples:
+            tally.problems.append(f"split {split_name}: shard sample counts do not add up to {split.samples}")
+        counted = tally.class_counts.get(split_name)
+        if counted is not None and tuple(counted) != tuple(split.class_counts) and not tally.problems:
+            tally.problems.append(f"split {split_name}: class counts {counted} differ from the manifest's "
+                                  f"{list(split.class_counts)}")
+    return VerifyReport(str(folder), "images", tuple(tally.problems), shards_checked, tally.read, tally.decoded)
+
+
+def verify_dataset(folder: str | os.PathLike, *, full: bool = False,
+                   samples_per_shard: int = DEFAULT_SAMPLES_PER_SHARD) -> VerifyReport:
+    """Check a dataset (``dataset.json``) or feature (``features.json``) folder against its manifest."""
+    folder = Path(folder)
+    manifest = load_manifest(folder)
+    if manifest.kind == "features":
+        from shards.check.features_verify import verify_feature_folder  # written with the features stage
+
+        problems = verify_feature_folder(folder, full=full)
+        shards = sum(len(s.shards) for s in manifest.splits.values())
+        return VerifyReport(str(folder), "features", tuple(problems), shards)
+    return _verify_images(folder, manifest, full, samples_per_shard)

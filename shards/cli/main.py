@@ -1,0 +1,72 @@
+"""The ``shards`` console script: verify and inspect shard folders.
+
+Human-readable text goes to stderr (silenced by ``--quiet``); one JSON line with the result goes to stdout.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from shards.cli.common import EXIT_FAILED, emit_json, handle_errors, quiet_option
+from shards.check.inspect import batch_report, format_summary, save_grid, summarize
+from shards.check.verify import DEFAULT_SAMPLES_PER_SHARD, verify_dataset
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Verify and inspect shardcache folders."""
+
+
+@main.command("verify")
+@click.argument("folder", type=click.Path(path_type=str))
+@click.option("--full", is_flag=True, help="Decode every image, not a sample per shard.")
+@click.option("--samples-per-shard", type=int, default=DEFAULT_SAMPLES_PER_SHARD, show_default=True,
+              help="Images decoded per shard without --full.")
+@quiet_option
+@handle_errors
+def verify_command(folder: str, full: bool, samples_per_shard: int, quiet: bool) -> None:
+    """Recompute checksums and counts and decode images; exit 1 naming the shard and sample on any problem."""
+    report = verify_dataset(folder, full=full, samples_per_shard=samples_per_shard)
+    for problem in report.problems:
+        click.echo(f"error: {problem}", err=True)
+    if report.ok and not quiet:
+        click.echo(f"{folder}: ok ({report.shards_checked} shards, {report.samples_read} samples read, "
+                   f"{report.samples_decoded} decoded)", err=True)
+    emit_json(report.to_dict())
+    if not report.ok:
+        sys.exit(EXIT_FAILED)
+
+
+@main.command("inspect")
+@click.argument("folder", type=click.Path(path_type=str))
+@click.option("--batch", "show_batch", is_flag=True,
+              help="Load one batch with the eval transform; print shape, dtype, value range, labels.")
+@click.option("--batch-size", type=int, default=32, show_default=True)
+@click.option("--split", default=None, help="Split for --batch (default val) and --grid (default train).")
+@click.option("--image-size", type=int, default=224, show_default=True)
+@click.option("--grid", "grid_path", type=click.Path(path_type=str), default=None,
+              help="Save a PNG grid of augmented training images here.")
+@click.option("--grid-count", type=int, default=16, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the grid's augmentations.")
+@quiet_option
+@handle_errors
+def inspect_command(folder: str, show_batch: bool, batch_size: int, split: str | None, image_size: int,
+                    grid_path: str | None, grid_count: int, seed: int, quiet: bool) -> None:
+    """Classes with counts, shards and sizes; optionally one batch's statistics and an augmentation grid."""
+    result = summarize(folder)
+    if not quiet:
+        click.echo(format_summary(result), err=True)
+    if show_batch:
+        result["batch"] = batch_report(folder, split=split, batch_size=batch_size, image_size=image_size)
+        if not quiet:
+            b = result["batch"]
+            click.echo(f"  batch ({b['split']}): shape {b['shape']} {b['dtype']}, range [{b['min']}, {b['max']}], "
+                       f"mean {b['mean']}, std {b['std']}, labels {b['label_counts']}", err=True)
+    if grid_path is not None:
+        result["grid"] = save_grid(folder, grid_path, split=split, count=grid_count, image_size=image_size,
+                                   seed=seed)
+        if not quiet:
+            click.echo(f"  grid: {grid_path} ({result['grid']['images']} images)", err=True)
+    emit_json(result)

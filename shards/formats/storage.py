@@ -1,0 +1,37 @@
+"""The storage registry: one entry per image-shard format, so callers never branch on strings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from shards.errors import InputError
+from shards.formats.hdf5 import Hdf5ShardWriter, iter_hdf5_shard
+from shards.formats.sample import RawSample
+from shards.formats.tar import TarShardWriter, iter_tar_shard
+
+
+@dataclass(frozen=True)
+class Storage:
+    name: str
+    suffix: str
+    writer: type
+    read: Callable[..., Iterator[RawSample]]
+
+
+STORAGES: dict[str, Storage] = {
+    "tar": Storage("tar", ".tar", TarShardWriter, iter_tar_shard),
+    "hdf5": Storage("hdf5", ".h5", Hdf5ShardWriter, iter_hdf5_shard),
+}
+
+
+def get_storage(name: str) -> Storage:
+    try:
+        return STORAGES[name]
+    except KeyError:
+        raise InputError(f"unknown storage {name!r}; choose one of {sorted(STORAGES)}") from None
+
+
+def shard_name(split: str, index: int, storage: str) -> str:
+    """``train-000012.tar``: the name every stage expects for shard ``index`` of ``split``."""
+    return f"{split}-{index:06d}{get_storage(storage).suffix}"

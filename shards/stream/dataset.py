@@ -1,0 +1,305 @@
+"""The streaming ``IterableDataset`` family: one epoch plan, one stage pipeline, a reader per kind of shard.
+
+Per epoch and worker: plan the slices (``shards.stream.plan``), read them sequentially, resample by class weight
+(optional), shuffle through a seeded buffer, skip what a resumed run already consumed (before any decoding),
+then decode and transform. The decode step is a pluggable ``decoder`` callable taking a ``RawSample``, so other
+output formats (uint8 tensors, batched decoders) replace one object, not the loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from shards.image.decode import ImageDecoder
+from shards.stream.epoch_state import Resume, SharedEpochState
+from shards.errors import CorruptDataError, InputError, MissingInputError
+from shards.formats.hdf5 import iter_hdf5_shard
+from shards.manifest import SplitInfo
+from shards.stream.plan import (
+    STREAM_CLASS_WEIGHTS, STREAM_SHUFFLE_BUFFER, STREAM_TRANSFORM, ShardSlice, epoch_sizes, plan_epoch, rng_for,
+)
+from shards.formats.remote import is_remote, open_remote
+from shards.formats.sample import RawSample
+from shards.stream.stages import Broken, shuffle_buffer, weighted_windows
+from shards.formats.storage import get_storage
+from shards.formats.tar import iter_tar_stream
+from shards.formats.tarseek import iter_tar_slice
+
+log = logging.getLogger(__name__)
+ON_ERROR = ("raise", "skip")
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """How one rank streams a split; validated here so a bad option fails before any worker starts."""
+
+    split: str = "train"
+    shuffle: bool = True
+    seed: int = 0
+    rank: int = 0
+    world_size: int = 1
+    drop_last: bool = False
+    shuffle_buffer: int = 512
+    class_weights: tuple[float, ...] | None = None
+    weight_window: int = 1024
+    on_error: str = "raise"
+    max_consecutive_errors: int = 10
+    return_keys: bool = False
+    seed_transforms: bool = True  # seed torch per sample in workers, so augmentations replay exactly
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise InputError(f"rank must be in 0..world_size-1, got rank={self.rank}, world_size={self.world_size}")
+        if self.seed < 0:
+            raise InputError(f"seed must be non-negative, got {self.seed}")
+        if self.on_error not in ON_ERROR:
+            raise InputError(f"on_error must be one of {list(ON_ERROR)}, got {self.on_error!r}")
+        if self.shuffle_buffer < 0 or self.weight_window < 1 or self.max_consecutive_errors < 1:
+            raise InputError("shuffle_buffer must be >= 0, weight_window and max_consecutive_errors >= 1")
+        if self.class_weights is not None and (min(self.class_weights, default=0) < 0 or not any(self.class_weights)):
+            raise InputError(f"class_weights must be non-negative and not all zero, got {self.class_weights}")
+
+
+@dataclass
+class _ErrorPolicy:
+    """``skip`` keeps the epoch length: a bad sample's slot is filled by repeating a good one, so DDP ranks stay
+    in step; every skip is logged with shard and key, counted, and a run of bad samples stops the epoch."""
+
+    config: StreamConfig
+    state: SharedEpochState
+    consecutive: int = 0
+    pending: int = 0
+    last_good: Any = field(default=None)
+
+    def failed(self, where: str, key: str | None, reason: str) -> None:
+        if self.config.on_error == "raise":
+            raise CorruptDataError(reason, path=where, key=key)
+        self.consecutive += 1
+        self.state.add_skipped()
+        log.warning("skipping unreadable sample: %s [sample %s]: %s", where, key, reason)
+        if self.consecutive >= self.config.max_consecutive_errors:
+            raise CorruptDataError(
+                f"{self.consecutive} consecutive unreadable samples (max_consecutive_errors="
+                f"{self.config.max_consecutive_errors}); last: {reason}", path=where, key=key)
+        self.pending += 1
+
+    def emit(self, output: Any) -> Iterator[Any]:
+        self.consecutive = 0
+        self.last_good = output
+        for _ in range(self.pending + 1):
+            yield output
+        self.pending = 0
+
+    def fill(self) -> Iterator[Any]:
+        if self.last_good is not None:
+            self.pending -= 1
+            yield self.last_good
+
+
+class ShardDataset(IterableDataset):
+    """Base of the family: plan, stages, epoch state, resume. Subclasses read slices and decode samples."""
+
+    def __init__(self, split: SplitInfo, locations: Sequence[str], config: StreamConfig,
+                 num_classes: int | None = None):
+        super().__init__()
+        self.split_info = split
+        self.locations = list(locations)
+        self.config = config
+        self.sizes = epoch_sizes(split.samples, config.world_size, config.drop_last)
+        self.num_classes = num_classes if num_classes is not None else len(split.class_counts)
+        self._state = SharedEpochState()
+        self._pending_resume: Resume | None = None
+        self._armed = False
+        self._yielded = 0
+        if self.sizes.dropped:
+            log.info("drop_last leaves out the last %d sample(s) of %r every epoch", self.sizes.dropped,
+                     config.split)
+
+    # -- what the outside uses -------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.sizes.per_rank
+
+    @property
+    def epoch(self) -> int:
+        return self._state.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch to stream next; reaches DataLoader workers, including persistent ones."""
+        self._state.epoch = epoch
+
+    @property
+    def skipped(self) -> int:
+        """Samples skipped as unreadable (``on_error="skip"``), summed over all workers and epochs."""
+        return self._state.skipped
+
+    @property
+    def dropped(self) -> int:
+        return self.sizes.dropped
+
+    def state_dict(self) -> dict[str, Any]:
+        """Progress of in-process iteration (no DataLoader workers); ``make_loader``'s wrapper has its own."""
+        return {"epoch": self.epoch, "samples": self._yielded, "num_workers": 0, "seed": self.config.seed,
+                "world_size": self.config.world_size, "rank": self.config.rank}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
+        self.set_epoch(int(state["epoch"]))
+        self.resume(Resume(int(state["epoch"]), (int(state["samples"]),)))
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        for name in ("seed", "world_size", "rank"):
+            if name in state and state[name] != getattr(self.config, name):
+                raise InputError(f"the saved state has {name}={state[name]} but this dataset has "
+                                 f"{name}={getattr(self.config, name)}; resume with the same setting")
+
+    def resume(self, resume: Resume | None) -> None:
+        """Make the next iteration continue an interrupted epoch (called by ``load_state_dict``)."""
+        self._pending_resume = resume
+        self._armed = False
+
+    def arm(self) -> None:
+        """Publish the pending resume (or none) to workers; called once in the main process per iteration."""
+        self._state.write_resume(self._pending_resume)
+        self._pending_resume = None
+        self._armed = True
+
+    def disarm(self) -> None:
+        self._armed = False
+
+    # -- the stream ------------------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        in_main = info is None
+        if in_main and not self._armed:
+            self.arm()
+        self._armed = False
+        physical, num_workers = (0, 1) if in_main else (info.id, info.num_workers)
+        epoch = self._state.epoch
+        resume = self._state.read_resume(epoch, num_workers)
+        rotation = resume.rotation if resume else 0
+        worker = (physical + rotation) % num_workers
+        skip = resume.skips[worker] if resume else 0
+        if in_main:
+            self._yielded = skip
+        for output in self._worker_stream(epoch, worker, num_workers, skip, seed_transforms=not in_main):
+            if in_main:
+                self._yielded += 1
+            yield output
+
+    def worker_plan(self, epoch: int, worker: int, num_workers: int) -> list[ShardSlice]:
+        c = self.config
+        return plan_epoch(self.split_info.shard_sizes, seed=c.seed, epoch=epoch, rank=c.rank,
+                          world_size=c.world_size, worker=worker, num_workers=num_workers,
+                          drop_last=c.drop_last, shuffle=c.shuffle)
+
+    def _worker_stream(self, epoch: int, worker: int, num_workers: int, skip: int,
+                       seed_transforms: bool) -> Iterator[Any]:
+        c = self.config
+        ids = (epoch, c.rank, worker)
+        policy = _ErrorPolicy(c, self._state)
+        items: Iterator = itertools.chain.from_iterable(
+            self._guarded_slice(s, policy) for s in self.worker_plan(epoch, worker, num_workers))
+        if c.class_weights is not None:
+            items = weighted_windows(items, c.class_weights, c.weight_window,
+                                     rng_for(c.seed, STREAM_CLASS_WEIGHTS, *ids))
+        if c.shuffle:
+            items = shuffle_buffer(items, c.shuffle_buffer, rng_for(c.seed, STREAM_SHUFFLE_BUFFER, *ids))
+        transform_base = int(rng_for(c.seed, STREAM_TRANSFORM, *ids).integers(0, 2**62))
+        for position, (where, sample) in enumerate(items):
+            if position < skip:
+                continue
+            if seed_transforms and c.seed_transforms:
+                torch.default_generator.manual_seed(transform_base + position)
+            if isinstance(sample, Broken):
+                policy.failed(where, sample.key, sample.reason)
+                yield from policy.fill()
+                continue
+            try:
+                output = self.decode(sample)
+            except CorruptDataError as exc:
+                policy.failed(where, sample.key, str(exc))
+                yield from policy.fill()
+                continue
+            yield from policy.emit(self._pack(output, sample))
+        if policy.pending:
+            raise CorruptDataError(f"no readable sample left to stand in for {policy.pending} unreadable one(s)",
+                                   path=self.config.split)
+
+    def _pack(self, output: Any, sample: Any) -> tuple:
+        if self.config.return_keys:
+            return output, sample.label, sample.key
+        return output, sample.label
+
+    def _guarded_slice(self, piece: ShardSlice, policy: _ErrorPolicy) -> Iterator[tuple[str, Any]]:
+        """Read one slice; check it really holds as many samples as the manifest says."""
+        where = self.locations[piece.shard]
+        count = 0
+        try:
+            for sample in self.read_slice(piece):
+                count += 1
+                yield where, sample
+            if count < piece.size:
+                raise CorruptDataError(f"shard ended after sample {piece.start + count}, the manifest says "
+                                       f"{self.split_info.shards[piece.shard].samples}", path=where)
+        except CorruptDataError as exc:
+            if self.config.on_error == "raise":
+                raise
+            for _ in range(piece.size - count):
+                yield where, Broken(exc.key, -1, str(exc))
+
+    # -- what subclasses provide -----------------------------------------------------------------------------
+    def read_slice(self, piece: ShardSlice) -> Iterator[Any]:
+        raise NotImplementedError
+
+    def decode(self, sample: Any) -> Any:
+        raise NotImplementedError
+
+
+HDF5_WINDOW = 256  # samples per HDF5 read: bounded memory, still one contiguous read per window
+
+
+class ImageShardDataset(ShardDataset):
+    """Image shards (tar or HDF5, local, ``http(s)://`` or ``pipe:``) -> ``(image, label[, key])``."""
+
+    def __init__(self, split: SplitInfo, locations: Sequence[str], config: StreamConfig, *, storage: str,
+                 decoder: Callable[[RawSample], Any] | None = None, num_classes: int | None = None):
+        super().__init__(split, locations, config, num_classes)
+        self.storage = get_storage(storage)
+        self.decoder = decoder if decoder is not None else ImageDecoder()
+        for location in self.locations:
+            if is_remote(location):
+                if self.storage.name != "tar":
+                    raise InputError(f"{self.storage.name} shards must be local files; stream tar shards instead",
+                                     path=location)
+            elif not Path(location).is_file():
+                raise MissingInputError("shard listed in the manifest is missing", path=location)
+
+    def decode(self, sample: RawSample) -> Any:
+        return self.decoder(sample)
+
+    def read_slice(self, piece: ShardSlice) -> Iterator[RawSample]:
+        location = self.locations[piece.shard]
+        if is_remote(location):
+            return self._read_remote(location, piece)
+        if self.storage.name == "tar":
+            return iter_tar_slice(location, piece.start, piece.stop)
+        if self.storage.name == "hdf5":
+            return self._read_hdf5(location, piece)
+        return itertools.islice(self.storage.read(location), piece.start, piece.stop)
+
+    @staticmethod
+    def _read_hdf5(location: str, piece: ShardSlice) -> Iterator[RawSample]:
+        for lo in range(piece.start, piece.stop, HDF5_WINDOW):
+            yield from iter_hdf5_shard(location, lo, min(piece.stop, lo + HDF5_WINDOW))
+
+    @staticmethod
+    def _read_remote(location: str, piece: ShardSlice) -> Iterator[RawSample]:
+        with open_remote(location) as stream:
+            yield from itertools.islice(iter_tar_stream(stream, location), piece.start, piece.stop)

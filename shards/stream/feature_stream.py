@@ -1,0 +1,186 @@
+"""Streaming feature shards: the same epoch plan over ``features.json``, per sample or (mostly) in whole batches.
+
+Features are small and per-sample Python overhead, not the disk, is the limit (DESIGN.md measured a DataLoader
+worker making a linear-head epoch 3-6x slower). ``FeatureBatchLoader`` therefore runs in the main process with no
+workers: it turns the rank's planned slices into one index tensor, shuffles it fully, and gathers
+``features[B, D]`` rows with one indexing call per batch, from memory (``cache="memory"``) or from mmap'ed shards.
+``FeatureShardDataset`` is the per-sample ``IterableDataset`` for users who want a DataLoader anyway.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator, NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+from shards.stream.dataset import ShardDataset, StreamConfig
+from shards.errors import InputError, MissingInputError
+from shards.formats.features import FeatureShard, load_feature_shard, stack_rows
+from shards.manifest import SplitInfo
+from shards.stream.plan import STREAM_CLASS_WEIGHTS, STREAM_SHUFFLE_BUFFER, ShardSlice, rng_for
+from shards.formats.remote import is_remote
+from shards.stream.stages import systematic_resample
+
+CACHE_MODES = ("auto", "memory", "none")
+AUTO_CACHE_BYTES = 4 << 30
+
+
+class FeatureRow(NamedTuple):
+    key: str
+    label: int
+    features: torch.Tensor
+
+
+class FeatureShardDataset(ShardDataset):
+    """Feature shards -> ``(features[D], label[, key])`` per sample, with every guarantee of the image reader."""
+
+    def __init__(self, split: SplitInfo, locations: Sequence[str], config: StreamConfig, *, cache: str = "auto",
+                 num_classes: int | None = None):
+        super().__init__(split, locations, config, num_classes)
+        if cache not in CACHE_MODES:
+            raise InputError(f"cache must be one of {list(CACHE_MODES)}, got {cache!r}")
+        for location in self.locations:
+            if is_remote(location):
+                raise InputError("feature shards must be local files", path=location)
+            if not Path(location).is_file():
+                raise MissingInputError("feature shard listed in the manifest is missing", path=location)
+        total_bytes = sum(s.bytes for s in split.shards)
+        self.cache = cache if cache != "auto" else ("memory" if total_bytes <= AUTO_CACHE_BYTES else "none")
+        self._shards: dict[int, FeatureShard] = {}
+
+    def shard(self, index: int) -> FeatureShard:
+        """A shard, mmap'ed; kept for the life of this process copy when ``cache="memory"``."""
+        if index in self._shards:
+            return self._shards[index]
+        loaded = load_feature_shard(self.locations[index], mmap=True)
+        if len(loaded) != self.split_info.shards[index].samples:
+            raise InputError(f"holds {len(loaded)} rows, the manifest says {self.split_info.shards[index].samples}",
+                             path=self.locations[index])
+        if self.cache == "memory":
+            self._shards[index] = loaded
+        return loaded
+
+    def read_slice(self, piece: ShardSlice) -> Iterator[FeatureRow]:
+        shard = self.shard(piece.shard)
+        block = shard.features[piece.start:piece.stop]
+        labels = shard.labels[piece.start:piece.stop].tolist()
+        for i, label in enumerate(labels):
+            yield FeatureRow(shard.keys[piece.start + i], label, block[i])
+
+    def decode(self, sample: FeatureRow) -> torch.Tensor:
+        return sample.features
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_shards"] = {}  # workers mmap their own copies
+        return state
+
+
+class FeatureBatchLoader:
+    """In-process batches ``(features[B, D], labels[B])`` (plus ``keys`` with ``return_keys``) for one rank.
+
+    Order: the rank's planned rows (equal counts on every rank), resampled by class weight over the whole epoch
+    when asked, then fully permuted from ``(seed, epoch, rank)``. ``state_dict`` counts batches, so a resumed run
+    yields exactly the batches the interrupted epoch had left.
+    """
+
+    num_workers = 0  # by design: see the module docstring
+
+    def __init__(self, dataset: FeatureShardDataset, batch_size: int, *, drop_last: bool = False):
+        if batch_size < 1:
+            raise InputError(f"batch_size must be at least 1, got {batch_size}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self._table: FeatureShard | None = None
+        self._key_list: list[str] | None = None
+        self._offsets = np.cumsum([0] + dataset.split_info.shard_sizes)
+        self._consumed = 0
+        self._resume_at = 0
+        self._resume_epoch = -1
+
+    def __len__(self) -> int:
+        n = len(self.dataset)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        c = self.dataset.config
+        return {"epoch": self.dataset.epoch, "batches": self._consumed, "batch_size": self.batch_size,
+                "num_workers": 0, "seed": c.seed, "world_size": c.world_size, "rank": c.rank}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataset.check_state(state)
+        if state.get("batch_size", self.batch_size) != self.batch_size:
+            raise InputError(f"the saved state used batch_size={state['batch_size']}, this loader {self.batch_size}")
+        self.dataset.set_epoch(int(state["epoch"]))
+        self._resume_epoch, self._resume_at = int(state["epoch"]), int(state["batches"])
+
+    def epoch_rows(self, epoch: int) -> torch.Tensor:
+        """Global row indices of this rank's epoch, in the order they are served."""
+        d = self.dataset
+        c = d.config
+        pieces = d.worker_plan(epoch, 0, 1)
+        rows = np.concatenate([np.arange(p.start, p.stop) + self._offsets[p.shard] for p in pieces] or [[]])
+        rows = rows.astype(np.int64)
+        if c.class_weights is not None and len(rows):
+            labels = self._labels()[torch.from_numpy(rows)].numpy()
+            rows = rows[systematic_resample(labels, c.class_weights, rng_for(c.seed, STREAM_CLASS_WEIGHTS, epoch,
+                                                                                c.rank, 0))]
+        if c.shuffle:
+            rows = rows[rng_for(c.seed, STREAM_SHUFFLE_BUFFER, epoch, c.rank, 0).permutation(len(rows))]
+        return torch.from_numpy(rows)
+
+    def __iter__(self) -> Iterator[tuple]:
+        epoch = self.dataset.epoch
+        rows = self.epoch_rows(epoch)
+        start = self._resume_at if self._resume_epoch == epoch else 0
+        self._resume_epoch, self._resume_at = -1, 0
+        self._consumed = start
+        for batch in range(start, len(self)):
+            index = rows[batch * self.batch_size:(batch + 1) * self.batch_size]
+            features, labels = self._gather(index)
+            self._consumed = batch + 1
+            if self.dataset.config.return_keys:
+                keys = self._keys()
+                yield features, labels, [keys[i] for i in index.tolist()]
+            else:
+                yield features, labels
+
+    def _load_table(self) -> FeatureShard:
+        if self._table is None:
+            self._table = stack_rows([self.dataset.shard(i) for i in range(len(self.dataset.locations))])
+        return self._table
+
+    def _labels(self) -> torch.Tensor:
+        if self.dataset.cache == "memory":
+            return self._load_table().labels
+        return torch.cat([self.dataset.shard(i).labels for i in range(len(self.dataset.locations))])
+
+    def _keys(self) -> list[str]:
+        if self.dataset.cache == "memory":
+            return self._load_table().keys
+        if self._key_list is None:
+            self._key_list = [k for i in range(len(self.dataset.locations)) for k in self.dataset.shard(i).keys]
+        return self._key_list
+
+    def _gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.dataset.cache == "memory":
+            table = self._load_table()
+            return table.features[index], table.labels[index]
+        shard_of = np.searchsorted(self._offsets, index.numpy(), side="right") - 1
+        features = labels = None
+        for shard in np.unique(shard_of):
+            mask = torch.from_numpy(shard_of == shard)
+            loaded = self.dataset.shard(int(shard))
+            local = index[mask] - int(self._offsets[shard])
+            if features is None:
+                features = loaded.features.new_empty((len(index), loaded.features.shape[1]))
+                labels = torch.empty(len(index), dtype=torch.int64)
+            features[mask] = loaded.features[local]
+            labels[mask] = loaded.labels[local]
+        return features, labels

@@ -1,0 +1,157 @@
+"""``make_loader``: a DataLoader with sensible defaults around a streaming dataset, plus exact mid-epoch resume.
+
+A DataLoader over an ``IterableDataset`` asks its workers for batches in a fixed round robin (skipping exhausted
+ones) and returns them in that order, and every worker's sample count is known from the epoch plan. So the main
+process, counting only the batches it handed out, knows exactly how far each worker got; ``state_dict`` records
+that count and a resumed run tells each worker how many samples to skip and which worker goes first.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.data._utils.collate import default_collate
+
+from shards.stream.dataset import ShardDataset
+from shards.stream.epoch_state import Resume
+from shards.errors import InputError
+from shards.stream.feature_stream import FeatureBatchLoader, FeatureShardDataset
+from shards.stream.plan import round_robin_consumed, worker_sample_counts
+
+MAX_DEFAULT_WORKERS = 8
+
+
+def default_num_workers() -> int:
+    """One worker per CPU this process may use, leaving one for the training loop, capped at 8."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    return max(1, min(MAX_DEFAULT_WORKERS, cpus - 1))
+
+
+class ShardLoader:
+    """The DataLoader wrapper: ``len`` right for the rank, ``set_epoch``, ``state_dict``/``load_state_dict``."""
+
+    def __init__(self, dataset: ShardDataset, batch_size: int, *, num_workers: int, drop_last: bool,
+                 collate_fn: Callable | None, pin_memory: bool, persistent_workers: bool,
+                 prefetch_factor: int | None, **dataloader_options: Any):
+        if batch_size < 1:
+            raise InputError(f"batch_size must be at least 1, got {batch_size}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.drop_last = drop_last
+        self._consumed = 0
+        self.loader = DataLoader(
+            dataset, batch_size=batch_size, num_workers=num_workers, drop_last=drop_last,
+            collate_fn=collate_fn if collate_fn is not None else default_collate, pin_memory=pin_memory,
+            persistent_workers=persistent_workers and num_workers > 0,
+            prefetch_factor=prefetch_factor if num_workers > 0 else None, **dataloader_options)
+
+    def batches_per_worker(self) -> list[int]:
+        """Batches each (logical) worker yields: DataLoader batches per worker, so each may end with a partial one."""
+        counts = worker_sample_counts(len(self.dataset), max(1, self.num_workers))
+        if self.drop_last:
+            return [n // self.batch_size for n in counts]
+        return [-(-n // self.batch_size) for n in counts]
+
+    def __len__(self) -> int:
+        return sum(self.batches_per_worker())
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)
+
+    @property
+    def epoch(self) -> int:
+        return self.dataset.epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        self.dataset.arm()
+        self._consumed = self._starting_batches
+        self._starting_batches = 0
+        try:
+            for batch in self.loader:
+                self._consumed += 1
+                yield batch
+        finally:
+            self.dataset.disarm()
+
+    _starting_batches = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        c = self.dataset.config
+        return {"epoch": self.dataset.epoch, "batches": self._consumed, "batch_size": self.batch_size,
+                "num_workers": self.num_workers, "drop_last": self.drop_last, "seed": c.seed,
+                "world_size": c.world_size, "rank": c.rank}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the saved epoch at the next batch it had not yet handed out."""
+        self.dataset.check_state(state)
+        for name in ("batch_size", "num_workers", "drop_last"):
+            if name in state and state[name] != getattr(self, name):
+                raise InputError(f"the saved state has {name}={state[name]} but this loader has "
+                                 f"{name}={getattr(self, name)}; resume with the same setting")
+        epoch, consumed = int(state["epoch"]), int(state["batches"])
+        self.dataset.set_epoch(epoch)
+        taken, next_worker = round_robin_consumed(self.batches_per_worker(), consumed)
+        counts = worker_sample_counts(len(self.dataset), max(1, self.num_workers))
+        skips = tuple(min(n, t * self.batch_size) for n, t in zip(counts, taken))
+        self.dataset.resume(Resume(epoch, skips, rotation=next_worker))
+        self._starting_batches = consumed
+
+
+def make_loader(dataset: ShardDataset, batch_size: int = 256, *, num_workers: int | None = None,
+                drop_last: bool | None = None, collate_fn: Callable | None = None, pin_memory: bool | None = None,
+                persistent_workers: bool = True, prefetch_factor: int = 4,
+                **dataloader_options: Any) -> ShardLoader | FeatureBatchLoader:
+    """Batches from a dataset of ``open_dataset``, with defaults that suit it.
+
+    Workers default to the usable CPUs minus one (max 8), ``pin_memory`` to whether CUDA is present, ``drop_last``
+    to ``dataset.config.shuffle`` (training). A feature dataset gets an in-process ``FeatureBatchLoader`` (no
+    workers: they only slow features down) unless ``num_workers`` asks for workers.
+    """
+    if drop_last is None:
+        drop_last = dataset.config.shuffle
+    if isinstance(dataset, FeatureShardDataset) and not num_workers:
+        return FeatureBatchLoader(dataset, batch_size, drop_last=drop_last)
+    if num_workers is None:
+        num_workers = default_num_workers()
+    if pin_memory is None:
+        pin_memory = torch.cuda.is_available()
+    # DataLoader draws its workers' base seed from this generator at every iter(); left to the global RNG it
+    # would shift the training loop's random numbers by one draw per epoch (and differently after a resume).
+    dataloader_options.setdefault("generator", torch.Generator().manual_seed(dataset.config.seed))
+    return ShardLoader(dataset, batch_size, num_workers=num_workers, drop_last=drop_last, collate_fn=collate_fn,
+                       pin_memory=pin_memory, persistent_workers=persistent_workers,
+                       prefetch_factor=prefetch_factor, **dataloader_options)
+
+
+def pad_collate(batch: Sequence[tuple]) -> dict[str, Any]:
+    """Collate images of different sizes: pad to the largest height and width (bottom/right, zeros).
+
+    Returns ``{"images": [B, C, H, W], "labels": [B], "sizes": [B, 2] (h, w), "mask": [B, H, W] bool}`` and
+    ``"keys"`` when samples carry them. PIL images become uint8 tensors; tensors keep their dtype.
+    """
+    from torchvision.transforms.functional import pil_to_tensor
+
+    images = [item[0] if isinstance(item[0], torch.Tensor) else pil_to_tensor(item[0]) for item in batch]
+    height = max(image.shape[-2] for image in images)
+    width = max(image.shape[-1] for image in images)
+    out = images[0].new_zeros((len(images), images[0].shape[0], height, width))
+    mask = torch.zeros((len(images), height, width), dtype=torch.bool)
+    for i, image in enumerate(images):
+        out[i, :, : image.shape[-2], : image.shape[-1]] = image
+        mask[i, : image.shape[-2], : image.shape[-1]] = True
+    result = {
+        "images": out,
+        "labels": torch.as_tensor([item[1] for item in batch], dtype=torch.int64),
+        "sizes": torch.as_tensor([tuple(image.shape[-2:]) for image in images], dtype=torch.int64),
+        "mask": mask,
+    }
+    if len(batch[0]) > 2:
+        result["keys"] = [item[2] for item in batch]
+    return result
