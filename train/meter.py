@@ -7,7 +7,7 @@ This is the built-in answer to "is my data pipeline the bottleneck?": the share 
 from __future__ import annotations
 
 import time
-from typing import Iterable, Iterator, TypeVar
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -19,30 +19,31 @@ WAIT_WARNING_SHARE = 0.20
 class DataWaitMeter:
     """Wraps the batch iterator; counts seconds blocked in ``next`` against wall seconds since ``start``."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock  # injectable, so tests measure exact shares instead of sleeping
         self.wait_s = 0.0
         self.samples = 0
         self.batches = 0
-        self._started = time.perf_counter()
+        self._started = clock()
         self._stopped: float | None = None
 
     def start(self) -> None:
         self.wait_s, self.samples, self.batches = 0.0, 0, 0
-        self._started, self._stopped = time.perf_counter(), None
+        self._started, self._stopped = self.clock(), None
 
     def stop(self) -> None:
-        self._stopped = time.perf_counter()
+        self._stopped = self.clock()
 
     def iterate(self, batches: Iterable[T]) -> Iterator[T]:
         iterator = iter(batches)
         while True:
-            began = time.perf_counter()
+            began = self.clock()
             try:
                 batch = next(iterator)
             except StopIteration:
-                self.wait_s += time.perf_counter() - began
+                self.wait_s += self.clock() - began
                 return
-            self.wait_s += time.perf_counter() - began
+            self.wait_s += self.clock() - began
             self.batches += 1
             yield batch
 
@@ -51,7 +52,7 @@ class DataWaitMeter:
 
     @property
     def wall_s(self) -> float:
-        end = self._stopped if self._stopped is not None else time.perf_counter()
+        end = self._stopped if self._stopped is not None else self.clock()
         return max(end - self._started, 1e-9)
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from pathlib import Path
 
@@ -32,4 +33,11 @@ def test_weights_with_another_checksum_are_refused(tmp_path):
     fake.write_bytes(b"not the weights")
     with pytest.raises(demo_data.DemoInputError, match="is not torchvision's MobileNet_V2"):
         demo_data.verify_weights(fake)
-    assert demo_data.MOBILENET_V2_SHA256.startswith("b0353104")  # torchvision names the file by this prefix
+    expected = hashlib.sha256(b"not the weights").hexdigest()
+    assert demo_data.verify_weights(fake, sha256=expected) == expected
+
+
+def test_the_pinned_checksum_matches_torchvisions_file_name():
+    """torchvision names its weight files ``<arch>-<first 8 hex digits of the sha256>.pth``."""
+    stem = Path(demo_data.MOBILENET_V2_FILE).stem
+    assert stem.rsplit("-", 1)[1] == demo_data.MOBILENET_V2_SHA256[:8]

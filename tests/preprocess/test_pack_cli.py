@@ -34,7 +34,11 @@ def test_summary_is_one_json_line_on_stdout(tmp_path):
     assert len(lines) == 1
     summary = json.loads(lines[0])
     assert (summary["samples"], summary["shards"], summary["skipped"], summary["complete"]) == (6, 2, 1, True)
-    assert summary["bytes"] > 0 and summary["seconds"] >= 0
+    manifest = json.loads((tmp_path / "out" / "dataset.json").read_text())
+    shards = [s for split in manifest["splits"].values() for s in split["shards"]]
+    assert summary["bytes"] == sum(s["bytes"] for s in shards) == sum(
+        (tmp_path / "out" / s["path"]).stat().st_size for s in shards)
+    assert isinstance(summary["seconds"], float)
     assert "file/s" in result.stderr and "MB/s" in result.stderr
 
 

@@ -1,8 +1,8 @@
 """shards verify: a clean folder passes; every kind of damage fails and names the shard (and sample)."""
 
 import json
-import sys
-import types
+
+import torch
 
 from click.testing import CliRunner
 
@@ -86,25 +86,21 @@ def test_wrong_sample_count_and_bad_label_are_reported(tmp_path):
     assert "train-000000.tar: holds 5 samples, manifest says 4" in problems
 
 
-def test_feature_folders_are_checked_by_the_feature_verifier(tmp_path, monkeypatch):
-    make_shard_dataset(tmp_path / "ds")
-    calls = []
-    fake = types.ModuleType("shards.check.features_verify")
+def test_feature_folders_are_checked_by_the_feature_verifier(tmp_path):
+    """``shards verify`` on a features.json folder runs the feature checks: a file altered after the manifest was
+    written is named, and the JSON result says it was a feature folder."""
+    from shards.formats.features import FeatureShard, write_feature_shard
+    from tests.shards.stream_helpers import write_feature_dataset
 
-    def verify_feature_folder(folder, *, full=False):
-        calls.append((str(folder), full))
-        return ["train-000000.pt: 3 rows, manifest says 4"]
-
-    fake.verify_feature_folder = verify_feature_folder
-    monkeypatch.setitem(sys.modules, "shards.check.features_verify", fake)
-    features = {"format": "shardcache.features", "version": 1, "storage": "pt", "classes": ["a"],
-                "splits": {}, "features_dim": 4, "dtype": "float16", "views": 0, "config": {},
-                "config_hash": "x", "dataset_dir": "../ds", "dataset_sha256": "y"}
-    (tmp_path / "feats").mkdir()
-    (tmp_path / "feats" / "features.json").write_text(json.dumps(features))
+    write_feature_dataset(tmp_path / "feats", [4, 3])
+    altered = tmp_path / "feats" / "train-000000.pt"
+    write_feature_shard(altered, FeatureShard(torch.zeros(3, 4).half(), torch.zeros(3, dtype=torch.int64),
+                                              ["x0", "x1", "x2"]), "pt")
     result = verify_cli(tmp_path / "feats", "--full")
-    assert result.exit_code == 1 and "train-000000.pt: 3 rows" in result.stderr
-    assert calls == [(str(tmp_path / "feats"), True)]
+    assert result.exit_code == 1
+    assert "train-000000.pt" in result.stderr and "train-000001.pt" not in result.stderr
+    report = json.loads(result.stdout)
+    assert report["kind"] == "features" and report["ok"] is False and report["shards_checked"] == 2
 
 
 def test_not_a_dataset_folder_exits_2(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import random
-import time
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -77,18 +77,24 @@ def test_no_top5_with_five_classes_or_fewer():
 
 
 def test_meter_counts_time_blocked_in_next():
-    def slow_batches():
+    """A fake clock: each batch takes 2 s to arrive and the loop works 3 s on it, so 6 of 15 s are waiting."""
+    now = [0.0]
+    meter = DataWaitMeter(clock=lambda: now[0])
+
+    def batches():
         for i in range(3):
-            time.sleep(0.02)
+            now[0] += 2.0  # the loader blocks
             yield torch.zeros(1) + i
 
-    meter = DataWaitMeter()
     meter.start()
-    consumed = [batch for batch in meter.iterate(slow_batches())]
+    consumed = []
+    for batch in meter.iterate(batches()):
+        consumed.append(batch)
+        now[0] += 3.0  # the training step
     meter.stop()
     assert len(consumed) == 3 and meter.batches == 3
-    assert meter.wait_s >= 0.05
-    assert 0.0 < meter.wait_share <= 1.0
+    assert meter.wait_s == 6.0 and meter.wall_s == 15.0
+    assert meter.wait_share == pytest.approx(0.4)
 
 
 def test_wait_advice_only_above_twenty_percent():
@@ -140,7 +146,9 @@ def test_prefetcher_keeps_order_and_passes_errors_on():
         list(ThreadPrefetcher(failing()))
     stream = iter(ThreadPrefetcher(batches, depth=1))
     assert int(next(stream)[1]) == 0
-    stream.close()  # an early stop ends the thread instead of leaving it blocked
+    assert any(t.name == "feature-prefetch" for t in threading.enumerate())
+    stream.close()  # an early stop ends the thread instead of leaving it blocked on a full queue
+    assert not any(t.name == "feature-prefetch" and t.is_alive() for t in threading.enumerate())
 
 
 def test_plot_writes_a_png_even_for_one_epoch(tmp_path: Path):
