@@ -1,7 +1,10 @@
 """Atomic file output: nothing partial ever appears under a final name.
 
-Every artifact is written to ``<name>.tmp``, flushed and fsynced, then renamed; the folder is fsynced so the
-rename survives a crash. A killed job leaves at most ``*.tmp`` files, which a rerun overwrites.
+Every artifact is written to a temp file beside it, flushed and fsynced, then renamed; the folder is fsynced so the
+rename survives a crash. Temp names are unique per host, process and call (``<name>.<host>.<pid>.<token>.tmp``),
+so two writers (two Slurm tasks on different nodes finishing together, or a second run started by mistake) never
+share a temp file. A killed job leaves at most ``*.tmp`` files; ``tmp_target`` maps such a name back to the file it
+was meant to become, so the next run of the job that owns that file can remove it (``remove_stale_tmp``).
 """
 
 from __future__ import annotations
@@ -10,10 +13,32 @@ import contextlib
 import hashlib
 import json
 import os
+import re
+import secrets
+import socket
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
+
+from shards.errors import InputError
 
 TMP_SUFFIX = ".tmp"
+# ``<final>.<host>.<pid>.<token>.tmp``: host is reduced to [A-Za-z0-9-] so the pattern below can parse it.
+_UNIQUE_TMP = re.compile(r"^(?P<final>.+)\.[A-Za-z0-9-]{1,32}\.\d+\.[0-9a-f]{8}" + re.escape(TMP_SUFFIX) + "$")
+_HOST_CHARS = re.compile(r"[^A-Za-z0-9-]+")
+_URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
+
+
+def check_local_output(out: str | os.PathLike, option: str = "--out") -> None:
+    """Refuse an output location that is a URL (``s3://``, ``http://``...) or a ``pipe:`` command.
+
+    Writers write local (or mounted) folders only; without this check ``s3://bucket/x`` silently became a local
+    folder named ``s3:``. Call it on the string as given: ``Path`` collapses ``//`` and hides the scheme.
+    """
+    text = os.fspath(out)
+    if _URL.match(text) or text.startswith("pipe:"):
+        scheme = text.split(":", 1)[0] + ":"
+        raise InputError(f"{option} {text!r}: writing to {scheme} locations is not supported (yet); give a local or "
+                         "mounted folder")
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -30,16 +55,55 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def _host_tag() -> str:
+    return _HOST_CHARS.sub("-", socket.gethostname()).strip("-")[:32] or "host"
+
+
+def unique_tmp_path(final: str | os.PathLike) -> Path:
+    """A temp name beside ``final`` that no other process, on this host or another, will pick."""
+    final = Path(final)
+    return final.with_name(f"{final.name}.{_host_tag()}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+
+
 def tmp_path_for(final: str | os.PathLike) -> Path:
+    """The fixed ``<name>.tmp`` that older versions wrote (still recognised by ``tmp_target``)."""
     final = Path(final)
     return final.with_name(final.name + TMP_SUFFIX)
 
 
+def tmp_target(name: str) -> str | None:
+    """The final file name a temp file ``name`` was written for, or None if ``name`` is not a temp name."""
+    match = _UNIQUE_TMP.match(name)
+    if match:
+        return match.group("final")
+    if name.endswith(TMP_SUFFIX) and len(name) > len(TMP_SUFFIX):
+        return name[: -len(TMP_SUFFIX)]
+    return None
+
+
+def remove_stale_tmp(folder: str | os.PathLike, finals: Collection[str]) -> int:
+    """Remove the temp files in ``folder`` of the final names ``finals`` (left by a killed run); returns the count.
+
+    Only the process that owns those final names (under its output lock) may call this: it would also remove a
+    temp file another live writer of the same name is still filling.
+    """
+    folder = Path(folder)
+    if not finals or not folder.is_dir():
+        return 0
+    removed = 0
+    for entry in os.scandir(folder):
+        if entry.name.endswith(TMP_SUFFIX) and tmp_target(entry.name) in finals:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                removed += 1
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_output(final: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp path to write; on success fsync it and rename it to ``final``; on error remove it."""
+    """Yield a unique temp path to write; on success fsync it and rename it to ``final``; on error remove it."""
     final = Path(final)
-    tmp = tmp_path_for(final)
+    tmp = unique_tmp_path(final)
     tmp.parent.mkdir(parents=True, exist_ok=True)
     try:
         yield tmp
@@ -54,13 +118,27 @@ def atomic_output(final: str | os.PathLike) -> Iterator[Path]:
 
 
 def write_bytes_atomic(final: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` atomically. Safe when several processes write the same file at once: each has its own temp
+    file and renames a complete one, so the last rename wins and no reader ever sees a mixture."""
     with atomic_output(final) as tmp:
-        tmp.write_bytes(data)
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+
+
+def json_text(obj: Any) -> str:
+    """JSON with sorted keys and a trailing newline, so equal content gives equal bytes."""
+    return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
 
 def write_json_atomic(final: str | os.PathLike, obj: Any) -> None:
-    """Write JSON with sorted keys and a trailing newline, so equal content gives equal bytes."""
-    text = json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    write_bytes_atomic(final, json_text(obj).encode("utf-8"))
+
+
+# Several Slurm tasks may write the same manifest at once; unique temp names make every write safe for that.
+write_json_shared = write_json_atomic
+
+
+def write_text_shared(final: str | os.PathLike, text: str) -> None:
     write_bytes_atomic(final, text.encode("utf-8"))
 
 

@@ -14,12 +14,9 @@ class ShardcacheError(Exception):
     def __init__(self, message: str, *, path: str | None = None, key: str | None = None):
         self.path = None if path is None else str(path)
         self.key = key
-        where = ""
-        if self.path is not None:
-            where = f"{self.path}"
-            if key is not None:
-                where += f" [sample {key}]"
-            where += ": "
+        self.reason = message  # the message without the path and key, for callers that re-raise with more context
+        located = [part for part in (self.path, None if key is None else f"[sample {key}]") if part is not None]
+        where = " ".join(located) + ": " if located else ""
         super().__init__(f"{where}{message}")
 
 

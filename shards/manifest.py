@@ -14,10 +14,11 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from shards.atomic import sha256_file, write_json_atomic
 from shards.errors import ManifestError, MissingInputError
+from shards.formats.locations import check_dataset_dir, check_shard_path
 
 TOOL = "shardcache 0.1.0"
 DATASET_FORMAT = "shardcache.dataset"
@@ -52,13 +53,17 @@ class ShardInfo:
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ShardInfo":
+    def from_dict(cls, data: Mapping[str, Any], where: str | None = None,
+                  url_origins: Iterable[str] = ()) -> "ShardInfo":
+        """Checks ``path`` (and ``source``) are shard names confined to the manifest's folder; see
+        ``shards.formats.locations.check_shard_path`` (``url_origins``: where shard URLs may point)."""
+        source = data.get("source")
         return cls(
-            path=str(data["path"]),
+            path=check_shard_path(data["path"], where=where, url_origins=url_origins),
             samples=int(data["samples"]),
             bytes=int(data["bytes"]),
             sha256=str(data["sha256"]),
-            source=data.get("source"),
+            source=None if source is None else check_shard_path(source, where=where),
             source_sha256=data.get("source_sha256"),
         )
 
@@ -77,11 +82,12 @@ class SplitInfo:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "SplitInfo":
+    def from_dict(cls, data: Mapping[str, Any], where: str | None = None,
+                  url_origins: Iterable[str] = ()) -> "SplitInfo":
         return cls(
             samples=int(data["samples"]),
             class_counts=tuple(int(c) for c in data["class_counts"]),
-            shards=tuple(ShardInfo.from_dict(s) for s in data["shards"]),
+            shards=tuple(ShardInfo.from_dict(s, where, url_origins) for s in data["shards"]),
         )
 
     @property
@@ -171,20 +177,26 @@ class DatasetManifest:
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], where: str = DATASET_FILE) -> "DatasetManifest":
+    def from_dict(cls, data: Mapping[str, Any], where: str = DATASET_FILE, *,
+                  url_origins: Iterable[str] = ()) -> "DatasetManifest":
+        """``url_origins``: origins (``scheme://host[:port]``) whose ``http(s)`` shard URLs are followed: a remote
+        manifest's own, or ones the caller explicitly allows. Any other URL or scheme is refused."""
         _check_header(data, DATASET_FORMAT, where)
+        url_origins = tuple(url_origins)
         known = {"format", "version", "storage", "classes", "splits", "source", "packing", "created", "tool"}
         try:
             return cls(
                 storage=str(data["storage"]),
                 classes=tuple(str(c) for c in data["classes"]),
-                splits={name: SplitInfo.from_dict(s) for name, s in data["splits"].items()},
+                splits={name: SplitInfo.from_dict(s, where, url_origins) for name, s in data["splits"].items()},
                 source=SourceInfo.from_dict(data["source"]),
                 packing=dict(data.get("packing", {})),
                 created=str(data.get("created", "")),
                 tool=str(data.get("tool", "")),
                 extra={k: v for k, v in data.items() if k not in known},
             )
+        except ManifestError:
+            raise
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"malformed manifest ({type(exc).__name__}: {exc})", path=where) from exc
 
@@ -263,18 +275,20 @@ class FeatureManifest:
             return cls(
                 storage=str(data["storage"]),
                 classes=tuple(str(c) for c in data["classes"]),
-                splits={name: SplitInfo.from_dict(s) for name, s in data["splits"].items()},
+                splits={name: SplitInfo.from_dict(s, where) for name, s in data["splits"].items()},
                 features_dim=int(data["features_dim"]),
                 dtype=str(data["dtype"]),
                 views=int(data.get("views", 0)),
                 config=dict(data["config"]),
                 config_hash=str(data["config_hash"]),
-                dataset_dir=str(data["dataset_dir"]),
+                dataset_dir=check_dataset_dir(data["dataset_dir"], where=where),
                 dataset_sha256=str(data["dataset_sha256"]),
                 created=str(data.get("created", "")),
                 tool=str(data.get("tool", "")),
                 extra={k: v for k, v in data.items() if k not in known},
             )
+        except ManifestError:
+            raise
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"malformed manifest ({type(exc).__name__}: {exc})", path=where) from exc
 
@@ -308,9 +322,9 @@ def _read_json(path: Path) -> Any:
         raise ManifestError(f"not valid JSON ({exc})", path=str(path)) from exc
 
 
-def load_dataset_manifest(folder: str | os.PathLike) -> DatasetManifest:
+def load_dataset_manifest(folder: str | os.PathLike, *, url_origins: Iterable[str] = ()) -> DatasetManifest:
     path = Path(folder) / DATASET_FILE
-    return DatasetManifest.from_dict(_read_json(path), where=str(path))
+    return DatasetManifest.from_dict(_read_json(path), where=str(path), url_origins=url_origins)
 
 
 def load_feature_manifest(folder: str | os.PathLike) -> FeatureManifest:
@@ -318,8 +332,10 @@ def load_feature_manifest(folder: str | os.PathLike) -> FeatureManifest:
     return FeatureManifest.from_dict(_read_json(path), where=str(path))
 
 
-def load_manifest(folder: str | os.PathLike) -> Manifest:
-    """Read whichever manifest ``folder`` holds (a folder, or the path of a manifest file itself)."""
+def load_manifest(folder: str | os.PathLike, *, url_origins: Iterable[str] = ()) -> Manifest:
+    """Read whichever manifest ``folder`` holds (a folder, or the path of a manifest file itself).
+
+    ``url_origins``: the caller's opt-in to ``http(s)`` shard URLs on those origins in a ``dataset.json``."""
     folder = Path(folder)
     if folder.is_file():
         folder = folder.parent
@@ -328,7 +344,7 @@ def load_manifest(folder: str | os.PathLike) -> Manifest:
     if (folder / FEATURES_FILE).exists():
         return load_feature_manifest(folder)
     if (folder / DATASET_FILE).exists():
-        return load_dataset_manifest(folder)
+        return load_dataset_manifest(folder, url_origins=url_origins)
     raise ManifestError(
         f"holds neither {DATASET_FILE} nor {FEATURES_FILE} (unfinished or not a shardcache folder)",
         path=str(folder),

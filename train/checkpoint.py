@@ -49,10 +49,11 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
-    """Write ``state`` atomically (``<name>.tmp``, fsync, rename)."""
+    """Write ``state`` atomically (a unique temp file, fsync, rename)."""
     path = Path(path)
-    with atomic_output(path) as tmp:
-        torch.save({"checkpoint_version": CHECKPOINT_VERSION, **state}, tmp)
+    with atomic_output(path) as tmp, open(tmp, "wb") as handle:
+        # A file object, not the path: torch would name the archive inside after the unique temp name.
+        torch.save({"checkpoint_version": CHECKPOINT_VERSION, **state}, handle)
     return path
 
 

@@ -7,7 +7,8 @@ import os
 import click
 
 from shards.cli.common import emit_json, handle_errors, quiet_option
-from train.config import DATA_KINDS, DEVICES, HEADS, OPTIMIZERS, PIPELINES, TrainConfig
+from shards.stream.options import PIPELINES
+from train.config import DATA_KINDS, DEFAULT_PIPELINE, DEVICES, HEADS, OPTIMIZERS, TrainConfig
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -24,7 +25,7 @@ from train.config import DATA_KINDS, DEVICES, HEADS, OPTIMIZERS, PIPELINES, Trai
               help="Local weights file to fine-tune from (loaded with weights_only=True; classifier re-initialised "
                    "when the class count differs).")
 @click.option("--image-size", type=int, default=224, help="Crop size of the image transforms.")
-@click.option("--pipeline", type=click.Choice(PIPELINES), default="fast", show_default=True,
+@click.option("--pipeline", type=click.Choice(PIPELINES), default=DEFAULT_PIPELINE, show_default=True,
               help="Image input: fast = uint8 crop-then-resize in workers, normalised per batch on the device; "
                    "standard = torchvision transforms in workers.")
 @click.option("--fast-decode", is_flag=True,
@@ -55,7 +56,13 @@ from train.config import DATA_KINDS, DEVICES, HEADS, OPTIMIZERS, PIPELINES, Trai
               help="Testing and profiling: return after N steps as if killed (nothing more is written).")
 @quiet_option
 @handle_errors
-def train_command(path: str, out_dir: str, quiet: bool, **options) -> None:
+def train_command(path: str, out_dir: str, data: str, head: str, hidden_dim: int, dropout: float, model: str,
+                  weights: str | None, image_size: int, pipeline: str, fast_decode: bool, epochs: int,
+                  batch_size: int, optimizer: str, lr: float | None, momentum: float, warmup_epochs: float,
+                  weight_decay: float, label_smoothing: float, class_weighted_loss: bool, balanced_sampler: bool,
+                  seed: int, workers: int | None, prefetch: int, amp: bool, device: str, train_split: str,
+                  val_split: str, checkpoint_every: int, resume: bool, dry_run: bool, overwrite: bool,
+                  stop_after_steps: int | None, quiet: bool) -> None:
     """Train a classifier from image shards (dataset.json) or cached features (features.json) in PATH.
 
     Prints one JSON line with val_top1, data_wait_share and run_dir. Under torchrun, every process runs this
@@ -63,7 +70,16 @@ def train_command(path: str, out_dir: str, quiet: bool, **options) -> None:
     """
     from train.loop import train
 
-    cfg = TrainConfig(data_path=os.path.abspath(path), out_dir=os.path.abspath(out_dir), quiet=quiet, **options)
+    cfg = TrainConfig(
+        data_path=os.path.abspath(path), out_dir=os.path.abspath(out_dir), data=data,
+        head=head, hidden_dim=hidden_dim, dropout=dropout, model=model, weights=weights,
+        image_size=image_size, pipeline=pipeline, fast_decode=fast_decode,
+        epochs=epochs, batch_size=batch_size, optimizer=optimizer, lr=lr, momentum=momentum,
+        warmup_epochs=warmup_epochs, weight_decay=weight_decay, label_smoothing=label_smoothing,
+        class_weighted_loss=class_weighted_loss, balanced_sampler=balanced_sampler, seed=seed,
+        workers=workers, prefetch=prefetch, amp=amp, device=device, train_split=train_split, val_split=val_split,
+        checkpoint_every=checkpoint_every, resume=resume, overwrite=overwrite, dry_run=dry_run, quiet=quiet,
+        stop_after_steps=stop_after_steps)
     summary = train(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
         emit_json(summary)

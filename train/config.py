@@ -11,11 +11,14 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from shards.errors import InputError
+from shards.stream.options import check_pipeline
 
 DATA_KINDS = ("auto", "images", "features")
 HEADS = ("linear", "mlp")
 OPTIMIZERS = ("sgd", "adamw")
-PIPELINES = ("fast", "standard")
+# The image pipelines are defined and validated in shards.stream.options; training defaults to "fast" (the library
+# to "standard") because the loop owns the device-side normalisation the fast pipeline needs.
+DEFAULT_PIPELINE = "fast"
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_LR = {"sgd": 0.1, "adamw": 1e-3}
 
@@ -39,7 +42,7 @@ class TrainConfig:
     model: str = "resnet18"
     weights: str | None = None
     image_size: int = 224
-    pipeline: str = "fast"
+    pipeline: str = DEFAULT_PIPELINE
     fast_decode: bool = False
     epochs: int = 10
     batch_size: int = 256
@@ -71,7 +74,7 @@ class TrainConfig:
         _choice("data", self.data, DATA_KINDS)
         _choice("head", self.head, HEADS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
-        _choice("pipeline", self.pipeline, PIPELINES)
+        check_pipeline(self.pipeline)
         if self.pipeline == "fast" and self.fast_decode:
             raise InputError("fast_decode applies to the standard pipeline; the fast one drafts JPEGs itself")
         _choice("device", self.device, DEVICES)

@@ -1,7 +1,8 @@
 """From a shards folder to train and val loaders: read the manifest, check it, open the streaming reader.
 
 The kind of input (image shards or cached features) comes from the manifest, never from globbing. A feature cache
-is checked against the dataset it was computed from, so a stale cache is refused before any training starts.
+is checked against the dataset it was computed from (``shards.check.freshness``), so a stale cache is refused before
+any training starts.
 """
 
 from __future__ import annotations
@@ -14,19 +15,20 @@ from typing import Any
 import torch
 
 import shards
-from shards.errors import InputError, ManifestError, StaleCacheError
+from shards.check.freshness import check_features_fresh
+from shards.errors import InputError, ManifestError
 from shards.manifest import (
     DATASET_FILE,
     FEATURES_FILE,
     DatasetManifest,
     FeatureManifest,
-    dataset_manifest_sha256,
     load_dataset_manifest,
     load_feature_manifest,
     load_manifest,
 )
 from shards.image.fast import Normalize
 from shards.image.transforms import TransformSpec
+from shards.stream.options import Decode, Sampling
 from train.config import TrainConfig
 from train.distributed import DistContext
 
@@ -82,24 +84,6 @@ def read_manifest(path: str, data: str) -> DatasetManifest | FeatureManifest:
     return load_dataset_manifest(folder)
 
 
-def check_features_fresh(folder: str | Path, manifest: FeatureManifest) -> None:
-    """Refuse features computed from a ``dataset.json`` that has since changed (the cheap sha256 check)."""
-    dataset_dir = Path(manifest.dataset_dir)
-    if not dataset_dir.is_absolute():
-        dataset_dir = Path(folder) / dataset_dir
-    if not (dataset_dir / DATASET_FILE).exists():
-        log.warning("%s: the dataset it was computed from (%s) is gone; cannot check freshness",
-                    folder, dataset_dir)
-        return
-    current = dataset_manifest_sha256(dataset_dir)
-    if current != manifest.dataset_sha256:
-        raise StaleCacheError(
-            f"stale features: computed from a dataset.json with sha256 {manifest.dataset_sha256[:12]}..., but "
-            f"{dataset_dir / DATASET_FILE} now has {current[:12]}...; rerun precompute-features",
-            path=str(Path(folder) / FEATURES_FILE),
-        )
-
-
 def check_splits(manifest: DatasetManifest | FeatureManifest, cfg: TrainConfig) -> None:
     for role, name in (("train", cfg.train_split), ("val", cfg.val_split)):
         if name not in manifest.splits:
@@ -128,19 +112,17 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
     """Train and val loaders for this rank: train shuffled from the seed, val in manifest order."""
     kind = manifest.kind
     rank, world = (ctx.rank, ctx.world_size) if ctx.distributed else (0, 1)
-    image_options: dict[str, Any] = {}
     train_spec = eval_spec = None
+    decode = Decode()
     if kind == "images":
         train_spec = TransformSpec(preset="train", size=cfg.image_size)
         eval_spec = TransformSpec(preset="eval", size=cfg.image_size)
-        image_options = {"pipeline": cfg.pipeline}
-        if cfg.fast_decode:
-            image_options["draft"] = True
-    sampler_options: dict[str, Any] = {"class_weights": "balanced"} if cfg.balanced_sampler else {}
-    train_set = shards.open_dataset(cfg.data_path, cfg.train_split, transform=train_spec, shuffle=True,
-                                    seed=cfg.seed, rank=rank, world_size=world, **sampler_options, **image_options)
-    val_set = shards.open_dataset(cfg.data_path, cfg.val_split, transform=eval_spec, shuffle=False,
-                                  seed=cfg.seed, rank=rank, world_size=world, **image_options)
+        decode = Decode(pipeline=cfg.pipeline, draft=cfg.fast_decode)
+    sampling = Sampling(class_weights="balanced") if cfg.balanced_sampler else Sampling()
+    train_set = shards.open_dataset(cfg.data_path, cfg.train_split, transform=train_spec, seed=cfg.seed, shuffle=True,
+                                    rank=rank, world_size=world, sampling=sampling, decode=decode)
+    val_set = shards.open_dataset(cfg.data_path, cfg.val_split, transform=eval_spec, seed=cfg.seed, shuffle=False,
+                                  rank=rank, world_size=world, decode=decode)
     train_loader = _loader(train_set, cfg, ctx, drop_last=True)
     val_loader = _loader(val_set, cfg, ctx, drop_last=False)
     if len(train_loader) == 0:
@@ -154,13 +136,12 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
 
 
 def _loader(dataset: Any, cfg: TrainConfig, ctx: DistContext, *, drop_last: bool) -> Any:
-    options: dict[str, Any] = {} if cfg.workers is None else {"num_workers": cfg.workers}
     # DataLoader otherwise draws its worker base seed from the global torch RNG at every ``iter()``, so a resumed
     # run (one extra ``iter()``) would see different dropout than an uninterrupted one. The reader seeds each
     # sample's transform itself, so this generator's values do not matter, only that it is not the global one.
-    options["generator"] = torch.Generator().manual_seed(cfg.seed)
-    return shards.make_loader(dataset, batch_size=cfg.batch_size, drop_last=drop_last,
-                              pin_memory=ctx.device.type == "cuda", **options)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    return shards.make_loader(dataset, batch_size=cfg.batch_size, num_workers=cfg.workers, drop_last=drop_last,
+                              pin_memory=ctx.device.type == "cuda", generator=generator)
 
 
 def describe_batch(batch: tuple[torch.Tensor, torch.Tensor], classes: list[str]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shards.errors import InputError
+from shards.devices import resolve_device
 
 log = logging.getLogger("shardcache.train")
 
@@ -44,14 +44,6 @@ class DistContext:
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise InputError("device=cuda but CUDA is not available on this machine; use --device auto or cpu")
-    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
-    return torch.device("cpu")
 
 
 def setup_distributed(requested_device: str, env: Mapping[str, str] | None = None) -> DistContext:

@@ -117,7 +117,7 @@ class Run:
         loader_state = None
         if mid_epoch:
             # The batches this loop has trained on, not the ones a prefetcher has already drawn.
-            loader_state = {**self.data.train_loader.state_dict(), "batches": self.state.batch_in_epoch}
+            loader_state = self.data.train_loader.state_dict(batches_consumed=self.state.batch_in_epoch)
         if self.ctx.is_main:
             save_checkpoint(self.plan.path(rd.LAST_FILE), self.checkpoint_state(loader_state))
 
@@ -128,9 +128,9 @@ class Run:
         self.scaler.load_state_dict(checkpoint["scaler"])
         self.state = TrainState.from_dict(checkpoint["train_state"])
         if checkpoint["loader"] is not None:
-            # Rank 0 saved its loader position; every rank has consumed as many batches (equal shares per rank).
+            # Rank 0 saved its loader position; it holds for every rank (each consumes an equal share).
             self.data.train_loader.set_epoch(self.state.epoch)
-            self.data.train_loader.load_state_dict({**checkpoint["loader"], "rank": self.ctx.rank})
+            self.data.train_loader.load_state_dict(checkpoint["loader"])
         restore_rng_state(checkpoint["rng"])
         log.info("resumed from %s at epoch %d, step %d", self.plan.resume_from, self.state.epoch + 1,
                  self.state.step)

@@ -9,13 +9,14 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torchvision
 from torch import nn
 
 from shards.errors import InputError, MissingInputError
+from shards.formats.weights import read_state_dict
 
 log = logging.getLogger("shardcache.train")
 
@@ -60,28 +61,10 @@ def build_image_model(name: str, num_classes: int, *, weights: str | os.PathLike
     return model
 
 
-def _unwrap_state_dict(obj: Any, path: str) -> Mapping[str, torch.Tensor]:
-    """Accept a bare state dict or the usual wrappers (``model.pt`` of a run, ``{"state_dict": ...}``)."""
-    for key in ("state_dict", "model"):
-        if isinstance(obj, Mapping) and isinstance(obj.get(key), Mapping):
-            obj = obj[key]
-    if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise InputError("not a state dict of tensors", path=path)
-    # DistributedDataParallel saves "module."-prefixed names.
-    return {k.removeprefix("module."): v for k, v in obj.items()}
-
-
 def load_matching_weights(model: nn.Module, weights: str | os.PathLike) -> None:
     """Load every tensor whose name and shape match; the classifier for a different class count starts fresh."""
     path = str(weights)
-    if not Path(path).is_file():
-        raise MissingInputError("weights file not found", path=path)
-    try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises many types for a damaged or pickled-object file
-        raise InputError(f"cannot load weights with weights_only=True ({type(exc).__name__}: {exc})",
-                         path=path) from exc
-    state = _unwrap_state_dict(loaded, path)
+    state = read_state_dict(path)
     own = model.state_dict()
     fitting = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
     reshaped = sorted(k for k in state if k in own and own[k].shape != state[k].shape)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from shards.atomic import atomic_output, tmp_path_for, write_json_atomic
+from shards.atomic import atomic_output, remove_stale_tmp, write_json_atomic
 from shards.errors import ManifestError, OutputExistsError
 from train.config import TrainConfig
 
@@ -71,9 +71,9 @@ def start_run(plan: RunPlan, cfg: TrainConfig) -> None:
     plan.folder.mkdir(parents=True, exist_ok=True)
     if plan.clear:
         for name in RUN_FILES:
-            for path in (plan.path(name), tmp_path_for(plan.path(name))):
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
+            with contextlib.suppress(FileNotFoundError):
+                plan.path(name).unlink()
+        remove_stale_tmp(plan.folder, {plan.path(name).name for name in RUN_FILES})
     write_json_atomic(plan.path(CONFIG_FILE), cfg.to_dict())
 
 

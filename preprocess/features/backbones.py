@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from shards.atomic import sha256_file
-from shards.image.device import IMAGENET_MEAN, IMAGENET_STD
+from shards.image.options import IMAGENET_MEAN, IMAGENET_STD
 from shards.errors import InputError, MissingInputError
+from shards.formats.weights import read_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -149,36 +150,6 @@ def _builder_kwargs(name: str, weights) -> dict[str, Any]:
     return kwargs
 
 
-def _read_state_dict(path: Path) -> Mapping[str, torch.Tensor]:
-    """A plain state dict, or one under ``state_dict``/``model`` (training checkpoints); never unpickles objects."""
-    try:
-        if path.suffix == ".safetensors":
-            try:
-                from safetensors.torch import load_file
-            except ImportError:
-                raise InputError("reading .safetensors needs the 'safetensors' package (pip install safetensors), "
-                                 "or save the weights with torch.save as .pt", path=str(path)) from None
-            data: Any = load_file(str(path))
-        else:
-            data = torch.load(path, map_location="cpu", weights_only=True)
-    except InputError:
-        raise
-    except Exception as exc:  # torch raises many types for damaged or foreign files
-        raise InputError(f"not a readable weights file ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})",
-                         path=str(path)) from exc
-    if isinstance(data, Mapping):
-        for nested in ("state_dict", "model"):
-            if isinstance(data.get(nested), Mapping):
-                data = data[nested]
-                break
-    if not isinstance(data, Mapping) or not all(isinstance(v, torch.Tensor) for v in data.values()):
-        raise InputError("holds no state dict of tensors (expected a dict, or one under 'state_dict' or 'model')",
-                         path=str(path))
-    if data and all(k.startswith("module.") for k in data):  # saved from DistributedDataParallel
-        data = {k[len("module."):]: v for k, v in data.items()}
-    return data
-
-
 def _load_strict(model: nn.Module, state: Mapping[str, torch.Tensor], name: str, where: str) -> None:
     own = model.state_dict()
     missing = [k for k in own if k not in state]
@@ -232,7 +203,7 @@ def build_backbone(name: str, weights: str = "none", *, seed: int = 0) -> Backbo
         torch.manual_seed(seed)  # random init is a function of the seed, never of global state
         model = models.get_model(name, weights=None, **_builder_kwargs(name, meta))
     if path is not None:
-        _load_strict(model, _read_state_dict(path), name, str(path))
+        _load_strict(model, read_state_dict(path), name, str(path))
     features_dim = strip_classifier(model, name)
     model.eval().requires_grad_(False)
     input_size = int(model.image_size) if family_of(name) == "vit" else None

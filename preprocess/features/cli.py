@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from preprocess.features.loader import DECODE_MODES
-from preprocess.features.transforms import INTERPOLATIONS
+from shards.image.options import INTERPOLATIONS
 from preprocess.features.featurize import AMP_MODES, DTYPES, FeatureConfig, merge_features, run_precompute
 from shards.cli.common import emit_json, handle_errors, quiet_option, task_options
 from shards.errors import InputError
@@ -28,7 +28,7 @@ def _triple(name: str, value: str | None) -> tuple[float, ...] | None:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("data_dir", required=False, type=click.Path(path_type=Path))
-@click.option("--out", "-o", "out_dir", type=click.Path(path_type=Path), help="Feature folder to write (FEAT_DIR).")
+@click.option("--out", "-o", "out_dir", type=click.Path(path_type=str), help="Feature folder to write (FEAT_DIR).")
 @click.option("--backbone", default="resnet50", show_default=True, help="torchvision classification model name.")
 @click.option("--weights", help="'none' (random init from --seed), a local .pt/.pth/.safetensors state dict, or a "
                                 "torchvision weights name (IMAGENET1K_V2) already in the torch hub cache. Required.")
@@ -57,8 +57,12 @@ def _triple(name: str, value: str | None) -> tuple[float, ...] | None:
 @task_options
 @quiet_option
 @handle_errors
-def precompute_features_command(data_dir: Path | None, out_dir: Path | None, weights: str | None, mean: str | None,
-                                std: str | None, splits: tuple[str, ...], merge_dir: Path | None, **options) -> None:
+def precompute_features_command(data_dir: Path | None, out_dir: Path | None, backbone: str, weights: str | None,
+                                seed: int, resize: int | None, crop: int | None, mean: str | None, std: str | None,
+                                interpolation: str | None, views: int, augment: bool, dtype: str, storage: str,
+                                device: str, amp: str, decode: str, batch_size: int, workers: int,
+                                splits: tuple[str, ...], overwrite: bool, merge_dir: Path | None, task_index: int,
+                                num_tasks: int, quiet: bool) -> None:
     """Cache a frozen backbone's penultimate features of every image shard in DATA_DIR under --out.
 
     One feature file per image shard, aligned sample for sample; features.json is written last, when all parts
@@ -73,7 +77,11 @@ def precompute_features_command(data_dir: Path | None, out_dir: Path | None, wei
                if value is None]
     if missing:
         raise InputError(f"missing {', '.join(missing)} (see precompute-features --help)")
-    cfg = FeatureConfig(data_dir=data_dir, out_dir=out_dir, weights=weights, mean=_triple("mean", mean),
-                        std=_triple("std", std), splits=tuple(splits) or None, **options)
+    cfg = FeatureConfig(
+        data_dir=data_dir, out_dir=out_dir, backbone=backbone, weights=weights, seed=seed,
+        resize=resize, crop=crop, mean=_triple("mean", mean), std=_triple("std", std), interpolation=interpolation,
+        views=views, augment=augment, dtype=dtype, storage=storage, device=device, amp=amp, decode=decode,
+        batch_size=batch_size, workers=workers, splits=tuple(splits) or None, task_index=task_index,
+        num_tasks=num_tasks, overwrite=overwrite, quiet=quiet)
     _, summary = run_precompute(cfg)
     emit_json(summary)

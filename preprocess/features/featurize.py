@@ -18,15 +18,20 @@ from typing import Any
 
 import torch
 
-from preprocess.features.backbones import IMAGENET_MEAN, IMAGENET_STD, Backbone, build_backbone
+from preprocess.features.backbones import Backbone, build_backbone
 from preprocess.features.loader import DECODE_MODES, ShardBatches, ShardJob, make_loader, shard_jobs
-from preprocess.features.state import (assemble_manifest, config_hash, feature_path, finished_shard,
-                                      prepare_output, read_config_record, write_shard_record)
+from preprocess.features.state import (STATE_DIR, assemble_manifest, check_output, config_hash, feature_path,
+                                      finished_shard, prepare_output, read_config_record, write_shard_record)
 from preprocess.features.transforms import AugmentSpec, FeatureTransform, eval_tensors, views_tensors
+from shards.devices import resolve_device
 from shards.image.device import Normalize, decode_images
+from shards.image.options import DEFAULT_INTERPOLATION, IMAGENET_MEAN, IMAGENET_STD
+from shards.atomic import check_local_output, remove_stale_tmp
 from shards.errors import CorruptDataError, InputError, MissingInputError, ShardcacheError
+from shards.lock import claim_output
 from shards.formats.features import FEATURE_SUFFIXES, FeatureShard, write_feature_shard
-from shards.manifest import FeatureManifest, ShardInfo, dataset_manifest_sha256, load_dataset_manifest
+from shards.manifest import (DatasetManifest, FeatureManifest, ShardInfo, dataset_manifest_sha256,
+                             load_dataset_manifest)
 from shards.progress import progress
 
 log = logging.getLogger(__name__)
@@ -65,6 +70,7 @@ class FeatureConfig:
     quiet: bool = False
 
     def __post_init__(self) -> None:
+        check_local_output(self.out_dir)  # before Path(), which turns s3://b/x into s3:/b/x
         object.__setattr__(self, "data_dir", Path(self.data_dir))
         object.__setattr__(self, "out_dir", Path(self.out_dir))
         choices = {"dtype": DTYPES, "storage": FEATURE_SUFFIXES, "decode": DECODE_MODES,
@@ -92,22 +98,10 @@ class RunStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as exc:
-        raise InputError(f"--device {name!r}: {exc}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"--device {name}: no CUDA device is available here (use --device auto or cpu)")
-    return device
-
-
 def resolve_transform(cfg: FeatureConfig, backbone: Backbone) -> FeatureTransform:
     """Options override the weights' own eval preset, which overrides the ImageNet default (resize 256, crop 224)."""
     base = dict(backbone.eval_preset or {"resize": 256, "crop": 224, "mean": IMAGENET_MEAN, "std": IMAGENET_STD,
-                                         "interpolation": "bilinear"})
+                                         "interpolation": DEFAULT_INTERPOLATION})
     if cfg.crop is not None and cfg.resize is None:  # keep the preset's resize/crop ratio
         base["resize"] = round(cfg.crop * base["resize"] / base["crop"])
     for name in ("resize", "crop", "mean", "std", "interpolation"):
@@ -185,7 +179,7 @@ def _device_inputs(batch: dict[str, Any], job: ShardJob, spec: FeatureTransform,
     try:
         decoded = decode_images(batch["datas"], batch["exts"], batch["orientations"], device, keys=batch["keys"])
     except CorruptDataError as exc:
-        raise CorruptDataError(str(exc), path=job.path, key=exc.key) from exc
+        raise CorruptDataError(exc.reason, path=job.path, key=exc.key) from exc
     views = None if augment is None else views_tensors(decoded, batch["keys"], spec, augment)
     return eval_tensors(decoded, spec), views
 
@@ -255,9 +249,20 @@ def run_precompute(cfg: FeatureConfig) -> tuple[FeatureManifest | None, dict[str
         if not Path(job.path).is_file():
             raise MissingInputError("image shard listed in dataset.json is missing", path=job.path)
     record = _run_record(cfg, backbone, spec, device, sorted({job.split for job in jobs}))
+    check_output(cfg.out_dir, record, overwrite=cfg.overwrite)  # refuse before creating even a lock file
+    with claim_output(cfg.out_dir, STATE_DIR, what="precompute-features", task=(cfg.task_index, cfg.num_tasks),
+                      prepare=lambda lock: prepare_output(cfg.out_dir, record, overwrite=cfg.overwrite,
+                                                          folder_lock=lock)):
+        return _precompute_claimed(cfg, dataset, backbone, spec, device, jobs, mine, record)
+
+
+def _precompute_claimed(cfg: FeatureConfig, dataset: DatasetManifest, backbone: Backbone, spec: FeatureTransform,
+                        device: torch.device, jobs: list[ShardJob], mine: list[ShardJob],
+                        record: dict[str, Any]) -> tuple[FeatureManifest | None, dict[str, Any]]:
     digest = record["config_hash"]
-    prepare_output(cfg.out_dir, record, overwrite=cfg.overwrite)
     todo = [job for job in mine if finished_shard(cfg.out_dir, job, cfg.storage, digest) is None]
+    # This task owns these names (under its lock): temp files a killed run left of them can go.
+    remove_stale_tmp(cfg.out_dir, {feature_path(cfg.out_dir, job, cfg.storage).name for job in todo})
     log.info("%s: %d of this task's %d shards to featurise (%d shards in all)", cfg.out_dir, len(todo), len(mine),
              len(jobs))
     augment = AugmentSpec(cfg.views, seed=cfg.seed) if cfg.augment else None
@@ -304,6 +309,11 @@ def merge_features(out_dir: str | Path) -> FeatureManifest:
     record = read_config_record(out_dir)
     if record is None:
         raise InputError("not a precompute-features folder (no .precompute/config.json)", path=str(out_dir))
+    with claim_output(out_dir, STATE_DIR, what="precompute-features --merge", exclusive=True):
+        return _merge_claimed(out_dir, record)
+
+
+def _merge_claimed(out_dir: Path, record: dict[str, Any]) -> FeatureManifest:
     dataset_dir = Path(record["dataset_dir"])
     dataset = load_dataset_manifest(dataset_dir)
     jobs = shard_jobs(dataset, dataset_dir, tuple(record["splits"]))

@@ -22,6 +22,7 @@ from preprocess.features.transforms import AugmentSpec, FeatureTransform, eval_f
 from shards.image.decode import decode_image
 from shards.image.fast import decode_rgb_array
 from shards.image.device import exif_orientation
+from shards.formats.locations import local_shard_path
 from shards.formats.storage import get_storage
 
 DECODE_MODES = ("fast", "cpu", "gpu")
@@ -137,6 +138,6 @@ def shard_jobs(manifest, data_dir: Path, splits: tuple[str, ...] | None) -> list
     jobs: list[ShardJob] = []
     for split in names:
         for shard in manifest.splits[split].shards:
-            jobs.append(ShardJob(len(jobs), split, shard.path, str(data_dir / shard.path), shard.samples,
-                                 shard.sha256))
+            path = local_shard_path(data_dir, shard.path)  # refuses a symlink out of the dataset folder
+            jobs.append(ShardJob(len(jobs), split, shard.path, str(path), shard.samples, shard.sha256))
     return jobs

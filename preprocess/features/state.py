@@ -5,7 +5,8 @@
 file's ``ShardInfo``. A shard counts as finished only when its record, the config hash, the source shard's
 checksum and the feature file's own checksum all agree, so a killed run (a ``.tmp`` left, a record missing) is
 simply completed by the next run, and parallel tasks never write the same file. ``features.json`` is assembled
-from the records last, atomically, and only when every shard has one.
+from the records last, atomically, and only when every shard has one. The writer locks live in
+``FEAT_DIR/.precompute/lock*`` (``shards.lock``) and survive ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -13,15 +14,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
-import socket
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from preprocess.features.loader import ShardJob
-from shards.atomic import TMP_SUFFIX, fsync_dir, sha256_file, write_json_atomic
+from shards.atomic import TMP_SUFFIX, sha256_file, write_json_atomic, write_json_shared
+from shards.check.freshness import shard_staleness
 from shards.errors import OutputExistsError
+from shards.lock import FolderLock, is_lock_file, merge_lock
 from shards.formats.features import feature_shard_name
 from shards.manifest import FEATURES_FILE, DatasetManifest, FeatureManifest, ShardInfo, SplitInfo
 
@@ -37,26 +37,6 @@ def config_hash(config: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
-def write_json_shared(final: Path, obj: Any) -> None:
-    """Like ``write_json_atomic`` but safe when several array tasks write the same file at once.
-
-    Each writer uses its own temp name (host and pid), so two tasks finishing together cannot interleave bytes
-    in one ``.tmp``; both rename complete files, and the content they write is the same.
-    """
-    text = json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-    tmp = final.with_name(f"{final.name}.{socket.gethostname()}-{os.getpid()}{TMP_SUFFIX}")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with open(tmp, "wb") as handle:
-            handle.write(text.encode("utf-8"))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, final)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(final.parent)
-
-
 def read_config_record(out_dir: Path) -> dict[str, Any] | None:
     path = out_dir / STATE_DIR / CONFIG_RECORD
     if not path.is_file():
@@ -64,14 +44,27 @@ def read_config_record(out_dir: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def prepare_output(out_dir: Path, record: Mapping[str, Any], *, overwrite: bool) -> None:
-    """Refuse to mix configs or datasets in one folder unless ``overwrite``; then record this run's config."""
-    existing = read_config_record(out_dir)
-    conflict = _conflict(out_dir, existing, record)
+def check_output(out_dir: Path, record: Mapping[str, Any], *, overwrite: bool) -> str | None:
+    """Refuse to mix configs or datasets in one folder unless ``overwrite`` (writes nothing); returns the conflict
+    that ``prepare_output`` must clear first, or None."""
+    conflict = _conflict(out_dir, read_config_record(out_dir), record)
     if conflict and not overwrite:
         raise OutputExistsError(f"{conflict}; choose another --out or pass --overwrite to replace it",
                                 path=str(out_dir))
-    if conflict:
+    return conflict
+
+
+def prepare_output(out_dir: Path, record: Mapping[str, Any], *, overwrite: bool,
+                   folder_lock: FolderLock | None = None) -> None:
+    """``check_output``, clear an old run when ``overwrite`` says so, then record this run's config.
+
+    Called under the writer locks (``shards.lock.claim_output``); clearing first takes the folder lock exclusively,
+    so features another run is still writing are never deleted under it.
+    """
+    existing = read_config_record(out_dir)
+    if check_output(out_dir, record, overwrite=overwrite):
+        if folder_lock is not None:
+            folder_lock.exclusive()
         log.warning("--overwrite: replacing the features in %s", out_dir)
         _clear(out_dir, existing)
     if existing != dict(record):
@@ -105,7 +98,9 @@ def _clear(out_dir: Path, existing: Mapping[str, Any] | None) -> None:
                 shard = json.loads(record_file.read_text(encoding="utf-8")).get("shard", {})
                 if shard.get("path"):
                     (out_dir / shard["path"]).unlink(missing_ok=True)
-        shutil.rmtree(state)
+        for state_file in state.iterdir():  # the lock files stay: this run holds them
+            if state_file.is_file() and not is_lock_file(state_file.name):
+                state_file.unlink()
     (out_dir / FEATURES_FILE).unlink(missing_ok=True)
     for leftover in out_dir.glob(f"*{TMP_SUFFIX}"):
         leftover.unlink()
@@ -134,8 +129,9 @@ def finished_shard(out_dir: Path, job: ShardJob, storage: str, digest: str) -> S
     feature_file = out_dir / info.path
     if record.get("config_hash") != digest or not feature_file.is_file():
         return None
-    if info.source_sha256 != job.sha256:
-        log.warning("%s: image shard %s changed since its features were computed; recomputing", out_dir, job.name)
+    stale = shard_staleness(info, job.sha256) if info.source_sha256 else "its record names no source sha256"
+    if stale is not None:
+        log.warning("%s: %s: %s; recomputing", out_dir, job.name, stale)
         return None
     if feature_file.stat().st_size != info.bytes or sha256_file(feature_file) != info.sha256:
         log.warning("%s: checksum mismatch; recomputing", feature_file)
@@ -170,5 +166,6 @@ def assemble_manifest(out_dir: Path, record: Mapping[str, Any], dataset: Dataset
         dataset_sha256=dataset_sha256,
         extra={"provenance": dict(record.get("provenance", {}))},
     )
-    write_json_shared(out_dir / FEATURES_FILE, manifest.to_dict())
+    with merge_lock(out_dir, STATE_DIR, what="precompute-features merge"):
+        write_json_shared(out_dir / FEATURES_FILE, manifest.to_dict())
     return manifest, []

@@ -3,8 +3,9 @@
 Every transform ends in a uint8 [3, crop, crop] tensor; normalisation happens per batch on the model's device
 (``shards.image.device.Normalize``). On the CPU path the geometry runs on PIL images exactly as torchvision's
 ``ImageClassification`` preset does, so features match the reference; ``--decode gpu`` runs the same geometry on
-decoded tensors on the device. Augmented view ``v`` of sample ``key`` draws its crop and flip from a generator
-seeded by (seed, key, v) only: the views do not depend on worker count, batch size or shard order.
+decoded tensors on the device; every backend takes its sizes and boxes from ``shards.image.geometry``. Augmented
+view ``v`` of sample ``key`` draws its crop and flip from a generator seeded by (seed, key, v) only: the views do
+not depend on worker count, batch size or shard order.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import numpy as np
 import torch
 
 from shards.errors import InputError
-from shards.image.fast import FastEval, random_resized_crop_box, resize_box
-
-INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
+from shards.image.fast import FastEval, resize_box
+from shards.image.geometry import RANDOM_CROP_RATIO, Box, center_crop_box, eval_resize_size, train_view
+from shards.image.options import DEFAULT_INTERPOLATION, check_interpolation, torchvision_mode
 
 
 @dataclass(frozen=True)
@@ -31,15 +32,14 @@ class FeatureTransform:
     crop: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
-    interpolation: str = "bilinear"
+    interpolation: str = DEFAULT_INTERPOLATION
 
     def __post_init__(self) -> None:
         if not 0 < self.crop <= self.resize:
             raise InputError(f"crop {self.crop} must be positive and at most resize {self.resize}")
         if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
             raise InputError(f"mean {self.mean} and std {self.std} need three values each, std positive")
-        if self.interpolation not in INTERPOLATIONS:
-            raise InputError(f"interpolation {self.interpolation!r} is not one of {INTERPOLATIONS}")
+        check_interpolation(self.interpolation)
 
     def to_dict(self) -> dict[str, Any]:
         return {"resize": self.resize, "crop": self.crop, "mean": list(self.mean), "std": list(self.std),
@@ -48,7 +48,7 @@ class FeatureTransform:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "FeatureTransform":
         return cls(int(data["resize"]), int(data["crop"]), tuple(float(v) for v in data["mean"]),
-                   tuple(float(v) for v in data["std"]), str(data.get("interpolation", "bilinear")))
+                   tuple(float(v) for v in data["std"]), str(data.get("interpolation", DEFAULT_INTERPOLATION)))
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class AugmentSpec:
     views: int
     seed: int = 0
     scale: tuple[float, float] = (0.08, 1.0)
-    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    ratio: tuple[float, float] = RANDOM_CROP_RATIO
     flip: bool = True
 
     def __post_init__(self) -> None:
@@ -79,19 +79,10 @@ def view_rng(seed: int, key: str, view: int) -> random.Random:
     return random.Random(int.from_bytes(digest[:8], "little"))
 
 
-def view_params(aug: AugmentSpec, key: str, view: int, width: int,
-                height: int) -> tuple[tuple[int, int, int, int], bool]:
-    """RandomResizedCrop's box (top, left, h, w), torchvision's algorithm, plus the flip decision."""
+def view_params(aug: AugmentSpec, key: str, view: int, width: int, height: int) -> tuple[Box, bool]:
+    """View ``view`` of sample ``key``: the shared RandomResizedCrop box and flip (``geometry.train_view``)."""
     rng = view_rng(aug.seed, key, view)
-    left, top, right, bottom = random_resized_crop_box(width, height, aug.scale, aug.ratio, rng)
-    flip = aug.flip and rng.random() < 0.5
-    return (top, left, bottom - top, right - left), flip
-
-
-def _mode(spec: FeatureTransform):
-    from torchvision.transforms import InterpolationMode
-
-    return InterpolationMode(spec.interpolation)
+    return train_view(width, height, aug.scale, aug.ratio, 0.5 if aug.flip else 0.0, rng)
 
 
 def eval_fast(array, spec: FeatureTransform) -> torch.Tensor:
@@ -104,8 +95,8 @@ def views_fast(array, spec: FeatureTransform, aug: AugmentSpec, key: str) -> tor
     """[K, 3, crop, crop] uint8 augmented views of one decoded array, the same boxes and flips as ``views_pil``."""
     out = []
     for view in range(aug.views):
-        (top, left, h, w), flip = view_params(aug, key, view, array.shape[1], array.shape[0])
-        crop = resize_box(array, (left, top, left + w, top + h), (spec.crop, spec.crop), spec.interpolation)
+        box, flip = view_params(aug, key, view, array.shape[1], array.shape[0])
+        crop = resize_box(array, box.ltrb(), (spec.crop, spec.crop), spec.interpolation)
         out.append(torch.from_numpy(np.ascontiguousarray(crop[:, ::-1] if flip else crop)).permute(2, 0, 1))
     return torch.stack(out)
 
@@ -114,8 +105,9 @@ def eval_pil(image, spec: FeatureTransform) -> torch.Tensor:
     """torchvision's eval preset on a PIL image, stopping at uint8 (normalisation happens on the device)."""
     import torchvision.transforms.functional as F
 
-    image = F.resize(image, [spec.resize], interpolation=_mode(spec), antialias=True)
-    return F.pil_to_tensor(F.center_crop(image, [spec.crop]))
+    size = eval_resize_size(image.width, image.height, spec.resize)
+    image = F.resize(image, list(size), interpolation=torchvision_mode(spec.interpolation), antialias=True)
+    return F.pil_to_tensor(F.crop(image, *center_crop_box(size.width, size.height, spec.crop)))
 
 
 def views_pil(image, spec: FeatureTransform, aug: AugmentSpec, key: str) -> torch.Tensor:
@@ -124,9 +116,9 @@ def views_pil(image, spec: FeatureTransform, aug: AugmentSpec, key: str) -> torc
 
     out = []
     for view in range(aug.views):
-        (top, left, h, w), flip = view_params(aug, key, view, image.width, image.height)
-        crop = F.resized_crop(image, top, left, h, w, [spec.crop, spec.crop], interpolation=_mode(spec),
-                              antialias=True)
+        box, flip = view_params(aug, key, view, image.width, image.height)
+        crop = F.resized_crop(image, *box, [spec.crop, spec.crop],
+                              interpolation=torchvision_mode(spec.interpolation), antialias=True)
         out.append(F.pil_to_tensor(F.hflip(crop) if flip else crop))
     return torch.stack(out)
 

@@ -6,8 +6,8 @@ their split, packed like the first time: the packing options recorded in ``datas
 now. Files that changed or disappeared since are reported and keep their packed version; ``prune`` instead writes a
 new version without them: every shard holding one is copied, minus those samples, into a new shard, and changed
 files are packed again as new ones. The new ``dataset.json`` (naming a new index file) is the commit: a run killed
-before it leaves the old dataset whole, and a rerun redoes the same work under the same names. Appends must not
-run concurrently on one folder (``scripts/cron/nightly`` holds a lock).
+before it leaves the old dataset whole, and a rerun redoes the same work under the same names. An append holds
+the folder's writer lock exclusively (``shards.lock``), so a concurrent append or pack exits with code 2.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from preprocess.pack.packer import PackConfig, ShardJob, _Meter, _run_jobs, pack
+from preprocess.pack.packer import PackConfig, ShardJob, _Meter, _run_jobs, check_strict, pack
 from preprocess.pack.parts import PLAN_FILE, STATE_DIR
 from preprocess.pack.plan import PlannedShard, assign_splits, cut_shards, split_order_key
 from preprocess.pack.sources import SourceSample, SourceScan, scan_source
@@ -33,6 +33,7 @@ from shards.errors import CorruptDataError, InputError, ManifestError
 from shards.manifest import (DATASET_FILE, DatasetManifest, ShardInfo, SkippedFile, SourceInfo, SplitInfo,
                              load_dataset_manifest, utc_now)
 from shards.formats.storage import get_storage, shard_name
+from shards.lock import claim_output
 
 log = logging.getLogger("shardcache.append")
 _SHARD_INDEX = re.compile(r"-(\d{6})\.[a-z0-9]+$")
@@ -182,7 +183,7 @@ def _write_index(out: Path, rows: Iterable[Mapping[str, Any]], batch: int) -> di
 
 def build_manifest(manifest: DatasetManifest, rows: Sequence[Mapping[str, Any]], replaced: Mapping[str, Any],
                    new_infos: Sequence[tuple[str, ShardInfo]], files_seen: int,
-                   append_record: Mapping[str, Any]) -> DatasetManifest:
+                   append_record: Mapping[str, Any], scan_skipped: Sequence[SkippedFile] = ()) -> DatasetManifest:
     """The next version: old shards (or their replacements) then new ones; counts recomputed from the index."""
     shards: dict[str, list[ShardInfo]] = {}
     for split, info in manifest.splits.items():
@@ -199,8 +200,8 @@ def build_manifest(manifest: DatasetManifest, rows: Sequence[Mapping[str, Any]],
         if shards[split]:
             class_counts = tuple(counts[split][i] for i in range(len(manifest.classes)))
             splits[split] = SplitInfo(sum(s.samples for s in shards[split]), class_counts, tuple(shards[split]))
-    skipped = tuple(SkippedFile(r["path"], r["skipped"]) for r in sorted(rows, key=lambda r: r["path"])
-                    if r.get("skipped"))
+    skipped = [SkippedFile(r["path"], r["skipped"]) for r in rows if r.get("skipped")]
+    skipped = tuple(sorted([*skipped, *scan_skipped], key=lambda s: s.path))
     source = SourceInfo(manifest.source.kind, manifest.source.root, files_seen, skipped)
     packing = {**manifest.packing, "appends": [*manifest.packing.get("appends", []), dict(append_record)]}
     return manifest.replace(splits=splits, source=source, packing=packing, created=utc_now())
@@ -225,10 +226,16 @@ def append(cfg: PackConfig, *, prune: bool = False) -> AppendResult:
         return AppendResult(result.manifest, {**result.summary, "new_files": result.summary["files_seen"]})
     if cfg.num_tasks != 1:
         raise InputError("--append runs as one task; drop --task-index/--num-tasks", path=str(out))
+    with claim_output(out, STATE_DIR, what="pack-shards --append", exclusive=True):
+        return _append_claimed(cfg, out, prune, started)
+
+
+def _append_claimed(cfg: PackConfig, out: Path, prune: bool, started: float) -> AppendResult:
     manifest = load_dataset_manifest(out)
     index = read_index(out, manifest)
     cfg = recorded_config(cfg, manifest)
     scan = scan_source(cfg.source, allow_empty_classes=cfg.allow_empty_classes)
+    check_strict(scan, cfg.strict)
     diff = diff_source(relabel(scan, manifest), index)
     _report(diff, prune)
     drop = set(diff.disappeared) | {s.rel_path for s in diff.changed} if prune else set()
@@ -247,7 +254,8 @@ def append(cfg: PackConfig, *, prune: bool = False) -> AppendResult:
     record = {"created": utc_now(), "new_files": len(diff.new), "dropped_files": len(drop),
               "shards": [info.path for _, info in new_infos],
               "replaced": {old: (new.path if new else None) for old, new in replaced.items()}}
-    updated = build_manifest(manifest, rows, replaced, new_infos, scan.files_seen, record)
+    scan_skipped = [SkippedFile(s.rel_path, s.reason) for s in scan.skipped]
+    updated = build_manifest(manifest, rows, replaced, new_infos, scan.files_seen, record, scan_skipped)
     updated = updated.replace(extra={**manifest.extra, "source_index": _write_index(out, rows, batch)})
     updated.save(out)
     _remove_superseded(out, manifest, replaced)

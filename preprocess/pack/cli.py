@@ -5,12 +5,15 @@ from __future__ import annotations
 import logging
 import re
 import time
+from pathlib import Path
 
 import click
 
 from preprocess.pack.append import append
 from preprocess.pack.packer import PackConfig, pack
-from preprocess.pack.parts import merge_parts
+from preprocess.pack.parts import STATE_DIR, merge_parts, read_plan_doc
+from shards.atomic import check_local_output
+from shards.lock import claim_output
 from shards.cli.common import emit_json, handle_errors, quiet_option, task_options
 from shards.image.decode import DEFAULT_MAX_PIXELS
 from shards.errors import InputError
@@ -53,7 +56,8 @@ class ByteSize(click.ParamType):
               help="Skip images with more pixels (JPEGs are drafted down instead when re-encoding).")
 @click.option("--resize-max-side", type=int, default=None, help="Re-encode to JPEG no larger than this side.")
 @click.option("--quality", type=int, default=None, help="JPEG quality when re-encoding (default 90).")
-@click.option("--strict", is_flag=True, help="Fail (exit 1) on the first unreadable image instead of skipping.")
+@click.option("--strict", is_flag=True, help="Fail (exit 1) on the first unreadable image or non-regular file "
+                                            "instead of skipping.")
 @click.option("--allow-empty-classes", is_flag=True, help="Keep class folders that hold no images.")
 @click.option("--workers", type=int, default=1, show_default=True, help="Processes packing shards in parallel.")
 @click.option("--overwrite", is_flag=True, help="Replace a different dataset already in --out.")
@@ -74,11 +78,15 @@ def pack_shards_command(source, out, storage, max_samples, max_bytes, val_fracti
     """Pack an ImageFolder tree (or train/val/test trees, or a CSV/JSONL list) into shards in OUT.
 
     Prints a progress bar on stderr and one JSON summary line on stdout. Exit codes: 0 done, 1 failed,
-    2 bad input (nothing written).
+    2 bad input or another run is writing OUT (nothing written). Files that are not regular files (FIFOs,
+    devices), dangling symlinks and symlink loops are skipped and listed in dataset.json (--strict: exit 1).
     """
     if merge_dir is not None:
         started = time.monotonic()
-        manifest = merge_parts(merge_dir)
+        check_local_output(merge_dir, "--merge")
+        read_plan_doc(Path(merge_dir))  # a folder that was never packed: refuse before creating a lock file there
+        with claim_output(merge_dir, STATE_DIR, what="pack-shards --merge", exclusive=True):
+            manifest = merge_parts(merge_dir)
         shards = [s for split in manifest.splits.values() for s in split.shards]
         emit_json({"out": merge_dir, "complete": True, "samples": sum(s.samples for s in shards),
                    "shards": len(shards), "bytes": sum(s.bytes for s in shards),

@@ -4,6 +4,10 @@ The job is planned first (a pure function of the source and options, see ``prepr
 packed independently, by one of ``--workers`` processes and one of ``--num-tasks`` Slurm tasks, into a temp file
 that is fsynced and renamed, followed by its part manifest. ``dataset.json`` is written last, by whichever task
 finds every part present (or by ``merge_parts``), so a folder with a ``dataset.json`` is always complete.
+
+Every run holds the writer locks of ``OUT/.pack/`` (``shards.lock.claim_output``): the tasks of one job share the
+folder, a second run of the same task (or a run while ``--append``/``--merge`` holds the folder) exits with code 2,
+and the last tasks to finish merge one at a time.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
-from preprocess.pack.parts import (load_part, merge_parts, missing_parts, prepare_output, read_plan_doc,
-                              write_part)
+from preprocess.pack.parts import (STATE_DIR, check_output, load_part, merge_parts, missing_parts, prepare_output,
+                                   read_plan_doc, write_part)
 from preprocess.pack.plan import PackPlan, PlannedShard, make_plan
-from preprocess.pack.sources import scan_source
+from preprocess.pack.sources import SourceScan, scan_source
+from shards.atomic import check_local_output
 from preprocess.pack.validate import InvalidImage, ValidateOptions, read_and_validate, sample_meta
 from shards.image.decode import DEFAULT_MAX_PIXELS
 from shards.errors import CorruptDataError, InputError
@@ -28,6 +33,7 @@ from shards.manifest import DATASET_FILE, DatasetManifest, load_dataset_manifest
 from shards.progress import progress
 from shards.formats.sample import RawSample
 from shards.formats.storage import STORAGES, get_storage
+from shards.lock import claim_output, merge_lock
 
 log = logging.getLogger("shardcache.pack")
 
@@ -58,6 +64,7 @@ class PackConfig:
     validate: ValidateOptions = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        check_local_output(self.out)
         get_storage(self.storage)
         for name in ("max_samples", "max_bytes", "workers", "num_tasks"):
             if getattr(self, name) < 1:
@@ -144,7 +151,8 @@ def pack_shard(job: ShardJob, on_file: Callable[[int], None] | None = None) -> d
 def _plan_doc(plan: PackPlan, storage: str) -> dict[str, Any]:
     scan = plan.scan
     return {"plan_sha256": plan.sha256, "storage": storage, "classes": list(scan.classes),
-            "source": {"kind": scan.kind, "root": scan.root, "files_seen": scan.files_seen},
+            "source": {"kind": scan.kind, "root": scan.root, "files_seen": scan.files_seen,
+                       "skipped": [{"path": s.rel_path, "reason": s.reason} for s in scan.skipped]},
             "packing": plan.packing, "splits": plan.splits,
             "shards": [{"name": s.name, "split": s.split} for s in plan.shards]}
 
@@ -188,20 +196,39 @@ def _finish(out: Path, plan: PackPlan, wrote: int) -> DatasetManifest | None:
     """Merge when every part exists; keep an identical finished manifest untouched when nothing changed."""
     if missing_parts(out, read_plan_doc(out)):
         return None
-    if wrote == 0 and (out / DATASET_FILE).is_file():
-        existing = load_dataset_manifest(out)
-        if existing.packing.get("plan_sha256") == plan.sha256:
-            return existing
-    return merge_parts(out)
+    with merge_lock(out, STATE_DIR, what="pack-shards merge"):
+        if wrote == 0 and (out / DATASET_FILE).is_file():
+            existing = load_dataset_manifest(out)
+            if existing.packing.get("plan_sha256") == plan.sha256:
+                return existing
+        return merge_parts(out)
+
+
+def check_strict(scan: SourceScan, strict: bool) -> None:
+    """Under ``--strict`` a file the scan had to skip fails the run (exit 1, like a broken image), before any write."""
+    if strict and scan.skipped:
+        first = scan.skipped[0]
+        base = Path(scan.root) if scan.kind.startswith("imagefolder") else Path(scan.root).parent
+        raise CorruptDataError(f"{first.reason} (--strict; {len(scan.skipped)} such file(s))",
+                               path=str(base / first.rel_path))
 
 
 def pack(cfg: PackConfig) -> PackResult:
     """Pack this task's share of the shards (resuming what is finished) and merge if all parts are there."""
     started = time.monotonic()
     scan = scan_source(cfg.source, allow_empty_classes=cfg.allow_empty_classes)
+    check_strict(scan, cfg.strict)
     plan = make_plan(scan, cfg.packing(), cfg.storage)
     out = Path(cfg.out)
-    prepare_output(out, _plan_doc(plan, cfg.storage), cfg.overwrite)
+    check_output(out, plan.sha256, cfg.overwrite)  # refuse before creating even a lock file
+    plan_doc = _plan_doc(plan, cfg.storage)
+    with claim_output(out, STATE_DIR, what="pack-shards", task=(cfg.task_index, cfg.num_tasks),
+                      prepare=lambda folder_lock: prepare_output(out, plan_doc, cfg.overwrite, folder_lock)):
+        return _pack_claimed(cfg, plan, out, started)
+
+
+def _pack_claimed(cfg: PackConfig, plan: PackPlan, out: Path, started: float) -> PackResult:
+    scan = plan.scan
     mine = [s for i, s in enumerate(plan.shards) if i % cfg.num_tasks == cfg.task_index]
     todo = [s for s in mine if load_part(out, s.name, plan.sha256, check_sha256=True) is None]
     log.info("%d files, %d classes -> %d shards; task %d/%d packs %d (%d already done)", scan.files_seen,

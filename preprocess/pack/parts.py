@@ -2,7 +2,9 @@
 
 Layout inside ``OUT/``::
 
-    .pack/plan.json              the plan every task computed: digest, classes, source, options, shard names
+    .pack/plan.json              the plan every task computed: digest, classes, source (with the files skipped
+                                 at scan time), options, shard names
+    .pack/lock*                  the writer locks (``shards.lock``); they stay, even through ``--overwrite``
     .pack/<shard>.json           one part manifest per finished shard: its ShardInfo, class counts, skipped
                                  files and per-sample source index; written after the shard was renamed
     source-index.jsonl           (at merge) one line per source file: key, path, size, mtime_ns, label, split,
@@ -18,12 +20,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from shards.atomic import fsync_dir, sha256_file, write_json_atomic
+from shards.atomic import sha256_file, tmp_target, write_json_atomic, write_json_shared, write_text_shared
 from shards.errors import ManifestError, OutputExistsError, ShardcacheError
+from shards.lock import FolderLock, is_lock_file
 from shards.manifest import (DATASET_FILE, DatasetManifest, ShardInfo, SkippedFile, SourceInfo, SplitInfo,
                              load_dataset_manifest)
 
@@ -31,23 +33,8 @@ STATE_DIR = ".pack"
 PLAN_FILE = "plan.json"
 INDEX_FILE = "source-index.jsonl"
 _OWN_FILES = (DATASET_FILE, INDEX_FILE)
-_SHARD_FILE = re.compile(r"^[A-Za-z0-9_]+-\d{6}\.(tar|h5)(\.tmp)?$")
-_APPEND_INDEX_FILE = re.compile(r"^source-index-\d{4}\.jsonl(\.tmp)?$")  # written by ``--append``
-
-
-def write_text_shared(path: Path, text: str) -> None:
-    """Atomic write safe when several tasks write the same file at once (a per-process temp name)."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as handle:
-        handle.write(text.encode("utf-8"))
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def write_json_shared(path: Path, obj: Any) -> None:
-    write_text_shared(path, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+_SHARD_FILE = re.compile(r"^[A-Za-z0-9_]+-\d{6}\.(tar|h5)$")
+_APPEND_INDEX_FILE = re.compile(r"^source-index-\d{4}\.jsonl$")  # written by ``--append``
 
 
 def part_path(out: Path, shard_name: str) -> Path:
@@ -70,32 +57,57 @@ def existing_plan_digest(out: Path) -> str | None:
     return None
 
 
+def _is_own_file(name: str) -> bool:
+    """A file ``pack-shards`` writes at the top of OUT, or a temp file a killed run left of one."""
+    name = tmp_target(name) or name
+    return bool(_SHARD_FILE.match(name) or _APPEND_INDEX_FILE.match(name) or name in _OWN_FILES)
+
+
 def remove_packed_output(out: Path) -> None:
-    """What ``--overwrite`` deletes: shardcache's own files only, never anything else a user keeps there."""
+    """What ``--overwrite`` deletes: shardcache's own files only, never anything else a user keeps there.
+
+    The lock files in ``.pack/`` stay: the running job holds them, and a new inode would let a second writer in.
+    """
     for entry in out.iterdir():
         if entry.name == STATE_DIR and entry.is_dir():
-            shutil.rmtree(entry)
-        elif entry.is_file() and (_SHARD_FILE.match(entry.name) or _APPEND_INDEX_FILE.match(entry.name)
-                                  or entry.name in _OWN_FILES
-                                  or (entry.name.startswith(_OWN_FILES) and entry.name.endswith(".tmp"))):
+            for state_file in entry.iterdir():
+                if state_file.is_file() and not is_lock_file(state_file.name):
+                    state_file.unlink()
+        elif entry.is_file() and _is_own_file(entry.name):
             entry.unlink()
 
 
-def prepare_output(out: Path, plan_doc: Mapping[str, Any], overwrite: bool) -> None:
-    """Refuse a folder holding a different dataset (or foreign files) unless ``overwrite``; write the plan."""
-    digest = plan_doc["plan_sha256"]
+def check_output(out: Path, digest: str, overwrite: bool) -> str | None:
+    """Refuse a folder holding a different dataset (or foreign files) unless ``overwrite``; writes nothing.
+
+    Returns what ``prepare_output`` must remove first: "foreign", "different", or None.
+    """
     if out.exists() and not out.is_dir():
         raise OutputExistsError("is a file, not a folder", path=str(out))
     existing = existing_plan_digest(out)
-    if existing is None and out.is_dir() and any(out.iterdir()):
+    if existing is None and out.is_dir() and any(p.name != STATE_DIR for p in out.iterdir()):
         if not overwrite:
             raise OutputExistsError("is not empty and holds no shardcache dataset; pass --overwrite to pack "
                                     "into it anyway", path=str(out))
-        remove_packed_output(out)
-    elif existing is not None and existing != digest:
+        return "foreign"
+    if existing is not None and existing != digest:
         if not overwrite:
             raise OutputExistsError("already holds a different dataset (other source files or options); "
                                     "pass --overwrite to replace it", path=str(out))
+        return "different"
+    return None
+
+
+def prepare_output(out: Path, plan_doc: Mapping[str, Any], overwrite: bool,
+                   folder_lock: FolderLock | None = None) -> None:
+    """Check the folder (``check_output``), clear it when ``overwrite`` says so, and write the plan.
+
+    Called under the writer locks (``shards.lock.claim_output``); removing old output first takes the folder lock
+    exclusively, so output another run is still writing is never deleted under it.
+    """
+    if check_output(out, plan_doc["plan_sha256"], overwrite) is not None:
+        if folder_lock is not None:
+            folder_lock.exclusive()
         remove_packed_output(out)
     (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
     plan_file = out / STATE_DIR / PLAN_FILE
@@ -164,9 +176,10 @@ def build_manifest(plan_doc: Mapping[str, Any], parts: Sequence[Mapping[str, Any
         counts = [sum(p["class_counts"][i] for p in mine) for i in range(len(classes))]
         if shards:
             splits[split] = SplitInfo(sum(s.samples for s in shards), tuple(counts), shards)
-    skipped = sorted((SkippedFile(s["path"], s["reason"]) for p in parts for s in p["skipped"]),
-                     key=lambda s: s.path)
     source = plan_doc["source"]
+    # Files refused at scan time (not regular files, dangling links) and files refused while packing.
+    refused = [*source.get("skipped", []), *(s for p in parts for s in p["skipped"])]
+    skipped = sorted((SkippedFile(s["path"], s["reason"]) for s in refused), key=lambda s: s.path)
     return DatasetManifest(
         storage=plan_doc["storage"],
         classes=classes,
@@ -193,6 +206,6 @@ def merge_parts(out: str | os.PathLike) -> DatasetManifest:
     manifest = manifest.replace(extra={"source_index": index})
     write_json_shared(out / DATASET_FILE, manifest.to_dict())
     for leftover in out.glob("*.tmp"):
-        if _SHARD_FILE.match(leftover.name):
+        if _SHARD_FILE.match(tmp_target(leftover.name) or ""):
             leftover.unlink(missing_ok=True)
     return manifest

@@ -3,16 +3,23 @@
 Scanning only lists and stats files: nothing is decoded and nothing is written, so every input error is found
 before the first byte of output exists. Each sample gets a key derived from its relative path alone, so the same
 file gets the same key on every machine and every rerun.
+
+Only regular files are packed (symlinks to them are followed). A FIFO, socket or device named like an image, a
+dangling symlink or a symlink loop is not an error of the whole source but a skipped file: it lands in
+``SourceScan.skipped`` with its reason (and in ``dataset.json``'s ``source.skipped``); ``--strict`` makes it fatal.
+The packer checks again when it opens the file (``validate.read_file``), since a file can be swapped after the scan.
 """
 
 from __future__ import annotations
 
 import csv
+import errno
 import hashlib
 import json
 import logging
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, NamedTuple
@@ -42,16 +49,24 @@ class SourceSample(NamedTuple):
     mtime_ns: int
 
 
+class SkippedSource(NamedTuple):
+    """A file found in the source that cannot be packed (not a regular file, a broken link), and why."""
+
+    rel_path: str
+    reason: str
+
+
 @dataclass(frozen=True)
 class SourceScan:
     kind: str  # "imagefolder", "imagefolder-splits", "csv", "jsonl"
     root: str
     classes: tuple[str, ...]
     samples: tuple[SourceSample, ...]
+    skipped: tuple[SkippedSource, ...] = ()
 
     @property
     def files_seen(self) -> int:
-        return len(self.samples)
+        return len(self.samples) + len(self.skipped)
 
     @property
     def has_splits(self) -> bool:
@@ -70,12 +85,41 @@ def is_image_name(name: str) -> bool:
     return not name.startswith(".") and name.rpartition(".")[2].lower() in IMAGE_EXTENSIONS and "." in name
 
 
-def _stat_sample(path: Path, rel_path: str, label: int, split: str | None) -> SourceSample:
+_FILE_KINDS = ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+               (stat.S_ISBLK, "block device"), (stat.S_ISDIR, "directory"))
+
+
+def not_regular_reason(mode: int) -> str | None:
+    """Why a file of this ``st_mode`` cannot be packed, or None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    kind = next((name for test, name in _FILE_KINDS if test(mode)), "special file")
+    return f"not a regular file ({kind})"
+
+
+def _stat_sample(path: Path, rel_path: str, label: int, split: str | None) -> SourceSample | SkippedSource:
+    """The sample, or why it is skipped. Never opens the file: opening a FIFO would block."""
     try:
-        stat = path.stat()
+        info = path.stat()
     except OSError as exc:
-        raise MissingInputError(f"cannot stat ({exc.strerror or exc})", path=str(path)) from exc
-    return SourceSample(sample_key(rel_path), rel_path, str(path), label, split, stat.st_size, stat.st_mtime_ns)
+        if exc.errno == errno.ELOOP:
+            return SkippedSource(rel_path, "symbolic link loop")
+        if isinstance(exc, FileNotFoundError) and path.is_symlink():
+            return SkippedSource(rel_path, f"dangling symbolic link (to {os.readlink(path)!r})")
+        return SkippedSource(rel_path, f"cannot stat ({exc.strerror or exc})")
+    reason = not_regular_reason(info.st_mode)
+    if reason is not None:
+        return SkippedSource(rel_path, reason)
+    return SourceSample(sample_key(rel_path), rel_path, str(path), label, split, info.st_size, info.st_mtime_ns)
+
+
+def _make_scan(kind: str, root: str, classes: tuple[str, ...],
+               found: list[SourceSample | SkippedSource]) -> SourceScan:
+    samples = [s for s in found if isinstance(s, SourceSample)]
+    skipped = sorted((s for s in found if isinstance(s, SkippedSource)), key=lambda s: s.rel_path)
+    for item in skipped:
+        log.warning("%s: skipping %s: %s", root, item.rel_path, item.reason)
+    return SourceScan(kind, root, classes, tuple(samples), tuple(skipped))
 
 
 def _visible_dirs(folder: Path) -> list[Path]:
@@ -109,16 +153,18 @@ def _scan_class_dirs(root: Path, allow_empty: bool) -> dict[str, list[Path]]:
 def _folder_samples(root: Path, per_split: dict[str | None, dict[str, list[Path]]], kind: str) -> SourceScan:
     classes = tuple(sorted({name for files in per_split.values() for name in files}))
     class_to_idx = {name: i for i, name in enumerate(classes)}
-    samples = []
+    found = []
     for split, files in per_split.items():
         for name, paths in files.items():
             for path in paths:
                 rel_path = path.relative_to(root).as_posix()
-                samples.append(_stat_sample(path, rel_path, class_to_idx[name], split))
-    samples.sort(key=lambda s: s.rel_path)
-    if not samples:
-        raise InputError("holds no image files", path=str(root))
-    return SourceScan(kind, str(root), classes, tuple(samples))
+                found.append(_stat_sample(path, rel_path, class_to_idx[name], split))
+    found.sort(key=lambda s: s.rel_path)
+    scan = _make_scan(kind, str(root), classes, found)
+    if not scan.samples:
+        raise InputError("holds no image files" + (f" ({len(scan.skipped)} skipped: {scan.skipped[0].reason})"
+                                                   if scan.skipped else ""), path=str(root))
+    return scan
 
 
 def scan_image_folder(root: Path, *, allow_empty_classes: bool = False) -> SourceScan:
@@ -132,7 +178,8 @@ def scan_image_folder(root: Path, *, allow_empty_classes: bool = False) -> Sourc
 
 
 def _list_rows_csv(path: Path) -> Iterable[tuple[int, dict[str, str]]]:
-    with open(path, newline="", encoding="utf-8") as handle:
+    # utf-8-sig: Excel's "CSV UTF-8" starts with a byte order mark, which must not become part of a column name.
+    with open(path, newline="", encoding="utf-8-sig") as handle:
         reader = csv.reader(handle)
         header = next(reader, None)
         if header is None:
@@ -149,7 +196,7 @@ def _list_rows_csv(path: Path) -> Iterable[tuple[int, dict[str, str]]]:
 
 
 def _list_rows_jsonl(path: Path) -> Iterable[tuple[int, dict[str, str]]]:
-    with open(path, encoding="utf-8") as handle:
+    with open(path, encoding="utf-8-sig") as handle:
         for line_num, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
@@ -190,7 +237,7 @@ def scan_list_file(path: Path) -> SourceScan:
         if split is not None and not SPLIT_NAME.match(split):
             raise InputError(f"{where}: split {split!r} is not a plain name (letters, digits, _)", path=str(path))
         file_path = Path(row["path"]) if Path(row["path"]).is_absolute() else base / row["path"]
-        if not file_path.is_file():
+        if not os.path.lexists(file_path):  # a dangling link is a skipped file, a missing one a typo in the list
             raise MissingInputError(f"{where}: no such file {row['path']!r}", path=str(path))
         rel_path = _relative_name(file_path, base)
         if rel_path in seen:
@@ -204,8 +251,12 @@ def scan_list_file(path: Path) -> SourceScan:
         raise InputError("some rows have a split and some do not", path=str(path))
     classes = tuple(sorted({label for _, _, label, _ in entries}))
     class_to_idx = {name: i for i, name in enumerate(classes)}
-    samples = tuple(_stat_sample(p, rel, class_to_idx[label], split) for rel, p, label, split in entries)
-    return SourceScan(kind, str(path.resolve()), classes, samples)
+    found = [_stat_sample(p, rel, class_to_idx[label], split) for rel, p, label, split in entries]
+    scan = _make_scan(kind, str(path.resolve()), classes, found)
+    if not scan.samples:
+        raise InputError(f"lists no packable files ({len(scan.skipped)} skipped: {scan.skipped[0].reason})",
+                         path=str(path))
+    return scan
 
 
 def _relative_name(file_path: Path, base: Path) -> str:

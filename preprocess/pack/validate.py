@@ -5,6 +5,11 @@ files, non-images, unknown formats, oversized images and broken PNGs, but not a 
 pixel data. ``full`` decodes every pixel, so truncated or corrupt data is found at pack time instead of in the
 middle of a training epoch. Sizes are always checked from the header, so an oversized image is never decoded
 in full: it is skipped, or (when re-encoding a JPEG) decoded at 1/2, 1/4 or 1/8 scale with ``draft``.
+
+Reading is bounded too (``read_file``): only a regular file is read (checked on the open descriptor, which is
+opened non-blocking, so a FIFO swapped in after the scan cannot hang the job), and a file whose open and read do
+not finish within ``read_timeout_s`` (a hung network mount) is skipped. That read runs in a daemon thread that is
+abandoned on timeout: the kernel may keep it blocked, but the job goes on and can exit.
 """
 
 from __future__ import annotations
@@ -12,16 +17,20 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple
 
 from PIL import Image, ImageOps
 
+from preprocess.pack.sources import not_regular_reason
 from shards.image.decode import DEFAULT_MAX_PIXELS, to_rgb
 from shards.errors import InputError
 
 VERIFY_MODES = ("header", "full")
+READ_TIMEOUT_S = 120.0  # a local or healthy network file opens and reads in far less
 # The extension a sample is stored under follows its real encoding, not the source file's name.
 FORMAT_EXTENSIONS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp", "BMP": "bmp", "GIF": "gif",
                      "TIFF": "tif"}
@@ -41,6 +50,7 @@ class ValidateOptions:
     max_pixels: int = DEFAULT_MAX_PIXELS
     resize_max_side: int | None = None
     quality: int | None = None
+    read_timeout_s: float = READ_TIMEOUT_S  # not recorded in the manifest: it does not change what is stored
 
     def __post_init__(self) -> None:
         if self.verify not in VERIFY_MODES:
@@ -51,6 +61,8 @@ class ValidateOptions:
             raise InputError(f"resize_max_side={self.resize_max_side}: must be at least 1")
         if self.quality is not None and not 1 <= self.quality <= 100:
             raise InputError(f"quality={self.quality}: must be in 1..100")
+        if not self.read_timeout_s > 0:
+            raise InputError(f"read_timeout_s={self.read_timeout_s}: must be positive")
 
     @property
     def reencode(self) -> bool:
@@ -170,14 +182,47 @@ def validate_image(data: bytes, opts: ValidateOptions) -> ValidImage:
     return ValidImage(data, FORMAT_EXTENSIONS[source_format], width, height, source_mode, source_format)
 
 
+def _read_regular(path: str) -> bytes:
+    """The bytes of ``path`` if it is a regular file; ``InvalidImage`` otherwise. Never blocks on a FIFO or device:
+    O_NONBLOCK makes opening one return at once, and the descriptor is checked before the first read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as handle:
+        reason = not_regular_reason(os.fstat(fd).st_mode)
+        if reason is not None:
+            raise InvalidImage(reason)
+        os.set_blocking(fd, True)  # no effect on regular files; makes the intent explicit
+        return handle.read()
+
+
+def read_file(path: str, timeout_s: float = READ_TIMEOUT_S) -> bytes:
+    """Read a regular file within ``timeout_s`` seconds, else ``InvalidImage`` with the reason to record."""
+    result: list[bytes] = []
+    failure: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            result.append(_read_regular(path))
+        except BaseException as exc:  # handed to the caller's thread below
+            failure.append(exc)
+
+    reader = threading.Thread(target=read, name="shardcache-read", daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    if reader.is_alive():
+        raise InvalidImage(f"could not be opened and read within {timeout_s:g} s (hung file system?)")
+    if failure:
+        exc = failure[0]
+        if isinstance(exc, InvalidImage):
+            raise exc
+        if isinstance(exc, OSError):
+            raise InvalidImage(f"unreadable file ({exc.strerror or _describe(exc)})") from None
+        raise exc
+    return result[0]
+
+
 def read_and_validate(path: str, opts: ValidateOptions) -> ValidImage:
-    """Read one file and validate it; unreadable files are skipped like corrupt ones."""
-    try:
-        with open(path, "rb") as handle:
-            data = handle.read()
-    except OSError as exc:
-        raise InvalidImage(f"unreadable file ({exc.strerror or _describe(exc)})") from None
-    return validate_image(data, opts)
+    """Read one file and validate it; unreadable, non-regular and hung files are skipped like corrupt ones."""
+    return validate_image(read_file(path, opts.read_timeout_s), opts)
 
 
 def sample_meta(rel_path: str, class_name: str, image: ValidImage) -> bytes:

@@ -68,7 +68,8 @@ SMALL_SPEC = TransformSpec(preset="eval", size=112)
 
 
 PEERS = ("imagefolder", "webdataset", "shardcache_tar", "shardcache_hdf5")
-NOT_FLOAT = ("fast_tar_uint8", "io_imagefolder", "io_webdataset", "io_shardcache_tar", "io_shardcache_hdf5")
+NOT_FLOAT = ("fast_tar_uint8", "io_imagefolder", "io_webdataset", "io_shardcache_tar", "io_shardcache_hdf5",
+             "io_shardcache_tar_nosha256")
 
 
 # -- corpus --------------------------------------------------------------------------------------------------------
@@ -161,11 +162,13 @@ def webdataset_loader(folder: Path, args, io_only: bool):
     return wds.WebLoader(pipeline.batched(args.batch_size), batch_size=None, num_workers=args.workers)
 
 
-def shardcache_loader(folder: Path, args, io_only: bool, draft: bool = False, spec: TransformSpec = SPEC):
+def shardcache_loader(folder: Path, args, io_only: bool, draft: bool = False, spec: TransformSpec = SPEC,
+                      verify_sha256: bool = True):
     if io_only:
-        dataset = shards.open_dataset(folder, decoder=ByteCount(), seed=0)
+        dataset = shards.open_dataset(folder, decode=shards.Decode(decoder=ByteCount()), seed=0)
     else:
-        dataset = shards.open_dataset(folder, transform=spec, draft=draft, seed=0)
+        dataset = shards.open_dataset(folder, transform=spec, decode=shards.Decode(draft=draft), seed=0)
+    dataset.verify_sha256 = verify_sha256
     return shards.make_loader(dataset, batch_size=args.batch_size, num_workers=args.workers, drop_last=False,
                               persistent_workers=False)
 
@@ -192,14 +195,15 @@ def simplejpeg_switch(enabled: bool) -> Iterator[None]:
 
 
 def fast_batches(folder: Path, args, use_simplejpeg: bool = True, consumer: str = "normalize",
-                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                 verify_sha256: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The fast path as a consumer sees it: uint8 batches from the workers, normalised here, per batch.
 
     ``consumer``: ``normalize`` (torch's default intra-op threads), ``normalize_1thread`` (one thread, so idle
     OpenMP threads do not spin on the cores the workers decode on), ``uint8`` (no normalisation here: a proxy for a
     GPU consumer, where the per-batch Normalize costs the CPU nothing).
     """
-    dataset = shards.open_dataset(folder, transform=SPEC, pipeline="fast", seed=0)
+    dataset = shards.open_dataset(folder, transform=SPEC, decode=shards.Decode("fast"), seed=0)
+    dataset.verify_sha256 = verify_sha256
     normalize = dataset.decoder.normalizer() if consumer != "uint8" else torch.nn.Identity()
     confirmed = multiprocessing.Value("i", 0)
     check = functools.partial(_check_decoder, use_simplejpeg and fast.simplejpeg is not None, confirmed)
@@ -265,9 +269,9 @@ def single_core(files: list[Path], limit: int) -> dict[str, float]:
             rates["decode_simplejpeg_1core"] = _rate(
                 lambda data: fast.simplejpeg.decode_jpeg(data, colorspace="RGB"), blobs)
         rates["decode_transform_1core"] = _rate(lambda data: transform(decode_image(data)), blobs)
-        rates["fast_eval_1core"] = _rate(decoder, samples)
+        rates["fast_eval_1core"] = _rate(lambda sample: decoder(sample, 0), samples)
         with simplejpeg_switch(False):
-            rates["fast_eval_pil_1core"] = _rate(decoder, samples)
+            rates["fast_eval_pil_1core"] = _rate(lambda sample: decoder(sample, 0), samples)
     finally:
         torch.set_num_threads(threads)
     return rates
@@ -296,7 +300,7 @@ def fast_accuracy(files: list[Path], limit: int) -> dict[str, float]:
         if use_simplejpeg and fast.simplejpeg is None:
             continue
         with simplejpeg_switch(use_simplejpeg):
-            got = torch.stack([decoder(RawSample(str(i), data, "jpg", 0, b"")) for i, data in enumerate(blobs)])
+            got = torch.stack([decoder(RawSample(str(i), data, "jpg", 0, b""), 0) for i, data in enumerate(blobs)])
         per_image = (got.float() - expected.float()).abs().mean(dim=(1, 2, 3))
         with torch.no_grad():
             cosine = torch.nn.functional.cosine_similarity(model(normalize(got)), expected_features, dim=1)
@@ -329,6 +333,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None, help="keep the corpus here between runs")
     parser.add_argument("--repeat", type=int, default=1, help="rounds over all loaders; each loader's best counts")
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--sha256-only", action="store_true",
+                        help="only measure what hashing whole tar shards while streaming costs (I/O-only and fast)")
     args = parser.parse_args()
     setup_logging(quiet=args.quiet)
     count = 600 if args.quick else args.images
@@ -361,6 +367,23 @@ def loader_passes(args, workdir: Path, files: list[Path], tars: list[Path], h5s:
         "io_shardcache_tar": (lambda: shardcache_loader(tar, args, True), tars),
         "io_shardcache_hdf5": (lambda: shardcache_loader(hdf5, args, True), h5s),
     }
+
+
+def sha256_passes(args, workdir: Path, tars: list[Path]) -> dict:
+    """Tar shards read whole are hashed and checked against dataset.json while streaming; these passes price it."""
+    tar = workdir / "tar"
+    return {
+        "io_shardcache_tar": (lambda: shardcache_loader(tar, args, True), tars),
+        "io_shardcache_tar_nosha256": (lambda: shardcache_loader(tar, args, True, verify_sha256=False), tars),
+        "fast_tar": (lambda: fast_batches(tar, args), tars),
+        "fast_tar_nosha256": (lambda: fast_batches(tar, args, verify_sha256=False), tars),
+    }
+
+
+def sha256_costs(rates: dict[str, float]) -> dict[str, float]:
+    """Share of throughput lost to the streaming sha256 check (negative: within noise)."""
+    return {name: 1 - rates[name] / rates[f"{name}_nosha256"] for name in ("io_shardcache_tar", "fast_tar")
+            if f"{name}_nosha256" in rates}
 
 
 def ratios_of(rates: dict[str, float]) -> dict[str, float]:
@@ -414,7 +437,17 @@ def run(args, workdir: Path, count: int, per_shard: int) -> None:
     log.info("mean file %.0f KB; %d tar and %d HDF5 shards; %d workers, batch %d; simplejpeg %s", mean_kb,
              len(tars), len(h5s), args.workers, args.batch_size,
              getattr(fast.simplejpeg, "__version__", "absent"))
-    rates = best_of_rounds(loader_passes(args, workdir, files, tars, h5s), count, args.repeat)
+    if args.sha256_only:
+        rates = best_of_rounds(sha256_passes(args, workdir, tars), count, args.repeat)
+        costs = sha256_costs(rates)
+        log.info("sha256 while streaming costs %s", ", ".join(f"{k} {v:.1%}" for k, v in costs.items()))
+        print(json.dumps({"images": count, "workers": args.workers, "repeat": args.repeat,
+                          "images_per_s": {k: round(v, 1) for k, v in rates.items()},
+                          "sha256_cost": {k: round(v, 4) for k, v in costs.items()}}))
+        return
+    passes = loader_passes(args, workdir, files, tars, h5s)
+    passes.update({k: v for k, v in sha256_passes(args, workdir, tars).items() if k.endswith("_nosha256")})
+    rates = best_of_rounds(passes, count, args.repeat)
     rates.update(single_core(files, min(count, 300)))
     accuracy = fast_accuracy(files, min(count, 50))
     drafts = {"224": draft_difference(files, min(count, 50), SPEC),
@@ -429,7 +462,8 @@ def run(args, workdir: Path, count: int, per_shard: int) -> None:
                       "fast_vs_best_peer": round(ratios["fast_vs_best_peer"], 3),
                       "ratios": {k: round(v, 3) for k, v in ratios.items()},
                       "accuracy": accuracy,
-                      "draft_mean_abs_diff_gray": {k: round(v, 3) for k, v in drafts.items()}}))
+                      "draft_mean_abs_diff_gray": {k: round(v, 3) for k, v in drafts.items()},
+                      "sha256_cost": {k: round(v, 4) for k, v in sha256_costs(rates).items()}}))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ from typing import Any
 
 from shards.atomic import sha256_file
 from shards.image.decode import decode_image
-from shards.errors import CorruptDataError
+from shards.errors import CorruptDataError, ManifestError
+from shards.formats.locations import local_shard_path
 from shards.manifest import DatasetManifest, ShardInfo, load_manifest
 from shards.formats.storage import get_storage
 
@@ -63,7 +64,11 @@ class _Tally:
 
 
 def _check_file(folder: Path, shard: ShardInfo, tally: _Tally) -> bool:
-    path = folder / shard.path
+    try:
+        path = local_shard_path(folder, shard.path)
+    except ManifestError as exc:  # a symlink out of the folder: reported, never read
+        tally.problems.append(str(exc))
+        return False
     if not path.is_file():
         tally.problems.append(f"{shard.path}: missing")
         return False
@@ -81,10 +86,10 @@ def _check_samples(folder: Path, storage: str, split: str, shard: ShardInfo, dec
                    tally: _Tally) -> None:
     counts = tally.class_counts.setdefault(split, [0] * tally.n_classes)
     positions = None if decode_wanted is None else decode_positions(shard.samples, decode_wanted)
-    seen = 0
+    seen, last_key = 0, None
     try:
-        for position, sample in enumerate(get_storage(storage).read(folder / shard.path)):
-            seen += 1
+        for position, sample in enumerate(get_storage(storage).read(local_shard_path(folder, shard.path))):
+            seen, last_key = seen + 1, sample.key
             where = f"{shard.path} [sample {sample.key}]"
             if sample.key in tally.keys:
                 tally.problems.append(f"{where}: key also in {tally.keys[sample.key]}")
@@ -100,7 +105,8 @@ def _check_samples(folder: Path, storage: str, split: str, shard: ShardInfo, dec
                 except Exception as exc:  # any decoder failure is corruption worth naming
                     tally.problems.append(f"{where}: image does not decode ({type(exc).__name__}: {exc})")
     except CorruptDataError as exc:
-        tally.problems.append(f"{shard.path}: unreadable after {seen} samples ({exc})")
+        where = shard.path if last_key is None else f"{shard.path} [after sample {last_key}]"
+        tally.problems.append(f"{where}: unreadable after {seen} samples ({exc})")
     tally.read += seen
     if seen != shard.samples:
         tally.problems.append(f"{shard.path}: holds {seen} samples, manifest says {shard.samples}")

@@ -21,6 +21,20 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 log = logging.getLogger("shardcache")
 
 
+def error_line(exc: BaseException) -> str:
+    """The one line to print for a domain error, also when a DataLoader worker raised it.
+
+    torch re-raises a worker's exception as ``type(exc)("Caught X in DataLoader worker process N.\nOriginal
+    Traceback ...\nshards.errors.X: <message>")``: the message that matters is that last line, without its type.
+    """
+    text = str(exc)
+    if "\nOriginal Traceback" in text:
+        lines = [line for line in text.splitlines() if line.strip()]
+        qualified = f"{type(exc).__module__}.{type(exc).__qualname__}: "
+        text = next((line[len(qualified):] for line in reversed(lines) if line.startswith(qualified)), lines[-1])
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
 def handle_errors(func: Callable) -> Callable:
     """Turn domain errors into a one-line message and the documented exit code (2 bad input, 1 failure)."""
 
@@ -29,10 +43,10 @@ def handle_errors(func: Callable) -> Callable:
         try:
             return func(*args, **kwargs)
         except InputError as exc:
-            click.echo(f"error: {exc}", err=True)
+            click.echo(f"error: {error_line(exc)}", err=True)
             sys.exit(EXIT_USAGE)
         except ShardcacheError as exc:
-            click.echo(f"error: {exc}", err=True)
+            click.echo(f"error: {error_line(exc)}", err=True)
             sys.exit(EXIT_FAILED)
         except KeyboardInterrupt:
             click.echo("error: interrupted", err=True)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from shards.atomic import atomic_output, sha256_file
-from shards.errors import CorruptDataError, InputError
+from shards.errors import ChecksumError, CorruptDataError, InputError
 
 FEATURE_SUFFIXES = {"pt": ".pt", "hdf5": ".h5"}
 
@@ -52,7 +52,10 @@ def write_feature_shard(path: str | os.PathLike, shard: FeatureShard, storage: s
             }
             if shard.views is not None:
                 payload["views"] = shard.views.contiguous()
-            torch.save(payload, tmp)
+            # Through a file object: given a path, torch names the archive inside after the (unique) temp name,
+            # and the bytes would differ from run to run.
+            with open(tmp, "wb") as handle:
+                torch.save(payload, handle)
         elif storage == "hdf5":
             import h5py
 
@@ -77,6 +80,8 @@ def load_feature_shard(path: str | os.PathLike, *, mmap: bool = True) -> Feature
     try:
         if path.suffix == ".pt":
             data = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            if not isinstance(data, dict):
+                raise TypeError(f"holds a {type(data).__name__}, not a dict")
             return FeatureShard(data["features"], data["labels"], list(data["keys"]), data.get("views"))
         if path.suffix == ".h5":
             import h5py
@@ -94,6 +99,67 @@ def load_feature_shard(path: str | os.PathLike, *, mmap: bool = True) -> Feature
     except Exception as exc:  # torch and h5py raise many types for a damaged file
         raise CorruptDataError(f"unreadable feature shard ({type(exc).__name__}: {exc})", path=str(path)) from exc
     raise InputError(f"unknown feature file suffix {path.suffix!r}", path=str(path))
+
+
+def verify_feature_file(path: str | os.PathLike, expected_bytes: int, expected_sha256: str) -> None:
+    """Size, then sha256, of a feature file against its ``features.json`` entry (``ChecksumError`` naming it)."""
+    size = os.path.getsize(path)
+    if size != expected_bytes:
+        raise ChecksumError(f"{size} bytes, features.json records {expected_bytes} (truncated or replaced)",
+                            path=str(path))
+    if sha256_file(path) != expected_sha256:
+        raise ChecksumError("sha256 does not match features.json (corrupt or replaced)", path=str(path))
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """What ``features.json`` promises about every shard's content."""
+
+    features_dim: int
+    dtype: str | None = None  # "float16", ...; None: not checked
+    num_classes: int | None = None
+    views: int = 0
+
+
+def feature_shard_problems(shard: FeatureShard, samples: int, spec: FeatureSpec) -> list[str]:
+    """Every way ``shard`` breaks what the manifest promises: shapes, dtypes, label range, key types.
+
+    One-line strings naming the first bad row and key, so ``shards verify`` can list them and the stream can raise
+    the first one. Cheap: the label range is one min/max over an int64 column.
+    """
+    features, labels, keys = shard.features, shard.labels, shard.keys
+    problems = []
+    if not isinstance(features, torch.Tensor) or features.ndim != 2:
+        shape = tuple(features.shape) if isinstance(features, torch.Tensor) else type(features).__name__
+        return [f"features shape {shape}, expected [N, {spec.features_dim}]"]
+    if features.shape[0] != samples or len(keys) != samples:
+        problems.append(f"{features.shape[0]} rows and {len(keys)} keys, features.json records {samples}")
+    if features.shape[1] != spec.features_dim:
+        problems.append(f"features shape {tuple(features.shape)}, expected [N, {spec.features_dim}]")
+    if spec.dtype is not None and str(features.dtype).removeprefix("torch.") != spec.dtype:
+        problems.append(f"dtype {features.dtype}, features.json says {spec.dtype}")
+    if not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64 or tuple(labels.shape) != (samples,):
+        what = f"{labels.dtype} {tuple(labels.shape)}" if isinstance(labels, torch.Tensor) else type(labels).__name__
+        problems.append(f"labels are {what}, expected int64 [{samples}]")
+    elif spec.num_classes is not None and samples:
+        bad = ((labels < 0) | (labels >= spec.num_classes)).nonzero()
+        if len(bad):
+            row = int(bad[0])
+            key = keys[row] if row < len(keys) and isinstance(keys[row], str) else "?"
+            problems.append(f"label {int(labels[row])} at row {row} (key {key}) is outside [0, {spec.num_classes}) "
+                            f"({len(bad)} such rows)")
+    if not all(isinstance(k, str) for k in keys):
+        problems.append("keys must all be strings")
+    if spec.views and (shard.views is None or tuple(shard.views.shape) != (samples, spec.views, spec.features_dim)):
+        problems.append(f"views missing or not [{samples}, {spec.views}, {spec.features_dim}]")
+    return problems
+
+
+def check_feature_shard(shard: FeatureShard, path: str | os.PathLike, samples: int, spec: FeatureSpec) -> None:
+    """Raise ``CorruptDataError`` naming the shard for the first way it breaks the manifest's promises."""
+    problems = feature_shard_problems(shard, samples, spec)
+    if problems:
+        raise CorruptDataError(problems[0], path=str(path))
 
 
 def stack_rows(shards: Sequence[FeatureShard]) -> FeatureShard:

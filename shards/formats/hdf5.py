@@ -88,13 +88,21 @@ class Hdf5ShardWriter:
 
 
 def iter_hdf5_shard(path: str | os.PathLike, start: int = 0, stop: int | None = None) -> Iterator[RawSample]:
-    """Yield samples ``start:stop`` of one HDF5 shard, reading their bytes in one contiguous slice."""
+    """Yield samples ``start:stop`` of one HDF5 shard, reading their bytes in one contiguous slice.
+
+    The file is untrusted: anything h5py cannot read, and any layout that does not hold together (offsets not
+    increasing or past the data, columns of other lengths, more data than the file could store uncompressed, which
+    is how the writer stores it) is a ``CorruptDataError`` naming the shard.
+    """
     h5py = _h5py()
     where = str(path)
     try:
+        file_bytes = os.path.getsize(path)
         with h5py.File(path, "r") as f:
-            offsets = f["offsets"][...]
+            offsets = np.asarray(f["offsets"][...])
             n = len(offsets) - 1
+            data = f["data"]
+            _check_layout(f, offsets, data.shape, file_bytes, where)
             stop = n if stop is None else min(stop, n)
             if start >= stop:
                 return
@@ -103,10 +111,29 @@ def iter_hdf5_shard(path: str | os.PathLike, start: int = 0, stop: int | None = 
             exts = f["exts"].asstr()[start:stop]
             meta = f["meta"].asstr()[start:stop]
             base = int(offsets[start])
-            blob = f["data"][base : int(offsets[stop])].tobytes()
-    except (OSError, KeyError, ValueError) as exc:
-        raise CorruptDataError(f"unreadable HDF5 shard ({exc})", path=where) from exc
+            blob = data[base : int(offsets[stop])].tobytes()
+    except (FileNotFoundError, CorruptDataError):
+        raise
+    except Exception as exc:  # h5py raises OSError, KeyError, ValueError, TypeError, ... for a damaged file
+        raise CorruptDataError(f"unreadable HDF5 shard ({type(exc).__name__}: {exc})", path=where) from exc
     for i in range(stop - start):
         lo = int(offsets[start + i]) - base
         hi = int(offsets[start + i + 1]) - base
         yield RawSample(str(keys[i]), blob[lo:hi], str(exts[i]), int(labels[i]), str(meta[i]).encode("utf-8"))
+
+
+def _check_layout(f, offsets: np.ndarray, data_shape: tuple, file_bytes: int, where: str) -> None:
+    n = len(offsets) - 1
+    problem = None
+    if offsets.ndim != 1 or n < 0 or offsets.dtype.kind not in "iu" or len(data_shape) != 1:
+        problem = "offsets or data are not 1-D integer arrays"
+    elif data_shape[0] > file_bytes:
+        problem = f"data claims {data_shape[0]} bytes, more than the {file_bytes}-byte file holds"
+    elif offsets[0] != 0 or offsets[-1] > data_shape[0] or (np.diff(offsets) < 0).any():
+        problem = "offsets are not increasing from 0 within the data"
+    else:
+        lengths = {name: f[name].shape for name in ("labels", "keys", "exts", "meta")}
+        if any(shape != (n,) for shape in lengths.values()):
+            problem = f"{n} samples in offsets, but column shapes {lengths}"
+    if problem is not None:
+        raise CorruptDataError(f"corrupt HDF5 shard: {problem}", path=where)

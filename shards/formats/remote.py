@@ -9,28 +9,19 @@ from __future__ import annotations
 
 import json
 import urllib.error
-import urllib.parse
 import urllib.request
 from contextlib import contextmanager
 from typing import Any, BinaryIO, Iterator
 
 from shards.errors import CorruptDataError, ManifestError, MissingInputError
+from shards.formats.locations import REMOTE_SCHEMES, is_remote, shard_location  # noqa: F401 (re-exported)
 
-REMOTE_SCHEMES = ("http://", "https://", "pipe:")
 TIMEOUT_S = 60.0
 
 
-def is_remote(location: str) -> bool:
-    return str(location).startswith(REMOTE_SCHEMES)
-
-
 def join_location(base: str, relative: str) -> str:
-    """A shard's location: ``relative`` itself when it is already remote, else relative to ``base``."""
-    if is_remote(relative):
-        return relative
-    if base.startswith("pipe:"):
-        raise ManifestError("a pipe: location cannot hold relative shard paths", path=base)
-    return urllib.parse.urljoin(base.rstrip("/") + "/", relative)
+    """A shard's location under ``base`` (see ``shards.formats.locations``: a manifest never yields a ``pipe:``)."""
+    return shard_location(base, relative)
 
 
 @contextmanager

@@ -3,7 +3,7 @@
 Members per sample are ``<key>.<ext>`` (the encoded image), ``<key>.cls`` (the label in ASCII digits) and
 ``<key>.json`` (metadata), so plain ``webdataset.WebDataset(urls).decode("pil").to_tuple("jpg;png;webp", "cls")``
 reads them. The writer fixes mtime, uid, gid, owner names and mode, so the same samples in the same order give
-byte-identical tars.
+byte-identical tars. Reading (strict header parsing, seeking, checksums) lives in ``shards.formats.tarseek``.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import hashlib
 import os
 import tarfile
 from pathlib import Path
-from typing import BinaryIO, Iterator, Sequence
+from typing import Iterator, Sequence
 
 from shards.atomic import atomic_output
-from shards.errors import CorruptDataError
-from shards.formats.sample import IMAGE_EXTENSIONS, RawSample
+from shards.formats.sample import RawSample
+from shards.formats.tarseek import iter_tar_slice, iter_tar_stream
 
 FIXED_MTIME = 0
 FIXED_MODE = 0o444
@@ -91,49 +91,9 @@ class TarShardWriter:
         self._atomic.__exit__(exc_type, exc, tb)
 
 
-def _split_member_name(name: str) -> tuple[str, str]:
-    # webdataset's rule: the key is everything before the first dot of the last path component.
-    slash = name.rfind("/")
-    dot = name.find(".", slash + 1)
-    if dot < 0:
-        return name, ""
-    return name[:dot], name[dot + 1 :]
+def iter_tar_shard(path: str | os.PathLike) -> Iterator[RawSample]:
+    """Every sample of a local tar shard, in order (one sequential pass; member sizes checked against the file)."""
+    return iter_tar_slice(path)
 
 
-def iter_tar_stream(stream: BinaryIO, where: str) -> Iterator[RawSample]:
-    """Yield the samples of a tar stream in order; members of one sample must be adjacent (as written)."""
-    key = None
-    parts: dict[str, bytes] = {}
-    try:
-        with tarfile.open(fileobj=stream, mode="r|") as tar:
-            for info in tar:
-                if not info.isfile():
-                    continue
-                member_key, ext = _split_member_name(info.name)
-                if key is not None and member_key != key:
-                    yield _assemble(key, parts, where)
-                    parts = {}
-                key = member_key
-                handle = tar.extractfile(info)
-                parts[ext.lower()] = handle.read() if handle is not None else b""
-    except (tarfile.TarError, EOFError, OSError) as exc:
-        raise CorruptDataError(f"unreadable tar ({exc})", path=where, key=key) from exc
-    if key is not None:
-        yield _assemble(key, parts, where)
-
-
-def _assemble(key: str, parts: dict[str, bytes], where: str) -> RawSample:
-    try:
-        label = int(parts["cls"])
-    except (KeyError, ValueError) as exc:
-        raise CorruptDataError("missing or malformed .cls member", path=where, key=key) from exc
-    for ext in IMAGE_EXTENSIONS:
-        if ext in parts:
-            return RawSample(key, parts[ext], ext, label, parts.get("json", b""))
-    raise CorruptDataError(f"no image member (found {sorted(parts)})", path=where, key=key)
-
-
-def iter_tar_shard(path: str | os.PathLike, buffer_size: int = 1 << 20) -> Iterator[RawSample]:
-    """Read a local tar shard sequentially with a large buffer (one seek-free pass)."""
-    with open(path, "rb", buffering=buffer_size) as handle:
-        yield from iter_tar_stream(handle, str(path))
+__all__ = ["TarShardWriter", "iter_tar_shard", "iter_tar_stream"]

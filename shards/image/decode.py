@@ -62,11 +62,15 @@ def decode_image(data: bytes, *, draft_size: tuple[int, int] | None = None) -> I
 
 
 class ImageDecoder:
-    """The decode stage of the streaming reader: encoded bytes -> RGB image -> ``transform``.
+    """The decode stage of the streaming reader: ``(RawSample, seed)`` -> RGB image -> ``transform``.
 
     A plain picklable object so DataLoader workers can carry it; other decoders (uint8 tensors, batch-level
     ones) replace it without touching the reader. Undecodable bytes raise ``CorruptDataError`` so the reader's
     ``on_error`` policy, not the decoder, decides what happens.
+
+    ``seed`` is the sample's augmentation seed from the reader. A preset's ``PilTransform`` takes it directly; any
+    other callable (a torchvision pipeline draws from torch's global generator) runs with torch's CPU generator
+    seeded to it inside ``torch.random.fork_rng``, so the caller's random state is the same afterwards.
     """
 
     def __init__(self, transform=None, *, draft_size: tuple[int, int] | None = None):
@@ -83,9 +87,20 @@ class ImageDecoder:
             raise CorruptDataError(f"cannot decode .{ext} image ({type(exc).__name__}: {exc})") from exc
         return image
 
-    def __call__(self, sample):
+    def __call__(self, sample, seed: int = 0):
         image = self.decode(sample.data, sample.ext)
-        return image if self.transform is None else self.transform(image)
+        if self.transform is None:
+            return image
+        import torch
+
+        from shards.image.transforms import PilTransform
+
+        if isinstance(self.transform, PilTransform):
+            return self.transform(image, seed)
+        with torch.random.fork_rng(devices=[]):
+            # The CPU generator only: torch.manual_seed would also reseed CUDA, which fork_rng(devices=[]) leaves.
+            torch.default_generator.manual_seed(seed)
+            return self.transform(image)
 
 
 def jpeg_orientation(data: bytes) -> int:

@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from shards.errors import CorruptDataError
+from shards.image.geometry import Box, center_crop_box, eval_resize_size
+from shards.image.options import IMAGENET_MEAN, IMAGENET_STD, torchvision_mode
 
 JPEG_EXTENSIONS = frozenset({"jpg", "jpeg"})
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def exif_orientation(data: bytes) -> int:
@@ -74,7 +74,8 @@ def decode_images(datas: Sequence[bytes], exts: Sequence[str], orientations: Seq
                   device: torch.device | str, keys: Sequence[str] | None = None) -> list[torch.Tensor]:
     """Decode a batch to upright RGB uint8 [3, H, W] tensors on ``device``.
 
-    An image neither path can decode raises ``CorruptDataError`` naming its key (when ``keys`` is given).
+    An image neither path can decode raises ``CorruptDataError``; its message names the sample's key when
+    ``keys`` is given (and its position in the batch otherwise).
     """
     device = torch.device(device)
     out: list[torch.Tensor | None] = [None] * len(datas)
@@ -93,29 +94,30 @@ def decode_images(datas: Sequence[bytes], exts: Sequence[str], orientations: Seq
             try:
                 out[i] = _decode_one_cpu(datas[i]).to(device, non_blocking=True)
             except Exception as exc:  # PIL raises several types for damaged data
-                raise CorruptDataError(f"cannot decode image ({type(exc).__name__}: {exc})",
+                where = "" if keys is not None else f" {i} of the batch"
+                raise CorruptDataError(f"cannot decode image{where} ({type(exc).__name__}: {exc})",
                                        key=None if keys is None else keys[i]) from exc
     return out  # type: ignore[return-value]
 
 
 def resize_center_crop(image: torch.Tensor, resize: int, crop: int, interpolation: str = "bilinear") -> torch.Tensor:
-    """The eval geometry on a uint8 tensor: shorter side to ``resize`` (antialiased), then the centre ``crop``."""
+    """The eval geometry on a uint8 [3, H, W] tensor (any device, any strides): ``Resize(resize)`` (antialiased)
+    then ``CenterCrop(crop)``, the sizes and box from ``shards.image.geometry``. Returns a view of the resized
+    image; call ``.contiguous()`` to own the pixels."""
     import torchvision.transforms.v2.functional as F
-    from torchvision.transforms import InterpolationMode
 
-    image = F.resize(image, [resize], interpolation=InterpolationMode(interpolation), antialias=True)
-    return F.center_crop(image, [crop])
+    height, width = image.shape[-2:]
+    size = eval_resize_size(int(width), int(height), resize)
+    image = F.resize(image, list(size), interpolation=torchvision_mode(interpolation), antialias=True)
+    return F.crop(image, *center_crop_box(size.width, size.height, crop))
 
 
-def resized_crop(image: torch.Tensor, box: tuple[int, int, int, int], size: int, flip: bool,
-                 interpolation: str = "bilinear") -> torch.Tensor:
-    """Crop ``box`` = (top, left, height, width), resize to size x size, optionally mirror: one augmented view."""
+def resized_crop(image: torch.Tensor, box: Box, size: int, flip: bool, interpolation: str = "bilinear") -> torch.Tensor:
+    """One augmented view of a uint8 [3, H, W] tensor: crop ``box``, resize to size x size (antialiased),
+    mirror when ``flip``."""
     import torchvision.transforms.v2.functional as F
-    from torchvision.transforms import InterpolationMode
 
-    top, left, height, width = box
-    image = F.resized_crop(image, top, left, height, width, [size, size],
-                           interpolation=InterpolationMode(interpolation), antialias=True)
+    image = F.resized_crop(image, *box, [size, size], interpolation=torchvision_mode(interpolation), antialias=True)
     return image.flip(-1) if flip else image
 
 

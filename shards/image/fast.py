@@ -4,15 +4,15 @@ Why it is fast: the standard pipeline decodes with PIL, resizes with PIL, crops,
 per sample in a worker, then ships 4-byte floats through the queues. Here a worker does only
 ``decode (simplejpeg when importable; DCT-scaled when the JPEG is >= 2x the target) -> one antialiased bilinear
 resize with torch's uint8 kernel -> crop -> uint8``, and ``Normalize`` (from ``shards.image.device``) turns a
-whole batch into float on the consuming device. The geometry is torchvision's (Resize + CenterCrop as resize then
-crop; RandomResizedCrop as crop then resize), computed on the decoded size, so pixels match the PIL reference to
-well under one gray level (see tests and ``scripts/bench/loader.py``). Other interpolations go through
-``PIL.Image.resize(box=...)``.
+whole batch into float on the consuming device. The boxes come from ``shards.image.geometry`` (torchvision's
+Resize + CenterCrop as resize then crop; RandomResizedCrop as crop then resize), computed on the decoded size, and
+the bilinear resizes are the device path's torchvision v2 ops on a channels-last view of the decoded array, so
+pixels match the PIL reference to well under one gray level (see tests and ``scripts/bench/loader.py``). Other
+interpolations go through one ``PIL.Image.resize(box=...)`` of just the region the crop shows.
 """
 
 from __future__ import annotations
 
-import math
 import random
 import warnings
 from dataclasses import dataclass
@@ -22,9 +22,12 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from shards.image.decode import JPEG_MAGIC, decode_image, jpeg_orientation
-from shards.image.device import IMAGENET_MEAN, IMAGENET_STD, Normalize
 from shards.errors import CorruptDataError, InputError
+from shards.image.decode import JPEG_MAGIC, decode_image, jpeg_orientation
+from shards.image.device import Normalize
+from shards.image.geometry import (Box, center_crop_box, eval_resize_size, eval_source_region, random_resized_crop_box,
+                                   train_view)
+from shards.image.options import IMAGENET_MEAN, IMAGENET_STD, pil_resample
 
 __all__ = ["FastDecoder", "FastEval", "FastTrain", "Normalize", "decode_rgb_array", "draft_factor", "jpeg_orientation",
            "random_resized_crop_box", "IMAGENET_MEAN", "IMAGENET_STD"]
@@ -70,25 +73,11 @@ def _to_chw(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array)).permute(2, 0, 1)
 
 
-RESAMPLING = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC, "nearest": Image.NEAREST}
-
-
 def resize_box(array: np.ndarray, box: tuple[float, float, float, float], size: tuple[int, int],
-                interpolation: str = "bilinear") -> np.ndarray:
-    """Resize only ``box`` (left, top, right, bottom in source pixels) to ``size`` = (width, height)."""
+               interpolation: str = "bilinear") -> np.ndarray:
+    """Resize only ``box`` (PIL's left, top, right, bottom, in source pixels) to ``size`` = (width, height)."""
     image = Image.fromarray(array)
-    return np.asarray(image.resize(size, RESAMPLING[interpolation], box=box, reducing_gap=3.0))
-
-
-def _resize_bilinear(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """Antialiased bilinear resize of a uint8 [3, H, W] tensor: PIL's filter, to within a gray level, 2-3x faster.
-
-    torch's uint8 kernel is vectorised for channels-last input, which an HWC array viewed as CHW already is;
-    the PIL resize was half of a worker's time per image.
-    """
-    out = F.interpolate(image.unsqueeze(0), size=(height, width), mode="bilinear", antialias=True,
-                        align_corners=False)
-    return out[0]
+    return np.asarray(image.resize(size, pil_resample(interpolation), box=box, reducing_gap=3.0))
 
 
 def _hwc_view(array: np.ndarray) -> torch.Tensor:
@@ -98,35 +87,22 @@ def _hwc_view(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).permute(2, 0, 1)
 
 
-def random_resized_crop_box(width: int, height: int, scale: tuple[float, float], ratio: tuple[float, float],
-                            rng: random.Random) -> tuple[int, int, int, int]:
-    """torchvision's ``RandomResizedCrop.get_params`` drawn from ``rng``: (left, top, right, bottom)."""
-    area = width * height
-    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
-    for _ in range(10):
-        target_area = area * rng.uniform(*scale)
-        aspect = math.exp(rng.uniform(*log_ratio))
-        w = int(round(math.sqrt(target_area * aspect)))
-        h = int(round(math.sqrt(target_area / aspect)))
-        if 0 < w <= width and 0 < h <= height:
-            top = rng.randint(0, height - h)
-            left = rng.randint(0, width - w)
-            return (left, top, left + w, top + h)
-    in_ratio = width / height  # torchvision's fallback: the central crop at the nearest allowed aspect ratio
-    if in_ratio < min(ratio):
-        w, h = width, int(round(width / min(ratio)))
-    elif in_ratio > max(ratio):
-        w, h = int(round(height * max(ratio))), height
-    else:
-        w, h = width, height
-    top, left = (height - h) // 2, (width - w) // 2
-    return (left, top, left + w, top + h)
+def _resize_bilinear(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Antialiased bilinear resize of a uint8 [3, H, W] CPU tensor: PIL's filter to within a gray level, 2-3x
+    faster than PIL (whose resize was half of a worker's time per image).
+
+    torch's uint8 kernel is vectorised for channels-last input, which an HWC array viewed as CHW already is. The
+    same pixels as ``torchvision.transforms.v2.functional.resize`` (which ``shards.image.device`` uses, as it also
+    runs on CUDA), without its ~10 us of dispatch per call.
+    """
+    return F.interpolate(image.unsqueeze(0), size=(height, width), mode="bilinear", antialias=True,
+                         align_corners=False)[0]
 
 
 @dataclass(frozen=True)
 class FastEval:
     """Resize(``resize``) + CenterCrop(``crop``), emitting uint8 CHW (bilinear: resize then crop, like torchvision;
-    other interpolations: one PIL resize of just the crop box)."""
+    other interpolations: one PIL resize of just the region the crop shows)."""
 
     resize: int = 256
     crop: int = 224
@@ -134,6 +110,7 @@ class FastEval:
     interpolation: str = "bilinear"
 
     def __call__(self, data: bytes, seed: int = 0) -> torch.Tensor:
+        """Decode and apply the eval geometry; ``seed`` is accepted for a uniform interface and ignored."""
         array = decode_rgb_array(data, self.resize if self.draft else None)
         return self.apply(array)
 
@@ -141,31 +118,23 @@ class FastEval:
         """The eval geometry on an already decoded RGB array."""
         height, width = array.shape[:2]
         if self.interpolation == "bilinear":  # torchvision's own order (resize, then crop) on torch's fast kernel
-            new_w, new_h, left, top = self.resized_crop(width, height)
-            resized = _resize_bilinear(_hwc_view(array), new_h, new_w)
-            return resized[:, top : top + self.crop, left : left + self.crop].contiguous()
-        box = self.box(width, height)
-        return _to_chw(resize_box(array, box, (self.crop, self.crop), self.interpolation))
-
-    def resized_crop(self, width: int, height: int) -> tuple[int, int, int, int]:
-        """torchvision's Resize(resize) output size and CenterCrop(crop) offset: (new_w, new_h, left, top)."""
-        new_w, new_h = (self.resize, int(self.resize * height / width)) if width <= height else (
-            int(self.resize * width / height), self.resize)
-        return new_w, new_h, int(round((new_w - self.crop) / 2.0)), int(round((new_h - self.crop) / 2.0))
-
-    def box(self, width: int, height: int) -> tuple[float, float, float, float]:
-        """The source region torchvision's Resize(resize) + CenterCrop(crop) would end up showing."""
-        new_w, new_h, left, top = self.resized_crop(width, height)
-        sx, sy = new_w / width, new_h / height
-        return (left / sx, top / sy, (left + self.crop) / sx, (top + self.crop) / sy)
+            size = eval_resize_size(width, height, self.resize)
+            box = center_crop_box(size.width, size.height, self.crop)
+            resized = _resize_bilinear(_hwc_view(array), size.height, size.width)
+            return resized[:, box.top : box.bottom, box.left : box.right].contiguous()
+        region = eval_source_region(width, height, self.resize, self.crop)
+        return _to_chw(resize_box(array, region, (self.crop, self.crop), self.interpolation))
 
 
 @dataclass(frozen=True)
 class FastTrain:
-    """RandomResizedCrop(``size``) + horizontal flip (probability ``hflip``) on the decoded size, applied as crop-then-resize on uint8.
+    """RandomResizedCrop(``size``) + horizontal flip (probability ``hflip``) on the decoded size, applied as
+    crop-then-resize on uint8.
 
-    Randomness comes from the per-sample ``seed`` the dataset passes (derived from seed, epoch and key), so the
-    augmentation of a sample does not depend on worker count or on resuming.
+    The crop and the flip are drawn from ``random.Random(seed)`` only (``shards.image.geometry.train_view``), so the
+    same seed gives the same view. In a stream the reader passes each sample's seed, derived from (seed, epoch,
+    rank, worker, position): a run replays its augmentations exactly, also after a resume, and a different number
+    of workers gives different (equally valid) ones.
     """
 
     size: int = 224
@@ -174,27 +143,28 @@ class FastTrain:
     hflip: float = 0.5
     interpolation: str = "bilinear"
 
-    def __call__(self, data: bytes, seed: int = 0) -> torch.Tensor:
-        rng = random.Random(seed)
+    def __call__(self, data: bytes, seed: int) -> torch.Tensor:
         array = decode_rgb_array(data)
-        left, top, right, bottom = self.crop_box(array.shape[1], array.shape[0], rng)
-        flip = rng.random() < self.hflip
+        box, flip = self.view(array.shape[1], array.shape[0], seed)
         if self.interpolation == "bilinear":  # an integer box: crop, then resize, exactly as torchvision does
-            out = _resize_bilinear(_hwc_view(array)[:, top:bottom, left:right], self.size, self.size)
-            return (out.flip(-1) if flip else out).contiguous()
-        resized = resize_box(array, (left, top, right, bottom), (self.size, self.size), self.interpolation)
+            crop = _hwc_view(array)[:, box.top : box.bottom, box.left : box.right]
+            resized = _resize_bilinear(crop, self.size, self.size)
+            return (resized.flip(-1) if flip else resized).contiguous()
+        resized = resize_box(array, box.ltrb(), (self.size, self.size), self.interpolation)
         return _to_chw(resized[:, ::-1] if flip else resized)
 
-    def crop_box(self, width: int, height: int, rng: random.Random) -> tuple[int, int, int, int]:
-        return random_resized_crop_box(width, height, self.scale, self.ratio, rng)
+    def view(self, width: int, height: int, seed: int) -> tuple[Box, bool]:
+        """The crop box and flip decision that ``seed`` gives an image of this size."""
+        return train_view(width, height, self.scale, self.ratio, self.hflip, random.Random(seed))
 
 
 class FastDecoder:
-    """The reader's decode stage on the fast path: ``RawSample`` -> uint8 [3, size, size] for a ``TransformSpec``.
+    """The reader's decode stage on the fast path: ``(RawSample, seed)`` -> uint8 [3, size, size] for a
+    ``TransformSpec``.
 
-    Train samples draw their crop seed from torch's default generator, which the reader seeds per sample in its
-    workers, so augmentations replay exactly on resume. ColorJitter has no uint8 counterpart here: such a spec
-    is refused, and callers keep the standard pipeline for it.
+    A train spec's crop and flip come from the per-sample ``seed`` the reader passes (no global random state), so
+    augmentations replay exactly on resume. ColorJitter has no uint8 counterpart here: such a spec is refused, and
+    callers keep the standard pipeline for it.
     """
 
     def __init__(self, spec):
@@ -211,8 +181,7 @@ class FastDecoder:
         """The per-batch step that turns this decoder's uint8 output into the spec's normalised input."""
         return Normalize(self.spec.mean, self.spec.std, **options)
 
-    def __call__(self, sample):
-        seed = int(torch.randint(0, 2**62, (1,)).item()) if self.spec.preset == "train" else 0
+    def __call__(self, sample, seed: int) -> torch.Tensor:
         try:
             return self.geometry(sample.data, seed)
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:

@@ -1,18 +1,25 @@
 """Transform presets: the standard ImageNet-style train and eval pipelines, with sizes as fields, not magic strings.
 
 A ``TransformSpec`` is a frozen, JSON-friendly record (it goes into feature manifests and checkpoints, so a model
-knows how its inputs were made); ``build_transform`` turns it into a torchvision pipeline. ``draft_size`` tells the
-decoder how small a JPEG may be decoded (``Image.draft``) without changing what the transform sees much.
+knows how its inputs were made); ``build_transform`` turns it into a ``PilTransform``, the standard (PIL) pipeline
+with its crop boxes from ``shards.image.geometry`` and its randomness from an explicit per-sample seed.
+``draft_size`` tells the decoder how small a JPEG may be decoded (``Image.draft``) without changing what the
+transform sees much.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from shards.image.device import IMAGENET_MEAN, IMAGENET_STD
 from shards.errors import InputError
+from shards.image.geometry import RANDOM_CROP_RATIO, center_crop_box, eval_resize_size, train_view
+from shards.image.options import IMAGENET_MEAN, IMAGENET_STD, check_interpolation, torchvision_mode
+
+if TYPE_CHECKING:  # torch is imported on first use, so reading a spec from a manifest stays light
+    import torch
 
 PRESETS = ("train", "eval")
 
@@ -42,8 +49,7 @@ class TransformSpec:
             raise InputError(f"transform scale must satisfy 0 < min <= max <= 1, got {self.scale}")
         if not 0 <= self.hflip <= 1 or self.color_jitter < 0:
             raise InputError(f"hflip must be in [0, 1] and color_jitter >= 0, got {self.hflip}, {self.color_jitter}")
-        if self.interpolation not in ("bilinear", "bicubic", "nearest"):
-            raise InputError(f"interpolation {self.interpolation!r} is unknown; use bilinear, bicubic or nearest")
+        check_interpolation(self.interpolation)
 
     @property
     def eval_resize(self) -> int:
@@ -71,27 +77,67 @@ class TransformSpec:
         return cls(**values)
 
 
-def build_transform(spec: TransformSpec | str = "eval", **changes: Any) -> Callable:
-    """A torchvision pipeline from a spec or a preset name (``build_transform("train", size=160)``)."""
-    from torchvision import transforms as T
+@dataclass(frozen=True)
+class PilTransform:
+    """A ``TransformSpec`` applied to a PIL image: a normalised float [3, size, size] tensor.
 
+    ``eval`` gives torchvision's Resize + CenterCrop + ToTensor + Normalize pixel for pixel. ``train`` draws its
+    RandomResizedCrop box, flip and ColorJitter factors from ``random.Random(seed)`` only, with the same box
+    function as the fast path: the same ``seed`` gives the same view, and no global random state is read or
+    changed. ``transform(image)`` without a seed draws one from torch's global generator, as torchvision's own
+    transforms do, so a plain DataLoader still augments each call differently and ``torch.manual_seed`` replays it.
+    """
+
+    spec: TransformSpec
+
+    def __call__(self, image: Any, seed: int | None = None) -> torch.Tensor:
+        import torchvision.transforms.functional as F
+
+        spec, mode = self.spec, torchvision_mode(self.spec.interpolation)
+        if spec.preset == "eval":
+            size = eval_resize_size(image.width, image.height, spec.eval_resize)
+            image = F.resize(image, list(size), interpolation=mode, antialias=True)
+            image = F.crop(image, *center_crop_box(size.width, size.height, spec.size))
+        else:
+            if seed is None:
+                import torch
+
+                seed = int(torch.randint(0, 2**62, (1,)).item())
+            rng = random.Random(seed)
+            box, flip = train_view(image.width, image.height, spec.scale, RANDOM_CROP_RATIO, spec.hflip, rng)
+            image = F.resized_crop(image, *box, [spec.size, spec.size], interpolation=mode, antialias=True)
+            if flip:
+                image = F.hflip(image)
+            if spec.color_jitter > 0:
+                image = color_jitter(image, spec.color_jitter, rng)
+        return F.normalize(F.to_tensor(image), spec.mean, spec.std)
+
+
+def color_jitter(image: Any, strength: float, rng: random.Random) -> Any:
+    """torchvision's ``ColorJitter(strength, strength, strength, min(0.5, strength / 4))``, drawing its order and
+    factors from ``rng`` (in torchvision's sequence: order, brightness, contrast, saturation, hue)."""
+    import torchvision.transforms.functional as F
+
+    order = rng.sample(range(4), 4)
+    low = max(0.0, 1.0 - strength)
+    brightness, contrast, saturation = (rng.uniform(low, 1.0 + strength) for _ in range(3))
+    hue_range = min(0.5, strength / 4)
+    hue = rng.uniform(-hue_range, hue_range)
+    adjust = (lambda im: F.adjust_brightness(im, brightness), lambda im: F.adjust_contrast(im, contrast),
+              lambda im: F.adjust_saturation(im, saturation), lambda im: F.adjust_hue(im, hue))
+    for index in order:
+        image = adjust[index](image)
+    return image
+
+
+def build_transform(spec: TransformSpec | str = "eval", **changes: Any) -> Callable:
+    """The standard pipeline (a ``PilTransform``) from a spec or a preset name (``build_transform("train",
+    size=160)``); call it as ``transform(image)`` or, for a replayable augmentation, ``transform(image, seed)``."""
     if isinstance(spec, str):
         spec = TransformSpec(preset=spec, **changes)
     elif changes:
         spec = dataclasses.replace(spec, **changes)
-    mode = getattr(T.InterpolationMode, spec.interpolation.upper())
-    steps: list[Callable] = []
-    if spec.preset == "train":
-        steps.append(T.RandomResizedCrop(spec.size, scale=spec.scale, interpolation=mode))
-        if spec.hflip > 0:
-            steps.append(T.RandomHorizontalFlip(spec.hflip))
-        if spec.color_jitter > 0:
-            c = spec.color_jitter
-            steps.append(T.ColorJitter(brightness=c, contrast=c, saturation=c, hue=min(0.5, c / 4)))
-    else:
-        steps += [T.Resize(spec.eval_resize, interpolation=mode), T.CenterCrop(spec.size)]
-    steps += [T.ToTensor(), T.Normalize(spec.mean, spec.std)]
-    return T.Compose(steps)
+    return PilTransform(spec)
 
 
 def train_transform(size: int = 224, **options: Any) -> Callable:

@@ -2,12 +2,14 @@
 
 Per epoch and worker: plan the slices (``shards.stream.plan``), read them sequentially, resample by class weight
 (optional), shuffle through a seeded buffer, skip what a resumed run already consumed (before any decoding),
-then decode and transform. The decode step is a pluggable ``decoder`` callable taking a ``RawSample``, so other
-output formats (uint8 tensors, batched decoders) replace one object, not the loop.
+then decode and transform. The decode step is a pluggable ``decoder(sample, seed)`` callable taking a
+``RawSample`` and the sample's augmentation seed, so other output formats (uint8 tensors, batched decoders)
+replace one object, not the loop, and no random state is shared between the reader and the decoder.
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -18,7 +20,9 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from shards.image.decode import ImageDecoder
-from shards.stream.epoch_state import Resume, SharedEpochState
+from shards.stream.resume import (
+    STREAM, LoaderState, Resume, SharedEpochState, restored_position, stream_resume,
+)
 from shards.errors import CorruptDataError, InputError, MissingInputError
 from shards.formats.hdf5 import iter_hdf5_shard
 from shards.manifest import SplitInfo
@@ -52,7 +56,6 @@ class StreamConfig:
     on_error: str = "raise"
     max_consecutive_errors: int = 10
     return_keys: bool = False
-    seed_transforms: bool = True  # seed torch per sample in workers, so augmentations replay exactly
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -116,7 +119,6 @@ class ShardDataset(IterableDataset):
         self.num_classes = num_classes if num_classes is not None else len(split.class_counts)
         self._state = SharedEpochState()
         self._pending_resume: Resume | None = None
-        self._armed = False
         self._yielded = 0
         if self.sizes.dropped:
             log.info("drop_last leaves out the last %d sample(s) of %r every epoch", self.sizes.dropped,
@@ -145,41 +147,38 @@ class ShardDataset(IterableDataset):
 
     def state_dict(self) -> dict[str, Any]:
         """Progress of in-process iteration (no DataLoader workers); ``make_loader``'s wrapper has its own."""
-        return {"epoch": self.epoch, "samples": self._yielded, "num_workers": 0, "seed": self.config.seed,
-                "world_size": self.config.world_size, "rank": self.config.rank}
+        return self._position(self._yielded).to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.check_state(state)
-        self.set_epoch(int(state["epoch"]))
-        self.resume(Resume(int(state["epoch"]), (int(state["samples"]),)))
+        position = restored_position(state, self._position(0))
+        self.set_epoch(position.epoch)
+        self.resume(stream_resume(position, len(self)))
 
-    def check_state(self, state: dict[str, Any]) -> None:
-        for name in ("seed", "world_size", "rank"):
-            if name in state and state[name] != getattr(self.config, name):
-                raise InputError(f"the saved state has {name}={state[name]} but this dataset has "
-                                 f"{name}={getattr(self.config, name)}; resume with the same setting")
+    def _position(self, samples: int) -> LoaderState:
+        """In-process iteration as a loader of one worker and batches of one sample."""
+        c = self.config
+        return LoaderState(STREAM, self.epoch, samples, batch_size=1, num_workers=0, drop_last=False, seed=c.seed,
+                           world_size=c.world_size)
 
     def resume(self, resume: Resume | None) -> None:
-        """Make the next iteration continue an interrupted epoch (called by ``load_state_dict``)."""
+        """Make the next iteration continue an interrupted epoch (called by the ``load_state_dict`` methods)."""
         self._pending_resume = resume
-        self._armed = False
 
-    def arm(self) -> None:
-        """Publish the pending resume (or none) to workers; called once in the main process per iteration."""
+    def publish_resume(self) -> None:
+        """Hand the pending resume (or none) to the iteration about to start, then forget it.
+
+        Called in the main process once per iteration: by ``__iter__`` itself when it runs there, and by the
+        loader before DataLoader workers start (their ``__iter__`` only reads what was published).
+        """
         self._state.write_resume(self._pending_resume)
         self._pending_resume = None
-        self._armed = True
-
-    def disarm(self) -> None:
-        self._armed = False
 
     # -- the stream ------------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         in_main = info is None
-        if in_main and not self._armed:
-            self.arm()
-        self._armed = False
+        if in_main:
+            self.publish_resume()
         physical, num_workers = (0, 1) if in_main else (info.id, info.num_workers)
         epoch = self._state.epoch
         resume = self._state.read_resume(epoch, num_workers)
@@ -188,7 +187,7 @@ class ShardDataset(IterableDataset):
         skip = resume.skips[worker] if resume else 0
         if in_main:
             self._yielded = skip
-        for output in self._worker_stream(epoch, worker, num_workers, skip, seed_transforms=not in_main):
+        for output in self._worker_stream(epoch, worker, num_workers, skip):
             if in_main:
                 self._yielded += 1
             yield output
@@ -199,8 +198,19 @@ class ShardDataset(IterableDataset):
                           world_size=c.world_size, worker=worker, num_workers=num_workers,
                           drop_last=c.drop_last, shuffle=c.shuffle)
 
-    def _worker_stream(self, epoch: int, worker: int, num_workers: int, skip: int,
-                       seed_transforms: bool) -> Iterator[Any]:
+    def sample_seeds(self, epoch: int, worker: int) -> Iterator[int]:
+        """The augmentation seed of each sample a worker yields, in order: ``base(seed, epoch, rank, worker) +
+        position`` (position counts this worker's stream, skipped samples included).
+
+        So a sample's augmentation depends on (seed, epoch, rank, worker, position), not on its key: the same
+        run (same seed, world size and number of workers) replays it exactly, including after a resume, but
+        another number of workers or ranks, which deals samples out differently, augments them differently.
+        """
+        c = self.config
+        base = int(rng_for(c.seed, STREAM_TRANSFORM, epoch, c.rank, worker).integers(0, 2**62))
+        return itertools.count(base)
+
+    def _worker_stream(self, epoch: int, worker: int, num_workers: int, skip: int) -> Iterator[Any]:
         c = self.config
         ids = (epoch, c.rank, worker)
         policy = _ErrorPolicy(c, self._state)
@@ -211,18 +221,15 @@ class ShardDataset(IterableDataset):
                                      rng_for(c.seed, STREAM_CLASS_WEIGHTS, *ids))
         if c.shuffle:
             items = shuffle_buffer(items, c.shuffle_buffer, rng_for(c.seed, STREAM_SHUFFLE_BUFFER, *ids))
-        transform_base = int(rng_for(c.seed, STREAM_TRANSFORM, *ids).integers(0, 2**62))
-        for position, (where, sample) in enumerate(items):
+        for position, ((where, sample), seed) in enumerate(zip(items, self.sample_seeds(epoch, worker))):
             if position < skip:
                 continue
-            if seed_transforms and c.seed_transforms:
-                torch.default_generator.manual_seed(transform_base + position)
             if isinstance(sample, Broken):
                 policy.failed(where, sample.key, sample.reason)
                 yield from policy.fill()
                 continue
             try:
-                output = self.decode(sample)
+                output = self.decode(sample, seed)
             except CorruptDataError as exc:
                 policy.failed(where, sample.key, str(exc))
                 yield from policy.fill()
@@ -251,6 +258,8 @@ class ShardDataset(IterableDataset):
         except CorruptDataError as exc:
             if self.config.on_error == "raise":
                 raise
+            if count == piece.size:  # found after the last sample (a checksum): nothing left to skip
+                log.warning("samples already used from a damaged shard: %s", exc)
             for _ in range(piece.size - count):
                 yield where, Broken(exc.key, -1, str(exc))
 
@@ -258,18 +267,59 @@ class ShardDataset(IterableDataset):
     def read_slice(self, piece: ShardSlice) -> Iterator[Any]:
         raise NotImplementedError
 
-    def decode(self, sample: Any) -> Any:
+    def decode(self, sample: Any, seed: int) -> Any:
+        """``sample`` -> output; ``seed`` is the sample's augmentation seed (``sample_seeds``), the only source of
+        randomness a decoder should use."""
         raise NotImplementedError
+
+
+class _OneArgumentDecoder:
+    """A ``decoder(sample)`` of the older interface under the reader's ``decoder(sample, seed)``.
+
+    Such a decoder can only draw its randomness from torch's global generator (torchvision's random transforms
+    do), so it runs inside ``torch.random.fork_rng`` seeded with the sample's seed: its augmentations replay
+    exactly, and the caller's generator is left as it was. A class, not a lambda, so DataLoader workers can
+    carry it.
+    """
+
+    def __init__(self, decoder: Callable[[Any], Any]):
+        self.decoder = decoder
+
+    def __call__(self, sample: Any, seed: int) -> Any:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.decoder(sample)
+
+
+def seeded_decoder(decoder: Callable) -> Callable[[Any, int], Any]:
+    """``decoder`` callable as ``decoder(sample, seed)``, adapting one that takes only the sample."""
+    try:
+        signature = inspect.signature(decoder)
+    except (TypeError, ValueError):  # no introspectable signature (some builtins): assume the current interface
+        return decoder
+    try:
+        signature.bind(None, 0)
+    except TypeError:
+        return _OneArgumentDecoder(decoder)
+    return decoder
 
 
 HDF5_WINDOW = 256  # samples per HDF5 read: bounded memory, still one contiguous read per window
 
 
 class ImageShardDataset(ShardDataset):
-    """Image shards (tar or HDF5, local, ``http(s)://`` or ``pipe:``) -> ``(image, label[, key])``."""
+    """Image shards (tar or HDF5, local, ``http(s)://`` or ``pipe:``) -> ``(image, label[, key])``.
+
+    ``verify_sha256 = True``: a slice that covers a whole local tar shard is hashed as it is read and checked
+    against the manifest after its last sample. Off by default: it costs about 1% of a decoding pipeline but 22% of
+    raw reading (``scripts/bench/loader.py --sha256-only``); ``shards verify`` checks every shard's sha256.
+    """
+
+    verify_sha256 = False
 
     def __init__(self, split: SplitInfo, locations: Sequence[str], config: StreamConfig, *, storage: str,
-                 decoder: Callable[[RawSample], Any] | None = None, num_classes: int | None = None):
+                 decoder: Callable[[RawSample, int], Any] | Callable[[RawSample], Any] | None = None,
+                 num_classes: int | None = None):
         super().__init__(split, locations, config, num_classes)
         self.storage = get_storage(storage)
         self.decoder = decoder if decoder is not None else ImageDecoder()
@@ -281,15 +331,27 @@ class ImageShardDataset(ShardDataset):
             elif not Path(location).is_file():
                 raise MissingInputError("shard listed in the manifest is missing", path=location)
 
-    def decode(self, sample: RawSample) -> Any:
-        return self.decoder(sample)
+    @property
+    def decoder(self) -> Callable:
+        """The decoder as given (``FastDecoder`` offers ``normalizer()``); the reader calls it with the seed."""
+        return self._decoder
+
+    @decoder.setter
+    def decoder(self, decoder: Callable) -> None:
+        self._decoder = decoder
+        self._decode = seeded_decoder(decoder)
+
+    def decode(self, sample: RawSample, seed: int) -> Any:
+        return self._decode(sample, seed)
 
     def read_slice(self, piece: ShardSlice) -> Iterator[RawSample]:
         location = self.locations[piece.shard]
         if is_remote(location):
             return self._read_remote(location, piece)
         if self.storage.name == "tar":
-            return iter_tar_slice(location, piece.start, piece.stop)
+            info = self.split_info.shards[piece.shard]
+            whole = self.verify_sha256 and piece.start == 0 and piece.stop >= info.samples
+            return iter_tar_slice(location, piece.start, piece.stop, sha256=info.sha256 if whole else None)
         if self.storage.name == "hdf5":
             return self._read_hdf5(location, piece)
         return itertools.islice(self.storage.read(location), piece.start, piece.stop)

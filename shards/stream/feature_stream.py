@@ -17,9 +17,11 @@ import torch
 
 from shards.stream.dataset import ShardDataset, StreamConfig
 from shards.errors import InputError, MissingInputError
-from shards.formats.features import FeatureShard, load_feature_shard, stack_rows
+from shards.formats.features import (FeatureShard, FeatureSpec, check_feature_shard, load_feature_shard, stack_rows,
+                                     verify_feature_file)
 from shards.manifest import SplitInfo
 from shards.stream.plan import STREAM_CLASS_WEIGHTS, STREAM_SHUFFLE_BUFFER, ShardSlice, rng_for
+from shards.stream.resume import FEATURE_BATCHES, LoaderState, consumed_batches, restored_position
 from shards.formats.remote import is_remote
 from shards.stream.stages import systematic_resample
 
@@ -37,8 +39,11 @@ class FeatureShardDataset(ShardDataset):
     """Feature shards -> ``(features[D], label[, key])`` per sample, with every guarantee of the image reader."""
 
     def __init__(self, split: SplitInfo, locations: Sequence[str], config: StreamConfig, *, cache: str = "auto",
-                 num_classes: int | None = None):
+                 num_classes: int | None = None, features_dim: int | None = None, dtype: str | None = None,
+                 views: int = 0):
         super().__init__(split, locations, config, num_classes)
+        # What features.json promises; features_dim None (a caller without the manifest): taken from each file.
+        self.features_dim, self.dtype, self.views = features_dim, dtype, views
         if cache not in CACHE_MODES:
             raise InputError(f"cache must be one of {list(CACHE_MODES)}, got {cache!r}")
         for location in self.locations:
@@ -49,15 +54,28 @@ class FeatureShardDataset(ShardDataset):
         total_bytes = sum(s.bytes for s in split.shards)
         self.cache = cache if cache != "auto" else ("memory" if total_bytes <= AUTO_CACHE_BYTES else "none")
         self._shards: dict[int, FeatureShard] = {}
+        self._verified: set[int] = set()  # shards whose size, sha256 and content matched features.json
 
     def shard(self, index: int) -> FeatureShard:
-        """A shard, mmap'ed; kept for the life of this process copy when ``cache="memory"``."""
+        """A shard, mmap'ed; kept for the life of this process copy when ``cache="memory"``.
+
+        The file is untrusted: the first time this process copy loads it, its size and sha256 are checked against
+        ``features.json`` (a bit flip in a value or label), then its shapes, dtype, keys and label range (a file
+        written wrong with a matching manifest); a mismatch is a ``CorruptDataError`` naming the shard.
+        """
         if index in self._shards:
             return self._shards[index]
-        loaded = load_feature_shard(self.locations[index], mmap=True)
-        if len(loaded) != self.split_info.shards[index].samples:
-            raise InputError(f"holds {len(loaded)} rows, the manifest says {self.split_info.shards[index].samples}",
-                             path=self.locations[index])
+        location, info = self.locations[index], self.split_info.shards[index]
+        if index not in self._verified:
+            verify_feature_file(location, info.bytes, info.sha256)
+        loaded = load_feature_shard(location, mmap=True)
+        if index not in self._verified:
+            dim = self.features_dim
+            if dim is None:
+                dim = loaded.features.shape[-1] if isinstance(loaded.features, torch.Tensor) else -1
+            check_feature_shard(loaded, location, info.samples,
+                                FeatureSpec(dim, self.dtype, self.num_classes, self.views))
+            self._verified.add(index)
         if self.cache == "memory":
             self._shards[index] = loaded
         return loaded
@@ -69,8 +87,8 @@ class FeatureShardDataset(ShardDataset):
         for i, label in enumerate(labels):
             yield FeatureRow(shard.keys[piece.start + i], label, block[i])
 
-    def decode(self, sample: FeatureRow) -> torch.Tensor:
-        return sample.features
+    def decode(self, sample: FeatureRow, seed: int) -> torch.Tensor:
+        return sample.features  # features are not augmented: the seed is not needed
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -97,9 +115,8 @@ class FeatureBatchLoader:
         self._table: FeatureShard | None = None
         self._key_list: list[str] | None = None
         self._offsets = np.cumsum([0] + dataset.split_info.shard_sizes)
-        self._consumed = 0
-        self._resume_at = 0
-        self._resume_epoch = -1
+        self._consumed = 0  # batches handed out in the current epoch
+        self._pending: LoaderState | None = None  # a loaded position, for the next iteration only
 
     def __len__(self) -> int:
         n = len(self.dataset)
@@ -108,17 +125,21 @@ class FeatureBatchLoader:
     def set_epoch(self, epoch: int) -> None:
         self.dataset.set_epoch(epoch)
 
-    def state_dict(self) -> dict[str, Any]:
-        c = self.dataset.config
-        return {"epoch": self.dataset.epoch, "batches": self._consumed, "batch_size": self.batch_size,
-                "num_workers": 0, "seed": c.seed, "world_size": c.world_size, "rank": c.rank}
+    def state_dict(self, batches_consumed: int | None = None) -> dict[str, Any]:
+        """The position in the current epoch: after the batches handed out, or after ``batches_consumed`` of them
+        when the consumer lags behind (a prefetch thread draws ahead of the training step)."""
+        return self._position(consumed_batches(batches_consumed, self._consumed)).to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.dataset.check_state(state)
-        if state.get("batch_size", self.batch_size) != self.batch_size:
-            raise InputError(f"the saved state used batch_size={state['batch_size']}, this loader {self.batch_size}")
-        self.dataset.set_epoch(int(state["epoch"]))
-        self._resume_epoch, self._resume_at = int(state["epoch"]), int(state["batches"])
+        """Continue the saved epoch at the next batch it had not yet handed out."""
+        self._pending = restored_position(state, self._position(0))
+        self.dataset.set_epoch(self._pending.epoch)
+
+    def _position(self, batches: int) -> LoaderState:
+        c = self.dataset.config
+        return LoaderState(FEATURE_BATCHES, self.dataset.epoch, batches, batch_size=self.batch_size,
+                           num_workers=self.num_workers, drop_last=self.drop_last, seed=c.seed,
+                           world_size=c.world_size)
 
     def epoch_rows(self, epoch: int) -> torch.Tensor:
         """Global row indices of this rank's epoch, in the order they are served."""
@@ -138,8 +159,8 @@ class FeatureBatchLoader:
     def __iter__(self) -> Iterator[tuple]:
         epoch = self.dataset.epoch
         rows = self.epoch_rows(epoch)
-        start = self._resume_at if self._resume_epoch == epoch else 0
-        self._resume_epoch, self._resume_at = -1, 0
+        start = self._pending.batches if self._pending is not None and self._pending.epoch == epoch else 0
+        self._pending = None
         self._consumed = start
         for batch in range(start, len(self)):
             index = rows[batch * self.batch_size:(batch + 1) * self.batch_size]

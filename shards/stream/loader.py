@@ -3,7 +3,8 @@
 A DataLoader over an ``IterableDataset`` asks its workers for batches in a fixed round robin (skipping exhausted
 ones) and returns them in that order, and every worker's sample count is known from the epoch plan. So the main
 process, counting only the batches it handed out, knows exactly how far each worker got; ``state_dict`` records
-that count and a resumed run tells each worker how many samples to skip and which worker goes first.
+that count and a resumed run tells each worker how many samples to skip and which worker goes first (the layout
+and the arithmetic live in ``shards.stream.resume``).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from torch.utils.data import DataLoader
 from torch.utils.data._utils.collate import default_collate
 
 from shards.stream.dataset import ShardDataset
-from shards.stream.epoch_state import Resume
 from shards.errors import InputError
 from shards.stream.feature_stream import FeatureBatchLoader, FeatureShardDataset
-from shards.stream.plan import round_robin_consumed, worker_sample_counts
+from shards.stream.resume import (
+    STREAM, LoaderState, consumed_batches, restored_position, stream_resume, worker_batches,
+)
 
 MAX_DEFAULT_WORKERS = 8
 
@@ -45,7 +47,8 @@ class ShardLoader:
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.drop_last = drop_last
-        self._consumed = 0
+        self._consumed = 0  # batches handed out in the current epoch
+        self._starting_batches = 0  # where the next iteration starts counting: a loaded state's position
         self.loader = DataLoader(
             dataset, batch_size=batch_size, num_workers=num_workers, drop_last=drop_last,
             collate_fn=collate_fn if collate_fn is not None else default_collate, pin_memory=pin_memory,
@@ -54,10 +57,7 @@ class ShardLoader:
 
     def batches_per_worker(self) -> list[int]:
         """Batches each (logical) worker yields: DataLoader batches per worker, so each may end with a partial one."""
-        counts = worker_sample_counts(len(self.dataset), max(1, self.num_workers))
-        if self.drop_last:
-            return [n // self.batch_size for n in counts]
-        return [-(-n // self.batch_size) for n in counts]
+        return worker_batches(len(self.dataset), self.num_workers, self.batch_size, self.drop_last)
 
     def __len__(self) -> int:
         return sum(self.batches_per_worker())
@@ -70,38 +70,31 @@ class ShardLoader:
         return self.dataset.epoch
 
     def __iter__(self) -> Iterator[Any]:
-        self.dataset.arm()
+        if self.num_workers > 0:
+            self.dataset.publish_resume()  # before the workers start; with none, the dataset publishes itself
         self._consumed = self._starting_batches
         self._starting_batches = 0
-        try:
-            for batch in self.loader:
-                self._consumed += 1
-                yield batch
-        finally:
-            self.dataset.disarm()
+        for batch in self.loader:
+            self._consumed += 1
+            yield batch
 
-    _starting_batches = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        c = self.dataset.config
-        return {"epoch": self.dataset.epoch, "batches": self._consumed, "batch_size": self.batch_size,
-                "num_workers": self.num_workers, "drop_last": self.drop_last, "seed": c.seed,
-                "world_size": c.world_size, "rank": c.rank}
+    def state_dict(self, batches_consumed: int | None = None) -> dict[str, Any]:
+        """The position in the current epoch: after the batches handed out, or after ``batches_consumed`` of them
+        when the consumer lags behind (a prefetcher that drew batches the training step has not used)."""
+        return self._position(consumed_batches(batches_consumed, self._consumed)).to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the saved epoch at the next batch it had not yet handed out."""
-        self.dataset.check_state(state)
-        for name in ("batch_size", "num_workers", "drop_last"):
-            if name in state and state[name] != getattr(self, name):
-                raise InputError(f"the saved state has {name}={state[name]} but this loader has "
-                                 f"{name}={getattr(self, name)}; resume with the same setting")
-        epoch, consumed = int(state["epoch"]), int(state["batches"])
-        self.dataset.set_epoch(epoch)
-        taken, next_worker = round_robin_consumed(self.batches_per_worker(), consumed)
-        counts = worker_sample_counts(len(self.dataset), max(1, self.num_workers))
-        skips = tuple(min(n, t * self.batch_size) for n, t in zip(counts, taken))
-        self.dataset.resume(Resume(epoch, skips, rotation=next_worker))
-        self._starting_batches = consumed
+        position = restored_position(state, self._position(0))
+        self.dataset.set_epoch(position.epoch)
+        self.dataset.resume(stream_resume(position, len(self.dataset)))
+        self._starting_batches = position.batches
+
+    def _position(self, batches: int) -> LoaderState:
+        c = self.dataset.config
+        return LoaderState(STREAM, self.dataset.epoch, batches, batch_size=self.batch_size,
+                           num_workers=self.num_workers, drop_last=self.drop_last, seed=c.seed,
+                           world_size=c.world_size)
 
 
 def make_loader(dataset: ShardDataset, batch_size: int = 256, *, num_workers: int | None = None,

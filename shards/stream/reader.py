@@ -2,12 +2,14 @@
 
 This is the one place that turns user-facing conveniences (a preset name for the transform, ``class_weights=
 "balanced"``, ``draft=True``, rank and world size read from ``torch.distributed``) into the explicit
-``StreamConfig`` and decoder the datasets take.
+``StreamConfig`` and decoder the datasets take. The rarer options arrive grouped (``shards.stream.options``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -17,7 +19,9 @@ from shards.errors import InputError
 from shards.image.fast import FastDecoder
 from shards.stream.feature_stream import FeatureShardDataset
 from shards.manifest import DATASET_FILE, DatasetManifest, FeatureManifest, Manifest, load_manifest
-from shards.formats.remote import is_remote, join_location, read_remote_json
+from shards.formats.locations import shard_location, url_origin
+from shards.formats.remote import is_remote, read_remote_json
+from shards.stream.options import Decode, ErrorPolicy, Sampling
 from shards.stream.stages import class_weights_from_counts
 from shards.image.transforms import TransformSpec, build_transform
 
@@ -31,49 +35,65 @@ def distributed_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _load(path: str | os.PathLike) -> tuple[Manifest, str]:
-    """The manifest and the base its shard paths are relative to."""
+def _load(path: str | os.PathLike, url_origins: Sequence[str] = ()) -> tuple[Manifest, str]:
+    """The manifest and the base its shard paths are relative to. Shard URLs in it are followed only on a remote
+    manifest's own origin and on ``url_origins`` (the caller's explicit opt-in); see ``shards.formats.locations``."""
     text = str(path)
     if is_remote(text):
         url = text if text.endswith(".json") else text.rstrip("/") + "/" + DATASET_FILE
-        return DatasetManifest.from_dict(read_remote_json(url), where=url), url.rsplit("/", 1)[0]
-    manifest = load_manifest(path)
+        origins = (*url_origins, *filter(None, [url_origin(url)]))
+        return DatasetManifest.from_dict(read_remote_json(url), where=url, url_origins=origins), url.rsplit("/", 1)[0]
+    manifest = load_manifest(path, url_origins=url_origins)
     folder = Path(path)
     return manifest, str(folder.parent if folder.is_file() else folder)
 
 
-def _resolve_weights(option: str | Sequence[float] | None, class_counts: Sequence[int]) -> tuple[float, ...] | None:
+def _resolve_weights(option: str | tuple[float, ...] | None, class_counts: Sequence[int]) -> tuple[float, ...] | None:
     if option is None:
         return None
-    if isinstance(option, str):
-        if option != "balanced":
-            raise InputError(f"class_weights must be 'balanced' or one weight per class, got {option!r}")
+    if option == "balanced":
         return tuple(class_weights_from_counts(class_counts))
-    weights = tuple(float(w) for w in option)
-    if len(weights) != len(class_counts):
-        raise InputError(f"class_weights has {len(weights)} entries, the dataset has {len(class_counts)} classes")
-    return weights
+    if len(option) != len(class_counts):
+        raise InputError(f"Sampling.class_weights has {len(option)} entries, the dataset has {len(class_counts)} "
+                         "classes")
+    return tuple(option)
 
 
-def _resolve_transform(transform: Any, draft: bool | int | tuple[int, int] | None) -> tuple[Callable | None,
-                                                                                            tuple[int, int] | None]:
+def _resolve_transform(transform: Any, draft: bool) -> tuple[Callable | None, tuple[int, int] | None]:
     spec = TransformSpec(preset=transform) if isinstance(transform, str) else transform
-    draft_size = None
-    if draft is True:
-        if not isinstance(spec, TransformSpec):
-            raise InputError("draft=True needs the transform as a preset name or TransformSpec; "
-                             "otherwise give the minimum decoded size, e.g. draft=256")
-        draft_size = spec.draft_size
-    elif isinstance(draft, int) and not isinstance(draft, bool):
-        draft_size = (draft, draft)
-    elif draft:
-        draft_size = (int(draft[0]), int(draft[1]))
+    if draft and not isinstance(spec, TransformSpec):
+        raise InputError("Decode.draft=True needs the transform as a preset name or TransformSpec; for a callable "
+                         "transform pass decoder=ImageDecoder(transform, draft_size=(width, height))")
+    draft_size = spec.draft_size if draft else None
     if isinstance(spec, TransformSpec):
         return build_transform(spec), draft_size
     return spec, draft_size
 
 
-PIPELINES = ("standard", "fast")
+# The groups, by parameter name: their fields are the options open_dataset took flat before they were grouped,
+# still accepted (with a DeprecationWarning) so existing calls keep working.
+_GROUPS = {"sampling": Sampling, "errors": ErrorPolicy, "decode": Decode}
+
+
+def _regroup(legacy: dict[str, Any], groups: dict[str, Any]) -> dict[str, Any]:
+    """Fold old flat keyword arguments (``on_error=``, ``pipeline=``...) into their group values."""
+    known = {f.name: key for key, group in _GROUPS.items() for f in dataclasses.fields(group)}
+    unknown = sorted(set(legacy) - set(known))
+    if unknown:
+        raise TypeError(f"open_dataset() got an unexpected keyword argument {unknown[0]!r}")
+    if legacy.get("draft", False) is None:
+        legacy = {**legacy, "draft": False}
+    regrouped = dict(groups)
+    for key, group in _GROUPS.items():
+        changes = {name: value for name, value in legacy.items() if known[name] == key}
+        if not changes:
+            continue
+        if groups[key] != group():
+            raise InputError(f"give {', '.join(changes)} inside {key}={group.__name__}(...), not both")
+        regrouped[key] = group(**changes)
+        warnings.warn(f"open_dataset({'=, '.join(changes)}=) is deprecated; pass {key}={group.__name__}(...)",
+                      DeprecationWarning, stacklevel=3)
+    return regrouped
 
 
 def _fast_spec(transform: Any) -> TransformSpec:
@@ -87,23 +107,26 @@ def _fast_spec(transform: Any) -> TransformSpec:
 
 
 def open_dataset(path: str | os.PathLike, split: str = "train", *,
-                 transform: Callable | str | TransformSpec | None = None, shuffle: bool = True, seed: int = 0,
+                 transform: Callable | str | TransformSpec | None = None, seed: int = 0, shuffle: bool = True,
+                 drop_last: bool = False, return_keys: bool = False,
                  rank: int | None = None, world_size: int | None = None,
-                 return_keys: bool = False, drop_last: bool = False, shuffle_buffer: int = 512,
-                 class_weights: str | Sequence[float] | None = None, weight_window: int = 1024,
-                 on_error: str = "raise", max_consecutive_errors: int = 10,
-                 draft: bool | int | tuple[int, int] | None = None, decoder: Callable | None = None,
-                 pipeline: str = "standard", cache: str = "auto", base_url: str | None = None) -> ShardDataset:
+                 sampling: Sampling = Sampling(), errors: ErrorPolicy = ErrorPolicy(), decode: Decode = Decode(),
+                 cache: str = "auto", base_url: str | None = None, **legacy: Any) -> ShardDataset:
     """Stream one split of a ``dataset.json`` (images) or ``features.json`` (features).
 
     Yields ``(sample, label)`` or ``(sample, label, key)``; the sample is an RGB PIL image (or ``transform`` of
     it) for image shards and a feature tensor for feature shards. ``base_url`` fetches shards from
-    ``base_url/<shard path>`` instead of next to the manifest.
+    ``base_url/<shard path>`` instead of next to the manifest. ``sampling``, ``errors`` and ``decode`` group the
+    rarer options (``shards.Sampling``, ``shards.ErrorPolicy``, ``shards.Decode``); their old flat names
+    (``on_error=``, ``pipeline=``...) still work with a ``DeprecationWarning``.
 
-    ``pipeline="fast"`` (image shards, ``transform`` a preset name or ``TransformSpec``) yields uint8
+    ``decode=Decode("fast")`` (image shards, ``transform`` a preset name or ``TransformSpec``) yields uint8
     [3, size, size] tensors made by crop-then-resize with DCT-scaled JPEG decoding; normalise each batch on the
     consuming device with ``shards.image.fast.Normalize(spec.mean, spec.std)`` (or ``dataset.decoder.normalizer()``).
     """
+    if legacy:
+        grouped = _regroup(legacy, {"sampling": sampling, "errors": errors, "decode": decode})
+        sampling, errors, decode = grouped["sampling"], grouped["errors"], grouped["decode"]
     manifest, base = _load(path)
     split_info = manifest.split(split)
     if rank is None or world_size is None:
@@ -112,26 +135,24 @@ def open_dataset(path: str | os.PathLike, split: str = "train", *,
         world_size = auto_world if world_size is None else world_size
     config = StreamConfig(
         split=split, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size, drop_last=drop_last,
-        shuffle_buffer=shuffle_buffer, class_weights=_resolve_weights(class_weights, split_info.class_counts),
-        weight_window=weight_window, on_error=on_error, max_consecutive_errors=max_consecutive_errors,
-        return_keys=return_keys)
+        shuffle_buffer=sampling.shuffle_buffer,
+        class_weights=_resolve_weights(sampling.class_weights, split_info.class_counts),
+        weight_window=sampling.weight_window, on_error=errors.on_error,
+        max_consecutive_errors=errors.max_consecutive_errors, return_keys=return_keys)
     root = base_url if base_url is not None else base
-    locations = [join_location(root, s.path) if is_remote(root) or is_remote(s.path) else str(Path(root) / s.path)
-                 for s in split_info.shards]
+    locations = [shard_location(root, s.path) for s in split_info.shards]
     if isinstance(manifest, FeatureManifest):
-        if transform is not None or decoder is not None or draft:
-            raise InputError("transform, decoder and draft apply to image shards, not to feature shards")
-        return FeatureShardDataset(split_info, locations, config, cache=cache, num_classes=len(manifest.classes))
-    if pipeline not in PIPELINES:
-        raise InputError(f"pipeline {pipeline!r} is unknown; choose one of {list(PIPELINES)}")
-    if pipeline == "fast":
-        if decoder is not None or draft:
-            raise InputError("the fast pipeline chooses its own decoder and draft; drop decoder/draft")
+        if transform is not None or decode.image_only:
+            raise InputError("transform, Decode.decoder and Decode.draft apply to image shards, not to feature shards")
+        return FeatureShardDataset(split_info, locations, config, cache=cache, num_classes=len(manifest.classes),
+                                   features_dim=manifest.features_dim, dtype=manifest.dtype, views=manifest.views)
+    decoder = decode.decoder
+    if decode.pipeline == "fast":
         decoder = FastDecoder(_fast_spec(transform))
     elif decoder is None:
-        image_transform, draft_size = _resolve_transform(transform, draft)
+        image_transform, draft_size = _resolve_transform(transform, decode.draft)
         decoder = ImageDecoder(image_transform, draft_size=draft_size)
-    elif transform is not None or draft:
-        raise InputError("give either a decoder or transform/draft, not both")
+    elif transform is not None:
+        raise InputError("give either Decode.decoder or a transform, not both")
     return ImageShardDataset(split_info, locations, config, storage=manifest.storage, decoder=decoder,
                              num_classes=len(manifest.classes))

@@ -7,8 +7,10 @@ import tarfile
 import pytest
 
 import shards
-from shards.errors import CorruptDataError
+from shards.errors import CorruptDataError, InputError
 from tests.shards.stream_helpers import write_labelled_shards
+
+SKIP = shards.ErrorPolicy(on_error="skip")
 
 
 @pytest.mark.parametrize("storage", ["tar", "hdf5"])
@@ -22,7 +24,7 @@ def test_undecodable_sample_names_shard_and_key(tmp_path, storage):
 
 def test_skip_counts_and_keeps_the_epoch_length(tmp_path):
     write_labelled_shards(tmp_path, [[0, 1, 2, 0], [1, 2, 0]], bad_keys=["s00001", "s00005"])
-    dataset = shards.open_dataset(tmp_path, shuffle=False, on_error="skip", return_keys=True)
+    dataset = shards.open_dataset(tmp_path, shuffle=False, errors=SKIP, return_keys=True)
     got = [key for _, _, key in dataset]
     assert len(got) == len(dataset) == 7
     assert "s00001" not in got and "s00005" not in got
@@ -32,7 +34,7 @@ def test_skip_counts_and_keeps_the_epoch_length(tmp_path):
 
 def test_skip_counts_across_workers(tmp_path):
     write_labelled_shards(tmp_path, [[0, 1, 2, 0], [1, 2, 0]], bad_keys=["s00001", "s00005"])
-    dataset = shards.open_dataset(tmp_path, on_error="skip", transform="eval")
+    dataset = shards.open_dataset(tmp_path, errors=SKIP, transform="eval")
     loader = shards.make_loader(dataset, batch_size=2, num_workers=2, drop_last=False, persistent_workers=False)
     assert sum(len(labels) for _, labels in loader) == 7
     assert dataset.skipped == 2
@@ -40,7 +42,8 @@ def test_skip_counts_across_workers(tmp_path):
 
 def test_skip_stops_after_too_many_consecutive_failures(tmp_path):
     write_labelled_shards(tmp_path, [[0, 1, 2, 0, 1, 2]], bad_keys=["s00001", "s00002", "s00003"])
-    dataset = shards.open_dataset(tmp_path, shuffle=False, on_error="skip", max_consecutive_errors=3)
+    errors = shards.ErrorPolicy(on_error="skip", max_consecutive_errors=3)
+    dataset = shards.open_dataset(tmp_path, shuffle=False, errors=errors)
     with pytest.raises(CorruptDataError, match="3 consecutive"):
         list(dataset)
 
@@ -51,7 +54,7 @@ def test_truncated_tar_names_the_shard(tmp_path):
     shard.write_bytes(shard.read_bytes()[:1500])
     with pytest.raises(CorruptDataError, match="train-000001.tar"):
         list(shards.open_dataset(tmp_path, shuffle=False))
-    skipping = shards.open_dataset(tmp_path, shuffle=False, on_error="skip")
+    skipping = shards.open_dataset(tmp_path, shuffle=False, errors=SKIP)
     assert len(list(skipping)) == 6 and skipping.skipped >= 1
 
 
@@ -78,3 +81,11 @@ def test_unknown_members_are_ignored_and_never_unpickled(tmp_path):
     shard.write_bytes(buffer.getvalue())
     got = list(shards.open_dataset(tmp_path, shuffle=False, return_keys=True))
     assert [(label, key) for _, label, key in got] == [(0, "s00000"), (1, "s00001")]
+
+
+@pytest.mark.parametrize("options,field", [({"on_error": "ignore"}, "ErrorPolicy.on_error"),
+                                           ({"max_consecutive_errors": 0}, "ErrorPolicy.max_consecutive_errors")])
+def test_a_bad_error_policy_is_one_line_naming_the_field(options, field):
+    with pytest.raises(InputError) as info:
+        shards.ErrorPolicy(**options)
+    assert str(info.value).startswith(field) and "\n" not in str(info.value)

@@ -7,7 +7,7 @@ from PIL import Image
 
 import shards
 import shards.stream.dataset as dataset_module
-from shards.errors import MissingInputError
+from shards.errors import InputError, MissingInputError
 from shards.formats.tar import iter_tar_shard
 from shards.formats.tarseek import iter_tar_slice
 from tests.helpers import make_shard_dataset
@@ -45,7 +45,7 @@ def test_tar_and_hdf5_stream_the_same_order(tmp_path):
 
 def test_shuffle_is_seeded_and_changes_with_the_epoch(folder):
     def run(seed, epoch):
-        dataset = shards.open_dataset(folder, return_keys=True, seed=seed, shuffle_buffer=5)
+        dataset = shards.open_dataset(folder, return_keys=True, seed=seed, sampling=shards.Sampling(shuffle_buffer=5))
         dataset.set_epoch(epoch)
         return keys(dataset)
     base = run(1, 0)
@@ -98,3 +98,36 @@ def test_drop_last_reports_the_dropped_samples(folder):
     assert {len(r) for r in ranks} == {4} and ranks[0].dropped == 4  # 24 samples over 5 ranks
     seen = [key for r in ranks for key in keys(r)]
     assert len(set(seen)) == 20 and not {f"train_{i:05d}" for i in range(20, 24)} & set(seen)
+
+
+@pytest.mark.parametrize("options,field", [({"pipeline": "turbo"}, "Decode.pipeline"),
+                                           ({"draft": 256}, "Decode.draft"),
+                                           ({"pipeline": "fast", "draft": True}, "Decode.pipeline"),
+                                           ({"draft": True, "decoder": str}, "Decode.draft"),
+                                           ({"decoder": 42}, "Decode.decoder")])
+def test_bad_decode_options_are_one_line_naming_the_field(options, field):
+    with pytest.raises(InputError) as info:
+        shards.Decode(**options)
+    assert str(info.value).startswith(field) and "\n" not in str(info.value)
+
+
+def test_draft_needs_a_preset_or_spec_and_a_custom_decoder_excludes_a_transform(folder):
+    with pytest.raises(InputError, match="ImageDecoder"):
+        shards.open_dataset(folder, transform=lambda image: image, decode=shards.Decode(draft=True))
+    with pytest.raises(InputError, match="not both"):
+        shards.open_dataset(folder, transform="eval", decode=shards.Decode(decoder=lambda sample: sample.key))
+    drafted = shards.open_dataset(folder, "val", transform="eval", shuffle=False, decode=shards.Decode(draft=True))
+    assert len(list(drafted)) == len(drafted) == 12
+
+
+def test_the_old_flat_options_still_work_with_a_deprecation_warning(folder):
+    grouped = keys(shards.open_dataset(folder, return_keys=True, seed=3, sampling=shards.Sampling(shuffle_buffer=5)))
+    with pytest.warns(DeprecationWarning, match="sampling=Sampling"):
+        flat = shards.open_dataset(folder, return_keys=True, seed=3, shuffle_buffer=5)
+    assert keys(flat) == grouped
+    with pytest.warns(DeprecationWarning, match="decode=Decode"):
+        assert shards.open_dataset(folder, pipeline="standard", draft=None).decoder is not None
+    with pytest.raises(InputError, match="not both"):
+        shards.open_dataset(folder, shuffle_buffer=5, sampling=shards.Sampling(weight_window=8))
+    with pytest.raises(TypeError, match="shuffle_bufer"):
+        shards.open_dataset(folder, shuffle_bufer=5)

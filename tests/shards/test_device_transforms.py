@@ -46,9 +46,28 @@ def test_non_jpeg_falls_back_to_pil_and_keeps_batch_order():
 
 
 def test_undecodable_bytes_name_the_sample():
-    with pytest.raises(CorruptDataError, match=r"\[sample k2\]|cannot decode") as info:
+    with pytest.raises(CorruptDataError, match=r"^\[sample k2\]: cannot decode image \(") as info:
         decode_images([class_image(0, 0), b"not an image"], ["jpg", "jpg"], [1, 1], "cpu", keys=["k1", "k2"])
-    assert info.value.key == "k2"
+    assert info.value.key == "k2" and "k1" not in str(info.value)
+    with pytest.raises(CorruptDataError, match=r"^cannot decode image 1 of the batch \("):
+        decode_images([class_image(0, 0), b"not an image"], ["jpg", "png"], [1, 1], "cpu")
+
+
+def test_tensor_geometry_matches_torchvision_on_pil_images():
+    import torchvision.transforms.functional as TF
+
+    from shards.image.device import resize_center_crop, resized_crop
+    from shards.image.geometry import Box
+
+    data = class_image(2, 4, size=(90, 61))
+    image = decode_image(data)
+    tensor = _pil_tensor(data)
+    reference = TF.pil_to_tensor(T.Compose([T.Resize(40), T.CenterCrop(32)])(image))
+    assert (resize_center_crop(tensor, 40, 32).float() - reference.float()).abs().mean() < 1.0
+    box = Box(top=5, left=7, height=30, width=50)
+    view = resized_crop(tensor, box, 24, flip=True)
+    reference = TF.pil_to_tensor(TF.hflip(TF.resized_crop(image, *box, [24, 24])))
+    assert view.shape == (3, 24, 24) and (view.float() - reference.float()).abs().mean() < 1.0
 
 
 def test_normalize_matches_to_tensor_and_normalize():

@@ -1,7 +1,6 @@
 """The fast path gives the reference pipeline's pixels (within a gray level) as uint8, normalised per batch."""
 
 import io
-import random
 
 import numpy as np
 import pytest
@@ -77,10 +76,22 @@ def test_train_crop_is_seeded_and_valid():
     first, again, other = transform(data, seed=7), transform(data, seed=7), transform(data, seed=8)
     assert first.shape == (3, 96, 96) and first.dtype == torch.uint8
     assert torch.equal(first, again) and not torch.equal(first, other)
-    rng = random.Random(0)
-    for _ in range(200):
-        left, top, right, bottom = transform.crop_box(500, 375, rng)
-        assert 0 <= left < right <= 500 and 0 <= top < bottom <= 375
+    for seed in range(200):
+        box, _ = transform.view(500, 375, seed)
+        assert 0 <= box.left < box.right <= 500 and 0 <= box.top < box.bottom <= 375
+
+
+def test_fast_decoder_draws_only_from_the_seed_it_is_given():
+    from shards.formats.sample import RawSample
+    from shards.image.transforms import TransformSpec
+
+    sample = RawSample("k", jpeg_bytes(photo(200, 150)), "jpg", 0)
+    decoder = fast.FastDecoder(TransformSpec(preset="train", size=48))
+    state = torch.get_rng_state()
+    first, again, other = decoder(sample, 11), decoder(sample, 11), decoder(sample, 12)
+    assert torch.equal(torch.get_rng_state(), state)  # the global generator is neither read nor advanced
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    assert torch.equal(first, FastTrain(size=48)(sample.data, 11))
 
 
 def test_normalize_equals_to_tensor_plus_normalize():
@@ -99,7 +110,7 @@ def test_fast_pipeline_streams_uint8_matching_the_standard_pipeline(tmp_path):
 
     make_shard_dataset(tmp_path, size=(120, 90))
     spec = shards.TransformSpec(preset="eval", size=64)
-    fast_set = shards.open_dataset(tmp_path, "val", transform=spec, shuffle=False, pipeline="fast",
+    fast_set = shards.open_dataset(tmp_path, "val", transform=spec, shuffle=False, decode=shards.Decode("fast"),
                                    return_keys=True)
     standard_set = shards.open_dataset(tmp_path, "val", transform=spec, shuffle=False, return_keys=True)
     fast_rows, standard_rows = list(fast_set), list(standard_set)
@@ -120,7 +131,7 @@ def test_fast_train_pipeline_replays_with_the_same_seed_and_changes_with_another
     spec = shards.TransformSpec(preset="train", size=32)
     runs = []
     for seed in (3, 3, 4):
-        dataset = shards.open_dataset(tmp_path, "train", transform=spec, pipeline="fast", seed=seed,
+        dataset = shards.open_dataset(tmp_path, "train", transform=spec, decode=shards.Decode("fast"), seed=seed,
                                       shuffle=False, return_keys=True)
         loader = shards.make_loader(dataset, batch_size=4, num_workers=2, drop_last=False,
                                     persistent_workers=False)
@@ -138,9 +149,9 @@ def test_fast_pipeline_refuses_what_it_cannot_do(tmp_path):
     make_shard_dataset(tmp_path)
     with pytest.raises(InputError, match="ColorJitter"):
         shards.open_dataset(tmp_path, transform=shards.TransformSpec(preset="train", color_jitter=0.4),
-                            pipeline="fast")
+                            decode=shards.Decode("fast"))
     with pytest.raises(InputError, match="callable"):
-        shards.open_dataset(tmp_path, transform=lambda image: image, pipeline="fast")
+        shards.open_dataset(tmp_path, transform=lambda image: image, decode=shards.Decode("fast"))
 
 
 def test_train_crop_matches_torchvision_resized_crop_within_one_gray_level():
@@ -149,9 +160,10 @@ def test_train_crop_matches_torchvision_resized_crop_within_one_gray_level():
     data = jpeg_bytes(photo(500, 375))
     transform = FastTrain(size=96, hflip=0.0)
     for seed in range(4):
-        left, top, right, bottom = transform.crop_box(500, 375, random.Random(seed))
+        box, flip = transform.view(500, 375, seed)
+        assert not flip
         source = Image.open(io.BytesIO(data)).convert("RGB")
-        reference = TF.pil_to_tensor(TF.resized_crop(source, top, left, bottom - top, right - left, [96, 96]))
+        reference = TF.pil_to_tensor(TF.resized_crop(source, *box, [96, 96]))
         assert (transform(data, seed).float() - reference.float()).abs().mean().item() < 1.0
 
 

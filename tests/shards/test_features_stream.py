@@ -66,7 +66,8 @@ def test_ranks_get_equal_disjoint_shares(folder):
 
 def test_batched_resume(folder):
     def build():
-        return shards.make_loader(shards.open_dataset(folder, seed=5, class_weights="balanced"), batch_size=3)
+        balanced = shards.Sampling(class_weights="balanced")
+        return shards.make_loader(shards.open_dataset(folder, seed=5, sampling=balanced), batch_size=3)
     full = rows_of(build())
     first = build()
     iterator = iter(first)

@@ -100,3 +100,10 @@ def test_full_checks_rows_against_the_manifest(tmp_path):
 def test_a_folder_without_features_json_is_one_problem(tmp_path):
     problems = verify_feature_folder(tmp_path)
     assert len(problems) == 1 and "features.json" in problems[0]
+
+
+def test_misaligned_keys_name_the_sample(tmp_path):
+    folder = _feature_folder(tmp_path, shard_sizes={"train": [3]}, keys_of=lambda keys: [keys[0], "x", keys[2]])
+    problems = verify_feature_folder(folder, full=True)
+    assert any("train-000000.pt [sample x]: keys differ" in p and "first at row 1" in p and "train_00001" in p
+               for p in problems), problems

@@ -28,7 +28,8 @@ def test_any_worker_count_yields_the_same_multiset(tmp_path, storage):
     make_shard_dataset(tmp_path, shard_sizes=SIZES, storage=storage, size=(16, 16))
     results = {}
     for workers in (0, 1, 2, 3):
-        dataset = shards.open_dataset(tmp_path, transform="eval", return_keys=True, seed=4, shuffle_buffer=8)
+        dataset = shards.open_dataset(tmp_path, transform="eval", return_keys=True, seed=4,
+                                      sampling=shards.Sampling(shuffle_buffer=8))
         loader = shards.make_loader(dataset, batch_size=4, num_workers=workers, drop_last=False,
                                     persistent_workers=False)
         keys = keys_of(loader)

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 import shards
+from shards.stream.resume import LOADER_STATE_VERSION, LoaderState
 from tests.helpers import make_shard_dataset
+from tests.shards.stream_helpers import write_feature_dataset
 
 SIZES = {"train": [7, 5, 9, 3, 6]}
 
@@ -17,7 +19,8 @@ def folder(tmp_path_factory):
 
 
 def build(folder, workers, **options):
-    dataset = shards.open_dataset(folder, transform="eval", return_keys=True, seed=3, shuffle_buffer=6, **options)
+    dataset = shards.open_dataset(folder, transform="eval", return_keys=True, seed=3,
+                                  sampling=shards.Sampling(shuffle_buffer=6), **options)
     return shards.make_loader(dataset, batch_size=4, num_workers=workers, drop_last=False, persistent_workers=False)
 
 
@@ -45,8 +48,8 @@ def test_resume_yields_exactly_the_rest(folder, workers):
 
 def test_resume_replays_class_weights_and_augmentations(folder):
     def loader():
-        dataset = shards.open_dataset(folder, transform="train", return_keys=True, seed=5, class_weights="balanced",
-                                      weight_window=8)
+        dataset = shards.open_dataset(folder, transform="train", return_keys=True, seed=5,
+                                      sampling=shards.Sampling(class_weights="balanced", weight_window=8))
         return shards.make_loader(dataset, batch_size=3, num_workers=2, drop_last=True, persistent_workers=False)
 
     full = [(b[0], list(b[2])) for b in loader()]
@@ -96,3 +99,112 @@ def test_resume_with_other_settings_is_refused(folder):
     with pytest.raises(shards.errors.InputError, match="seed"):
         other = shards.open_dataset(folder, seed=99)
         shards.make_loader(other, batch_size=4, num_workers=2, drop_last=False).load_state_dict(state)
+
+
+# -- the saved layout --------------------------------------------------------------------------------------------
+def test_state_is_a_versioned_layout_without_the_rank(folder):
+    state = build(folder, 2).state_dict()
+    assert state["version"] == LOADER_STATE_VERSION and state["kind"] == "stream"
+    assert "rank" not in state  # every rank consumes an equal share: rank 0's state continues every rank
+    assert LoaderState.from_dict(state, kind="stream").to_dict() == state
+
+
+def test_an_unversioned_state_from_older_checkpoints_still_loads(folder):
+    reference = build(folder, 2)
+    iterator = iter(reference)
+    head = [list(next(iterator)[2]) for _ in range(3)]
+    del iterator
+    legacy = {"epoch": 0, "batches": 3, "batch_size": 4, "num_workers": 2, "drop_last": False, "seed": 3,
+              "world_size": 1, "rank": 0}
+    resumed = build(folder, 2)
+    resumed.load_state_dict(legacy)
+    assert head + key_batches(resumed) == key_batches(build(folder, 2))
+
+
+def test_an_unversioned_dataset_state_still_loads(folder):
+    full = [key for _, _, key in shards.open_dataset(folder, return_keys=True, seed=2)]
+    fresh = shards.open_dataset(folder, return_keys=True, seed=2)
+    fresh.load_state_dict({"epoch": 0, "samples": 11, "num_workers": 0, "seed": 2, "world_size": 1, "rank": 0})
+    assert [key for _, _, key in fresh] == full[11:]
+
+
+def test_an_unversioned_feature_loader_state_still_loads(tmp_path):
+    write_feature_dataset(tmp_path, [5, 7, 4])
+
+    def loader():
+        return shards.make_loader(shards.open_dataset(tmp_path, seed=5), batch_size=3)
+
+    full = [batch[0][:, 0].tolist() for batch in loader()]
+    state = loader().state_dict()
+    assert state["kind"] == "feature_batches"
+    resumed = loader()  # what FeatureBatchLoader saved before layouts had versions (no drop_last)
+    resumed.load_state_dict({"epoch": 0, "batches": 2, "batch_size": 3, "num_workers": 0, "seed": 5,
+                             "world_size": 1, "rank": 0})
+    assert [batch[0][:, 0].tolist() for batch in resumed] == full[2:]
+
+
+def test_an_unknown_version_is_refused_in_one_line(folder):
+    state = {**build(folder, 2).state_dict(), "version": 99}
+    with pytest.raises(shards.errors.InputError, match="version 99") as caught:
+        build(folder, 2).load_state_dict(state)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_state_of_another_kind_of_loader_is_refused(folder):
+    state = {**build(folder, 2).state_dict(), "kind": "feature_batches"}
+    with pytest.raises(shards.errors.InputError, match="kind=feature_batches"):
+        build(folder, 2).load_state_dict(state)
+
+
+def test_state_after_the_batches_a_lagging_consumer_used(folder):
+    full = key_batches(build(folder, 2))
+    ahead = build(folder, 2)
+    iterator = iter(ahead)
+    for _ in range(5):  # a prefetcher drew five batches; the consumer used two
+        next(iterator)
+    state = ahead.state_dict(batches_consumed=2)
+    with pytest.raises(shards.errors.InputError, match="batches_consumed"):
+        ahead.state_dict(batches_consumed=6)
+    del iterator
+    resumed = build(folder, 2)
+    resumed.load_state_dict(state)
+    assert key_batches(resumed) == full[2:]
+
+
+# -- augmentation seeds ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pipeline", ["standard", "fast"])
+def test_the_reader_leaves_torchs_global_generator_alone(folder, pipeline):
+    dataset = shards.open_dataset(folder, transform="train", seed=4, decode=shards.Decode(pipeline))
+    before = torch.random.get_rng_state()
+    first = [image for image, _ in dataset]
+    assert torch.equal(torch.random.get_rng_state(), before)
+    torch.manual_seed(1234)  # whatever the caller does with the global generator, the augmentations stay
+    again = [image for image, _ in dataset]
+    assert all(torch.equal(_as_tensor(a), _as_tensor(b)) for a, b in zip(first, again))
+
+
+def _as_tensor(image):
+    from torchvision.transforms.functional import pil_to_tensor
+
+    return image if isinstance(image, torch.Tensor) else pil_to_tensor(image)
+
+
+def test_decoder_gets_a_per_sample_seed_that_a_resume_replays(folder):
+    def dataset():
+        return shards.open_dataset(folder, seed=6, decode=shards.Decode(decoder=lambda sample, seed: seed))
+
+    full = [seed for seed, _ in dataset()]
+    assert len(set(full)) == len(full) and full == [seed for seed, _ in dataset()]
+    interrupted = dataset()
+    iterator = iter(interrupted)
+    for _ in range(9):
+        next(iterator)
+    resumed = dataset()
+    resumed.load_state_dict(interrupted.state_dict())
+    assert [seed for seed, _ in resumed] == full[9:]
+
+
+def test_a_one_argument_decoder_still_works(folder):
+    decode = shards.Decode(decoder=lambda sample: sample.key)
+    dataset = shards.open_dataset(folder, return_keys=True, seed=1, decode=decode)
+    assert [output for output, _, key in dataset if output != key] == []

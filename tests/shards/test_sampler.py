@@ -7,6 +7,7 @@ import pytest
 
 import shards
 from shards.errors import InputError
+from shards.stream.options import Sampling
 from shards.stream.plan import rng_for
 from shards.stream.stages import systematic_resample
 from tests.shards.stream_helpers import write_labelled_shards
@@ -32,7 +33,8 @@ def labels_over(dataset, epochs):
 
 
 def test_balanced_weights_even_out_class_frequencies(imbalanced):
-    dataset = shards.open_dataset(imbalanced, return_keys=True, class_weights="balanced", weight_window=48, seed=1)
+    dataset = shards.open_dataset(imbalanced, return_keys=True, seed=1,
+                                  sampling=Sampling(class_weights="balanced", weight_window=48))
     labels = labels_over(dataset, 4)
     assert len(labels) == 4 * len(LABELS)  # epoch length unchanged
     shares = [labels.count(c) / len(labels) for c in range(3)]
@@ -43,12 +45,13 @@ def test_balanced_weights_even_out_class_frequencies(imbalanced):
 
 def test_given_weights_and_seed_reproducibility(imbalanced):
     def run(seed):
-        return [key for _, _, key in shards.open_dataset(imbalanced, return_keys=True, class_weights=[0, 1, 1],
-                                                         weight_window=96, seed=seed)]
+        return [key for _, _, key in shards.open_dataset(imbalanced, return_keys=True, seed=seed,
+                                                         sampling=Sampling(class_weights=[0, 1, 1], weight_window=96))]
     keys = run(3)
     assert keys == run(3) and keys != run(4)
     assert len(keys) == 96
-    dataset = shards.open_dataset(imbalanced, return_keys=True, class_weights=[0, 1, 1], weight_window=96, seed=3)
+    dataset = shards.open_dataset(imbalanced, return_keys=True, seed=3,
+                                  sampling=Sampling(class_weights=[0, 1, 1], weight_window=96))
     assert {label for _, label, _ in dataset} == {1, 2}  # weight 0: class a is never drawn
 
 
@@ -63,6 +66,21 @@ def test_systematic_resample_counts_are_floor_or_ceiling_of_expectation():
 
 def test_bad_weights_are_refused(imbalanced):
     with pytest.raises(InputError, match="3 classes"):
-        shards.open_dataset(imbalanced, class_weights=[1, 2])
+        shards.open_dataset(imbalanced, sampling=Sampling(class_weights=[1, 2]))
     with pytest.raises(InputError, match="balanced"):
-        shards.open_dataset(imbalanced, class_weights="inverse")
+        shards.open_dataset(imbalanced, sampling=Sampling(class_weights="inverse"))
+
+
+@pytest.mark.parametrize("options,field", [({"shuffle_buffer": -1}, "Sampling.shuffle_buffer"),
+                                           ({"weight_window": 0}, "Sampling.weight_window"),
+                                           ({"class_weights": "inverse"}, "Sampling.class_weights"),
+                                           ({"class_weights": [0, 0]}, "Sampling.class_weights"),
+                                           ({"class_weights": [1, -1]}, "Sampling.class_weights")])
+def test_bad_sampling_is_one_line_naming_the_field(options, field):
+    with pytest.raises(InputError) as info:
+        Sampling(**options)
+    assert str(info.value).startswith(field) and "\n" not in str(info.value)
+
+
+def test_sampling_weights_become_a_tuple():
+    assert Sampling(class_weights=[0, 1, 2]).class_weights == (0.0, 1.0, 2.0)

@@ -65,3 +65,62 @@ def test_every_mode_becomes_rgb():
         buffer = io.BytesIO()
         Image.new(mode, (8, 8)).save(buffer, format="PNG" if mode != "CMYK" else "JPEG")
         assert ImageDecoder().decode(buffer.getvalue()).mode == "RGB"
+
+
+def photo(size=(160, 120)):
+    rng = np.random.default_rng(1)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic", "nearest"])
+def test_eval_preset_gives_torchvision_pixels_exactly(interpolation):
+    import torchvision.transforms as T
+
+    spec = TransformSpec(preset="eval", size=64, resize_size=80, interpolation=interpolation)
+    mode = T.InterpolationMode(interpolation)
+    reference = T.Compose([T.Resize(80, interpolation=mode), T.CenterCrop(64), T.ToTensor(),
+                           T.Normalize(spec.mean, spec.std)])
+    for size in ((160, 120), (120, 160), (97, 97)):
+        assert torch.equal(build_transform(spec)(photo(size)), reference(photo(size)))
+
+
+def test_train_preset_draws_only_from_its_seed_with_the_fast_paths_box():
+    import torchvision.transforms.functional as TF
+
+    from shards.image.fast import FastTrain
+
+    spec = TransformSpec(preset="train", size=48)
+    transform, image = build_transform(spec), photo()
+    state = torch.get_rng_state()
+    first, again, other = transform(image, seed=5), transform(image, seed=5), transform(image, seed=6)
+    assert torch.equal(torch.get_rng_state(), state)  # no global random state read or advanced
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    box, flip = FastTrain(size=48).view(image.width, image.height, 5)
+    view = TF.resized_crop(image, *box, [48, 48])
+    reference = TF.normalize(TF.to_tensor(TF.hflip(view) if flip else view), spec.mean, spec.std)
+    assert torch.equal(first, reference)
+    jitter = train_transform(48, color_jitter=0.4)
+    assert torch.equal(jitter(image, 3), jitter(image, 3)) and not torch.equal(jitter(image, 3), first)
+
+
+def test_train_preset_without_a_seed_follows_torchs_global_generator():
+    transform, image = train_transform(48), photo()
+    torch.manual_seed(1)
+    first, second = transform(image), transform(image)
+    torch.manual_seed(1)
+    assert torch.equal(transform(image), first) and not torch.equal(first, second)
+
+
+def test_decoder_seeds_a_user_callable_and_restores_the_global_generator():
+    from shards.formats.sample import RawSample
+
+    sample = RawSample("k", jpeg(), "jpg", 0)
+    decoder = ImageDecoder(lambda image: torch.rand(3))
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    first, again, other = decoder(sample, 7), decoder(sample, 7), decoder(sample, 8)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    preset = ImageDecoder(train_transform(32))
+    assert torch.equal(preset(sample, 7), train_transform(32)(decode_image(sample.data), 7))
+    assert ImageDecoder(eval_transform(16))(sample).shape == (3, 16, 16)  # seed defaults to 0

@@ -112,3 +112,12 @@ def test_decode_positions_spread_and_are_stable():
     assert decode_positions(10, 3) == {0, 4, 9} == decode_positions(10, 3)
     assert decode_positions(2, 5) == {0, 1}
     assert decode_positions(0, 4) == set() and decode_positions(7, 1) == {0}
+
+
+def test_a_shard_unreadable_midway_names_the_last_sample_read(tmp_path):
+    make_shard_dataset(tmp_path, shard_sizes={"train": [6]}, size=(16, 16))
+    path = tmp_path / "train-000000.tar"
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2 + 700])  # cut inside a tar header, after a few whole samples
+    unreadable = [p for p in verify_dataset(tmp_path).problems if "unreadable" in p]
+    assert len(unreadable) == 1 and unreadable[0].startswith("train-000000.tar [after sample train_0000")

@@ -175,3 +175,25 @@ def test_config_differences_ignore_what_a_resume_may_change():
     assert base.differences(base.replace(epochs=20, resume=True, quiet=True)) == []
     assert base.differences(base.replace(lr=0.3, seed=1)) == ["lr", "seed"]
     assert TrainConfig.from_dict(base.to_dict()) == base
+
+
+def test_pipeline_choices_and_validation_come_from_shards():
+    from shards.stream.options import PIPELINES
+
+    assert TrainConfig("data", "out").pipeline == "fast"  # training owns the device-side normalisation
+    assert all(TrainConfig("data", "out", pipeline=name).pipeline == name for name in PIPELINES)
+    with pytest.raises(InputError, match="pipeline='turbo' is not one of standard, fast"):
+        TrainConfig("data", "out", pipeline="turbo")
+
+
+def test_fine_tune_weights_unwrap_a_checkpoint_of_a_ddp_model(tmp_path: Path):
+    from train.models import load_matching_weights
+
+    source = torch.nn.Linear(4, 3)
+    torch.save({"model": {f"module.{k}": v for k, v in source.state_dict().items()}, "epoch": 1}, tmp_path / "w.pt")
+    target = torch.nn.Linear(4, 3)
+    load_matching_weights(target, tmp_path / "w.pt")
+    assert torch.equal(target.weight, source.weight)
+    torch.save({"model": torch.nn.Linear(4, 3)}, tmp_path / "pickled.pt")  # a whole module: never unpickled
+    with pytest.raises(InputError, match="weights_only=True"):
+        load_matching_weights(target, tmp_path / "pickled.pt")

@@ -1,0 +1,139 @@
+"""Shard locations: the one place that turns a manifest's shard path into something to open, and refuses escapes.
+
+A manifest is untrusted input (DESIGN.md, "Untrusted input"), so a shard path in it is only ever a *name*: a
+relative POSIX path that stays inside the manifest's folder (or under the remote base). Executable or foreign
+locations (``pipe:``, ``file:``, ``s3:``, another host) come only from the caller: the path or ``base_url`` given
+to ``open_dataset``. Three checks, at three moments:
+
+- ``check_shard_path`` when a manifest is loaded: the name is well formed. An absolute ``http(s)://`` URL is
+  accepted only on an origin (``scheme://host[:port]``) in ``url_origins``: the remote manifest's own origin, plus
+  any the caller names explicitly.
+- ``shard_location`` when the reader turns names into locations: joins them to the base (URL-quoted for a
+  remote base; never onto a ``pipe:`` command).
+- ``local_shard_path`` whenever a shard file is opened by path: the resolved file (symlinks followed) must lie
+  inside the resolved folder. A symlink pointing outside is refused; a symlinked dataset *folder* is fine, as are
+  links that stay inside it. The fix is to copy or hard-link the file into the folder.
+
+``dataset_folder`` reads a feature manifest's ``dataset_dir``: the local folder of the image dataset the features
+came from. It is trusted only as far as this: the folder's ``dataset.json`` is read (and checked like any
+manifest), and its shards are opened only through that manifest, confined to the folder.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import urllib.parse
+from pathlib import Path
+from typing import Iterable
+
+from shards.errors import ManifestError
+
+REMOTE_SCHEMES = ("http://", "https://", "pipe:")
+URL_SCHEMES = ("http", "https")
+MAX_NAME_CHARS = 1024
+# "pipe:", "http:", "s3:", "file:", "C:" ...: anything that looks like a scheme is not a plain file name.
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*:")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def is_remote(location: str) -> bool:
+    return str(location).startswith(REMOTE_SCHEMES)
+
+
+def url_origin(url: str) -> str | None:
+    """``scheme://host[:port]`` of an ``http(s)`` URL (lower-cased), else None (``pipe:``, local paths)."""
+    parts = urllib.parse.urlsplit(str(url))
+    if parts.scheme.lower() not in URL_SCHEMES or not parts.netloc:
+        return None
+    return f"{parts.scheme.lower()}://{parts.netloc.lower()}"
+
+
+def _shown(name: str) -> str:
+    text = repr(name)  # repr escapes newlines and control characters: the error stays one line
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def check_shard_path(name: object, *, where: str | None = None, url_origins: Iterable[str] = ()) -> str:
+    """``name`` if it is a safe shard path, else ``ManifestError`` naming the manifest (``where``) and the path.
+
+    Safe: a relative POSIX name (no leading ``/``, no ``\\``, no empty, ``.`` or ``..`` parts, no control
+    characters, no scheme), or an ``http(s)://`` URL on one of ``url_origins``.
+    """
+    def refuse(why: str) -> ManifestError:
+        return ManifestError(f"shard path {_shown(str(name))} {why}", path=where)
+
+    if not isinstance(name, str):
+        raise refuse("is not a string")
+    if not name or len(name) > MAX_NAME_CHARS:
+        raise refuse(f"must be 1 to {MAX_NAME_CHARS} characters")
+    if _CONTROL.search(name):
+        raise refuse("contains control characters")
+    if _SCHEME.match(name):
+        origin = url_origin(name)
+        if origin is not None and origin in {o.lower() for o in url_origins}:
+            if any(c.isspace() for c in name):
+                raise refuse("is a URL containing whitespace")
+            return name
+        if origin is not None:
+            raise refuse(f"is a URL on {origin}, not on the manifest's own origin; shard URLs are followed only "
+                         "under the remote manifest's scheme and host (or on origins the caller allows)")
+        raise refuse("is not a relative file name (locations such as pipe: or s3: come only from the caller's "
+                     "path or base_url, never from a manifest)")
+    if "\\" in name:
+        raise refuse("contains a backslash; shard paths use '/'")
+    if name.startswith("/"):
+        raise refuse("is absolute; shard paths are relative to the manifest's folder")
+    if any(part in ("", ".", "..") for part in name.split("/")):
+        raise refuse("has an empty, '.' or '..' part; shard paths must stay inside the manifest's folder")
+    return name
+
+
+def check_dataset_dir(recorded: object, *, where: str | None = None) -> str:
+    """A feature manifest's ``dataset_dir``: a local folder path (absolute, or relative to the feature folder)."""
+    if not isinstance(recorded, str):
+        raise ManifestError("dataset_dir is not a string", path=where)
+    if _CONTROL.search(recorded):
+        raise ManifestError(f"dataset_dir {_shown(recorded)} contains control characters", path=where)
+    if _SCHEME.match(recorded):
+        raise ManifestError(f"dataset_dir {_shown(recorded)} must be a local folder, not a URL or command",
+                            path=where)
+    return recorded
+
+
+def dataset_folder(feature_folder: str | os.PathLike, recorded: str) -> Path:
+    """Where a feature folder's source dataset is: ``dataset_dir`` as recorded, relative to the feature folder."""
+    path = Path(recorded)
+    return path if path.is_absolute() else Path(feature_folder) / path
+
+
+def local_shard_path(folder: str | os.PathLike, name: str, *, where: str | None = None) -> Path:
+    """``folder / name``, refused unless the file it resolves to (symlinks followed) lies inside ``folder``."""
+    path = Path(folder) / check_shard_path(name, where=where if where is not None else str(folder))
+    root = os.path.realpath(folder)
+    target = os.path.realpath(path)
+    if os.path.commonpath([root, target]) != root:
+        raise ManifestError(
+            f"shard {_shown(name)} resolves to {target}, outside the dataset folder {root} (a symlink?); "
+            "copy or hard-link the file into the folder (a symlinked dataset folder is fine)",
+            path=where if where is not None else str(path))
+    return path
+
+
+def shard_location(base: str, name: str, *, where: str | None = None) -> str:
+    """Where shard ``name`` is, given the base its manifest (or the caller's ``base_url``) sets.
+
+    ``name`` was checked when its manifest was loaded; an ``http(s)`` URL there stays as it is. Relative names go
+    under a remote base (percent-quoted, so ``?`` or ``#`` cannot change the URL's meaning) or into a local
+    folder (confined, see ``local_shard_path``). Whatever the manifest says, it never becomes a ``pipe:``.
+    """
+    base = str(base)
+    if _SCHEME.match(name):
+        if url_origin(name) is None:
+            raise ManifestError(f"shard path {_shown(name)} is not a relative file name", path=where)
+        return name
+    if base.startswith("pipe:"):
+        raise ManifestError("a pipe: location cannot hold relative shard paths", path=base)
+    if is_remote(base):
+        return base.rstrip("/") + "/" + urllib.parse.quote(check_shard_path(name, where=where), safe="/")
+    return str(local_shard_path(base, name, where=where))

@@ -1,0 +1,214 @@
+"""Resume state, in one place: what a loader saves (versioned layouts), how a saved state is checked against the
+loader that continues it, and how the main process tells DataLoader workers where an interrupted epoch stopped.
+
+Two layouts share one versioned record, ``LoaderState``, told apart by ``kind``: ``"stream"`` (``ShardLoader``
+and a ``ShardDataset`` iterated on its own: samples flow through DataLoader workers, and a batch count becomes
+per-worker skips) and ``"feature_batches"`` (``FeatureBatchLoader``: in-process batches over a full permutation,
+so a batch count is the position). Every rank of a run consumes the same number of batches, so the state does not
+depend on the rank: rank 0's state continues every rank.
+
+A DataLoader copies the dataset into each worker (fork or spawn) and keeps the copies alive with
+``persistent_workers``; an epoch stored as a plain attribute would be lost there (webdataset #172). The block of
+shared integers in ``SharedEpochState`` is what the main process writes (``set_epoch``, a resume to apply) and
+every worker reads when it starts an epoch; workers write back only the count of skipped samples.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from dataclasses import asdict, dataclass, fields, replace
+from multiprocessing import context as mp_context
+from typing import Any
+
+from shards.errors import InputError
+from shards.stream.plan import round_robin_consumed, worker_sample_counts
+
+MAX_WORKERS = 256
+_EPOCH, _RESUME_EPOCH, _RESUME_WORKERS, _ROTATION, _SKIPPED, _SKIPS = range(6)
+NO_RESUME = -1
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where an interrupted epoch stopped: per logical worker, how many samples were consumed, and which worker's
+    batch came next (DataLoader starts its round robin at worker 0, so a resumed run rotates the workers)."""
+
+    epoch: int
+    skips: tuple[int, ...]
+    rotation: int = 0
+
+
+class SharedEpochState:
+    def __init__(self, epoch: int = 0):
+        self._array = multiprocessing.Array("q", _SKIPS + MAX_WORKERS)
+        self._array[_EPOCH] = epoch
+        self._array[_RESUME_EPOCH] = NO_RESUME
+
+    @property
+    def epoch(self) -> int:
+        return int(self._array[_EPOCH])
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        if value < 0:
+            raise InputError(f"epoch must be non-negative, got {value}")
+        self._array[_EPOCH] = int(value)
+
+    def write_resume(self, resume: Resume | None) -> None:
+        with self._array.get_lock():
+            if resume is None:
+                self._array[_RESUME_EPOCH] = NO_RESUME
+                return
+            if len(resume.skips) > MAX_WORKERS:
+                raise InputError(f"at most {MAX_WORKERS} DataLoader workers can be resumed")
+            self._array[_RESUME_WORKERS] = len(resume.skips)
+            self._array[_ROTATION] = resume.rotation
+            for worker, skip in enumerate(resume.skips):
+                self._array[_SKIPS + worker] = skip
+            self._array[_RESUME_EPOCH] = resume.epoch
+
+    def read_resume(self, epoch: int, num_workers: int) -> Resume | None:
+        with self._array.get_lock():
+            if self._array[_RESUME_EPOCH] != epoch:
+                return None
+            workers = int(self._array[_RESUME_WORKERS])
+            if workers != num_workers:
+                raise InputError(
+                    f"the saved state was taken with {workers} DataLoader worker(s) but this run has {num_workers}; "
+                    "resume with the same number of workers"
+                )
+            skips = tuple(int(self._array[_SKIPS + w]) for w in range(workers))
+            return Resume(epoch, skips, int(self._array[_ROTATION]))
+
+    def add_skipped(self, count: int = 1) -> None:
+        with self._array.get_lock():
+            self._array[_SKIPPED] += count
+
+    @property
+    def skipped(self) -> int:
+        return int(self._array[_SKIPPED])
+
+    def __getstate__(self) -> dict:
+        if mp_context.get_spawning_popen() is not None:
+            return {"array": self._array}
+        # Pickled outside process start-up (a copy, a checkpoint): carry the values, not the shared block.
+        values = list(self._array[:])
+        return {"values": values}
+
+    def __setstate__(self, state: dict) -> None:
+        if "array" in state:
+            self._array = state["array"]
+            return
+        self._array = multiprocessing.Array("q", _SKIPS + MAX_WORKERS)
+        self._array[:] = state["values"]
+
+
+# -- what a loader saves -------------------------------------------------------------------------------------------
+LOADER_STATE_VERSION = 1
+STREAM = "stream"
+FEATURE_BATCHES = "feature_batches"
+KINDS = (STREAM, FEATURE_BATCHES)
+# Settings a resumed run must share with the saved one, in the order they are checked.
+COMPATIBLE = ("kind", "seed", "world_size", "batch_size", "num_workers", "drop_last")
+
+
+@dataclass(frozen=True)
+class LoaderState:
+    """A loader's position: ``batches`` of ``epoch`` handed out, and the settings that make the count meaningful.
+
+    ``None`` in a setting means the (old, unversioned) saved state did not record it, so it is not checked.
+    """
+
+    kind: str
+    epoch: int
+    batches: int
+    batch_size: int | None
+    num_workers: int | None
+    drop_last: bool | None
+    seed: int | None
+    world_size: int | None
+    version: int = LOADER_STATE_VERSION
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InputError(f"loader state kind must be one of {list(KINDS)}, got {self.kind!r}")
+        if self.epoch < 0 or self.batches < 0:
+            raise InputError(f"loader state epoch and batches must be non-negative, got epoch={self.epoch}, "
+                             f"batches={self.batches}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain numbers, booleans and strings: loadable with ``torch.load(weights_only=True)``."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any], *, kind: str) -> LoaderState:
+        """Read a saved state; an unversioned one (saved before layouts had versions) is taken as ``kind``."""
+        if not isinstance(state, dict):
+            raise InputError(f"a loader state is a dict, got {type(state).__name__}")
+        if "version" not in state:
+            return cls._from_unversioned(state, kind)
+        if state["version"] != LOADER_STATE_VERSION:
+            raise InputError(f"loader state version {state['version']!r} is not one this shardcache reads "
+                             f"(it reads version {LOADER_STATE_VERSION}); resume with the version that saved it")
+        missing = [f.name for f in fields(cls) if f.name not in state]
+        if missing:
+            raise InputError(f"loader state of version {LOADER_STATE_VERSION} lacks {', '.join(missing)}")
+        return cls(**{f.name: state[f.name] for f in fields(cls)})
+
+    @classmethod
+    def _from_unversioned(cls, state: dict[str, Any], kind: str) -> LoaderState:
+        if "epoch" not in state or not ("batches" in state or "samples" in state):
+            raise InputError("not a loader state: it needs 'epoch' and 'batches' (or 'samples')")
+        if "samples" in state:  # a ShardDataset iterated on its own counted samples: batches of one
+            return cls(STREAM, int(state["epoch"]), int(state["samples"]), batch_size=1,
+                       num_workers=state.get("num_workers", 0), drop_last=False, seed=state.get("seed"),
+                       world_size=state.get("world_size"))
+        return cls(kind, int(state["epoch"]), int(state["batches"]), batch_size=state.get("batch_size"),
+                   num_workers=state.get("num_workers"), drop_last=state.get("drop_last"), seed=state.get("seed"),
+                   world_size=state.get("world_size"))
+
+
+def check_compatible(saved: LoaderState, current: LoaderState) -> None:
+    """Refuse to continue ``saved`` with a loader whose settings would give its batch count another meaning."""
+    for name in COMPATIBLE:
+        value, ours = getattr(saved, name), getattr(current, name)
+        if value is not None and value != ours:
+            raise InputError(f"the saved state has {name}={value} but this loader has {name}={ours}; "
+                             "resume with the same setting")
+
+
+def restored_position(state: dict[str, Any], current: LoaderState) -> LoaderState:
+    """``current`` moved to the saved epoch and batch count, once the saved settings are checked against it."""
+    saved = LoaderState.from_dict(state, kind=current.kind)
+    check_compatible(saved, current)
+    return replace(current, epoch=saved.epoch, batches=saved.batches)
+
+
+def consumed_batches(batches_consumed: int | None, handed_out: int) -> int:
+    """The position to save: by default what the loader handed out; a caller whose consumer lags behind (a
+    prefetch thread draws ahead of the training step) says how many it really used."""
+    if batches_consumed is None:
+        return handed_out
+    if not 0 <= batches_consumed <= handed_out:
+        raise InputError(f"batches_consumed must be in 0..{handed_out} (the batches this loader has handed out "
+                         f"this epoch), got {batches_consumed}")
+    return int(batches_consumed)
+
+
+# -- from a batch count to per-worker skips --------------------------------------------------------------------------
+def worker_batches(samples_per_rank: int, num_workers: int, batch_size: int, drop_last: bool) -> list[int]:
+    """Batches each (logical) worker yields: DataLoader batches per worker, so each may end with a partial one."""
+    counts = worker_sample_counts(samples_per_rank, max(1, num_workers))
+    if drop_last:
+        return [n // batch_size for n in counts]
+    return [-(-n // batch_size) for n in counts]
+
+
+def stream_resume(position: LoaderState, samples_per_rank: int) -> Resume:
+    """What each worker skips to continue ``position``, and which worker's batch comes next."""
+    workers = max(1, position.num_workers)
+    taken, next_worker = round_robin_consumed(
+        worker_batches(samples_per_rank, workers, position.batch_size, position.drop_last), position.batches)
+    counts = worker_sample_counts(samples_per_rank, workers)
+    skips = tuple(min(n, t * position.batch_size) for n, t in zip(counts, taken))
+    return Resume(position.epoch, skips, rotation=next_worker)
