@@ -23,6 +23,7 @@ _LAZY = {
     "Sampling": "shards.stream.options",
     "ErrorPolicy": "shards.stream.options",
     "Decode": "shards.stream.options",
+    "Remote": "shards.stream.options",
     "ImageDecoder": "shards.image.decode",
     "TransformSpec": "shards.image.transforms",
     "build_transform": "shards.image.transforms",

@@ -148,7 +148,3 @@ def sha256_file(path: str | os.PathLike, chunk_size: int = 1 << 22) -> str:
         while block := handle.read(chunk_size):
             digest.update(block)
     return digest.hexdigest()
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()

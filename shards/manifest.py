@@ -14,7 +14,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, ClassVar, Iterable, Mapping
 
 from shards.atomic import sha256_file, write_json_atomic
 from shards.errors import ManifestError, MissingInputError
@@ -144,8 +144,76 @@ def _check_header(data: Mapping[str, Any], expected_format: str, where: str) -> 
         )
 
 
+_COMMON_KEYS = frozenset({"format", "version", "storage", "classes", "splits", "created", "tool"})
+
+
+class _ManifestBase:
+    """What both manifests share: the header, storage, classes and splits, provenance, saving. A subclass names its
+    ``FORMAT`` and ``FILE`` and (de)serialises only its own fields (``_body``, ``_parse_body``); unknown keys are
+    kept in ``extra`` so a newer minor writer does not break an older reader."""
+
+    FORMAT: ClassVar[str]
+    FILE: ClassVar[str]
+
+    def _body(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def _parse_body(cls, data: Mapping[str, Any], where: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dict(self.extra)
+        out.update({"format": self.FORMAT, "version": VERSION, "storage": self.storage, "classes": list(self.classes),
+                    "splits": {name: split.to_dict() for name, split in self.splits.items()}, **self._body(),
+                    "created": self.created, "tool": self.tool})
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str | None = None, *, url_origins: Iterable[str] = ()):
+        """``url_origins``: origins (``scheme://host[:port]``) whose ``http(s)`` shard URLs are followed: a remote
+        manifest's own, or ones the caller explicitly allows. Any other URL or scheme is refused."""
+        where = cls.FILE if where is None else where
+        _check_header(data, cls.FORMAT, where)
+        origins = tuple(url_origins)
+        try:
+            body = cls._parse_body(data, where)
+            known = _COMMON_KEYS | set(body)
+            return cls(
+                storage=str(data["storage"]),
+                classes=tuple(str(c) for c in data["classes"]),
+                splits={name: SplitInfo.from_dict(s, where, origins) for name, s in data["splits"].items()},
+                created=str(data.get("created", "")),
+                tool=str(data.get("tool", "")),
+                extra={k: v for k, v in data.items() if k not in known},
+                **body,
+            )
+        except ManifestError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ManifestError(f"malformed manifest ({type(exc).__name__}: {exc})", path=where) from exc
+
+    @property
+    def class_to_idx(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.classes)}
+
+    def split(self, name: str, where: str | None = None) -> SplitInfo:
+        if name not in self.splits:
+            raise ManifestError(f"no split {name!r}; the manifest has {sorted(self.splits)}",
+                                path=self.FILE if where is None else where)
+        return self.splits[name]
+
+    def save(self, folder: str | os.PathLike) -> Path:
+        path = Path(folder) / self.FILE
+        write_json_atomic(path, self.to_dict())
+        return path
+
+    def replace(self, **changes: Any):
+        return dataclasses.replace(self, **changes)
+
+
 @dataclass(frozen=True)
-class DatasetManifest:
+class DatasetManifest(_ManifestBase):
     """What ``pack-shards`` wrote: classes (sorted; label = index), splits of shards, provenance."""
 
     storage: str
@@ -158,68 +226,19 @@ class DatasetManifest:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     kind = "images"
+    FORMAT = DATASET_FORMAT
+    FILE = DATASET_FILE
 
-    def to_dict(self) -> dict[str, Any]:
-        out = dict(self.extra)
-        out.update(
-            {
-                "format": DATASET_FORMAT,
-                "version": VERSION,
-                "storage": self.storage,
-                "classes": list(self.classes),
-                "splits": {name: split.to_dict() for name, split in self.splits.items()},
-                "source": self.source.to_dict(),
-                "packing": dict(self.packing),
-                "created": self.created,
-                "tool": self.tool,
-            }
-        )
-        return out
+    def _body(self) -> dict[str, Any]:
+        return {"source": self.source.to_dict(), "packing": dict(self.packing)}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], where: str = DATASET_FILE, *,
-                  url_origins: Iterable[str] = ()) -> "DatasetManifest":
-        """``url_origins``: origins (``scheme://host[:port]``) whose ``http(s)`` shard URLs are followed: a remote
-        manifest's own, or ones the caller explicitly allows. Any other URL or scheme is refused."""
-        _check_header(data, DATASET_FORMAT, where)
-        url_origins = tuple(url_origins)
-        known = {"format", "version", "storage", "classes", "splits", "source", "packing", "created", "tool"}
-        try:
-            return cls(
-                storage=str(data["storage"]),
-                classes=tuple(str(c) for c in data["classes"]),
-                splits={name: SplitInfo.from_dict(s, where, url_origins) for name, s in data["splits"].items()},
-                source=SourceInfo.from_dict(data["source"]),
-                packing=dict(data.get("packing", {})),
-                created=str(data.get("created", "")),
-                tool=str(data.get("tool", "")),
-                extra={k: v for k, v in data.items() if k not in known},
-            )
-        except ManifestError:
-            raise
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ManifestError(f"malformed manifest ({type(exc).__name__}: {exc})", path=where) from exc
-
-    @property
-    def class_to_idx(self) -> dict[str, int]:
-        return {name: i for i, name in enumerate(self.classes)}
-
-    def split(self, name: str, where: str = DATASET_FILE) -> SplitInfo:
-        if name not in self.splits:
-            raise ManifestError(f"no split {name!r}; the manifest has {sorted(self.splits)}", path=where)
-        return self.splits[name]
-
-    def save(self, folder: str | os.PathLike) -> Path:
-        path = Path(folder) / DATASET_FILE
-        write_json_atomic(path, self.to_dict())
-        return path
-
-    def replace(self, **changes: Any) -> "DatasetManifest":
-        return dataclasses.replace(self, **changes)
+    def _parse_body(cls, data: Mapping[str, Any], where: str) -> dict[str, Any]:
+        return {"source": SourceInfo.from_dict(data["source"]), "packing": dict(data.get("packing", {}))}
 
 
 @dataclass(frozen=True)
-class FeatureManifest:
+class FeatureManifest(_ManifestBase):
     """What ``precompute-features`` wrote: one feature shard per image shard, same order and keys.
 
     ``config`` holds everything that changes the numbers (backbone, weights sha256, transform, views, dtype);
@@ -241,73 +260,21 @@ class FeatureManifest:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     kind = "features"
+    FORMAT = FEATURES_FORMAT
+    FILE = FEATURES_FILE
 
-    def to_dict(self) -> dict[str, Any]:
-        out = dict(self.extra)
-        out.update(
-            {
-                "format": FEATURES_FORMAT,
-                "version": VERSION,
-                "storage": self.storage,
-                "classes": list(self.classes),
-                "splits": {name: split.to_dict() for name, split in self.splits.items()},
-                "features_dim": self.features_dim,
-                "dtype": self.dtype,
-                "views": self.views,
-                "config": dict(self.config),
-                "config_hash": self.config_hash,
-                "dataset_dir": self.dataset_dir,
-                "dataset_sha256": self.dataset_sha256,
-                "created": self.created,
-                "tool": self.tool,
-            }
-        )
-        return out
+    def _body(self) -> dict[str, Any]:
+        return {"features_dim": self.features_dim, "dtype": self.dtype, "views": self.views,
+                "config": dict(self.config), "config_hash": self.config_hash, "dataset_dir": self.dataset_dir,
+                "dataset_sha256": self.dataset_sha256}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], where: str = FEATURES_FILE) -> "FeatureManifest":
-        _check_header(data, FEATURES_FORMAT, where)
-        known = {
-            "format", "version", "storage", "classes", "splits", "features_dim", "dtype", "views", "config",
-            "config_hash", "dataset_dir", "dataset_sha256", "created", "tool",
-        }
-        try:
-            return cls(
-                storage=str(data["storage"]),
-                classes=tuple(str(c) for c in data["classes"]),
-                splits={name: SplitInfo.from_dict(s, where) for name, s in data["splits"].items()},
-                features_dim=int(data["features_dim"]),
-                dtype=str(data["dtype"]),
-                views=int(data.get("views", 0)),
-                config=dict(data["config"]),
-                config_hash=str(data["config_hash"]),
-                dataset_dir=check_dataset_dir(data["dataset_dir"], where=where),
-                dataset_sha256=str(data["dataset_sha256"]),
-                created=str(data.get("created", "")),
-                tool=str(data.get("tool", "")),
-                extra={k: v for k, v in data.items() if k not in known},
-            )
-        except ManifestError:
-            raise
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ManifestError(f"malformed manifest ({type(exc).__name__}: {exc})", path=where) from exc
-
-    @property
-    def class_to_idx(self) -> dict[str, int]:
-        return {name: i for i, name in enumerate(self.classes)}
-
-    def split(self, name: str, where: str = FEATURES_FILE) -> SplitInfo:
-        if name not in self.splits:
-            raise ManifestError(f"no split {name!r}; the manifest has {sorted(self.splits)}", path=where)
-        return self.splits[name]
-
-    def save(self, folder: str | os.PathLike) -> Path:
-        path = Path(folder) / FEATURES_FILE
-        write_json_atomic(path, self.to_dict())
-        return path
-
-    def replace(self, **changes: Any) -> "FeatureManifest":
-        return dataclasses.replace(self, **changes)
+    def _parse_body(cls, data: Mapping[str, Any], where: str) -> dict[str, Any]:
+        return {"features_dim": int(data["features_dim"]), "dtype": str(data["dtype"]),
+                "views": int(data.get("views", 0)), "config": dict(data["config"]),
+                "config_hash": str(data["config_hash"]),
+                "dataset_dir": check_dataset_dir(data["dataset_dir"], where=where),
+                "dataset_sha256": str(data["dataset_sha256"])}
 
 
 Manifest = DatasetManifest | FeatureManifest

@@ -168,7 +168,7 @@ class Run:
         return self.summary(row, stopped=False)
 
     def end_epoch(self, meter) -> dict[str, Any]:
-        cfg, state = self.cfg, self.state
+        state = self.state
         samples_per_s, wait_share = meter.reduced(self.ctx.device)
         train_sums = torch.tensor([state.loss_sum, float(state.correct), float(state.samples)], dtype=torch.float64,
                                   device=self.ctx.device)

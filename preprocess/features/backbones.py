@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from shards.atomic import sha256_file
-from shards.image.options import IMAGENET_MEAN, IMAGENET_STD
 from shards.errors import InputError, MissingInputError
 from shards.formats.weights import read_state_dict
 

@@ -4,7 +4,8 @@ The config hash covers what changes the numbers: backbone, weights sha256 (or th
 transform, augmentation and views, output dtype, the resolved AMP mode, the resolved decoder (``pil``,
 ``decode_jpeg:cpu`` or ``decode_jpeg:cuda``: nvjpeg's pixels differ slightly from libjpeg's) and the file format.
 Device, batch size and worker count are not in it (they change speed, not features beyond float noise) and are
-recorded as provenance instead. Resume state and the assembly of ``features.json`` live in ``feature_state``.
+recorded as provenance instead. Resume state and the assembly of ``features.json`` live in
+``preprocess.features.state``.
 """
 
 from __future__ import annotations

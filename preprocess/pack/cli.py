@@ -1,4 +1,5 @@
-"""The ``pack-shards`` console script (``precompute-features`` lives in features_cli.py: it imports torch)."""
+"""The ``pack-shards`` console script. It imports no torch (``precompute-features`` lives in preprocess/features/),
+so ``pack-shards --help`` stays fast."""
 
 from __future__ import annotations
 

@@ -24,8 +24,8 @@ from shards.stream.resume import (
     STREAM, LoaderState, Resume, SharedEpochState, restored_position, stream_resume,
 )
 from shards.errors import CorruptDataError, InputError, MissingInputError
-from shards.formats.hdf5 import iter_hdf5_shard
 from shards.manifest import SplitInfo
+from shards.stream.options import ErrorPolicy
 from shards.stream.plan import (
     STREAM_CLASS_WEIGHTS, STREAM_SHUFFLE_BUFFER, STREAM_TRANSFORM, ShardSlice, epoch_sizes, plan_epoch, rng_for,
 )
@@ -33,11 +33,8 @@ from shards.formats.remote import is_remote, open_remote
 from shards.formats.sample import RawSample
 from shards.stream.stages import Broken, shuffle_buffer, weighted_windows
 from shards.formats.storage import get_storage
-from shards.formats.tar import iter_tar_stream
-from shards.formats.tarseek import iter_tar_slice
 
 log = logging.getLogger(__name__)
-ON_ERROR = ("raise", "skip")
 
 
 @dataclass(frozen=True)
@@ -62,8 +59,7 @@ class StreamConfig:
             raise InputError(f"rank must be in 0..world_size-1, got rank={self.rank}, world_size={self.world_size}")
         if self.seed < 0:
             raise InputError(f"seed must be non-negative, got {self.seed}")
-        if self.on_error not in ON_ERROR:
-            raise InputError(f"on_error must be one of {list(ON_ERROR)}, got {self.on_error!r}")
+        ErrorPolicy(self.on_error, self.max_consecutive_errors)  # one validation of the error options
         if self.shuffle_buffer < 0 or self.weight_window < 1 or self.max_consecutive_errors < 1:
             raise InputError("shuffle_buffer must be >= 0, weight_window and max_consecutive_errors >= 1")
         if self.class_weights is not None and (min(self.class_weights, default=0) < 0 or not any(self.class_weights)):
@@ -71,7 +67,7 @@ class StreamConfig:
 
 
 @dataclass
-class _ErrorPolicy:
+class _ErrorTally:
     """``skip`` keeps the epoch length: a bad sample's slot is filled by repeating a good one, so DDP ranks stay
     in step; every skip is logged with shard and key, counted, and a run of bad samples stops the epoch."""
 
@@ -213,7 +209,7 @@ class ShardDataset(IterableDataset):
     def _worker_stream(self, epoch: int, worker: int, num_workers: int, skip: int) -> Iterator[Any]:
         c = self.config
         ids = (epoch, c.rank, worker)
-        policy = _ErrorPolicy(c, self._state)
+        policy = _ErrorTally(c, self._state)
         items: Iterator = itertools.chain.from_iterable(
             self._guarded_slice(s, policy) for s in self.worker_plan(epoch, worker, num_workers))
         if c.class_weights is not None:
@@ -244,7 +240,7 @@ class ShardDataset(IterableDataset):
             return output, sample.label, sample.key
         return output, sample.label
 
-    def _guarded_slice(self, piece: ShardSlice, policy: _ErrorPolicy) -> Iterator[tuple[str, Any]]:
+    def _guarded_slice(self, piece: ShardSlice, policy: _ErrorTally) -> Iterator[tuple[str, Any]]:
         """Read one slice; check it really holds as many samples as the manifest says."""
         where = self.locations[piece.shard]
         count = 0
@@ -287,7 +283,7 @@ class _OneArgumentDecoder:
 
     def __call__(self, sample: Any, seed: int) -> Any:
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)  # CPU only: torch.manual_seed would reseed CUDA, unrestored
             return self.decoder(sample)
 
 
@@ -302,9 +298,6 @@ def seeded_decoder(decoder: Callable) -> Callable[[Any, int], Any]:
     except TypeError:
         return _OneArgumentDecoder(decoder)
     return decoder
-
-
-HDF5_WINDOW = 256  # samples per HDF5 read: bounded memory, still one contiguous read per window
 
 
 class ImageShardDataset(ShardDataset):
@@ -325,7 +318,7 @@ class ImageShardDataset(ShardDataset):
         self.decoder = decoder if decoder is not None else ImageDecoder()
         for location in self.locations:
             if is_remote(location):
-                if self.storage.name != "tar":
+                if self.storage.read_stream is None:
                     raise InputError(f"{self.storage.name} shards must be local files; stream tar shards instead",
                                      path=location)
             elif not Path(location).is_file():
@@ -348,20 +341,10 @@ class ImageShardDataset(ShardDataset):
         location = self.locations[piece.shard]
         if is_remote(location):
             return self._read_remote(location, piece)
-        if self.storage.name == "tar":
-            info = self.split_info.shards[piece.shard]
-            whole = self.verify_sha256 and piece.start == 0 and piece.stop >= info.samples
-            return iter_tar_slice(location, piece.start, piece.stop, sha256=info.sha256 if whole else None)
-        if self.storage.name == "hdf5":
-            return self._read_hdf5(location, piece)
-        return itertools.islice(self.storage.read(location), piece.start, piece.stop)
+        info = self.split_info.shards[piece.shard]
+        whole = self.verify_sha256 and piece.start == 0 and piece.stop >= info.samples
+        return self.storage.read_slice(location, piece.start, piece.stop, sha256=info.sha256 if whole else None)
 
-    @staticmethod
-    def _read_hdf5(location: str, piece: ShardSlice) -> Iterator[RawSample]:
-        for lo in range(piece.start, piece.stop, HDF5_WINDOW):
-            yield from iter_hdf5_shard(location, lo, min(piece.stop, lo + HDF5_WINDOW))
-
-    @staticmethod
-    def _read_remote(location: str, piece: ShardSlice) -> Iterator[RawSample]:
+    def _read_remote(self, location: str, piece: ShardSlice) -> Iterator[RawSample]:
         with open_remote(location) as stream:
-            yield from itertools.islice(iter_tar_stream(stream, location), piece.start, piece.stop)
+            yield from itertools.islice(self.storage.read_stream(stream, location), piece.start, piece.stop)

@@ -1,8 +1,9 @@
 """The grouped options of ``open_dataset``: small frozen dataclasses, each validated on entry.
 
 ``open_dataset`` keeps the everyday options flat (split, transform, seed, shuffle, rank, ...); the rarer ones come
-in three groups, so a call states only what it changes: ``ErrorPolicy`` (what a corrupt sample does), ``Sampling``
-(shuffle buffer and class weighting) and ``Decode`` (which image pipeline, PIL draft decoding, a custom decoder).
+in groups, so a call states only what it changes: ``ErrorPolicy`` (what a corrupt sample does), ``Sampling``
+(shuffle buffer and class weighting), ``Decode`` (which image pipeline, PIL draft decoding, a custom decoder) and
+``Remote`` (where shards are fetched from when not beside the manifest, and which hosts a manifest may name).
 A bad value raises a one-line ``InputError`` naming the group and field. This module imports nothing heavy, so
 command-line modules can share ``PIPELINES`` without loading torch.
 """
@@ -98,6 +99,24 @@ class Decode:
     def image_only(self) -> bool:
         """Whether these options only make sense for image shards (feature shards refuse them)."""
         return self.draft or self.decoder is not None
+
+
+@dataclass(frozen=True)
+class Remote:
+    """Where the shards are, when the caller says so. ``base_url`` (a folder, an ``http(s)://`` URL, or a ``pipe:``
+    command prefix) replaces the manifest's own folder as the base of its relative shard names; ``url_origins``
+    (``"https://host:port"``) are the hosts a manifest may name in absolute shard URLs besides its own. Both come
+    only from the caller: a manifest never chooses a command or another host (see ``shards.formats.locations``)."""
+
+    base_url: str | None = None
+    url_origins: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.base_url is not None and not isinstance(self.base_url, str):
+            raise InputError(f"Remote.base_url={self.base_url!r} must be a string")
+        if isinstance(self.url_origins, str):
+            raise InputError(f"Remote.url_origins={self.url_origins!r} must be a list of origins, not one string")
+        object.__setattr__(self, "url_origins", tuple(str(o) for o in self.url_origins))
 
 
 def _at_least(name: str, value: int, minimum: int) -> None:

@@ -21,7 +21,7 @@ from shards.stream.feature_stream import FeatureShardDataset
 from shards.manifest import DATASET_FILE, DatasetManifest, FeatureManifest, Manifest, load_manifest
 from shards.formats.locations import shard_location, url_origin
 from shards.formats.remote import is_remote, read_remote_json
-from shards.stream.options import Decode, ErrorPolicy, Sampling
+from shards.stream.options import Decode, ErrorPolicy, Remote, Sampling
 from shards.stream.stages import class_weights_from_counts
 from shards.image.transforms import TransformSpec, build_transform
 
@@ -72,7 +72,7 @@ def _resolve_transform(transform: Any, draft: bool) -> tuple[Callable | None, tu
 
 # The groups, by parameter name: their fields are the options open_dataset took flat before they were grouped,
 # still accepted (with a DeprecationWarning) so existing calls keep working.
-_GROUPS = {"sampling": Sampling, "errors": ErrorPolicy, "decode": Decode}
+_GROUPS = {"sampling": Sampling, "errors": ErrorPolicy, "decode": Decode, "remote": Remote}
 
 
 def _regroup(legacy: dict[str, Any], groups: dict[str, Any]) -> dict[str, Any]:
@@ -111,23 +111,24 @@ def open_dataset(path: str | os.PathLike, split: str = "train", *,
                  drop_last: bool = False, return_keys: bool = False,
                  rank: int | None = None, world_size: int | None = None,
                  sampling: Sampling = Sampling(), errors: ErrorPolicy = ErrorPolicy(), decode: Decode = Decode(),
-                 cache: str = "auto", base_url: str | None = None, **legacy: Any) -> ShardDataset:
+                 remote: Remote = Remote(), cache: str = "auto", **legacy: Any) -> ShardDataset:
     """Stream one split of a ``dataset.json`` (images) or ``features.json`` (features).
 
     Yields ``(sample, label)`` or ``(sample, label, key)``; the sample is an RGB PIL image (or ``transform`` of
-    it) for image shards and a feature tensor for feature shards. ``base_url`` fetches shards from
-    ``base_url/<shard path>`` instead of next to the manifest. ``sampling``, ``errors`` and ``decode`` group the
-    rarer options (``shards.Sampling``, ``shards.ErrorPolicy``, ``shards.Decode``); their old flat names
-    (``on_error=``, ``pipeline=``...) still work with a ``DeprecationWarning``.
+    it) for image shards and a feature tensor for feature shards. ``remote=Remote(base_url=...)`` fetches shards
+    from ``base_url/<shard path>`` instead of next to the manifest. ``sampling``, ``errors``, ``decode`` and
+    ``remote`` group the rarer options (``shards.Sampling``, ``shards.ErrorPolicy``, ``shards.Decode``,
+    ``shards.Remote``); their old flat names (``on_error=``, ``pipeline=``, ``base_url=``...) still work with a
+    ``DeprecationWarning``.
 
     ``decode=Decode("fast")`` (image shards, ``transform`` a preset name or ``TransformSpec``) yields uint8
     [3, size, size] tensors made by crop-then-resize with DCT-scaled JPEG decoding; normalise each batch on the
     consuming device with ``shards.image.fast.Normalize(spec.mean, spec.std)`` (or ``dataset.decoder.normalizer()``).
     """
     if legacy:
-        grouped = _regroup(legacy, {"sampling": sampling, "errors": errors, "decode": decode})
-        sampling, errors, decode = grouped["sampling"], grouped["errors"], grouped["decode"]
-    manifest, base = _load(path)
+        grouped = _regroup(legacy, {"sampling": sampling, "errors": errors, "decode": decode, "remote": remote})
+        sampling, errors, decode, remote = (grouped[name] for name in ("sampling", "errors", "decode", "remote"))
+    manifest, base = _load(path, remote.url_origins)
     split_info = manifest.split(split)
     if rank is None or world_size is None:
         auto_rank, auto_world = distributed_rank_world()
@@ -139,7 +140,7 @@ def open_dataset(path: str | os.PathLike, split: str = "train", *,
         class_weights=_resolve_weights(sampling.class_weights, split_info.class_counts),
         weight_window=sampling.weight_window, on_error=errors.on_error,
         max_consecutive_errors=errors.max_consecutive_errors, return_keys=return_keys)
-    root = base_url if base_url is not None else base
+    root = remote.base_url if remote.base_url is not None else base
     locations = [shard_location(root, s.path) for s in split_info.shards]
     if isinstance(manifest, FeatureManifest):
         if transform is not None or decode.image_only:

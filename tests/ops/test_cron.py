@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import torch
 
 from shards.manifest import load_dataset_manifest, load_feature_manifest
@@ -53,6 +55,7 @@ def _add_images(src: Path, per_class: int, start: int) -> None:
             (src / name / f"img_{i:04d}.jpg").write_bytes(class_image(label, i, (32, 32)))
 
 
+@pytest.mark.slow
 def test_second_night_packs_only_new_files_and_trains_on_them(tmp_path):
     paths = _paths(tmp_path)
     write_image_folder(paths["src"], CLASSES, per_class=8, size=(32, 32))
@@ -114,6 +117,7 @@ def test_overlapping_run_exits_at_once_without_touching_anything(tmp_path):
     assert not paths["data"].exists() and not _logs(paths)
 
 
+@pytest.mark.slow
 def test_failing_stage_exits_nonzero_and_says_so_last(tmp_path):
     paths = _paths(tmp_path)
     write_image_folder(paths["src"], CLASSES, per_class=4, size=(32, 32))

@@ -81,7 +81,7 @@ def test_flipped_checksum_byte_names_shard_key_and_offset(tmp_path, flipped):
     assert "train-000001.tar" in message and f"byte {offset}" in message and "\n" not in message
     assert info.value.key == "s00004"
 
-    skipping = shards.open_dataset(tmp_path, shuffle=False, on_error="skip", return_keys=True)
+    skipping = shards.open_dataset(tmp_path, shuffle=False, errors=shards.ErrorPolicy("skip"), return_keys=True)
     got = keys_of(skipping)
     assert len(got) == 6 and skipping.skipped == 2  # s00004 and s00005: the rest of the shard after the header
     assert set(got) == {"s00000", "s00001", "s00002", "s00003"}
@@ -90,7 +90,7 @@ def test_flipped_checksum_byte_names_shard_key_and_offset(tmp_path, flipped):
 def test_flipped_checksum_in_a_worker_is_skipped_too(tmp_path):
     write_labelled_shards(tmp_path, [[0, 1, 2], [0, 1, 2]])
     forge_header(tmp_path, "train-000000.tar", "s00001.cls", lambda h: h.__setitem__(slice(150, 151), b"8"))
-    dataset = shards.open_dataset(tmp_path, on_error="skip", transform="eval")
+    dataset = shards.open_dataset(tmp_path, errors=shards.ErrorPolicy("skip"), transform="eval")
     loader = shards.make_loader(dataset, batch_size=2, num_workers=2, drop_last=False, persistent_workers=False)
     assert sum(len(labels) for _, labels in loader) == 6
     assert dataset.skipped == 2
@@ -109,22 +109,24 @@ def test_huge_member_size_is_refused_before_reading(tmp_path, size_field):
         list(iter_tar_shard(tmp_path / "train-000000.tar"))  # what shards verify and featurize read with
 
 
-def test_non_octal_size_is_corrupt_data(tmp_path):
+@pytest.mark.parametrize("member, field, garbage, message", [
+    ("s00002.cls", slice(124, 136), b"0000000z001\0", "size"),  # a size that is not octal
+    ("s00001.json", slice(0, 4), b"\xff\xfe\xfd\xfc", "UTF-8"),  # a name that is not UTF-8
+])
+def test_malformed_header_fields_are_corrupt_data(tmp_path, member, field, garbage, message):
     write_labelled_shards(tmp_path, [[0, 1, 2]])
-    offset = forge_header(tmp_path, "train-000000.tar", "s00002.cls",
-                          lambda h: reseal(h.__setitem__(slice(124, 136), b"0000000z001\0") or h))
-    with pytest.raises(CorruptDataError, match=f"train-000000.tar.*byte {offset}.*size"):
+    offset = forge_header(tmp_path, "train-000000.tar", member,
+                          lambda h: reseal(h.__setitem__(field, garbage) or h))
+    with pytest.raises(CorruptDataError, match=f"train-000000.tar.*byte {offset}.*{message}"):
         list(shards.open_dataset(tmp_path, shuffle=False))
-    skipping = shards.open_dataset(tmp_path, shuffle=False, on_error="skip", return_keys=True)
+
+
+def test_a_bad_header_mid_shard_is_skipped_and_counted(tmp_path):
+    write_labelled_shards(tmp_path, [[0, 1, 2]])
+    forge_header(tmp_path, "train-000000.tar", "s00002.cls",
+                 lambda h: reseal(h.__setitem__(slice(124, 136), b"0000000z001\0") or h))
+    skipping = shards.open_dataset(tmp_path, shuffle=False, errors=shards.ErrorPolicy("skip"), return_keys=True)
     assert keys_of(skipping) == ["s00000", "s00001", "s00001"] and skipping.skipped == 1
-
-
-def test_name_that_is_not_utf8_is_corrupt_data(tmp_path):
-    write_labelled_shards(tmp_path, [[0, 1, 2]])
-    offset = forge_header(tmp_path, "train-000000.tar", "s00001.json",
-                          lambda h: reseal(h.__setitem__(slice(0, 4), b"\xff\xfe\xfd\xfc") or h))
-    with pytest.raises(CorruptDataError, match=f"byte {offset}.*UTF-8"):
-        list(shards.open_dataset(tmp_path, shuffle=False))
 
 
 def pax_header(payload: bytes) -> bytes:
@@ -165,7 +167,7 @@ def test_truncated_tar_names_the_member_and_offset(tmp_path):
     with pytest.raises(CorruptDataError) as info:
         list(shards.open_dataset(tmp_path, shuffle=False))
     assert info.value.key == "s00004" and f"byte {offset}" in str(info.value)
-    skipping = shards.open_dataset(tmp_path, shuffle=False, on_error="skip")
+    skipping = shards.open_dataset(tmp_path, shuffle=False, errors=shards.ErrorPolicy("skip"))
     assert len(list(skipping)) == 6 and skipping.skipped == 2
 
 

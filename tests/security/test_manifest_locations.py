@@ -203,6 +203,17 @@ def test_a_remote_manifest_may_name_shards_on_its_own_host_only(served):
         shards.open_dataset(url)
 
 
+def test_another_origin_only_with_the_callers_opt_in(served):
+    folder, port = served
+    poison(folder, f"http://localhost:{port}/train-000000.tar")
+    url = f"http://127.0.0.1:{port}"
+    with pytest.raises(ManifestError, match="origin"):
+        shards.open_dataset(url)
+    allowed = shards.open_dataset(url, return_keys=True, shuffle=False,
+                                  remote=shards.Remote(url_origins=(f"http://localhost:{port}",)))
+    assert [key for _, _, key in allowed] == [f"train_{i:05d}" for i in range(6)]
+
+
 def test_a_remote_manifest_cannot_name_a_pipe_or_leave_its_base(served, tmp_path: Path):
     folder, port = served
     pwned = tmp_path / "PWNED"

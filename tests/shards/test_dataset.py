@@ -6,7 +6,7 @@ import pytest
 from PIL import Image
 
 import shards
-import shards.stream.dataset as dataset_module
+import shards.formats.hdf5 as hdf5_module
 from shards.errors import InputError, MissingInputError
 from shards.formats.tar import iter_tar_shard
 from shards.formats.tarseek import iter_tar_slice
@@ -57,14 +57,14 @@ def test_shuffle_is_seeded_and_changes_with_the_epoch(folder):
 def test_hdf5_slices_read_only_their_samples(tmp_path, monkeypatch):
     make_shard_dataset(tmp_path, shard_sizes={"train": [40]}, storage="hdf5", size=(8, 8))
     calls = []
-    original = dataset_module.iter_hdf5_shard
+    original = hdf5_module.iter_hdf5_shard
 
     def spy(path, start=0, stop=None):
         calls.append((start, stop))
         return original(path, start, stop)
 
-    monkeypatch.setattr(dataset_module, "iter_hdf5_shard", spy)
-    monkeypatch.setattr(dataset_module, "HDF5_WINDOW", 8)
+    monkeypatch.setattr(hdf5_module, "iter_hdf5_shard", spy)
+    monkeypatch.setattr(hdf5_module, "HDF5_WINDOW", 8)
     dataset = shards.open_dataset(tmp_path, return_keys=True, shuffle=False, world_size=4, rank=2)
     assert keys(dataset) == [f"train_{i:05d}" for i in range(20, 30)]
     assert calls == [(20, 28), (28, 30)]

@@ -48,21 +48,21 @@ def test_http_through_workers_with_slices(served):
 
 def test_local_manifest_with_base_url(served):
     folder, url = served
-    dataset = shards.open_dataset(folder, return_keys=True, base_url=url, shuffle=False)
+    dataset = shards.open_dataset(folder, return_keys=True, remote=shards.Remote(url), shuffle=False)
     assert dataset.locations[1] == f"{url}/train-000001.tar"
     assert keys(dataset) == [f"train_{i:05d}" for i in range(12)]
 
 
 def test_pipe_command(served):
     folder, _ = served
-    dataset = shards.open_dataset(folder, return_keys=True, base_url=None, shuffle=False)
+    dataset = shards.open_dataset(folder, return_keys=True, shuffle=False)
     dataset.locations = [f"pipe:cat {location}" for location in dataset.locations]
     assert keys(dataset) == [f"train_{i:05d}" for i in range(12)]
 
 
 def test_missing_remote_shard_names_the_url(served):
     folder, url = served
-    dataset = shards.open_dataset(folder, base_url=url + "/nowhere")
+    dataset = shards.open_dataset(folder, remote=shards.Remote(url + "/nowhere"))
     with pytest.raises(FileNotFoundError, match="nowhere/train-0000"):
         list(dataset)
 
@@ -70,4 +70,4 @@ def test_missing_remote_shard_names_the_url(served):
 def test_hdf5_must_be_local(tmp_path):
     make_shard_dataset(tmp_path, shard_sizes={"train": [2]}, storage="hdf5")
     with pytest.raises(InputError, match="local"):
-        shards.open_dataset(tmp_path, base_url="http://127.0.0.1:9/")
+        shards.open_dataset(tmp_path, remote=shards.Remote("http://127.0.0.1:9/"))

@@ -21,6 +21,7 @@ def config(data: Path, out: Path, **changes) -> TrainConfig:
     return TrainConfig(data_path=str(data), out_dir=str(out), **options)
 
 
+@pytest.mark.slow
 def test_image_model_loss_falls(image_folder: Path, tmp_path: Path):
     summary = train(config(image_folder, tmp_path / "run"))
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
@@ -31,6 +32,7 @@ def test_image_model_loss_falls(image_folder: Path, tmp_path: Path):
     assert model["classes"] == ["red", "green", "blue"]
 
 
+@pytest.mark.slow
 def test_fine_tune_from_local_weights_with_another_class_count(image_folder: Path, tmp_path: Path):
     pretrained = build_image_model("resnet18", 10)
     weights = tmp_path / "resnet18-10.pt"
@@ -61,6 +63,7 @@ def test_dry_run_shows_normalised_image_batch(image_folder: Path, tmp_path: Path
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_image_run_killed_mid_epoch_resumes_bitwise_with_a_worker(image_folder: Path, tmp_path: Path):
     """Random crops and flips run in a DataLoader worker; the reader seeds them per sample, so they replay."""
     options = dict(model="mobilenet_v3_small", epochs=2, workers=1, checkpoint_every=4)
