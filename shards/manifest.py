@@ -43,13 +43,16 @@ class ShardInfo:
     # Feature shards name the image shard they are aligned with, and its checksum when computed.
     source: str | None = None
     source_sha256: str | None = None
+    # Tar shards packed with a per-sample byte index name its sidecar (``shards.formats.tarindex``) and checksum;
+    # older datasets have neither and are read by scanning.
+    index: str | None = None
+    index_sha256: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {"path": self.path, "samples": self.samples, "bytes": self.bytes, "sha256": self.sha256}
-        if self.source is not None:
-            out["source"] = self.source
-        if self.source_sha256 is not None:
-            out["source_sha256"] = self.source_sha256
+        for name in ("source", "source_sha256", "index", "index_sha256"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
 
     @classmethod
@@ -58,6 +61,8 @@ class ShardInfo:
         """Checks ``path`` (and ``source``) are shard names confined to the manifest's folder; see
         ``shards.formats.locations.check_shard_path`` (``url_origins``: where shard URLs may point)."""
         source = data.get("source")
+        index = data.get("index")
+        index_sha256 = data.get("index_sha256")
         return cls(
             path=check_shard_path(data["path"], where=where, url_origins=url_origins),
             samples=int(data["samples"]),
@@ -65,6 +70,8 @@ class ShardInfo:
             sha256=str(data["sha256"]),
             source=None if source is None else check_shard_path(source, where=where),
             source_sha256=data.get("source_sha256"),
+            index=None if index is None else check_shard_path(index, where=where),
+            index_sha256=None if index_sha256 is None else str(index_sha256),
         )
 
 

@@ -23,9 +23,11 @@ DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_LR = {"sgd": 0.1, "adamw": 1e-3}
 
 # Fields a resumed run may change without it being a different run: they steer the process, not the numbers
-# (``epochs`` extends a run; the schedule then follows the new length).
+# (``epochs`` extends a run; the schedule then follows the new length; other ``workers`` continue the interrupted
+# epoch with exactly the samples it had left, see shards.stream.elastic).
 RESUMABLE_CHANGES = frozenset(
-    {"epochs", "resume", "overwrite", "quiet", "dry_run", "checkpoint_every", "stop_after_steps", "device"}
+    {"epochs", "resume", "overwrite", "quiet", "dry_run", "checkpoint_every", "stop_after_steps", "device",
+     "storage_options", "workers"}
 )
 
 
@@ -69,6 +71,8 @@ class TrainConfig:
     # Test and profiling hook: return after this many optimizer steps without writing anything more, exactly as
     # if the process had been killed there.
     stop_after_steps: int | None = None
+    # How to reach an s3:// data_path (shards.formats.s3.S3Options fields; never credentials).
+    storage_options: dict | None = None
 
     def __post_init__(self) -> None:
         _choice("data", self.data, DATA_KINDS)

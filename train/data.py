@@ -28,7 +28,7 @@ from shards.manifest import (
 )
 from shards.image.fast import Normalize
 from shards.image.transforms import TransformSpec
-from shards.stream.options import Decode, Sampling
+from shards.stream.options import Decode, Remote, Sampling
 from train.config import TrainConfig
 from train.distributed import DistContext
 
@@ -68,8 +68,15 @@ class RunData:
                 "dtype": m.dtype, "views": m.views, "dataset_sha256": m.dataset_sha256}
 
 
-def read_manifest(path: str, data: str) -> DatasetManifest | FeatureManifest:
+def read_manifest(path: str, data: str, storage_options: dict | None = None) -> DatasetManifest | FeatureManifest:
     """The manifest the ``--data`` choice asks for, with a clear error when the folder holds the other kind."""
+    if path.startswith("s3://"):
+        from shards.stream.reader import load_s3_manifest
+
+        manifest = load_s3_manifest(path, storage_options=storage_options)[0]
+        if data != "auto" and manifest.kind != data:
+            raise InputError(f"holds {manifest.kind}, not {data}; use --data {manifest.kind} or auto", path=path)
+        return manifest
     folder = Path(path)
     if data == "auto":
         return load_manifest(folder)
@@ -98,9 +105,9 @@ def check_splits(manifest: DatasetManifest | FeatureManifest, cfg: TrainConfig) 
 
 def prepare_manifest(cfg: TrainConfig) -> DatasetManifest | FeatureManifest:
     """Read and check everything about the input that can be wrong, before any process group or folder."""
-    manifest = read_manifest(cfg.data_path, cfg.data)
+    manifest = read_manifest(cfg.data_path, cfg.data, cfg.storage_options)
     if isinstance(manifest, FeatureManifest):
-        check_features_fresh(cfg.data_path, manifest)
+        check_features_fresh(cfg.data_path, manifest, storage_options=cfg.storage_options)
     check_splits(manifest, cfg)
     if len(manifest.classes) < 2:
         raise ManifestError(f"needs at least 2 classes, the manifest has {len(manifest.classes)}",
@@ -119,10 +126,11 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
         eval_spec = TransformSpec(preset="eval", size=cfg.image_size)
         decode = Decode(pipeline=cfg.pipeline, draft=cfg.fast_decode)
     sampling = Sampling(class_weights="balanced") if cfg.balanced_sampler else Sampling()
+    remote = Remote(storage_options=cfg.storage_options)
     train_set = shards.open_dataset(cfg.data_path, cfg.train_split, transform=train_spec, seed=cfg.seed, shuffle=True,
-                                    rank=rank, world_size=world, sampling=sampling, decode=decode)
+                                    rank=rank, world_size=world, sampling=sampling, decode=decode, remote=remote)
     val_set = shards.open_dataset(cfg.data_path, cfg.val_split, transform=eval_spec, seed=cfg.seed, shuffle=False,
-                                  rank=rank, world_size=world, decode=decode)
+                                  rank=rank, world_size=world, decode=decode, remote=remote)
     train_loader = _loader(train_set, cfg, ctx, drop_last=True)
     val_loader = _loader(val_set, cfg, ctx, drop_last=False)
     if len(train_loader) == 0:

@@ -9,7 +9,10 @@ import click
 from preprocess.features.loader import DECODE_MODES
 from shards.image.options import INTERPOLATIONS
 from preprocess.features.featurize import AMP_MODES, DTYPES, FeatureConfig, merge_features, run_precompute
-from shards.cli.common import emit_json, handle_errors, quiet_option, task_options
+from preprocess.pack.cli import stage_root
+from preprocess.staging import features_spec, resolve_stage, run_staged
+from shards.cli.common import emit_json, handle_errors, quiet_option, s3_options, task_options
+from shards.formats.s3 import S3Options, is_s3
 from shards.errors import InputError
 from shards.formats.features import FEATURE_SUFFIXES
 
@@ -27,7 +30,7 @@ def _triple(name: str, value: str | None) -> tuple[float, ...] | None:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("data_dir", required=False, type=click.Path(path_type=Path))
+@click.argument("data_dir", required=False, type=click.Path(path_type=str))
 @click.option("--out", "-o", "out_dir", type=click.Path(path_type=str), help="Feature folder to write (FEAT_DIR).")
 @click.option("--backbone", default="resnet50", show_default=True, help="torchvision classification model name.")
 @click.option("--weights", help="'none' (random init from --seed), a local .pt/.pth/.safetensors state dict, or a "
@@ -54,22 +57,30 @@ def _triple(name: str, value: str | None) -> tuple[float, ...] | None:
 @click.option("--overwrite", is_flag=True, help="Replace a feature folder computed with a different config.")
 @click.option("--merge", "merge_dir", type=click.Path(path_type=Path),
               help="Only write FEAT_DIR/features.json from finished parts (after a task array).")
+@click.option("--stage-dir", type=click.Path(path_type=str), default=None,
+              help="With --out s3://...: the local folder features are computed in before upload (default: "
+                   "$SHARDCACHE_STAGE_DIR or ~/.cache/shardcache/stage, one folder per URL; required with "
+                   "--num-tasks > 1, on a shared file system).")
 @task_options
+@s3_options
 @quiet_option
 @handle_errors
-def precompute_features_command(data_dir: Path | None, out_dir: Path | None, backbone: str, weights: str | None,
+def precompute_features_command(data_dir: str | None, out_dir: Path | None, backbone: str, weights: str | None,
                                 seed: int, resize: int | None, crop: int | None, mean: str | None, std: str | None,
                                 interpolation: str | None, views: int, augment: bool, dtype: str, storage: str,
                                 device: str, amp: str, decode: str, batch_size: int, workers: int,
-                                splits: tuple[str, ...], overwrite: bool, merge_dir: Path | None, task_index: int,
-                                num_tasks: int, quiet: bool) -> None:
+                                splits: tuple[str, ...], overwrite: bool, merge_dir: Path | None,
+                                stage_dir: str | None, task_index: int, num_tasks: int, quiet: bool,
+                                s3: S3Options) -> None:
     """Cache a frozen backbone's penultimate features of every image shard in DATA_DIR under --out.
+
+    DATA_DIR and --out may be s3://bucket/prefix (the --s3-* options apply to both).
 
     One feature file per image shard, aligned sample for sample; features.json is written last, when all parts
     exist. Reruns skip finished shards; a different config refuses without --overwrite.
     """
     if merge_dir is not None:
-        manifest = merge_features(merge_dir)
+        manifest = merge_features(merge_dir, storage_options=s3)
         emit_json({"out": str(merge_dir), "complete": True, "config_hash": manifest.config_hash,
                    "shards_total": sum(len(s.shards) for s in manifest.splits.values())})
         return
@@ -77,11 +88,21 @@ def precompute_features_command(data_dir: Path | None, out_dir: Path | None, bac
                if value is None]
     if missing:
         raise InputError(f"missing {', '.join(missing)} (see precompute-features --help)")
+    staged = None
+    if is_s3(out_dir):
+        staged = resolve_stage(out_dir, stage_dir, stage_root(), num_tasks=num_tasks, options=s3,
+                               overwrite=overwrite)
+    elif stage_dir is not None:
+        raise InputError("--stage-dir works only with --out s3://...")
     cfg = FeatureConfig(
-        data_dir=data_dir, out_dir=out_dir, backbone=backbone, weights=weights, seed=seed,
+        data_dir=data_dir, out_dir=out_dir if staged is None else str(staged.stage_dir),
+        backbone=backbone, weights=weights, seed=seed,
         resize=resize, crop=crop, mean=_triple("mean", mean), std=_triple("std", std), interpolation=interpolation,
         views=views, augment=augment, dtype=dtype, storage=storage, device=device, amp=amp, decode=decode,
         batch_size=batch_size, workers=workers, splits=tuple(splits) or None, task_index=task_index,
-        num_tasks=num_tasks, overwrite=overwrite, quiet=quiet)
-    _, summary = run_precompute(cfg)
+        num_tasks=num_tasks, overwrite=overwrite, quiet=quiet, storage_options=s3 if is_s3(data_dir) else None)
+    if staged is not None:
+        _, summary = run_staged(staged, lambda stage: run_precompute(cfg), features_spec())
+    else:
+        _, summary = run_precompute(cfg)
     emit_json(summary)

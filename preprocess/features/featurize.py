@@ -4,7 +4,9 @@ The config hash covers what changes the numbers: backbone, weights sha256 (or th
 transform, augmentation and views, output dtype, the resolved AMP mode, the resolved decoder (``pil``,
 ``decode_jpeg:cpu`` or ``decode_jpeg:cuda``: nvjpeg's pixels differ slightly from libjpeg's) and the file format.
 Device, batch size and worker count are not in it (they change speed, not features beyond float noise) and are
-recorded as provenance instead. Resume state and the assembly of ``features.json`` live in
+recorded as provenance instead. The dataset may be an ``s3://bucket/prefix`` (read with
+``storage_options``): ``dataset_dir`` then records the URL, ``dataset_sha256`` is the sha256 of the remote
+``dataset.json`` bytes. Resume state and the assembly of ``features.json`` live in
 ``preprocess.features.state``.
 """
 
@@ -31,6 +33,8 @@ from shards.atomic import check_local_output, remove_stale_tmp
 from shards.errors import CorruptDataError, InputError, MissingInputError, ShardcacheError
 from shards.lock import claim_output
 from shards.formats.features import FEATURE_SUFFIXES, FeatureShard, write_feature_shard
+from shards.formats.s3 import is_s3
+from shards.check.freshness import read_s3_dataset
 from shards.manifest import (DatasetManifest, FeatureManifest, ShardInfo, dataset_manifest_sha256,
                              load_dataset_manifest)
 from shards.progress import progress
@@ -45,7 +49,7 @@ AMP_MODES = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}
 class FeatureConfig:
     """Everything one ``precompute-features`` task needs; transform fields left None come from the weights."""
 
-    data_dir: Path
+    data_dir: Path | str  # a local folder, or an s3://bucket/prefix (kept as a str, without a trailing /)
     out_dir: Path
     backbone: str = "resnet50"
     weights: str = "none"
@@ -69,10 +73,19 @@ class FeatureConfig:
     num_tasks: int = 1
     overwrite: bool = False
     quiet: bool = False
+    storage_options: Any = None  # S3Options (or a mapping of its fields) for an s3:// data_dir
 
     def __post_init__(self) -> None:
         check_local_output(self.out_dir)  # before Path(), which turns s3://b/x into s3:/b/x
-        object.__setattr__(self, "data_dir", Path(self.data_dir))
+        if is_s3(self.data_dir):
+            from shards.formats.s3 import S3Options, parse_s3_url
+
+            url = str(self.data_dir).rstrip("/")
+            parse_s3_url(url)
+            object.__setattr__(self, "data_dir", url)
+            object.__setattr__(self, "storage_options", S3Options.from_mapping(self.storage_options))
+        else:
+            object.__setattr__(self, "data_dir", Path(self.data_dir))
         object.__setattr__(self, "out_dir", Path(self.out_dir))
         choices = {"dtype": DTYPES, "storage": FEATURE_SUFFIXES, "decode": DECODE_MODES,
                    "amp": (*AMP_MODES, "auto")}
@@ -86,7 +99,7 @@ class FeatureConfig:
             raise InputError("--views K and --augment go together: K augmented views per image need both")
         if self.num_tasks < 1 or not 0 <= self.task_index < self.num_tasks:
             raise InputError(f"task index {self.task_index} is not in [0, {self.num_tasks})")
-        if self.data_dir.resolve() == self.out_dir.resolve():
+        if not is_s3(self.data_dir) and self.data_dir.resolve() == self.out_dir.resolve():
             raise InputError("--out must differ from the dataset folder", path=str(self.out_dir))
 
 
@@ -135,7 +148,7 @@ def _run_record(cfg: FeatureConfig, backbone: Backbone, spec: FeatureTransform, 
     return {
         "config": config,
         "config_hash": config_hash(config),
-        "dataset_dir": str(cfg.data_dir.resolve()),
+        "dataset_dir": cfg.data_dir if is_s3(cfg.data_dir) else str(cfg.data_dir.resolve()),
         "splits": splits,
         "features_dim": backbone.features_dim,
         "provenance": {"weights": backbone.weights, "device": str(device), "batch_size": cfg.batch_size,
@@ -201,8 +214,8 @@ def _write_job(cfg: FeatureConfig, job: ShardJob, parts: list[tuple], digest: st
 def _featurize(cfg: FeatureConfig, jobs: list[ShardJob], storage: str, extractor: FeatureExtractor,
                spec: FeatureTransform, augment: AugmentSpec | None, digest: str) -> RunStats:
     stats = RunStats()
-    dataset = ShardBatches(jobs, storage, batch_size=cfg.batch_size,
-                           spec=spec, augment=augment, decode=cfg.decode)
+    dataset = ShardBatches(jobs, storage, batch_size=cfg.batch_size, spec=spec, augment=augment, decode=cfg.decode,
+                           storage_options=cfg.storage_options)
     loader = make_loader(dataset, workers=cfg.workers, pin_memory=extractor.device.type == "cuda")
     by_index = {job.index: job for job in jobs}
     parts: dict[int, list[tuple]] = {job.index: [] for job in jobs}
@@ -217,6 +230,8 @@ def _featurize(cfg: FeatureConfig, jobs: list[ShardJob], storage: str, extractor
             if batch is None:
                 break
             job = by_index[batch["job"]]
+            if batch.get("input_error"):
+                raise InputError(batch["error"], path=batch["input_error"])
             if "error" in batch:
                 raise CorruptDataError(f"cannot read or decode ({batch['error']})", path=job.path, key=batch["key"])
             images, views = _device_inputs(batch, job, spec, augment, extractor.device)
@@ -236,7 +251,7 @@ def _featurize(cfg: FeatureConfig, jobs: list[ShardJob], storage: str, extractor
 
 def run_precompute(cfg: FeatureConfig) -> tuple[FeatureManifest | None, dict[str, Any]]:
     """Featurise this task's unfinished shards; write ``features.json`` if every shard is then done."""
-    dataset = load_dataset_manifest(cfg.data_dir)
+    dataset, dataset_sha256 = load_source_dataset(cfg.data_dir, cfg.storage_options)
     unknown = sorted(set(cfg.splits or ()) - set(dataset.splits))
     if unknown:
         raise InputError(f"no split(s) {unknown} in dataset.json (it has {sorted(dataset.splits)})",
@@ -247,19 +262,28 @@ def run_precompute(cfg: FeatureConfig) -> tuple[FeatureManifest | None, dict[str
     jobs = shard_jobs(dataset, cfg.data_dir, cfg.splits)
     mine = [job for job in jobs if job.index % cfg.num_tasks == cfg.task_index]
     for job in mine:
-        if not Path(job.path).is_file():
+        if not is_s3(job.path) and not Path(job.path).is_file():  # on S3 a missing object is a 404 when read
             raise MissingInputError("image shard listed in dataset.json is missing", path=job.path)
     record = _run_record(cfg, backbone, spec, device, sorted({job.split for job in jobs}))
     check_output(cfg.out_dir, record, overwrite=cfg.overwrite)  # refuse before creating even a lock file
     with claim_output(cfg.out_dir, STATE_DIR, what="precompute-features", task=(cfg.task_index, cfg.num_tasks),
                       prepare=lambda lock: prepare_output(cfg.out_dir, record, overwrite=cfg.overwrite,
                                                           folder_lock=lock)):
-        return _precompute_claimed(cfg, dataset, backbone, spec, device, jobs, mine, record)
+        return _precompute_claimed(cfg, dataset, backbone, spec, device, jobs, mine, record, dataset_sha256)
+
+
+def load_source_dataset(data_dir: Path | str, storage_options: Any = None) -> tuple[DatasetManifest, str | None]:
+    """The image dataset's manifest and, for ``s3://``, the sha256 of the very bytes it was parsed from (a local
+    folder's is taken when ``features.json`` is assembled, as before: None here)."""
+    if is_s3(data_dir):
+        return read_s3_dataset(str(data_dir), storage_options)
+    return load_dataset_manifest(data_dir), None
 
 
 def _precompute_claimed(cfg: FeatureConfig, dataset: DatasetManifest, backbone: Backbone, spec: FeatureTransform,
                         device: torch.device, jobs: list[ShardJob], mine: list[ShardJob],
-                        record: dict[str, Any]) -> tuple[FeatureManifest | None, dict[str, Any]]:
+                        record: dict[str, Any], dataset_sha256: str | None = None
+                        ) -> tuple[FeatureManifest | None, dict[str, Any]]:
     digest = record["config_hash"]
     todo = [job for job in mine if finished_shard(cfg.out_dir, job, cfg.storage, digest) is None]
     # This task owns these names (under its lock): temp files a killed run left of them can go.
@@ -271,7 +295,9 @@ def _precompute_claimed(cfg: FeatureConfig, dataset: DatasetManifest, backbone: 
     if todo:
         extractor = FeatureExtractor(backbone, spec, device, record["config"]["amp"], cfg.dtype, cfg.batch_size)
         stats = _featurize(cfg, todo, dataset.storage, extractor, spec, augment, digest)
-    manifest, missing = assemble_manifest(cfg.out_dir, record, dataset, dataset_manifest_sha256(cfg.data_dir), jobs)
+    if dataset_sha256 is None:
+        dataset_sha256 = dataset_manifest_sha256(cfg.data_dir)
+    manifest, missing = assemble_manifest(cfg.out_dir, record, dataset, dataset_sha256, jobs)
     if missing:
         log.info("features.json waits for %d shards from other tasks", len(missing))
     return manifest, _summary(cfg, stats, record, len(jobs), len(mine) - len(todo), manifest is not None)
@@ -304,21 +330,25 @@ def precompute_features(cfg: FeatureConfig) -> FeatureManifest | None:
     return run_precompute(cfg)[0]
 
 
-def merge_features(out_dir: str | Path) -> FeatureManifest:
-    """Write ``features.json`` once every task's shards exist (what the last array task does on its own)."""
+def merge_features(out_dir: str | Path, storage_options: Any = None) -> FeatureManifest:
+    """Write ``features.json`` once every task's shards exist (what the last array task does on its own).
+    ``storage_options``: how to reach the dataset when the run read it from ``s3://``."""
     out_dir = Path(out_dir)
     record = read_config_record(out_dir)
     if record is None:
         raise InputError("not a precompute-features folder (no .precompute/config.json)", path=str(out_dir))
     with claim_output(out_dir, STATE_DIR, what="precompute-features --merge", exclusive=True):
-        return _merge_claimed(out_dir, record)
+        return _merge_claimed(out_dir, record, storage_options)
 
 
-def _merge_claimed(out_dir: Path, record: dict[str, Any]) -> FeatureManifest:
-    dataset_dir = Path(record["dataset_dir"])
-    dataset = load_dataset_manifest(dataset_dir)
+def _merge_claimed(out_dir: Path, record: dict[str, Any], storage_options: Any = None) -> FeatureManifest:
+    recorded = record["dataset_dir"]  # written by this tool into its own state folder
+    dataset_dir = recorded if is_s3(recorded) else Path(recorded)
+    dataset, dataset_sha256 = load_source_dataset(dataset_dir, storage_options)
     jobs = shard_jobs(dataset, dataset_dir, tuple(record["splits"]))
-    manifest, missing = assemble_manifest(out_dir, record, dataset, dataset_manifest_sha256(dataset_dir), jobs)
+    if dataset_sha256 is None:
+        dataset_sha256 = dataset_manifest_sha256(dataset_dir)
+    manifest, missing = assemble_manifest(out_dir, record, dataset, dataset_sha256, jobs)
     if manifest is None:
         raise ShardcacheError(f"{len(missing)} of {len(jobs)} feature shards are missing or outdated "
                               f"(first: {missing[0].name}); run the remaining tasks first", path=str(out_dir))

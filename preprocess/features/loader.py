@@ -7,10 +7,17 @@ Workers either decode and transform to uint8 (``decode="fast"``: DCT-scaled deco
 ``decode="cpu"``: PIL and torchvision's exact reference ops) or only read bytes and the EXIF orientation
 (``decode="gpu"``: the consumer decodes the batch on the model's device). A sample that cannot be decoded is
 reported as an error record rather than raised inside the worker, so the user gets one clean line naming it.
+
+A dataset on object storage (``s3://bucket/prefix``) is read the same way, one shard per job: a tar shard in one
+streaming GET parsed by ``iter_tar_stream`` (its size and sha256 checked against ``dataset.json`` before the
+shard's last batch is handed on, so features of other bytes are never written), an HDF5 shard through the
+block-cached ``S3File`` (``shards.formats.s3shards``). Requests use the caller's ``S3Options``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -22,7 +29,8 @@ from preprocess.features.transforms import AugmentSpec, FeatureTransform, eval_f
 from shards.image.decode import decode_image
 from shards.image.fast import decode_rgb_array
 from shards.image.device import exif_orientation
-from shards.formats.locations import local_shard_path
+from shards.errors import ChecksumError, InputError
+from shards.formats.locations import local_shard_path, shard_location
 from shards.formats.storage import get_storage
 
 DECODE_MODES = ("fast", "cpu", "gpu")
@@ -35,17 +43,19 @@ class ShardJob:
     index: int
     split: str
     name: str  # the path as the dataset manifest records it
-    path: str  # where it is on disk
+    path: str  # where it is: a local file, or an s3:// URL under the dataset's prefix
     samples: int
     sha256: str
+    bytes: int = -1  # the shard's size as dataset.json records it
 
 
 class ShardBatches(IterableDataset):
     """Batches of one shard at a time; each worker takes every ``num_workers``-th job."""
 
     def __init__(self, jobs: list[ShardJob], storage: str, *, batch_size: int, spec: FeatureTransform,
-                 augment: AugmentSpec | None, decode: str):
+                 augment: AugmentSpec | None, decode: str, storage_options: Any = None):
         super().__init__()
+        self.storage_options = storage_options  # S3Options for s3:// jobs (picklable: no credentials)
         self.jobs = jobs
         self.storage = storage
         self.batch_size = batch_size
@@ -62,17 +72,39 @@ class ShardBatches(IterableDataset):
             except _SampleError as exc:
                 yield {"job": job.index, "error": str(exc.__cause__ or exc), "key": exc.key}
                 return
+            except InputError as exc:  # 403, 404, no credentials: the user's to fix (exit 2), not a damaged shard
+                yield {"job": job.index, "error": " ".join(exc.reason.split()), "key": None,
+                       "input_error": exc.path or job.path}
+                return
             except Exception as exc:  # a damaged shard: reported by the consumer with the shard's path
                 yield {"job": job.index, "error": f"{type(exc).__name__}: {exc}", "key": None}
                 return
 
     def _shard_batches(self, job: ShardJob) -> Iterator[dict[str, Any]]:
         pending: list = []
-        for sample in get_storage(self.storage).read(job.path):
-            pending.append(sample)
-            if len(pending) == self.batch_size:
-                yield self._batch(job, pending, last=False)
-                pending = []
+        remote = job.path.startswith("s3://")
+        stream = _HashingReader(job, self.storage_options) if remote and self.storage == "tar" else None
+        if stream is not None:
+            from shards.formats.tarseek import iter_tar_stream
+
+            samples = iter_tar_stream(io.BufferedReader(stream, 1 << 20), job.path)
+        elif remote:
+            from shards.formats.s3shards import iter_s3_hdf5_slice
+
+            samples = iter_s3_hdf5_slice(job.path, 0, job.samples, self.storage_options, job.bytes)
+        else:
+            samples = get_storage(self.storage).read(job.path)
+        try:
+            for sample in samples:
+                pending.append(sample)
+                if len(pending) == self.batch_size:
+                    yield self._batch(job, pending, last=False)
+                    pending = []
+            if stream is not None:
+                stream.check()
+        finally:
+            if stream is not None:
+                stream.close()
         yield self._batch(job, pending, last=True)
 
     def _batch(self, job: ShardJob, samples: list, *, last: bool) -> dict[str, Any]:
@@ -119,6 +151,44 @@ class ShardBatches(IterableDataset):
             views.append(views_fast(array, self.spec, self.augment, sample.key))
 
 
+class _HashingReader(io.RawIOBase):
+    """A tar shard on S3 as one streaming GET, hashed on the way; ``check`` reads what the parser left (the end-of-
+    archive blocks) and compares size and sha256 with ``dataset.json``."""
+
+    def __init__(self, job: ShardJob, options: Any = None):
+        from shards.formats.s3 import open_range
+
+        super().__init__()
+        self.job = job
+        self.stream = open_range(job.path, 0, None, options)
+        self.digest = hashlib.sha256()
+        self.size = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.stream.read(len(buffer))
+        buffer[: len(data)] = data
+        self.digest.update(data)
+        self.size += len(data)
+        return len(data)
+
+    def check(self) -> None:
+        while self.read(1 << 20):
+            if self.job.bytes >= 0 and self.size > self.job.bytes:
+                break
+        if self.job.bytes >= 0 and self.size != self.job.bytes:
+            raise ChecksumError(f"{'more than ' if self.size > self.job.bytes else ''}{self.size} bytes, "
+                                f"dataset.json records {self.job.bytes} (truncated or replaced)", path=self.job.path)
+        if self.digest.hexdigest() != self.job.sha256:
+            raise ChecksumError("sha256 does not match dataset.json (corrupt or replaced)", path=self.job.path)
+
+    def close(self) -> None:
+        self.stream.close()
+        super().close()
+
+
 class _SampleError(Exception):
     def __init__(self, key: str):
         super().__init__(key)
@@ -132,12 +202,17 @@ def make_loader(dataset: ShardBatches, *, workers: int, pin_memory: bool) -> Dat
                       prefetch_factor=4 if workers else None, persistent_workers=False)
 
 
-def shard_jobs(manifest, data_dir: Path, splits: tuple[str, ...] | None) -> list[ShardJob]:
-    """Every image shard of the chosen splits, in a fixed order: sorted split names, then manifest shard order."""
+def shard_jobs(manifest, data_dir: Path | str, splits: tuple[str, ...] | None) -> list[ShardJob]:
+    """Every image shard of the chosen splits, in a fixed order: sorted split names, then manifest shard order.
+    ``data_dir`` may be an ``s3://bucket/prefix``: shard names become object keys under it."""
     names = sorted(manifest.splits) if splits is None else [s for s in sorted(manifest.splits) if s in splits]
+    remote = str(data_dir).startswith("s3://")
     jobs: list[ShardJob] = []
     for split in names:
         for shard in manifest.splits[split].shards:
-            path = local_shard_path(data_dir, shard.path)  # refuses a symlink out of the dataset folder
-            jobs.append(ShardJob(len(jobs), split, shard.path, str(path), shard.samples, shard.sha256))
+            if remote:
+                path = shard_location(str(data_dir), shard.path, where=str(data_dir))
+            else:
+                path = str(local_shard_path(data_dir, shard.path))  # refuses a symlink out of the dataset folder
+            jobs.append(ShardJob(len(jobs), split, shard.path, path, shard.samples, shard.sha256, shard.bytes))
     return jobs

@@ -33,6 +33,7 @@ from shards.errors import CorruptDataError, InputError, ManifestError
 from shards.manifest import (DATASET_FILE, DatasetManifest, ShardInfo, SkippedFile, SourceInfo, SplitInfo,
                              load_dataset_manifest, utc_now)
 from shards.formats.storage import get_storage, shard_name
+from shards.formats.tarindex import index_name
 from shards.lock import claim_output
 
 log = logging.getLogger("shardcache.append")
@@ -164,7 +165,9 @@ def rewrite_without(out: Path, manifest: DatasetManifest, index: dict[str, dict[
             for raw in storage.read(out / old):
                 if raw.key not in drop_keys:
                     writer.write(raw)
-        replaced[old] = ShardInfo(name, writer.samples, writer.bytes, writer.sha256)
+        replaced[old] = ShardInfo(name, writer.samples, writer.bytes, writer.sha256,
+                                  index=getattr(writer, "index", None),
+                                  index_sha256=getattr(writer, "index_sha256", None))
         for row in kept_rows:
             row["shard"] = name
     return replaced
@@ -282,6 +285,7 @@ def _remove_superseded(out: Path, previous: DatasetManifest, replaced: Mapping[s
         (out / old_index).unlink(missing_ok=True)
     for old in replaced:
         (out / old).unlink(missing_ok=True)
+        (out / index_name(old)).unlink(missing_ok=True)
 
 
 def _summary(cfg: PackConfig, manifest: DatasetManifest, diff: SourceDiff, written: list[str],

@@ -4,6 +4,7 @@ so ``pack-shards --help`` stays fast."""
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from pathlib import Path
@@ -13,11 +14,13 @@ import click
 from preprocess.pack.append import append
 from preprocess.pack.packer import PackConfig, pack
 from preprocess.pack.parts import STATE_DIR, merge_parts, read_plan_doc
+from preprocess.staging import dataset_spec, resolve_stage, run_staged
 from shards.atomic import check_local_output
 from shards.lock import claim_output
-from shards.cli.common import emit_json, handle_errors, quiet_option, task_options
+from shards.cli.common import emit_json, handle_errors, quiet_option, s3_options, task_options
 from shards.image.decode import DEFAULT_MAX_PIXELS
 from shards.errors import InputError
+from shards.formats.s3 import is_s3
 from shards.formats.storage import STORAGES
 
 log = logging.getLogger("shardcache.pack")
@@ -70,12 +73,17 @@ class ByteSize(click.ParamType):
                    "copied without them into new shards; changed files are packed again).")
 @click.option("--merge", "merge_dir", type=click.Path(path_type=str), default=None,
               help="Only merge the part manifests in this folder into dataset.json (after a task array).")
+@click.option("--stage-dir", type=click.Path(path_type=str), default=None,
+              help="With --out s3://...: the local folder the shards are packed in before upload (default: "
+                   "$SHARDCACHE_STAGE_DIR or ~/.cache/shardcache/stage, one folder per URL; required with "
+                   "--num-tasks > 1, on a shared file system).")
 @task_options
+@s3_options
 @quiet_option
 @handle_errors
 def pack_shards_command(source, out, storage, max_samples, max_bytes, val_fraction, seed, no_shuffle, verify,
                         max_pixels, resize_max_side, quality, strict, allow_empty_classes, workers, overwrite,
-                        append_new, prune, merge_dir, task_index, num_tasks, quiet) -> None:
+                        append_new, prune, merge_dir, stage_dir, task_index, num_tasks, quiet, s3) -> None:
     """Pack an ImageFolder tree (or train/val/test trees, or a CSV/JSONL list) into shards in OUT.
 
     Prints a progress bar on stderr and one JSON summary line on stdout. Exit codes: 0 done, 1 failed,
@@ -95,17 +103,38 @@ def pack_shards_command(source, out, storage, max_samples, max_bytes, val_fracti
         return
     if source is None or out is None:
         raise InputError("give SOURCE and --out OUT (or --merge OUT to merge part manifests)")
-    cfg = PackConfig(source=source, out=out, storage=storage, max_samples=max_samples, max_bytes=max_bytes,
+    staged = None
+    if is_s3(out):
+        if append_new:
+            raise InputError(f"--out {out}: --append works on local folders only; append locally, then upload")
+        staged = resolve_stage(out, stage_dir, stage_root(), num_tasks=num_tasks, options=s3,
+                               overwrite=overwrite)
+    elif stage_dir is not None:
+        raise InputError("--stage-dir works only with --out s3://...")
+    cfg = PackConfig(source=source, out=out if staged is None else str(staged.stage_dir), storage=storage,
+                     max_samples=max_samples, max_bytes=max_bytes,
                      val_fraction=val_fraction, seed=seed, shuffle=not no_shuffle, verify=verify,
                      max_pixels=max_pixels, resize_max_side=resize_max_side, quality=quality, strict=strict,
                      allow_empty_classes=allow_empty_classes, workers=workers, task_index=task_index,
                      num_tasks=num_tasks, overwrite=overwrite, quiet=quiet)
     if prune and not append_new:
         raise InputError("--prune works only with --append")
-    result = append(cfg, prune=prune) if append_new else pack(cfg)
-    if result.manifest is None:
+    if staged is not None:
+        manifest, summary = run_staged(staged, lambda stage: _pack_result(pack(cfg)), dataset_spec())
+    else:
+        manifest, summary = _pack_result(append(cfg, prune=prune) if append_new else pack(cfg))
+    if manifest is None:
         log.info("task %d/%d done; dataset.json appears when every task has finished", task_index, num_tasks)
     else:
         log.info("wrote %s/dataset.json", out)
-    emit_json(result.summary)
+    emit_json(summary)
+
+
+def _pack_result(result) -> tuple:
+    return result.manifest, result.summary
+
+
+def stage_root() -> str:
+    """Where ``--out s3://...`` stages by default: ``$SHARDCACHE_STAGE_DIR`` or ``~/.cache/shardcache/stage``."""
+    return os.environ.get("SHARDCACHE_STAGE_DIR") or str(Path.home() / ".cache" / "shardcache" / "stage")
 

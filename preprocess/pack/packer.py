@@ -141,6 +141,8 @@ def pack_shard(job: ShardJob, on_file: Callable[[int], None] | None = None) -> d
     info = None
     if writer is not None:
         info = {"path": job.shard.name, "samples": writer.samples, "bytes": writer.bytes, "sha256": writer.sha256}
+        if getattr(writer, "index", None) is not None:  # tar shards: the per-sample byte index beside the shard
+            info.update(index=writer.index, index_sha256=writer.index_sha256)
     part = {"plan_sha256": job.plan_sha256, "split": job.shard.split, "shard": info, "class_counts": counts,
             "skipped": skipped, "index": index, "source_files": len(job.shard.samples),
             "source_bytes": sum(s.size for s in job.shard.samples)}

@@ -34,6 +34,7 @@ PLAN_FILE = "plan.json"
 INDEX_FILE = "source-index.jsonl"
 _OWN_FILES = (DATASET_FILE, INDEX_FILE)
 _SHARD_FILE = re.compile(r"^[A-Za-z0-9_]+-\d{6}\.(tar|h5)$")
+_SHARD_INDEX_FILE = re.compile(r"^[A-Za-z0-9_]+-\d{6}\.tar\.idx$")  # the tar writer's per-sample byte index
 _APPEND_INDEX_FILE = re.compile(r"^source-index-\d{4}\.jsonl$")  # written by ``--append``
 
 
@@ -60,7 +61,8 @@ def existing_plan_digest(out: Path) -> str | None:
 def _is_own_file(name: str) -> bool:
     """A file ``pack-shards`` writes at the top of OUT, or a temp file a killed run left of one."""
     name = tmp_target(name) or name
-    return bool(_SHARD_FILE.match(name) or _APPEND_INDEX_FILE.match(name) or name in _OWN_FILES)
+    return bool(_SHARD_FILE.match(name) or _SHARD_INDEX_FILE.match(name) or _APPEND_INDEX_FILE.match(name)
+                or name in _OWN_FILES)
 
 
 def remove_packed_output(out: Path) -> None:
@@ -135,6 +137,12 @@ def load_part(out: Path, shard_name: str, digest: str, *, check_sha256: bool) ->
         return None
     if check_sha256 and sha256_file(shard_file) != info["sha256"]:
         return None
+    if info.get("index") is not None:
+        try:
+            if sha256_file(out / info["index"]) != info.get("index_sha256"):
+                return None
+        except OSError:
+            return None
     return part
 
 
@@ -206,6 +214,7 @@ def merge_parts(out: str | os.PathLike) -> DatasetManifest:
     manifest = manifest.replace(extra={"source_index": index})
     write_json_shared(out / DATASET_FILE, manifest.to_dict())
     for leftover in out.glob("*.tmp"):
-        if _SHARD_FILE.match(tmp_target(leftover.name) or ""):
+        target = tmp_target(leftover.name) or ""
+        if _SHARD_FILE.match(target) or _SHARD_INDEX_FILE.match(target):
             leftover.unlink(missing_ok=True)
     return manifest

@@ -47,6 +47,10 @@ def verify_feature_folder(folder: str | os.PathLike, *, full: bool = False) -> l
             problems.extend(content)
             if shard is not None:
                 readable.append(info)
+    if manifest.dataset_dir.startswith("s3://"):  # not followed from a local features.json (DESIGN: untrusted input)
+        from shards.check.freshness import staleness_or_warn
+
+        return problems + staleness_or_warn(folder, manifest)
     dataset_dir = dataset_folder(folder, manifest)
     try:
         dataset = load_dataset_manifest(dataset_dir)

@@ -17,9 +17,21 @@ from shards.errors import InputError
 from shards.manifest import DatasetManifest, load_dataset_manifest, load_manifest
 
 
-def summarize(folder: str | os.PathLike) -> dict[str, Any]:
+def _manifest(folder: str | os.PathLike, storage_options: Any = None, *, images: bool = False):
+    """The folder's manifest; ``s3://bucket/prefix`` is read from object storage."""
+    if str(folder).startswith("s3://"):
+        from shards.stream.reader import load_s3_manifest
+
+        manifest = load_s3_manifest(str(folder), storage_options=storage_options)[0]
+        if images and not isinstance(manifest, DatasetManifest):
+            raise InputError("needs an image dataset (dataset.json), not a feature folder", path=str(folder))
+        return manifest
+    return load_dataset_manifest(folder) if images else load_manifest(folder)
+
+
+def summarize(folder: str | os.PathLike, *, storage_options: Any = None) -> dict[str, Any]:
     """Classes with per-split counts, shards and sizes, from the manifest."""
-    manifest = load_manifest(folder)
+    manifest = _manifest(folder, storage_options)
     splits = {}
     for name, split in manifest.splits.items():
         sizes = split.shard_sizes
@@ -56,13 +68,15 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _loader(folder: Path, split: str, transform: Callable, batch_size: int, *, shuffle: bool = False,
-            seed: int = 0):
+def _loader(folder: Path | str, split: str, transform: Callable, batch_size: int, *, shuffle: bool = False,
+            seed: int = 0, storage_options: Any = None):
     """The reader training uses (so a problem there shows here), in-process: one batch is all we need."""
     from shards.stream.loader import make_loader
+    from shards.stream.options import Remote
     from shards.stream.reader import open_dataset
 
-    dataset = open_dataset(folder, split, transform=transform, shuffle=shuffle, seed=seed, rank=0, world_size=1)
+    dataset = open_dataset(folder, split, transform=transform, shuffle=shuffle, seed=seed, rank=0, world_size=1,
+                           remote=Remote(storage_options=storage_options))
     return make_loader(dataset, batch_size, num_workers=0, drop_last=False, persistent_workers=False)
 
 
@@ -78,14 +92,15 @@ def _pick_split(manifest: DatasetManifest, split: str | None, prefer: str) -> st
 
 
 def batch_report(folder: str | os.PathLike, *, split: str | None = None, batch_size: int = 32,
-                 image_size: int = 224) -> dict[str, Any]:
+                 image_size: int = 224, storage_options: Any = None) -> dict[str, Any]:
     """One batch through the eval transform: shape, dtype, value range, label distribution."""
     from shards.image.transforms import build_transform
 
-    folder = Path(folder)
-    manifest = load_dataset_manifest(folder)
+    folder = folder if str(folder).startswith("s3://") else Path(folder)
+    manifest = _manifest(folder, storage_options, images=True)
     split = _pick_split(manifest, split, "val")
-    loader = _loader(folder, split, build_transform("eval", size=image_size), batch_size)
+    loader = _loader(folder, split, build_transform("eval", size=image_size), batch_size,
+                     storage_options=storage_options)
     images, labels = next(iter(loader))
     spread = Counter(manifest.classes[int(label)] for label in labels)
     return {"split": split, "shape": list(images.shape), "dtype": str(images.dtype).replace("torch.", ""),
@@ -96,19 +111,20 @@ def batch_report(folder: str | os.PathLike, *, split: str | None = None, batch_s
 
 
 def save_grid(folder: str | os.PathLike, out_path: str | os.PathLike, *, split: str | None = None,
-              count: int = 16, image_size: int = 224, seed: int = 0) -> dict[str, Any]:
+              count: int = 16, image_size: int = 224, seed: int = 0, storage_options: Any = None) -> dict[str, Any]:
     """Save ``count`` training-augmented images (seeded) as one PNG grid, un-normalised so they look natural."""
     import torch
     from torchvision.utils import save_image
 
     from shards.image.transforms import TransformSpec, build_transform
 
-    folder = Path(folder)
-    manifest = load_dataset_manifest(folder)
+    folder = folder if str(folder).startswith("s3://") else Path(folder)
+    manifest = _manifest(folder, storage_options, images=True)
     split = _pick_split(manifest, split, "train")
     spec = TransformSpec(preset="train", size=image_size)
     torch.manual_seed(seed)
-    images, labels = next(iter(_loader(folder, split, build_transform(spec), count, shuffle=True, seed=seed)))
+    images, labels = next(iter(_loader(folder, split, build_transform(spec), count, shuffle=True, seed=seed,
+                                    storage_options=storage_options)))
     mean = torch.tensor(spec.mean).view(1, 3, 1, 1)
     std = torch.tensor(spec.std).view(1, 3, 1, 1)
     grid = (images * std + mean).clamp(0, 1)

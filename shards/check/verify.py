@@ -19,6 +19,8 @@ from shards.errors import CorruptDataError, ManifestError
 from shards.formats.locations import local_shard_path
 from shards.manifest import DatasetManifest, ShardInfo, load_manifest
 from shards.formats.storage import get_storage
+from shards.formats.tarindex import load_local_index
+from shards.formats.tarseek import tar_sample_offsets
 
 DEFAULT_SAMPLES_PER_SHARD = 4
 
@@ -79,16 +81,33 @@ def _check_file(folder: Path, shard: ShardInfo, tally: _Tally) -> bool:
     if digest != shard.sha256:
         tally.problems.append(f"{shard.path}: sha256 {digest[:16]}... does not match the manifest's "
                               f"{shard.sha256[:16]}...")
+    if shard.index is not None:
+        _check_index(path, shard, tally)
     return True
 
 
+def _check_index(path: Path, shard: ShardInfo, tally: _Tally) -> None:
+    """The tar sidecar: present, its sha256 and layout as the manifest says, and its offsets those of the shard."""
+    try:
+        offsets = load_local_index(path, shard)
+        if offsets is None:
+            tally.problems.append(f"{shard.index}: missing (the manifest names it)")
+        elif offsets.tolist() != tar_sample_offsets(path):
+            tally.problems.append(f"{shard.index}: offsets do not match the samples of {shard.path}")
+    except (CorruptDataError, ManifestError) as exc:
+        tally.problems.append(f"{shard.index}: {exc}")
+
+
 def _check_samples(folder: Path, storage: str, split: str, shard: ShardInfo, decode_wanted: int | None,
-                   tally: _Tally) -> None:
+                   tally: _Tally, samples: Any = None) -> None:
+    """``samples``: the shard's samples when they come from elsewhere (object storage), else read from ``folder``."""
     counts = tally.class_counts.setdefault(split, [0] * tally.n_classes)
     positions = None if decode_wanted is None else decode_positions(shard.samples, decode_wanted)
     seen, last_key = 0, None
     try:
-        for position, sample in enumerate(get_storage(storage).read(local_shard_path(folder, shard.path))):
+        if samples is None:
+            samples = get_storage(storage).read(local_shard_path(folder, shard.path))
+        for position, sample in enumerate(samples):
             seen, last_key = seen + 1, sample.key
             where = f"{shard.path} [sample {sample.key}]"
             if sample.key in tally.keys:
@@ -131,8 +150,14 @@ def _verify_images(folder: Path, manifest: DatasetManifest, full: bool, samples_
 
 
 def verify_dataset(folder: str | os.PathLike, *, full: bool = False,
-                   samples_per_shard: int = DEFAULT_SAMPLES_PER_SHARD) -> VerifyReport:
-    """Check a dataset (``dataset.json``) or feature (``features.json``) folder against its manifest."""
+                   samples_per_shard: int = DEFAULT_SAMPLES_PER_SHARD, storage_options: Any = None) -> VerifyReport:
+    """Check a dataset (``dataset.json``) or feature (``features.json``) folder against its manifest; ``folder``
+    may be ``s3://bucket/prefix`` (``shards.check.s3_verify``)."""
+    if str(folder).startswith("s3://"):
+        from shards.check.s3_verify import verify_s3
+
+        return verify_s3(str(folder), full=full, samples_per_shard=samples_per_shard,
+                         storage_options=storage_options)
     folder = Path(folder)
     manifest = load_manifest(folder)
     if manifest.kind == "features":

@@ -102,3 +102,22 @@ def task_options(func: Callable) -> Callable:
 def emit_json(result: Any) -> None:
     """The machine-readable result: one JSON line on stdout."""
     click.echo(json.dumps(result, sort_keys=True, default=str))
+
+
+def s3_options(func: Callable) -> Callable:
+    """``--s3-endpoint-url``, ``--s3-profile``, ``--s3-unsigned``: how to reach ``s3://`` locations, passed on as
+    ``s3=S3Options(...)``. Unset options fall back to botocore's chain (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``,
+    ``~/.aws/config``); credentials are never options (environment, ``~/.aws/credentials`` or the profile)."""
+
+    @click.option("--s3-endpoint-url", default=None, metavar="URL",
+                  help="S3-compatible endpoint (MinIO, Ceph, R2, SeaweedFS). Default: $AWS_ENDPOINT_URL or AWS.")
+    @click.option("--s3-profile", default=None, help="Profile of ~/.aws/config. Default: $AWS_PROFILE or default.")
+    @click.option("--s3-unsigned", is_flag=True, help="Anonymous requests, for public buckets.")
+    @functools.wraps(func)
+    def wrapper(*args, s3_endpoint_url: str | None, s3_profile: str | None, s3_unsigned: bool, **kwargs):
+        from shards.formats.s3 import S3Options
+
+        options = S3Options(endpoint_url=s3_endpoint_url, profile=s3_profile, unsigned=s3_unsigned)
+        return func(*args, s3=options, **kwargs)
+
+    return wrapper

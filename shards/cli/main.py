@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from shards.cli.common import EXIT_FAILED, emit_json, handle_errors, quiet_option
+from shards.cli.common import EXIT_FAILED, emit_json, handle_errors, quiet_option, s3_options
 from shards.check.inspect import batch_report, format_summary, save_grid, summarize
 from shards.check.verify import DEFAULT_SAMPLES_PER_SHARD, verify_dataset
 
@@ -24,11 +24,13 @@ def main() -> None:
 @click.option("--full", is_flag=True, help="Decode every image, not a sample per shard.")
 @click.option("--samples-per-shard", type=int, default=DEFAULT_SAMPLES_PER_SHARD, show_default=True,
               help="Images decoded per shard without --full.")
+@s3_options
 @quiet_option
 @handle_errors
-def verify_command(folder: str, full: bool, samples_per_shard: int, quiet: bool) -> None:
-    """Recompute checksums and counts and decode images; exit 1 naming the shard and sample on any problem."""
-    report = verify_dataset(folder, full=full, samples_per_shard=samples_per_shard)
+def verify_command(folder: str, full: bool, samples_per_shard: int, quiet: bool, s3) -> None:
+    """Recompute checksums and counts and decode images; exit 1 naming the shard and sample on any problem.
+    FOLDER may be s3://bucket/prefix (each shard is read in one streaming GET)."""
+    report = verify_dataset(folder, full=full, samples_per_shard=samples_per_shard, storage_options=s3)
     for problem in report.problems:
         click.echo(f"error: {problem}", err=True)
     if report.ok and not quiet:
@@ -50,23 +52,26 @@ def verify_command(folder: str, full: bool, samples_per_shard: int, quiet: bool)
               help="Save a PNG grid of augmented training images here.")
 @click.option("--grid-count", type=int, default=16, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the grid's augmentations.")
+@s3_options
 @quiet_option
 @handle_errors
 def inspect_command(folder: str, show_batch: bool, batch_size: int, split: str | None, image_size: int,
-                    grid_path: str | None, grid_count: int, seed: int, quiet: bool) -> None:
-    """Classes with counts, shards and sizes; optionally one batch's statistics and an augmentation grid."""
-    result = summarize(folder)
+                    grid_path: str | None, grid_count: int, seed: int, quiet: bool, s3) -> None:
+    """Classes with counts, shards and sizes; optionally one batch's statistics and an augmentation grid.
+    FOLDER may be s3://bucket/prefix."""
+    result = summarize(folder, storage_options=s3)
     if not quiet:
         click.echo(format_summary(result), err=True)
     if show_batch:
-        result["batch"] = batch_report(folder, split=split, batch_size=batch_size, image_size=image_size)
+        result["batch"] = batch_report(folder, split=split, batch_size=batch_size, image_size=image_size,
+                                       storage_options=s3)
         if not quiet:
             b = result["batch"]
             click.echo(f"  batch ({b['split']}): shape {b['shape']} {b['dtype']}, range [{b['min']}, {b['max']}], "
                        f"mean {b['mean']}, std {b['std']}, labels {b['label_counts']}", err=True)
     if grid_path is not None:
         result["grid"] = save_grid(folder, grid_path, split=split, count=grid_count, image_size=image_size,
-                                   seed=seed)
+                                   seed=seed, storage_options=s3)
         if not quiet:
             click.echo(f"  grid: {grid_path} ({result['grid']['images']} images)", err=True)
     emit_json(result)

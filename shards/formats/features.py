@@ -101,6 +101,30 @@ def load_feature_shard(path: str | os.PathLike, *, mmap: bool = True) -> Feature
     raise InputError(f"unknown feature file suffix {path.suffix!r}", path=str(path))
 
 
+def load_feature_bytes(data: bytes, where: str) -> FeatureShard:
+    """A feature shard from its bytes (fetched from object storage; checked by the caller), named ``where``: the
+    format comes from its suffix. Nothing is unpickled (``weights_only=True``)."""
+    import io
+
+    suffix = os.path.splitext(where)[1]
+    if suffix not in FEATURE_SUFFIXES.values():
+        raise InputError(f"unknown feature file suffix {suffix!r}", path=where)
+    try:
+        if suffix == ".pt":
+            loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            if not isinstance(loaded, dict):
+                raise TypeError(f"holds a {type(loaded).__name__}, not a dict")
+            return FeatureShard(loaded["features"], loaded["labels"], list(loaded["keys"]), loaded.get("views"))
+        import h5py
+
+        with h5py.File(io.BytesIO(data), "r") as f:
+            views = torch.from_numpy(f["views"][...]) if "views" in f else None
+            return FeatureShard(torch.from_numpy(f["features"][...]), torch.from_numpy(f["labels"][...]),
+                                [str(k) for k in f["keys"].asstr()[...]], views)
+    except Exception as exc:  # torch and h5py raise many types for a damaged file
+        raise CorruptDataError(f"unreadable feature shard ({type(exc).__name__}: {exc})", path=where) from exc
+
+
 def verify_feature_file(path: str | os.PathLike, expected_bytes: int, expected_sha256: str) -> None:
     """Size, then sha256, of a feature file against its ``features.json`` entry (``ChecksumError`` naming it)."""
     size = os.path.getsize(path)

@@ -92,12 +92,13 @@ def iter_hdf5_shard(path: str | os.PathLike, start: int = 0, stop: int | None = 
 
     The file is untrusted: anything h5py cannot read, and any layout that does not hold together (offsets not
     increasing or past the data, columns of other lengths, more data than the file could store uncompressed, which
-    is how the writer stores it) is a ``CorruptDataError`` naming the shard.
+    is how the writer stores it) is a ``CorruptDataError`` naming the shard. ``path`` may also be a seekable binary
+    file object (``shards.formats.s3shards.S3File``: a shard on object storage).
     """
     h5py = _h5py()
-    where = str(path)
+    where = _where(path)
     try:
-        file_bytes = os.path.getsize(path)
+        file_bytes = _file_bytes(path)
         with h5py.File(path, "r") as f:
             offsets = np.asarray(f["offsets"][...])
             n = len(offsets) - 1
@@ -145,7 +146,18 @@ def shard_length(path: str | os.PathLike) -> int:
     except FileNotFoundError:
         raise
     except Exception as exc:  # a damaged file: see iter_hdf5_shard
-        raise CorruptDataError(f"unreadable HDF5 shard ({type(exc).__name__}: {exc})", path=str(path)) from exc
+        raise CorruptDataError(f"unreadable HDF5 shard ({type(exc).__name__}: {exc})", path=_where(path)) from exc
+
+
+def _where(path) -> str:
+    return str(getattr(path, "name", path)) if hasattr(path, "read") else str(path)
+
+
+def _file_bytes(path) -> int:
+    """The size of a shard given as a path or as a seekable file object."""
+    if hasattr(path, "read"):
+        return path.seek(0, os.SEEK_END)
+    return os.path.getsize(path)
 
 
 def _check_layout(f, offsets: np.ndarray, data_shape: tuple, file_bytes: int, where: str) -> None:

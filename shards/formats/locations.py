@@ -8,15 +8,19 @@ to ``open_dataset``. Three checks, at three moments:
 - ``check_shard_path`` when a manifest is loaded: the name is well formed. An absolute ``http(s)://`` URL is
   accepted only on an origin (``scheme://host[:port]``) in ``url_origins``: the remote manifest's own origin, plus
   any the caller names explicitly.
-- ``shard_location`` when the reader turns names into locations: joins them to the base (URL-quoted for a
-  remote base; never onto a ``pipe:`` command).
+- ``shard_location`` when the reader turns names into locations: joins them to the base (URL-quoted for an
+  ``http(s)`` base, as an object key under an ``s3://bucket/prefix`` base; never onto a ``pipe:`` command).
 - ``local_shard_path`` whenever a shard file is opened by path: the resolved file (symlinks followed) must lie
   inside the resolved folder. A symlink pointing outside is refused; a symlinked dataset *folder* is fine, as are
   links that stay inside it. The fix is to copy or hard-link the file into the folder.
 
 ``dataset_folder`` reads a feature manifest's ``dataset_dir``: the local folder of the image dataset the features
 came from. It is trusted only as far as this: the folder's ``dataset.json`` is read (and checked like any
-manifest), and its shards are opened only through that manifest, confined to the folder.
+manifest), and its shards are opened only through that manifest, confined to the folder. A ``dataset_dir`` may also
+be an ``s3://bucket/prefix`` URL (features computed from object storage): ``check_dataset_dir`` accepts it only as
+such a URL, and ``dataset_location`` follows it only when the features themselves are read from ``s3://`` (the
+caller chose object storage and its options for this call) or the caller names the dataset explicitly; it is then
+read with the caller's storage options only (a manifest never carries options), and only its ``dataset.json``.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Iterable
 
 from shards.errors import ManifestError
 
-REMOTE_SCHEMES = ("http://", "https://", "pipe:")
+REMOTE_SCHEMES = ("http://", "https://", "s3://", "pipe:")
 URL_SCHEMES = ("http", "https")
 MAX_NAME_CHARS = 1024
 # "pipe:", "http:", "s3:", "file:", "C:" ...: anything that looks like a scheme is not a plain file name.
@@ -89,22 +93,56 @@ def check_shard_path(name: object, *, where: str | None = None, url_origins: Ite
     return name
 
 
+_S3_DATASET = re.compile(r"^s3://[A-Za-z0-9][A-Za-z0-9.\-_]{1,254}(/[^\s/]+)*/?$")
+
+
 def check_dataset_dir(recorded: object, *, where: str | None = None) -> str:
-    """A feature manifest's ``dataset_dir``: a local folder path (absolute, or relative to the feature folder)."""
+    """A feature manifest's ``dataset_dir``: a local folder path (absolute, or relative to the feature folder), or
+    an ``s3://bucket/prefix`` URL (no other scheme, no whitespace, no empty, ``.`` or ``..`` key parts)."""
     if not isinstance(recorded, str):
         raise ManifestError("dataset_dir is not a string", path=where)
+    if len(recorded) > 4096:
+        raise ManifestError("dataset_dir is longer than 4096 characters", path=where)
     if _CONTROL.search(recorded):
         raise ManifestError(f"dataset_dir {_shown(recorded)} contains control characters", path=where)
+    if recorded.startswith("s3://"):
+        if not _S3_DATASET.match(recorded) or any(part in (".", "..")
+                                                  for part in recorded[len("s3://"):].rstrip("/").split("/")):
+            raise ManifestError(f"dataset_dir {_shown(recorded)} is not an s3://bucket/prefix URL", path=where)
+        return recorded
     if _SCHEME.match(recorded):
-        raise ManifestError(f"dataset_dir {_shown(recorded)} must be a local folder, not a URL or command",
-                            path=where)
+        raise ManifestError(f"dataset_dir {_shown(recorded)} must be a local folder or an s3://bucket/prefix URL, "
+                            "not another URL or a command", path=where)
     return recorded
 
 
 def dataset_folder(feature_folder: str | os.PathLike, recorded: str) -> Path:
-    """Where a feature folder's source dataset is: ``dataset_dir`` as recorded, relative to the feature folder."""
+    """Where a feature folder's source dataset is: ``dataset_dir`` as recorded, relative to the feature folder.
+    Local datasets only; ``dataset_location`` also handles ``s3://`` ones."""
     path = Path(recorded)
     return path if path.is_absolute() else Path(feature_folder) / path
+
+
+def dataset_location(feature_folder: str | os.PathLike, recorded: str,
+                     explicit: str | os.PathLike | None = None) -> tuple[str | Path | None, str | None]:
+    """``(where the source dataset is, None)``, or ``(None, why it is not followed)``.
+
+    ``explicit`` (the caller's own dataset location) wins. A recorded ``s3://`` URL is followed only when the
+    feature folder is itself on ``s3://``; a relative ``dataset_dir`` under an ``s3://`` feature folder is not
+    followed (it names no folder anywhere)."""
+    if explicit is not None:
+        text = str(explicit)
+        return (text.rstrip("/") if text.startswith("s3://") else Path(text)), None
+    recorded = check_dataset_dir(recorded)
+    features_remote = str(feature_folder).startswith("s3://")
+    if recorded.startswith("s3://"):
+        if not features_remote:
+            return None, (f"the dataset it was computed from is on object storage ({recorded}); a local "
+                          "features.json's URL is not followed, name the dataset explicitly to check it")
+        return recorded.rstrip("/"), None
+    if features_remote and not Path(recorded).is_absolute():
+        return None, f"its dataset_dir {_shown(recorded)} is relative to a folder on object storage"
+    return dataset_folder(feature_folder, recorded), None
 
 
 def local_shard_path(folder: str | os.PathLike, name: str, *, where: str | None = None) -> Path:
@@ -134,6 +172,8 @@ def shard_location(base: str, name: str, *, where: str | None = None) -> str:
         return name
     if base.startswith("pipe:"):
         raise ManifestError("a pipe: location cannot hold relative shard paths", path=base)
+    if base.startswith("s3://"):  # an object key, not a URL path: nothing to quote
+        return base.rstrip("/") + "/" + check_shard_path(name, where=where)
     if is_remote(base):
         return base.rstrip("/") + "/" + urllib.parse.quote(check_shard_path(name, where=where), safe="/")
     return str(local_shard_path(base, name, where=where))

@@ -1,8 +1,9 @@
-"""Shard locations that are not local files: ``http(s)://`` URLs and ``pipe:`` shell commands.
+"""Shard locations that are not local files: ``http(s)://`` and ``s3://`` URLs, and ``pipe:`` shell commands.
 
 HTTP goes through ``urllib`` (no ``curl`` needed); ``pipe:`` uses webdataset's opener, which runs the command and
-reads its stdout, so any tool (``aws s3 cp ... -``, ``gsutil cat``) can feed shards. A remote tar is a stream:
-reaching sample ``start`` reads through the samples before it.
+reads its stdout, so any tool (``gsutil cat``) can feed shards. ``s3://`` goes through ``shards.formats.s3``
+(ranged GETs, retried and resumed). A remote tar is a stream: reaching sample ``start`` reads through the samples
+before it (on S3, a tar with a byte index reads only the slice: ``shards.formats.s3shards``).
 """
 
 from __future__ import annotations
@@ -25,9 +26,16 @@ def join_location(base: str, relative: str) -> str:
 
 
 @contextmanager
-def open_remote(location: str) -> Iterator[BinaryIO]:
-    """Open a remote shard for sequential reading; errors name the location."""
-    if location.startswith("pipe:"):
+def open_remote(location: str, storage_options: Any = None) -> Iterator[BinaryIO]:
+    """Open a remote shard for sequential reading; errors name the location. ``storage_options``: for ``s3://``
+    (``shards.formats.s3.S3Options`` or a mapping of its fields)."""
+    if location.startswith("s3://"):
+        import io
+
+        from shards.formats.s3 import S3Options, open_range
+
+        stream = io.BufferedReader(open_range(location, 0, None, S3Options.from_mapping(storage_options)), 1 << 20)
+    elif location.startswith("pipe:"):
         from webdataset.gopen import gopen_pipe
 
         stream = gopen_pipe(location, "rb", bufsize=1 << 20)
@@ -46,8 +54,8 @@ def open_remote(location: str) -> Iterator[BinaryIO]:
         stream.close()
 
 
-def read_remote_json(location: str) -> Any:
-    with open_remote(location) as stream:
+def read_remote_json(location: str, storage_options: Any = None) -> Any:
+    with open_remote(location, storage_options) as stream:
         payload = stream.read()
     try:
         return json.loads(payload.decode("utf-8"))

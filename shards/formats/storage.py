@@ -24,10 +24,12 @@ class Storage:
     read: Callable[..., Iterator[RawSample]]  # (path) -> every sample
     read_slice: Callable[..., Iterator[RawSample]]  # (path, start, stop, *, sha256=None) -> samples start:stop
     read_stream: Callable[..., Iterator[RawSample]] | None  # (binary stream, where) -> every sample
+    indexed: bool = False  # read_slice takes ``offsets=`` (a per-sample byte index, see shards.formats.tarindex)
 
 
 STORAGES: dict[str, Storage] = {
-    "tar": Storage("tar", ".tar", TarShardWriter, iter_tar_shard, iter_tar_slice, iter_tar_stream),
+    "tar": Storage("tar", ".tar", TarShardWriter, iter_tar_shard, iter_tar_slice, iter_tar_stream,
+                   indexed=True),
     "hdf5": Storage("hdf5", ".h5", Hdf5ShardWriter, iter_hdf5_shard, iter_hdf5_slice, None),
 }
 

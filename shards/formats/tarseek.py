@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Iterator, Sequence
 
 from shards.errors import ChecksumError, CorruptDataError
 from shards.formats.sample import IMAGE_EXTENSIONS, RawSample
@@ -118,6 +118,7 @@ class _Source:
         self.where = where
         self.total = total  # file size, None for a stream of unknown length
         self.offset = 0
+        self.member_start = 0
         self.digest = hashlib.sha256() if hashing else None
         self.can_seek = total is not None and not hashing
 
@@ -156,10 +157,13 @@ class _Source:
 
 
 def _members(source: _Source) -> Iterator[tuple[str, int]]:
-    """Yield ``(name, size)`` of each regular member, leaving the source at its data."""
+    """Yield ``(name, size)`` of each regular member, leaving the source at its data. ``source.member_start`` is
+    where the member's first header (a pax or GNU long-name header, if any) starts."""
     long_name: str | None = None
     while True:
         offset = source.offset
+        if long_name is None:
+            source.member_start = offset
         header = source.read(BLOCK)
         if len(header) < BLOCK or header == ZERO_BLOCK:
             if len(header) and header != ZERO_BLOCK:
@@ -234,18 +238,44 @@ def _samples(source: _Source, start: int, stop: int | None) -> Iterator[RawSampl
 
 
 def iter_tar_slice(path: str | os.PathLike, start: int = 0, stop: int | None = None, *,
-                   sha256: str | None = None) -> Iterator[RawSample]:
+                   sha256: str | None = None, offsets: Sequence[int] | None = None) -> Iterator[RawSample]:
     """Samples ``start:stop`` of a local tar shard; earlier samples are skipped by seeking, not read.
 
+    ``offsets``: the shard's per-sample byte index (``shards.formats.tarindex.read_index``, already checked against
+    the manifest): one seek to sample ``start`` instead of walking the headers before it.
     With ``sha256`` (a whole-shard read: ``start`` 0 and ``stop`` the shard's sample count or None), every byte is
     read and hashed on the way, and a ``ChecksumError`` follows the last sample when the digest differs.
     """
     hashing = sha256 is not None and start == 0
     with open(path, "rb", buffering=READ_BUFFER) as handle:
         source = _Source(handle, str(path), total=os.fstat(handle.fileno()).st_size, hashing=hashing)
+        if offsets is not None and start > 0 and not hashing:
+            if start >= len(offsets) - 1:
+                return
+            handle.seek(int(offsets[start]))
+            source.offset = int(offsets[start])
+            stop = None if stop is None else stop - start
+            start = 0
         yield from _samples(source, start, stop)
         if hashing:
             source.check(sha256)
+
+
+def tar_sample_offsets(path: str | os.PathLike) -> list[int]:
+    """What a correct per-sample index of this local tar holds (``shards.formats.tarindex``), found by walking
+    every header: where each sample's first header starts, then where the last sample's data ends."""
+    offsets: list[int] = []
+    with open(path, "rb", buffering=READ_BUFFER) as handle:
+        source = _Source(handle, str(path), total=os.fstat(handle.fileno()).st_size, hashing=False)
+        key = None
+        for name, size in _members(source):
+            member_key = _split_member_name(name)[0]
+            if member_key != key:
+                offsets.append(source.member_start)
+                key = member_key
+            source.skip(size)
+        offsets.append(source.member_start)
+    return offsets
 
 
 def iter_tar_stream(stream: BinaryIO, where: str) -> Iterator[RawSample]:

@@ -20,19 +20,21 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from shards.image.decode import ImageDecoder
-from shards.stream.resume import (
-    STREAM, LoaderState, Resume, SharedEpochState, restored_position, stream_resume,
-)
+from shards.stream.elastic import Continuation, EpochSource, continuation, dataset_fingerprint, sampling_settings
+from shards.stream.resume import STREAM, LoaderState, Resume, SharedEpochState, stream_resume
 from shards.errors import CorruptDataError, InputError, MissingInputError
 from shards.manifest import SplitInfo
 from shards.stream.options import ErrorPolicy
 from shards.stream.plan import (
-    STREAM_CLASS_WEIGHTS, STREAM_SHUFFLE_BUFFER, STREAM_TRANSFORM, ShardSlice, epoch_sizes, plan_epoch, rng_for,
+    STREAM_CLASS_WEIGHTS, STREAM_SHUFFLE_BUFFER, STREAM_TRANSFORM, ShardSlice, epoch_sizes, indices_to_slices,
+    plan_epoch, rng_for, shard_offsets, worker_range,
 )
 from shards.formats.remote import is_remote, open_remote
+from shards.formats.s3 import is_s3
 from shards.formats.sample import RawSample
 from shards.stream.stages import Broken, shuffle_buffer, weighted_windows
 from shards.formats.storage import get_storage
+from shards.formats.tarindex import load_local_index
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +118,11 @@ class ShardDataset(IterableDataset):
         self._state = SharedEpochState()
         self._pending_resume: Resume | None = None
         self._yielded = 0
+        # The unit of the split between DataLoader workers: ``make_loader`` sets its batch size, so every worker
+        # but one yields whole batches; iterated without a loader, 1 (plain split).
+        self.plan_batch_size = 1
+        self._continued: Continuation | None = None  # the last loaded state: a remainder when the layout changed
+        self._remainder_live = False  # whether the current iteration reads that remainder
         if self.sizes.dropped:
             log.info("drop_last leaves out the last %d sample(s) of %r every epoch", self.sizes.dropped,
                      config.split)
@@ -143,18 +150,49 @@ class ShardDataset(IterableDataset):
 
     def state_dict(self) -> dict[str, Any]:
         """Progress of in-process iteration (no DataLoader workers); ``make_loader``'s wrapper has its own."""
-        return self._position(self._yielded).to_dict()
+        remainder = self.active_remainder()
+        prior = remainder.position.prior if remainder is not None else None
+        return self._position((prior["batches"] if prior else 0) + self._yielded, prior).to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        position = restored_position(state, self._position(0))
-        self.set_epoch(position.epoch)
-        self.resume(stream_resume(position, len(self)))
+        self.continue_from(state, self._position(0))
 
-    def _position(self, samples: int) -> LoaderState:
+    def _position(self, samples: int, prior: dict[str, Any] | None = None) -> LoaderState:
         """In-process iteration as a loader of one worker and batches of one sample."""
+        return self.loader_state(STREAM, samples, batch_size=1, num_workers=0, drop_last=False, split_batch=1,
+                                 prior=prior)
+
+    def loader_state(self, kind: str, batches: int, *, batch_size: int, num_workers: int, drop_last: bool,
+                     split_batch: int, prior: dict[str, Any] | None = None) -> LoaderState:
+        """A loader's position over this dataset, with the settings a resumed run is checked against."""
         c = self.config
-        return LoaderState(STREAM, self.epoch, samples, batch_size=1, num_workers=0, drop_last=False, seed=c.seed,
-                           world_size=c.world_size)
+        return LoaderState(kind, self.epoch, batches, batch_size=batch_size, num_workers=num_workers,
+                           drop_last=drop_last, seed=c.seed, world_size=c.world_size, split_batch=split_batch,
+                           dataset=dataset_fingerprint(self.split_info.shard_sizes),
+                           sampling=sampling_settings(c), prior=prior)
+
+    def epoch_source(self) -> EpochSource:
+        return EpochSource.of(self.config, self.split_info.shard_sizes)
+
+    def continue_from(self, state: dict[str, Any], current: LoaderState) -> LoaderState:
+        """Make the next iteration continue the saved ``state`` in the layout ``current`` describes: bitwise exactly
+        in the same layout, over the samples the epoch had left in another (``shards.stream.elastic``)."""
+        continued = continuation(state, current, self.epoch_source(), self.config.rank)
+        remainder = continued.rank_indices is not None
+        self.set_epoch(continued.position.epoch)
+        self._continued = continued
+        per_rank = len(continued.rank_indices) if remainder else len(self)
+        self.resume(stream_resume(continued.position, per_rank, remainder=remainder))
+        return continued.position
+
+    def active_remainder(self) -> Continuation | None:
+        """The continuation whose remainder the current (or next) iteration of this epoch reads, if any."""
+        live = self._pending_resume.remainder if self._pending_resume is not None else self._remainder_live
+        continued = self._continued
+        if live and continued is not None and continued.rank_indices is not None \
+                and continued.position.epoch == self.epoch:
+            return continued
+        return None
 
     def resume(self, resume: Resume | None) -> None:
         """Make the next iteration continue an interrupted epoch (called by the ``load_state_dict`` methods)."""
@@ -167,6 +205,7 @@ class ShardDataset(IterableDataset):
         loader before DataLoader workers start (their ``__iter__`` only reads what was published).
         """
         self._state.write_resume(self._pending_resume)
+        self._remainder_live = self._pending_resume is not None and self._pending_resume.remainder
         self._pending_resume = None
 
     # -- the stream ------------------------------------------------------------------------------------------
@@ -178,6 +217,7 @@ class ShardDataset(IterableDataset):
         physical, num_workers = (0, 1) if in_main else (info.id, info.num_workers)
         epoch = self._state.epoch
         resume = self._state.read_resume(epoch, num_workers)
+        self._remainder_live = resume is not None and resume.remainder
         rotation = resume.rotation if resume else 0
         worker = (physical + rotation) % num_workers
         skip = resume.skips[worker] if resume else 0
@@ -190,9 +230,14 @@ class ShardDataset(IterableDataset):
 
     def worker_plan(self, epoch: int, worker: int, num_workers: int) -> list[ShardSlice]:
         c = self.config
+        remainder = self.active_remainder()
+        if remainder is not None and remainder.position.epoch == epoch:
+            rows = remainder.rank_indices
+            start, stop = worker_range(len(rows), worker, num_workers, self.plan_batch_size)
+            return indices_to_slices(rows[start:stop], shard_offsets(self.split_info.shard_sizes))
         return plan_epoch(self.split_info.shard_sizes, seed=c.seed, epoch=epoch, rank=c.rank,
                           world_size=c.world_size, worker=worker, num_workers=num_workers,
-                          drop_last=c.drop_last, shuffle=c.shuffle)
+                          drop_last=c.drop_last, shuffle=c.shuffle, batch_size=self.plan_batch_size)
 
     def sample_seeds(self, epoch: int, worker: int) -> Iterator[int]:
         """The augmentation seed of each sample a worker yields, in order: ``base(seed, epoch, rank, worker) +
@@ -312,11 +357,14 @@ class ImageShardDataset(ShardDataset):
 
     def __init__(self, split: SplitInfo, locations: Sequence[str], config: StreamConfig, *, storage: str,
                  decoder: Callable[[RawSample, int], Any] | Callable[[RawSample], Any] | None = None,
-                 num_classes: int | None = None):
+                 num_classes: int | None = None, storage_options: Any = None):
         super().__init__(split, locations, config, num_classes)
         self.storage = get_storage(storage)
         self.decoder = decoder if decoder is not None else ImageDecoder()
+        self.storage_options = storage_options  # for s3:// (an S3Options, picklable: each worker makes its client)
         for location in self.locations:
+            if is_s3(location):
+                continue  # every format reads by byte range from object storage (shards.formats.s3shards)
             if is_remote(location):
                 if self.storage.read_stream is None:
                     raise InputError(f"{self.storage.name} shards must be local files; stream tar shards instead",
@@ -339,11 +387,39 @@ class ImageShardDataset(ShardDataset):
 
     def read_slice(self, piece: ShardSlice) -> Iterator[RawSample]:
         location = self.locations[piece.shard]
+        if is_s3(location):
+            return self._read_s3(location, piece)
         if is_remote(location):
             return self._read_remote(location, piece)
         info = self.split_info.shards[piece.shard]
         whole = self.verify_sha256 and piece.start == 0 and piece.stop >= info.samples
-        return self.storage.read_slice(location, piece.start, piece.stop, sha256=info.sha256 if whole else None)
+        sha256 = info.sha256 if whole else None
+        if info.index is None or piece.start == 0 or not self.storage.indexed:
+            return self.storage.read_slice(location, piece.start, piece.stop, sha256=sha256)
+        return self.storage.read_slice(location, piece.start, piece.stop, sha256=sha256,
+                                       offsets=self._tar_offsets(piece.shard, location, info))
+
+    def _tar_offsets(self, shard: int, location: str, info: Any) -> Any:
+        """The shard's checked per-sample byte index, loaded once per worker (each holds its own copy)."""
+        cache = self.__dict__.setdefault("_offsets_cache", {})
+        if shard not in cache:
+            cache[shard] = load_local_index(location, info)
+        return cache[shard]
+
+    def _read_s3(self, location: str, piece: ShardSlice) -> Iterator[RawSample]:
+        """A slice from object storage: tar by its byte index (fetched once per worker) in one ranged GET, HDF5
+        through a block-cached file object; see ``shards.formats.s3shards``."""
+        from shards.formats.s3 import S3Options
+        from shards.formats.s3shards import iter_s3_hdf5_slice, iter_s3_tar_slice, load_s3_index
+
+        options = S3Options.from_mapping(self.storage_options)
+        info = self.split_info.shards[piece.shard]
+        if self.storage.name == "hdf5":
+            return iter_s3_hdf5_slice(location, piece.start, piece.stop, options, info.bytes)
+        cache = self.__dict__.setdefault("_s3_offsets", {})
+        if piece.shard not in cache:
+            cache[piece.shard] = load_s3_index(location, info, options)
+        return iter_s3_tar_slice(location, piece.start, piece.stop, options, cache[piece.shard])
 
     def _read_remote(self, location: str, piece: ShardSlice) -> Iterator[RawSample]:
         with open_remote(location) as stream:

@@ -21,8 +21,10 @@ from shards.formats.features import (FeatureShard, FeatureSpec, check_feature_sh
                                      verify_feature_file)
 from shards.manifest import SplitInfo
 from shards.stream.plan import STREAM_CLASS_WEIGHTS, STREAM_SHUFFLE_BUFFER, ShardSlice, rng_for
-from shards.stream.resume import FEATURE_BATCHES, LoaderState, consumed_batches, restored_position
+from shards.stream.elastic import Continuation, continuation, permuted_rows
+from shards.stream.resume import FEATURE_BATCHES, LoaderState, consumed_batches
 from shards.formats.remote import is_remote
+from shards.formats.s3 import is_s3
 from shards.stream.stages import systematic_resample
 
 CACHE_MODES = ("auto", "memory", "none")
@@ -40,15 +42,18 @@ class FeatureShardDataset(ShardDataset):
 
     def __init__(self, split: SplitInfo, locations: Sequence[str], config: StreamConfig, *, cache: str = "auto",
                  num_classes: int | None = None, features_dim: int | None = None, dtype: str | None = None,
-                 views: int = 0):
+                 views: int = 0, storage_options: Any = None):
         super().__init__(split, locations, config, num_classes)
+        self.storage_options = storage_options  # for s3:// feature folders
         # What features.json promises; features_dim None (a caller without the manifest): taken from each file.
         self.features_dim, self.dtype, self.views = features_dim, dtype, views
         if cache not in CACHE_MODES:
             raise InputError(f"cache must be one of {list(CACHE_MODES)}, got {cache!r}")
         for location in self.locations:
+            if is_s3(location):
+                continue  # fetched whole and checked on first use (shards.formats.s3shards)
             if is_remote(location):
-                raise InputError("feature shards must be local files", path=location)
+                raise InputError("feature shards must be local files or on s3://", path=location)
             if not Path(location).is_file():
                 raise MissingInputError("feature shard listed in the manifest is missing", path=location)
         total_bytes = sum(s.bytes for s in split.shards)
@@ -66,9 +71,15 @@ class FeatureShardDataset(ShardDataset):
         if index in self._shards:
             return self._shards[index]
         location, info = self.locations[index], self.split_info.shards[index]
-        if index not in self._verified:
-            verify_feature_file(location, info.bytes, info.sha256)
-        loaded = load_feature_shard(location, mmap=True)
+        if is_s3(location):
+            from shards.formats.s3 import S3Options
+            from shards.formats.s3shards import load_s3_feature_shard
+
+            loaded = load_s3_feature_shard(location, info, S3Options.from_mapping(self.storage_options))
+        else:
+            if index not in self._verified:
+                verify_feature_file(location, info.bytes, info.sha256)
+            loaded = load_feature_shard(location, mmap=True)
         if index not in self._verified:
             dim = self.features_dim
             if dim is None:
@@ -76,7 +87,7 @@ class FeatureShardDataset(ShardDataset):
             check_feature_shard(loaded, location, info.samples,
                                 FeatureSpec(dim, self.dtype, self.num_classes, self.views))
             self._verified.add(index)
-        if self.cache == "memory":
+        if self.cache == "memory" or is_s3(location):  # an S3 shard is fetched once per process, then held
             self._shards[index] = loaded
         return loaded
 
@@ -101,7 +112,8 @@ class FeatureBatchLoader:
 
     Order: the rank's planned rows (equal counts on every rank), resampled by class weight over the whole epoch
     when asked, then fully permuted from ``(seed, epoch, rank)``. ``state_dict`` counts batches, so a resumed run
-    yields exactly the batches the interrupted epoch had left.
+    yields exactly the batches the interrupted epoch had left; with another world size or batch size, exactly the
+    rows it had left, dealt to the new ranks (``shards.stream.elastic``).
     """
 
     num_workers = 0  # by design: see the module docstring
@@ -116,11 +128,26 @@ class FeatureBatchLoader:
         self._key_list: list[str] | None = None
         self._offsets = np.cumsum([0] + dataset.split_info.shard_sizes)
         self._consumed = 0  # batches handed out in the current epoch
-        self._pending: LoaderState | None = None  # a loaded position, for the next iteration only
+        self._pending: Continuation | None = None  # a loaded position, for the next iteration only
+        self._active: Continuation | None = None  # the current iteration's, when it reads a remainder
 
     def __len__(self) -> int:
-        n = len(self.dataset)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        """Batches of this epoch, counting those handed out before a resume in another layout."""
+        remainder = self._remainder()
+        if remainder is None:
+            return self._batches(len(self.dataset))
+        return remainder.position.prior["batches"] + self._batches(len(remainder.rank_indices))
+
+    def _batches(self, rows: int) -> int:
+        return rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
+
+    def _remainder(self) -> Continuation | None:
+        """The continuation whose remainder the current (or next) iteration of this epoch reads, if any."""
+        continued = self._pending if self._pending is not None else self._active
+        if continued is not None and continued.rank_indices is not None \
+                and continued.position.epoch == self.dataset.epoch:
+            return continued
+        return None
 
     def set_epoch(self, epoch: int) -> None:
         self.dataset.set_epoch(epoch)
@@ -128,23 +155,30 @@ class FeatureBatchLoader:
     def state_dict(self, batches_consumed: int | None = None) -> dict[str, Any]:
         """The position in the current epoch: after the batches handed out, or after ``batches_consumed`` of them
         when the consumer lags behind (a prefetch thread draws ahead of the training step)."""
-        return self._position(consumed_batches(batches_consumed, self._consumed)).to_dict()
+        remainder = self._remainder()
+        prior = remainder.position.prior if remainder is not None else None
+        return self._position(consumed_batches(batches_consumed, self._consumed), prior).to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the saved epoch at the next batch it had not yet handed out."""
-        self._pending = restored_position(state, self._position(0))
-        self.dataset.set_epoch(self._pending.epoch)
+        """Continue the saved epoch at the next batch it had not yet handed out (in another layout: over the rows
+        the interrupted epoch had not yet yielded)."""
+        d = self.dataset
+        self._pending = continuation(state, self._position(0), d.epoch_source(), d.config.rank)
+        self._consumed = self._pending.position.batches
+        d.set_epoch(self._pending.position.epoch)
 
-    def _position(self, batches: int) -> LoaderState:
-        c = self.dataset.config
-        return LoaderState(FEATURE_BATCHES, self.dataset.epoch, batches, batch_size=self.batch_size,
-                           num_workers=self.num_workers, drop_last=self.drop_last, seed=c.seed,
-                           world_size=c.world_size)
+    def _position(self, batches: int, prior: dict[str, Any] | None = None) -> LoaderState:
+        return self.dataset.loader_state(FEATURE_BATCHES, batches, batch_size=self.batch_size,
+                                         num_workers=self.num_workers, drop_last=self.drop_last, split_batch=1,
+                                         prior=prior)
 
     def epoch_rows(self, epoch: int) -> torch.Tensor:
         """Global row indices of this rank's epoch, in the order they are served."""
         d = self.dataset
         c = d.config
+        remainder = self._remainder()
+        if remainder is not None and remainder.position.epoch == epoch:
+            return torch.from_numpy(permuted_rows(remainder.rank_indices, d.epoch_source(), epoch, c.rank).copy())
         pieces = d.worker_plan(epoch, 0, 1)
         rows = np.concatenate([np.arange(p.start, p.stop) + self._offsets[p.shard] for p in pieces] or [[]])
         rows = rows.astype(np.int64)
@@ -158,14 +192,17 @@ class FeatureBatchLoader:
 
     def __iter__(self) -> Iterator[tuple]:
         epoch = self.dataset.epoch
+        pending, self._pending = self._pending, None
+        continues = pending is not None and pending.position.epoch == epoch
+        self._active = pending if continues and pending.rank_indices is not None else None
         rows = self.epoch_rows(epoch)
-        start = self._pending.batches if self._pending is not None and self._pending.epoch == epoch else 0
-        self._pending = None
+        start = pending.position.batches if continues else 0
+        before = self._active.position.prior["batches"] if self._active is not None else 0
         self._consumed = start
-        for batch in range(start, len(self)):
+        for batch in range(start - before, self._batches(len(rows))):
             index = rows[batch * self.batch_size:(batch + 1) * self.batch_size]
             features, labels = self._gather(index)
-            self._consumed = batch + 1
+            self._consumed = before + batch + 1
             if self.dataset.config.return_keys:
                 keys = self._keys()
                 yield features, labels, [keys[i] for i in index.tolist()]

@@ -4,7 +4,11 @@ A DataLoader over an ``IterableDataset`` asks its workers for batches in a fixed
 ones) and returns them in that order, and every worker's sample count is known from the epoch plan. So the main
 process, counting only the batches it handed out, knows exactly how far each worker got; ``state_dict`` records
 that count and a resumed run tells each worker how many samples to skip and which worker goes first (the layout
-and the arithmetic live in ``shards.stream.resume``).
+and the arithmetic live in ``shards.stream.resume``). A state saved with another world size, worker count or batch
+size continues over the samples its epoch had left (``shards.stream.elastic``).
+
+The epoch plan splits each rank's share between workers in whole batches (the loader tells the dataset its batch
+size), so a rank has at most one partial batch and ``drop_last`` loses fewer than ``batch_size`` samples.
 """
 
 from __future__ import annotations
@@ -19,9 +23,7 @@ from torch.utils.data._utils.collate import default_collate
 from shards.stream.dataset import ShardDataset
 from shards.errors import InputError
 from shards.stream.feature_stream import FeatureBatchLoader, FeatureShardDataset
-from shards.stream.resume import (
-    STREAM, LoaderState, consumed_batches, restored_position, stream_resume, worker_batches,
-)
+from shards.stream.resume import STREAM, LoaderState, consumed_batches, worker_batches
 
 MAX_DEFAULT_WORKERS = 8
 
@@ -47,20 +49,31 @@ class ShardLoader:
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.drop_last = drop_last
+        dataset.plan_batch_size = batch_size  # whole batches per worker (see the module docstring)
         self._consumed = 0  # batches handed out in the current epoch
         self._starting_batches = 0  # where the next iteration starts counting: a loaded state's position
-        self.loader = DataLoader(
-            dataset, batch_size=batch_size, num_workers=num_workers, drop_last=drop_last,
+        self._dataloader_options = dict(
+            batch_size=batch_size, num_workers=num_workers, drop_last=drop_last,
             collate_fn=collate_fn if collate_fn is not None else default_collate, pin_memory=pin_memory,
             persistent_workers=persistent_workers and num_workers > 0,
             prefetch_factor=prefetch_factor if num_workers > 0 else None, **dataloader_options)
+        self.loader = self._new_dataloader()
+
+    def _new_dataloader(self) -> DataLoader:
+        return DataLoader(self.dataset, **self._dataloader_options)
 
     def batches_per_worker(self) -> list[int]:
-        """Batches each (logical) worker yields: DataLoader batches per worker, so each may end with a partial one."""
-        return worker_batches(len(self.dataset), self.num_workers, self.batch_size, self.drop_last)
+        """Batches each (logical) worker yields this epoch (of the remainder, in an epoch continued in another
+        layout): whole batches, and at most one partial batch per rank."""
+        remainder = self.dataset.active_remainder()
+        per_rank = len(remainder.rank_indices) if remainder is not None else len(self.dataset)
+        return worker_batches(per_rank, self.num_workers, self.batch_size, self.drop_last, self.batch_size)
 
     def __len__(self) -> int:
-        return sum(self.batches_per_worker())
+        """Batches of this epoch, counting those handed out before a resume in another layout."""
+        remainder = self.dataset.active_remainder()
+        before = remainder.position.prior["batches"] if remainder is not None else 0
+        return before + sum(self.batches_per_worker())
 
     def set_epoch(self, epoch: int) -> None:
         self.dataset.set_epoch(epoch)
@@ -70,6 +83,7 @@ class ShardLoader:
         return self.dataset.epoch
 
     def __iter__(self) -> Iterator[Any]:
+        self.dataset.plan_batch_size = self.batch_size
         if self.num_workers > 0:
             self.dataset.publish_resume()  # before the workers start; with none, the dataset publishes itself
         self._consumed = self._starting_batches
@@ -81,20 +95,22 @@ class ShardLoader:
     def state_dict(self, batches_consumed: int | None = None) -> dict[str, Any]:
         """The position in the current epoch: after the batches handed out, or after ``batches_consumed`` of them
         when the consumer lags behind (a prefetcher that drew batches the training step has not used)."""
-        return self._position(consumed_batches(batches_consumed, self._consumed)).to_dict()
+        remainder = self.dataset.active_remainder()
+        prior = remainder.position.prior if remainder is not None else None
+        return self._position(consumed_batches(batches_consumed, self._consumed), prior).to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the saved epoch at the next batch it had not yet handed out."""
-        position = restored_position(state, self._position(0))
-        self.dataset.set_epoch(position.epoch)
-        self.dataset.resume(stream_resume(position, len(self.dataset)))
-        self._starting_batches = position.batches
+        """Continue the saved epoch at the next batch it had not yet handed out: in the same layout exactly as the
+        interrupted run would have, in another (world size, workers, batch size) with exactly the samples the
+        interrupted epoch had not yet yielded."""
+        position = self.dataset.continue_from(state, self._position(0))
+        self._starting_batches = self._consumed = position.batches
+        if position.prior is not None and self.loader.persistent_workers:
+            self.loader = self._new_dataloader()  # running workers hold a dataset copy without the remainder
 
-    def _position(self, batches: int) -> LoaderState:
-        c = self.dataset.config
-        return LoaderState(STREAM, self.dataset.epoch, batches, batch_size=self.batch_size,
-                           num_workers=self.num_workers, drop_last=self.drop_last, seed=c.seed,
-                           world_size=c.world_size)
+    def _position(self, batches: int, prior: dict[str, Any] | None = None) -> LoaderState:
+        return self.dataset.loader_state(STREAM, batches, batch_size=self.batch_size, num_workers=self.num_workers,
+                                         drop_last=self.drop_last, split_batch=self.batch_size, prior=prior)
 
 
 def make_loader(dataset: ShardDataset, batch_size: int = 256, *, num_workers: int | None = None,

@@ -3,7 +3,8 @@
 ``open_dataset`` keeps the everyday options flat (split, transform, seed, shuffle, rank, ...); the rarer ones come
 in groups, so a call states only what it changes: ``ErrorPolicy`` (what a corrupt sample does), ``Sampling``
 (shuffle buffer and class weighting), ``Decode`` (which image pipeline, PIL draft decoding, a custom decoder) and
-``Remote`` (where shards are fetched from when not beside the manifest, and which hosts a manifest may name).
+``Remote`` (where shards are fetched from when not beside the manifest, which hosts a manifest may name, and how
+to reach object storage).
 A bad value raises a one-line ``InputError`` naming the group and field. This module imports nothing heavy, so
 command-line modules can share ``PIPELINES`` without loading torch.
 """
@@ -11,7 +12,7 @@ command-line modules can share ``PIPELINES`` without loading torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from shards.errors import InputError
 
@@ -106,10 +107,14 @@ class Remote:
     """Where the shards are, when the caller says so. ``base_url`` (a folder, an ``http(s)://`` URL, or a ``pipe:``
     command prefix) replaces the manifest's own folder as the base of its relative shard names; ``url_origins``
     (``"https://host:port"``) are the hosts a manifest may name in absolute shard URLs besides its own. Both come
-    only from the caller: a manifest never chooses a command or another host (see ``shards.formats.locations``)."""
+    only from the caller: a manifest never chooses a command or another host (see ``shards.formats.locations``).
+    ``storage_options`` configures ``s3://`` access: a mapping of ``shards.formats.s3.S3Options`` fields
+    (``{"endpoint_url": ..., "profile": ..., "unsigned": True}``) or an ``S3Options``; credentials are never
+    options, they come from the AWS chain."""
 
     base_url: str | None = None
     url_origins: tuple[str, ...] = ()
+    storage_options: Any = None
 
     def __post_init__(self) -> None:
         if self.base_url is not None and not isinstance(self.base_url, str):
@@ -117,6 +122,17 @@ class Remote:
         if isinstance(self.url_origins, str):
             raise InputError(f"Remote.url_origins={self.url_origins!r} must be a list of origins, not one string")
         object.__setattr__(self, "url_origins", tuple(str(o) for o in self.url_origins))
+        if self.storage_options is not None:
+            from shards.formats.s3 import S3Options  # boto3 itself is imported only when a client is made
+
+            object.__setattr__(self, "storage_options", S3Options.from_mapping(self.storage_options))
+
+    @property
+    def s3(self) -> Any:
+        """The ``S3Options`` in effect (defaults when none were given)."""
+        from shards.formats.s3 import S3Options
+
+        return S3Options.from_mapping(self.storage_options)
 
 
 def _at_least(name: str, value: int, minimum: int) -> None:

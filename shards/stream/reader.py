@@ -18,7 +18,7 @@ from shards.image.decode import ImageDecoder
 from shards.errors import InputError
 from shards.image.fast import FastDecoder
 from shards.stream.feature_stream import FeatureShardDataset
-from shards.manifest import DATASET_FILE, DatasetManifest, FeatureManifest, Manifest, load_manifest
+from shards.manifest import DATASET_FILE, FEATURES_FILE, DatasetManifest, FeatureManifest, Manifest, load_manifest
 from shards.formats.locations import shard_location, url_origin
 from shards.formats.remote import is_remote, read_remote_json
 from shards.stream.options import Decode, ErrorPolicy, Remote, Sampling
@@ -35,10 +35,15 @@ def distributed_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _load(path: str | os.PathLike, url_origins: Sequence[str] = ()) -> tuple[Manifest, str]:
+def _load(path: str | os.PathLike, url_origins: Sequence[str] = (), storage_options: Any = None
+          ) -> tuple[Manifest, str]:
     """The manifest and the base its shard paths are relative to. Shard URLs in it are followed only on a remote
-    manifest's own origin and on ``url_origins`` (the caller's explicit opt-in); see ``shards.formats.locations``."""
+    manifest's own origin and on ``url_origins`` (the caller's explicit opt-in); see ``shards.formats.locations``.
+    Under ``s3://bucket/prefix`` the manifest (``dataset.json``, else ``features.json``) may name only relative
+    shard names: an ``s3:`` URL has no origin, so ``check_shard_path`` refuses it."""
     text = str(path)
+    if text.startswith("s3://"):
+        return load_s3_manifest(text, url_origins, storage_options)
     if is_remote(text):
         url = text if text.endswith(".json") else text.rstrip("/") + "/" + DATASET_FILE
         origins = (*url_origins, *filter(None, [url_origin(url)]))
@@ -46,6 +51,28 @@ def _load(path: str | os.PathLike, url_origins: Sequence[str] = ()) -> tuple[Man
     manifest = load_manifest(path, url_origins=url_origins)
     folder = Path(path)
     return manifest, str(folder.parent if folder.is_file() else folder)
+
+
+def load_s3_manifest(url: str, url_origins: Sequence[str] = (), storage_options: Any = None
+                     ) -> tuple[Manifest, str]:
+    """``s3://bucket/prefix`` (or ``.../dataset.json``, ``.../features.json``) -> the manifest and its prefix."""
+    from shards.errors import MissingInputError
+
+    if url.endswith(".json"):
+        candidates = [url]
+    else:
+        candidates = [url.rstrip("/") + "/" + name for name in (DATASET_FILE, FEATURES_FILE)]
+    for candidate in candidates:
+        try:
+            data = read_remote_json(candidate, storage_options)
+        except MissingInputError:
+            if candidate is candidates[-1]:
+                names = " or ".join(c.rsplit("/", 1)[1] for c in candidates)
+                raise MissingInputError(f"not found (HTTP 404): no {names} under this prefix", path=url) from None
+            continue
+        kind = FeatureManifest if candidate.endswith(FEATURES_FILE) else DatasetManifest
+        return kind.from_dict(data, where=candidate, url_origins=url_origins), candidate.rsplit("/", 1)[0]
+    raise AssertionError("unreachable")
 
 
 def _resolve_weights(option: str | tuple[float, ...] | None, class_counts: Sequence[int]) -> tuple[float, ...] | None:
@@ -128,7 +155,7 @@ def open_dataset(path: str | os.PathLike, split: str = "train", *,
     if legacy:
         grouped = _regroup(legacy, {"sampling": sampling, "errors": errors, "decode": decode, "remote": remote})
         sampling, errors, decode, remote = (grouped[name] for name in ("sampling", "errors", "decode", "remote"))
-    manifest, base = _load(path, remote.url_origins)
+    manifest, base = _load(path, remote.url_origins, remote.storage_options)
     split_info = manifest.split(split)
     if rank is None or world_size is None:
         auto_rank, auto_world = distributed_rank_world()
@@ -146,7 +173,8 @@ def open_dataset(path: str | os.PathLike, split: str = "train", *,
         if transform is not None or decode.image_only:
             raise InputError("transform, Decode.decoder and Decode.draft apply to image shards, not to feature shards")
         return FeatureShardDataset(split_info, locations, config, cache=cache, num_classes=len(manifest.classes),
-                                   features_dim=manifest.features_dim, dtype=manifest.dtype, views=manifest.views)
+                                   features_dim=manifest.features_dim, dtype=manifest.dtype, views=manifest.views,
+                                   storage_options=remote.storage_options)
     decoder = decode.decoder
     if decode.pipeline == "fast":
         decoder = FastDecoder(_fast_spec(transform))
@@ -156,4 +184,4 @@ def open_dataset(path: str | os.PathLike, split: str = "train", *,
     elif transform is not None:
         raise InputError("give either Decode.decoder or a transform, not both")
     return ImageShardDataset(split_info, locations, config, storage=manifest.storage, decoder=decoder,
-                             num_classes=len(manifest.classes))
+                             num_classes=len(manifest.classes), storage_options=remote.storage_options)

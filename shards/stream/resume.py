@@ -7,6 +7,10 @@ per-worker skips) and ``"feature_batches"`` (``FeatureBatchLoader``: in-process 
 so a batch count is the position). Every rank of a run consumes the same number of batches, so the state does not
 depend on the rank: rank 0's state continues every rank.
 
+A state continues its epoch bitwise exactly in the layout that saved it (world size, workers, batch size,
+``drop_last``); in another layout ``shards.stream.elastic`` replays the saved one to find the samples left. A
+state saved during such a continued epoch carries the state it continued (``prior``), so the chain replays again.
+
 A DataLoader copies the dataset into each worker (fork or spawn) and keeps the copies alive with
 ``persistent_workers``; an epoch stored as a plain attribute would be lost there (webdataset #172). The block of
 shared integers in ``SharedEpochState`` is what the main process writes (``set_epoch``, a resume to apply) and
@@ -16,7 +20,7 @@ every worker reads when it starts an epoch; workers write back only the count of
 from __future__ import annotations
 
 import multiprocessing
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from multiprocessing import context as mp_context
 from typing import Any
 
@@ -24,18 +28,20 @@ from shards.errors import InputError
 from shards.stream.plan import round_robin_consumed, worker_sample_counts
 
 MAX_WORKERS = 256
-_EPOCH, _RESUME_EPOCH, _RESUME_WORKERS, _ROTATION, _SKIPPED, _SKIPS = range(6)
+_EPOCH, _RESUME_EPOCH, _RESUME_WORKERS, _ROTATION, _SKIPPED, _REMAINDER, _SKIPS = range(7)
 NO_RESUME = -1
 
 
 @dataclass(frozen=True)
 class Resume:
     """Where an interrupted epoch stopped: per logical worker, how many samples were consumed, and which worker's
-    batch came next (DataLoader starts its round robin at worker 0, so a resumed run rotates the workers)."""
+    batch came next (DataLoader starts its round robin at worker 0, so a resumed run rotates the workers).
+    ``remainder``: the epoch continues in another layout, over the samples the dataset's ``remainder`` holds."""
 
     epoch: int
     skips: tuple[int, ...]
     rotation: int = 0
+    remainder: bool = False
 
 
 class SharedEpochState:
@@ -63,6 +69,7 @@ class SharedEpochState:
                 raise InputError(f"at most {MAX_WORKERS} DataLoader workers can be resumed")
             self._array[_RESUME_WORKERS] = len(resume.skips)
             self._array[_ROTATION] = resume.rotation
+            self._array[_REMAINDER] = int(resume.remainder)
             for worker, skip in enumerate(resume.skips):
                 self._array[_SKIPS + worker] = skip
             self._array[_RESUME_EPOCH] = resume.epoch
@@ -78,7 +85,7 @@ class SharedEpochState:
                     "resume with the same number of workers"
                 )
             skips = tuple(int(self._array[_SKIPS + w]) for w in range(workers))
-            return Resume(epoch, skips, int(self._array[_ROTATION]))
+            return Resume(epoch, skips, int(self._array[_ROTATION]), bool(self._array[_REMAINDER]))
 
     def add_skipped(self, count: int = 1) -> None:
         with self._array.get_lock():
@@ -104,19 +111,25 @@ class SharedEpochState:
 
 
 # -- what a loader saves -------------------------------------------------------------------------------------------
-LOADER_STATE_VERSION = 1
+LOADER_STATE_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 STREAM = "stream"
 FEATURE_BATCHES = "feature_batches"
 KINDS = (STREAM, FEATURE_BATCHES)
-# Settings a resumed run must share with the saved one, in the order they are checked.
-COMPATIBLE = ("kind", "seed", "world_size", "batch_size", "num_workers", "drop_last")
+# Settings a resumed run must share with the saved one, in the order they are checked; the layout (world size,
+# workers, batch size, drop_last) may change (``shards.stream.elastic``).
+COMPATIBLE = ("kind", "seed", "dataset", "sampling")
 
 
 @dataclass(frozen=True)
 class LoaderState:
     """A loader's position: ``batches`` of ``epoch`` handed out, and the settings that make the count meaningful.
 
-    ``None`` in a setting means the (old, unversioned) saved state did not record it, so it is not checked.
+    ``split_batch`` is the unit the epoch plan split each rank's share between workers in (the batch size since
+    version 2; version 1 split sample by sample). ``dataset`` fingerprints the shard sizes, ``sampling`` the order
+    settings (shuffle, buffer, class weights, the dataset's drop_last). ``prior``: the state this epoch continued
+    in another layout (its batches count from ``prior["batches"]``). ``None`` in a setting means the saved state
+    did not record it, so it is not checked.
     """
 
     kind: str
@@ -127,6 +140,10 @@ class LoaderState:
     drop_last: bool | None
     seed: int | None
     world_size: int | None
+    split_batch: int | None = 1
+    dataset: str | None = None
+    sampling: dict[str, Any] | None = None
+    prior: dict[str, Any] | None = None
     version: int = LOADER_STATE_VERSION
 
     def __post_init__(self) -> None:
@@ -137,8 +154,29 @@ class LoaderState:
                              f"batches={self.batches}")
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain numbers, booleans and strings: loadable with ``torch.load(weights_only=True)``."""
+        """Plain numbers, booleans, strings, lists and dicts: loadable with ``torch.load(weights_only=True)``."""
         return asdict(self)
+
+    @property
+    def logical_workers(self) -> int:
+        return max(1, self.num_workers or 0)
+
+    def layout(self) -> tuple:
+        """What decides which samples a batch count covers; two states with the same layout resume exactly."""
+        split = self.split_batch if self.logical_workers > 1 else 1  # one worker: the split unit changes nothing
+        return self.world_size, self.logical_workers, self.batch_size, self.drop_last, split
+
+    def same_layout(self, other: LoaderState) -> bool:
+        return all(a is None or b is None or a == b for a, b in zip(self.layout(), other.layout()))
+
+    @property
+    def prior_state(self) -> LoaderState | None:
+        return None if self.prior is None else LoaderState.from_dict(self.prior, kind=self.kind)
+
+    @property
+    def layout_batches(self) -> int:
+        """Batches handed out in this state's own layout (after those of the state it continued)."""
+        return self.batches - (self.prior["batches"] if self.prior is not None else 0)
 
     @classmethod
     def from_dict(cls, state: dict[str, Any], *, kind: str) -> LoaderState:
@@ -147,13 +185,20 @@ class LoaderState:
             raise InputError(f"a loader state is a dict, got {type(state).__name__}")
         if "version" not in state:
             return cls._from_unversioned(state, kind)
-        if state["version"] != LOADER_STATE_VERSION:
-            raise InputError(f"loader state version {state['version']!r} is not one this shardcache reads "
-                             f"(it reads version {LOADER_STATE_VERSION}); resume with the version that saved it")
-        missing = [f.name for f in fields(cls) if f.name not in state]
+        version = state["version"]
+        if version not in READABLE_VERSIONS:
+            raise InputError(f"loader state version {version!r} is not one this shardcache reads "
+                             f"(it reads versions {list(READABLE_VERSIONS)}); resume with the version that saved it")
+        names = [f.name for f in fields(cls) if f.name != "version"]
+        if version == 1:  # version 1 split workers sample by sample and recorded no fingerprints
+            names = [n for n in names if n not in ("split_batch", "dataset", "sampling", "prior")]
+        missing = [n for n in names if n not in state]
         if missing:
-            raise InputError(f"loader state of version {LOADER_STATE_VERSION} lacks {', '.join(missing)}")
-        return cls(**{f.name: state[f.name] for f in fields(cls)})
+            raise InputError(f"loader state of version {version} lacks {', '.join(missing)}")
+        loaded = cls(**{n: state[n] for n in names})
+        if loaded.prior is not None and loaded.prior.get("epoch") != loaded.epoch:
+            raise InputError("loader state continues a state of another epoch: it was not saved by shardcache")
+        return loaded
 
     @classmethod
     def _from_unversioned(cls, state: dict[str, Any], kind: str) -> LoaderState:
@@ -169,19 +214,15 @@ class LoaderState:
 
 
 def check_compatible(saved: LoaderState, current: LoaderState) -> None:
-    """Refuse to continue ``saved`` with a loader whose settings would give its batch count another meaning."""
+    """Refuse to continue ``saved`` with a loader whose data or order would give its batch count another meaning."""
     for name in COMPATIBLE:
         value, ours = getattr(saved, name), getattr(current, name)
         if value is not None and value != ours:
+            if name == "dataset":
+                raise InputError("the saved state was taken on another dataset (its shard sizes differ); resume on "
+                                 "the dataset it was saved with")
             raise InputError(f"the saved state has {name}={value} but this loader has {name}={ours}; "
                              "resume with the same setting")
-
-
-def restored_position(state: dict[str, Any], current: LoaderState) -> LoaderState:
-    """``current`` moved to the saved epoch and batch count, once the saved settings are checked against it."""
-    saved = LoaderState.from_dict(state, kind=current.kind)
-    check_compatible(saved, current)
-    return replace(current, epoch=saved.epoch, batches=saved.batches)
 
 
 def consumed_batches(batches_consumed: int | None, handed_out: int) -> int:
@@ -196,19 +237,28 @@ def consumed_batches(batches_consumed: int | None, handed_out: int) -> int:
 
 
 # -- from a batch count to per-worker skips --------------------------------------------------------------------------
-def worker_batches(samples_per_rank: int, num_workers: int, batch_size: int, drop_last: bool) -> list[int]:
-    """Batches each (logical) worker yields: DataLoader batches per worker, so each may end with a partial one."""
-    counts = worker_sample_counts(samples_per_rank, max(1, num_workers))
+def worker_batches(samples_per_rank: int, num_workers: int, batch_size: int, drop_last: bool,
+                   split_batch: int = 1) -> list[int]:
+    """Batches each (logical) worker yields: DataLoader batches per worker, so each may end with a partial one
+    (with whole-batch splits, ``split_batch == batch_size``, only one worker of a rank does)."""
+    counts = worker_sample_counts(samples_per_rank, max(1, num_workers), split_batch)
     if drop_last:
         return [n // batch_size for n in counts]
     return [-(-n // batch_size) for n in counts]
 
 
-def stream_resume(position: LoaderState, samples_per_rank: int) -> Resume:
-    """What each worker skips to continue ``position``, and which worker's batch comes next."""
-    workers = max(1, position.num_workers)
+def worker_consumed(samples_per_rank: int, position: LoaderState) -> tuple[list[int], int]:
+    """Samples each logical worker had consumed after ``position.layout_batches`` batches, and which worker's batch
+    comes next."""
+    workers, split = position.logical_workers, position.split_batch or 1
     taken, next_worker = round_robin_consumed(
-        worker_batches(samples_per_rank, workers, position.batch_size, position.drop_last), position.batches)
-    counts = worker_sample_counts(samples_per_rank, workers)
-    skips = tuple(min(n, t * position.batch_size) for n, t in zip(counts, taken))
-    return Resume(position.epoch, skips, rotation=next_worker)
+        worker_batches(samples_per_rank, workers, position.batch_size, position.drop_last, split),
+        position.layout_batches)
+    counts = worker_sample_counts(samples_per_rank, workers, split)
+    return [min(n, t * position.batch_size) for n, t in zip(counts, taken)], next_worker
+
+
+def stream_resume(position: LoaderState, samples_per_rank: int, *, remainder: bool = False) -> Resume:
+    """What each worker skips to continue ``position``, and which worker's batch comes next."""
+    skips, next_worker = worker_consumed(samples_per_rank, position)
+    return Resume(position.epoch, tuple(skips), rotation=next_worker, remainder=remainder)

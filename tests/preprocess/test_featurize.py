@@ -250,3 +250,30 @@ def test_a_corrupt_sample_fails_naming_its_shard_and_key(tmp_path):
     with pytest.raises(ShardcacheError, match=r"train-000000.tar \[sample train_00000\]"):
         precompute_features(_config(data_dir, tmp_path / "feat"))
     assert not (tmp_path / "feat" / "features.json").exists()
+
+
+@pytest.mark.parametrize("recorded, ok", [
+    ("s3://bucket/some/prefix", True), ("s3://bucket", True), ("/abs/data", True), ("../data", True),
+    ("s3://bucket/a\nb", False), ("s3://bucket/a b", False), ("s3://bucket/../x", False), ("s3://bucket//x", False),
+    ("s3://-x/y", False), ("pipe:aws s3 cp s3://b/x -", False), ("https://host/data", False), ("file:///data", False),
+])
+def test_dataset_dir_is_a_local_folder_or_an_s3_url_only(recorded, ok):
+    from shards.errors import ManifestError
+    from shards.formats.locations import check_dataset_dir
+
+    if ok:
+        assert check_dataset_dir(recorded) == recorded
+    else:
+        with pytest.raises(ManifestError):
+            check_dataset_dir(recorded)
+
+
+def test_an_s3_dataset_dir_is_followed_only_from_s3_features_or_when_named(tmp_path):
+    from shards.formats.locations import dataset_location
+
+    assert dataset_location("s3://bkt/feat", "s3://bkt/data/") == ("s3://bkt/data", None)
+    location, why = dataset_location(tmp_path, "s3://bkt/data")
+    assert location is None and "not followed" in why
+    assert dataset_location(tmp_path, "s3://bkt/data", explicit="s3://bkt/data") == ("s3://bkt/data", None)
+    assert dataset_location("s3://bkt/feat", "../data")[0] is None
+    assert dataset_location(tmp_path, "data") == (tmp_path / "data", None)

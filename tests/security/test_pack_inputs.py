@@ -140,7 +140,7 @@ def test_csv_and_jsonl_saved_with_a_byte_order_mark_are_read(tmp_path):
     assert manifest.splits["train"].samples == 2
 
 
-@pytest.mark.parametrize("url", ["s3://bucket/x", "S3://bucket/x", "gs://b/x", "file:///tmp/x", "pipe:cat > x"])
+@pytest.mark.parametrize("url", ["S3://bucket/x", "gs://b/x", "file:///tmp/x", "pipe:cat > x"])
 def test_url_as_pack_output_is_refused_with_one_line(tmp_path, url):
     write_image_folder(tmp_path / "src", ["a"], 1, size=(24, 16))
     result = cli("pack-shards", tmp_path / "src", "--out", url, cwd=tmp_path)
@@ -156,10 +156,30 @@ def test_url_config_is_an_input_error(tmp_path):
         PackConfig(str(tmp_path), "s3://bucket/x")
 
 
-def test_url_as_feature_output_is_refused_with_one_line(tmp_path):
+@pytest.fixture
+def no_aws(tmp_path, monkeypatch):
+    """No AWS credentials anywhere in the chain; staging (if it ever happened) inside tmp_path."""
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    for name, value in {"AWS_CONFIG_FILE": tmp_path / "none", "AWS_SHARED_CREDENTIALS_FILE": tmp_path / "none",
+                        "AWS_EC2_METADATA_DISABLED": "true", "SHARDCACHE_STAGE_DIR": tmp_path / "stage"}.items():
+        monkeypatch.setenv(name, str(value))
+
+
+def test_s3_output_without_credentials_is_refused_before_any_work(tmp_path, no_aws):
+    # s3:// is a supported output (staged locally, then uploaded); without credentials nothing is staged.
+    write_image_folder(tmp_path / "src", ["a"], 1, size=(24, 16))
+    result = cli("pack-shards", tmp_path / "src", "--out", "s3://bucket/x", cwd=tmp_path)
+    assert result.returncode == 2
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1 and "s3://bucket/x" in lines[0] and "credentials" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_url_as_feature_output_is_refused_with_one_line(tmp_path, no_aws):
     result = cli("precompute-features", tmp_path / "data", "--out", "s3://bucket/feat", "--weights", "none",
                  "--backbone", "resnet18", cwd=tmp_path)
     assert result.returncode == 2
     lines = error_lines(result.stderr)
     assert len(lines) == 1 and "s3://bucket/feat" in lines[0]
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == []

@@ -6,7 +6,11 @@ import random
 import pytest
 
 from shards.errors import InputError
-from shards.stream.plan import epoch_sizes, plan_epoch, round_robin_consumed, worker_sample_counts
+from shards.stream.plan import (
+    epoch_sizes, epoch_stream, indices_to_slices, plan_epoch, round_robin_consumed, shard_offsets, share_of,
+    slices_to_indices, worker_sample_counts,
+)
+from shards.stream.resume import worker_batches
 
 
 def samples_of(slices):
@@ -119,3 +123,55 @@ def test_round_robin_replay_matches_a_step_by_step_simulation(batches):
 def test_worker_counts_add_up():
     assert worker_sample_counts(10, 3) == [4, 3, 3]
     assert sum(worker_sample_counts(0, 4)) == 0
+
+
+# -- whole batches per worker ------------------------------------------------------------------------------------
+BATCH_CASES = [(random.Random(i).randint(0, 3000), random.Random(i + 1).randint(1, 300),
+                random.Random(i + 2).randint(1, 9)) for i in range(200)] + [(6000, 64, 2), (10000, 256, 8), (7, 4, 3)]
+
+
+@pytest.mark.parametrize("per_rank,batch,workers", BATCH_CASES)
+def test_every_worker_but_one_holds_whole_batches(per_rank, batch, workers):
+    counts = worker_sample_counts(per_rank, workers, batch)
+    assert sum(counts) == per_rank
+    assert sum(1 for n in counts if n % batch) <= 1
+    assert max(counts) - min(counts) <= batch  # within one batch of each other
+    kept = sum(worker_batches(per_rank, workers, batch, True, batch)) * batch
+    assert per_rank - kept < batch  # drop_last loses less than one batch per rank
+    partial = sum(worker_batches(per_rank, workers, batch, False, batch)) - sum(
+        worker_batches(per_rank, workers, batch, True, batch))
+    assert partial == (1 if per_rank % batch else 0)
+
+
+def test_whole_batches_drop_less_than_a_batch_where_the_sample_split_dropped_a_batch_per_worker():
+    def dropped(per_rank, batch, workers, split):
+        return per_rank - sum(worker_batches(per_rank, workers, batch, True, split)) * batch
+
+    assert dropped(6000, 64, 2, split=1) == 112 and dropped(6000, 64, 2, split=64) == 48
+    assert dropped(10000, 256, 8, split=1) == 1808 and dropped(10000, 256, 8, split=256) == 16
+
+
+@pytest.mark.parametrize("sizes,world,workers", CASES[:20])
+def test_whole_batch_split_keeps_every_sample_once(sizes, world, workers):
+    for drop_last in (False, True):
+        for rank in range(world):
+            whole = samples_of(plan_epoch(sizes, seed=2, epoch=1, rank=rank, world_size=world, drop_last=drop_last))
+            split = [x for w in range(workers) for x in samples_of(plan_epoch(
+                sizes, seed=2, epoch=1, rank=rank, world_size=world, worker=w, num_workers=workers,
+                drop_last=drop_last, batch_size=3))]
+            assert split == whole
+
+
+@pytest.mark.parametrize("sizes,world,workers", CASES[:20])
+def test_share_of_the_epoch_stream_is_the_plan(sizes, world, workers):
+    offsets = shard_offsets(sizes)
+    for drop_last in (False, True):
+        stream = epoch_stream(sizes, seed=4, epoch=2, world_size=world, drop_last=drop_last)
+        for rank in range(world):
+            for worker in range(workers):
+                plan = plan_epoch(sizes, seed=4, epoch=2, rank=rank, world_size=world, worker=worker,
+                                  num_workers=workers, drop_last=drop_last, batch_size=2)
+                share = share_of(stream, rank=rank, world_size=world, worker=worker, num_workers=workers,
+                                 drop_last=drop_last, batch_size=2)
+                assert share.tolist() == slices_to_indices(plan, offsets).tolist()
+                assert indices_to_slices(share, offsets) == [p for p in plan if p.size]

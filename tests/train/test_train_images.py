@@ -74,3 +74,13 @@ def test_image_run_killed_mid_epoch_resumes_bitwise_with_a_worker(image_folder: 
     expected = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)["state_dict"]
     actual = torch.load(tmp_path / "resumed" / "model.pt", weights_only=True)["state_dict"]
     assert all(torch.equal(expected[name], actual[name]) for name in expected)
+
+
+@pytest.mark.slow
+def test_image_run_resumed_with_another_worker_count_finishes_the_epoch(image_folder: Path, tmp_path: Path):
+    """Two workers, stopped after the checkpoint at step 4 of 6; one worker then trains on the 16 samples left."""
+    options = dict(model="mobilenet_v3_small", epochs=2, checkpoint_every=4)
+    assert train(config(image_folder, tmp_path / "run", stop_after_steps=5, workers=2, **options))["stopped"]
+    resumed = train(config(image_folder, tmp_path / "run", resume=True, workers=1, **options))
+    assert resumed["steps"] == 12 and not resumed["stopped"]  # 4 + 2 batches of the rest, then a whole epoch
+    assert [row["epoch"] for row in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2]

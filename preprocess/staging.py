@@ -1,0 +1,93 @@
+"""Writing a batch job's output to object storage: build it in a local staging folder, then publish it.
+
+``pack-shards --out s3://...`` and ``precompute-features --out s3://...`` run exactly as for a local folder, into
+``stage_dir`` (by default a persistent folder per URL, so a rerun on the same node resumes the local work too),
+and when the job is complete (``dataset.json``/``features.json`` written) upload it with
+``shards.formats.s3_upload.publish_folder``: missing or changed objects only, the manifest last. The tasks of a
+Slurm array share one explicit ``--stage-dir`` on a shared file system; the task that completes the job uploads.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from shards.errors import InputError, OutputExistsError
+from shards.formats.s3 import S3Options, is_s3, make_client
+from shards.formats.s3_upload import PublishSpec, check_out_url, default_stage_dir, list_prefix, publish_folder
+
+_FEATURE_FILE = re.compile(r"^[A-Za-z0-9_]+-\d{6}\.(pt|h5)$")
+
+
+@dataclass(frozen=True)
+class StagedOutput:
+    """Where an ``s3://`` output is built before it is uploaded."""
+
+    url: str
+    stage_dir: Path
+    options: S3Options
+    overwrite: bool = False
+
+
+def resolve_stage(url: str, stage_dir: str | os.PathLike | None, stage_root: str | os.PathLike, *, num_tasks: int,
+                  options: S3Options, overwrite: bool) -> StagedOutput:
+    """Check the URL and pick the staging folder; several tasks must name a shared one."""
+    check_out_url(url)
+    if stage_dir is None and num_tasks > 1:
+        raise InputError(f"--out {url}: with --num-tasks {num_tasks} every task must stage in the same folder; "
+                         "pass --stage-dir on a shared file system")
+    stage = Path(stage_dir) if stage_dir is not None else default_stage_dir(url, stage_root)
+    return StagedOutput(url, stage, options, overwrite)
+
+
+def run_staged(staged: StagedOutput, run: Callable[[Path], tuple[Any, dict[str, Any]]],
+               spec: PublishSpec) -> tuple[Any, dict[str, Any]]:
+    """``run(stage_dir)`` (the local job: returns its manifest, or None while other tasks are missing, and its
+    summary), then, when complete, publish the stage to the URL. The summary gains ``out``, ``stage_dir``,
+    ``upload``."""
+    preflight(staged, spec)  # no credentials, no bucket, foreign objects: refused before any local work
+    manifest, summary = run(staged.stage_dir)
+    summary = {**summary, "out": staged.url, "stage_dir": str(staged.stage_dir)}
+    if manifest is None:
+        return None, {**summary, "upload": None}
+    stats = publish_folder(staged.stage_dir, staged.url, spec, options=staged.options, overwrite=staged.overwrite)
+    return manifest, {**summary, "upload": stats.to_dict()}
+
+
+def preflight(staged: StagedOutput, spec: PublishSpec) -> None:
+    """List the prefix once: the credentials and bucket work, and it holds nothing foreign (unless overwrite)."""
+    bucket, prefix = check_out_url(staged.url)
+    objects = list_prefix(make_client(staged.options), bucket, prefix)
+    foreign = sorted(name for name in objects if not spec.is_own(name))
+    if foreign and not staged.overwrite:
+        raise OutputExistsError(f"holds objects shardcache did not write ({', '.join(foreign[:3])}); choose another "
+                                "prefix or pass --overwrite (which deletes only shardcache's own objects)",
+                                path=staged.url)
+
+
+def _plan_identity(manifest: Mapping[str, Any]) -> Any:
+    return manifest.get("packing", {}).get("plan_sha256")
+
+
+def _feature_identity(manifest: Mapping[str, Any]) -> Any:
+    return manifest.get("config_hash"), manifest.get("dataset_sha256"), sorted(manifest.get("splits", {}))
+
+
+def dataset_spec() -> PublishSpec:
+    from preprocess.pack.parts import _is_own_file
+    from shards.manifest import DATASET_FILE
+
+    return PublishSpec(DATASET_FILE, _plan_identity, _is_own_file)
+
+
+def features_spec() -> PublishSpec:
+    from shards.manifest import FEATURES_FILE
+
+    return PublishSpec(FEATURES_FILE, _feature_identity,
+                       lambda name: name == FEATURES_FILE or bool(_FEATURE_FILE.match(name)))
+
+
+__all__ = ["StagedOutput", "dataset_spec", "features_spec", "is_s3", "resolve_stage", "run_staged"]

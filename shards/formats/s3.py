@@ -1,0 +1,445 @@
+"""Object storage (``s3://bucket/prefix``): the client, ranged reads with retries, and the typed errors.
+
+Everything S3 goes through botocore (``pip install 'shardcache[s3]'``): signing, the AWS configuration chain
+(environment, ``~/.aws/config`` and ``credentials``, profiles, ``AWS_ENDPOINT_URL`` for MinIO, Ceph, R2 or
+SeaweedFS) and connection pooling. This module adds what a shard reader needs on top:
+
+- ``S3Options``: the caller's choices (endpoint, profile, region, unsigned access, attempts, timeouts). It never
+  holds credentials, so it can be logged, pickled to DataLoader workers and recorded in a config.
+- ``make_client``: one client per process and options. Clients are not fork-safe, so the cache is keyed by the
+  process id: a DataLoader worker builds its own after fork.
+- ``open_range``: a readable stream of exactly the bytes ``[start, stop)`` of an object, fetched by ranged GETs of
+  up to ``RANGE_CHUNK`` bytes. 5xx, throttling (503 SlowDown), timeouts and connection resets are retried with
+  exponential backoff and full jitter (``random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt))``: the
+  jitter is not seeded on purpose, it only spreads clients apart and never changes what is read); a body that
+  breaks mid-read is re-requested from the byte where it stopped. After ``max_attempts`` a ``CorruptDataError``
+  names the URL and the last cause. 403 (``S3AccessDenied``, an ``InputError``) and 404 (``MissingInputError``) are
+  final at once.
+- ``FETCH_STATS``: bytes and requests of this process (``share_stats()`` makes DataLoader workers add to the same
+  counters), for the benchmark and the tests.
+
+Messages name the URL and what the server said, never a credential: ``S3Options`` holds none, and botocore's error
+responses carry only a code and a message.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import random
+import re
+import threading
+import time
+from dataclasses import dataclass, fields
+from typing import Any, Iterator, Mapping
+
+from shards.errors import CorruptDataError, InputError, MissingInputError
+
+log = logging.getLogger(__name__)
+
+SCHEME = "s3://"
+EXTRA_HINT = "pip install 'shardcache[s3]'"
+RANGE_CHUNK = 64 << 20  # one GET covers at most this many bytes; a longer range is several GETs in a row
+BACKOFF_BASE_S = 0.1
+BACKOFF_CAP_S = 5.0
+MAX_POOL_CONNECTIONS = 16
+_BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.\-_]{1,254}$")
+_DENIED = {"AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled",
+           "InvalidToken", "ExpiredToken", "AccountProblem"}
+_MISSING = {"NoSuchKey", "404", "NotFound", "NoSuchBucket"}
+_CREDENTIAL_WORDS = ("key", "secret", "token", "password", "credential")
+
+
+class S3AccessDenied(InputError, PermissionError):
+    """403: the credentials (or their absence) do not allow the request. Not retried."""
+
+
+@dataclass(frozen=True)
+class S3Options:
+    """How to reach object storage. ``endpoint_url=None`` lets botocore's chain decide (``AWS_ENDPOINT_URL``,
+    ``endpoint_url`` in ``~/.aws/config``, else AWS); ``profile`` picks a profile of ``~/.aws/config``;
+    ``unsigned=True`` sends anonymous requests (public buckets). Credentials are never options: they come from the
+    AWS chain (environment, ``~/.aws/credentials``, the profile, instance roles)."""
+
+    endpoint_url: str | None = None
+    profile: str | None = None
+    region: str | None = None
+    unsigned: bool = False
+    max_attempts: int = 8
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("endpoint_url", "profile", "region"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InputError(f"S3Options.{name}={value!r} must be a non-empty string or None")
+        if self.endpoint_url is not None and not self.endpoint_url.startswith(("http://", "https://")):
+            raise InputError(f"S3Options.endpoint_url={self.endpoint_url!r} must start with http:// or https://")
+        if not isinstance(self.unsigned, bool):
+            raise InputError(f"S3Options.unsigned={self.unsigned!r} must be True or False")
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or self.max_attempts < 1:
+            raise InputError(f"S3Options.max_attempts={self.max_attempts!r} must be an integer >= 1")
+        for name in ("connect_timeout_s", "read_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise InputError(f"S3Options.{name}={value!r} must be a positive number of seconds")
+
+    @classmethod
+    def from_mapping(cls, storage_options: "S3Options | Mapping[str, Any] | None") -> "S3Options":
+        """``storage_options`` as given to ``open_dataset`` (None, a mapping of field names, or ``S3Options``)."""
+        if storage_options is None:
+            return cls()
+        if isinstance(storage_options, cls):
+            return storage_options
+        if not isinstance(storage_options, Mapping):
+            raise InputError(f"storage_options must be a mapping or S3Options, not {type(storage_options).__name__}")
+        known = {f.name for f in fields(cls)}
+        for name in storage_options:
+            if any(word in str(name).lower() for word in _CREDENTIAL_WORDS):
+                raise InputError(f"storage_options[{name!r}]: credentials are not options; they come from the AWS "
+                                 "chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws/credentials, a profile)")
+            if name not in known:
+                raise InputError(f"storage_options[{name!r}] is not one of {', '.join(sorted(known))}")
+        return cls(**dict(storage_options))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# -- URLs -------------------------------------------------------------------------------------------------------------
+def is_s3(location: object) -> bool:
+    return str(location).startswith(SCHEME)
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/key`` -> ``("bucket", "some/key")`` (the key may be empty: a bucket's root)."""
+    if not is_s3(url):
+        raise InputError(f"{url!r} is not an s3:// URL")
+    bucket, _, key = str(url)[len(SCHEME):].partition("/")
+    if not _BUCKET.match(bucket):
+        raise InputError(f"{url!r}: {bucket!r} is not a bucket name")
+    return bucket, key
+
+
+def join_s3(base: str, name: str) -> str:
+    """``s3://bucket/prefix`` + ``train-000000.tar``; ``name`` is a checked relative shard name."""
+    return base.rstrip("/") + "/" + name
+
+
+# -- the client -------------------------------------------------------------------------------------------------------
+def _botocore():
+    try:
+        import boto3
+        import botocore.config
+        import botocore.exceptions
+    except ImportError:
+        raise InputError(f"s3:// locations need boto3: {EXTRA_HINT}") from None
+    return boto3, botocore
+
+
+_clients: dict[tuple[int, S3Options], Any] = {}
+_clients_lock = threading.Lock()
+
+
+def make_client(options: S3Options | None = None) -> Any:
+    """The boto3 S3 client for ``options`` in this process (made once; a forked worker makes its own)."""
+    options = options if options is not None else S3Options()
+    key = (os.getpid(), options)
+    client = _clients.get(key)
+    if client is not None:
+        return client
+    boto3, botocore = _botocore()
+    for name in ("botocore", "boto3", "urllib3"):  # their INFO lines ("Found credentials in ...") are noise here
+        if logging.getLogger(name).level == logging.NOTSET:
+            logging.getLogger(name).setLevel(logging.WARNING)
+    with _clients_lock:
+        client = _clients.get(key)
+        if client is None:
+            config = botocore.config.Config(
+                signature_version=botocore.UNSIGNED if options.unsigned else None,
+                connect_timeout=options.connect_timeout_s, read_timeout=options.read_timeout_s,
+                retries={"total_max_attempts": 1, "mode": "standard"},  # this module retries, resuming bodies
+                max_pool_connections=MAX_POOL_CONNECTIONS)
+            try:
+                session = boto3.session.Session(profile_name=options.profile, region_name=options.region)
+                client = session.client("s3", endpoint_url=options.endpoint_url, config=config)
+            except botocore.exceptions.ProfileNotFound as exc:
+                raise InputError(f"AWS profile {options.profile!r} not found ({exc})") from None
+            except botocore.exceptions.BotoCoreError as exc:
+                raise InputError(f"cannot configure the S3 client: {_one_line(exc)}") from None
+            for stale in [k for k in _clients if k[0] != key[0]]:
+                del _clients[stale]  # inherited from the parent across fork: never used here
+            _clients[key] = client
+    return client
+
+
+# -- counters ---------------------------------------------------------------------------------------------------------
+class FetchStats:
+    """Bytes received and GET/HEAD requests sent by this process (or, after ``share()``, by it and its forks)."""
+
+    def __init__(self) -> None:
+        self._bytes: Any = None
+        self._requests: Any = None
+        self._local = [0, 0]
+
+    def share(self) -> None:
+        import multiprocessing
+
+        self._bytes = multiprocessing.Value("q", self._local[0])
+        self._requests = multiprocessing.Value("q", self._local[1])
+
+    def add(self, nbytes: int = 0, requests: int = 0) -> None:
+        if self._bytes is None:
+            self._local[0] += nbytes
+            self._local[1] += requests
+            return
+        if nbytes:
+            with self._bytes.get_lock():
+                self._bytes.value += nbytes
+        if requests:
+            with self._requests.get_lock():
+                self._requests.value += requests
+
+    @property
+    def bytes(self) -> int:
+        return self._local[0] if self._bytes is None else self._bytes.value
+
+    @property
+    def requests(self) -> int:
+        return self._local[1] if self._requests is None else self._requests.value
+
+    def reset(self) -> None:
+        self._local = [0, 0]
+        if self._bytes is not None:
+            self._bytes.value = 0
+            self._requests.value = 0
+
+
+FETCH_STATS = FetchStats()
+
+
+def share_stats() -> None:
+    """Count the bytes of DataLoader workers (forked after this call) in ``FETCH_STATS`` too."""
+    FETCH_STATS.share()
+
+
+# -- errors -----------------------------------------------------------------------------------------------------------
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _status_and_code(exc: BaseException) -> tuple[int | None, str]:
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return None, ""
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return status, str(response.get("Error", {}).get("Code", ""))
+
+
+def _final_error(exc: BaseException, url: str) -> Exception | None:
+    """The typed error for a failure that retrying cannot fix, else None (retry)."""
+    _, botocore = _botocore()
+    if isinstance(exc, botocore.exceptions.NoCredentialsError):
+        return InputError("no AWS credentials found (environment, ~/.aws/credentials or a profile); for a public "
+                          "bucket use unsigned access (--s3-unsigned, storage_options={'unsigned': True})", path=url)
+    if isinstance(exc, botocore.exceptions.ClientError):
+        status, code = _status_and_code(exc)
+        if code in _DENIED or status == 403:
+            return S3AccessDenied(f"access denied (HTTP 403 {code or 'Forbidden'}); check the credentials, profile "
+                                  "and endpoint, or --s3-unsigned for a public bucket", path=url)
+        if code in _MISSING or status == 404:
+            return MissingInputError(f"not found (HTTP 404 {code or 'NotFound'})", path=url)
+        if status == 416 or code == "InvalidRange":
+            return CorruptDataError("the object is shorter than the manifest says (HTTP 416)", path=url)
+        if status is not None and status < 500 and status not in (408, 429) and code not in (
+                "SlowDown", "RequestTimeout", "Throttling", "ThrottlingException", "RequestTimeTooSkewed"):
+            return CorruptDataError(f"HTTP {status} {code}: {_one_line(exc)}", path=url)
+        return None
+    if isinstance(exc, (botocore.exceptions.ParamValidationError, botocore.exceptions.NoRegionError)):
+        return InputError(f"bad S3 request: {_one_line(exc)}", path=url)
+    return None
+
+
+def _retryable_types() -> tuple[type[BaseException], ...]:
+    _, botocore = _botocore()
+    import urllib3.exceptions
+
+    return (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, urllib3.exceptions.HTTPError, OSError)
+
+
+def _backoff(attempt: int) -> float:
+    return random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** attempt))
+
+
+# -- reads ------------------------------------------------------------------------------------------------------------
+class RangeReader(io.RawIOBase):
+    """Bytes ``[start, stop)`` of one object (``stop=None``: to its end), fetched lazily by ranged GETs.
+
+    ``read(n)`` returns ``n`` bytes unless the range ends first. A failed request or a body that breaks is retried
+    from the current byte (see the module docstring); ``where`` names the shard in errors when the URL alone does
+    not. An object shorter than ``stop`` is a ``CorruptDataError``.
+    """
+
+    def __init__(self, url: str, start: int = 0, stop: int | None = None, options: S3Options | None = None):
+        super().__init__()
+        self.url = url
+        self.bucket, self.key = parse_s3_url(url)
+        self.options = options if options is not None else S3Options()
+        self.client = make_client(self.options)
+        self.position = start
+        self.stop = stop
+        self.size: int | None = None  # the object's size, once a response said it
+        self._body: Any = None
+        self._body_stop = start  # the body in flight covers [position, _body_stop)
+        self._retryable = _retryable_types()
+
+    def readable(self) -> bool:
+        return True
+
+    def _end(self) -> int | None:
+        return self.stop if self.stop is not None else self.size
+
+    def _request(self) -> None:
+        """One GET for ``[position, min(end, position + RANGE_CHUNK))``."""
+        end = self._end()
+        chunk_stop = self.position + RANGE_CHUNK if end is None else min(end, self.position + RANGE_CHUNK)
+        FETCH_STATS.add(requests=1)
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=self.key,
+                                              Range=f"bytes={self.position}-{chunk_stop - 1}")
+        except _botocore()[1].exceptions.ClientError as exc:
+            if end is None and _status_and_code(exc)[0] == 416:  # reading to the end, and already there
+                self.size, self._body_stop = self.position, self.position
+                return
+            raise
+        total = str(response.get("ContentRange", "")).rpartition("/")[2]
+        if total.isdigit():
+            self.size = int(total)
+        length = int(response.get("ContentLength", 0))
+        if self.stop is not None and self.size is not None and self.size < self.stop:
+            response["Body"].close()
+            raise CorruptDataError(f"object is {self.size} bytes, expected at least {self.stop} (truncated or "
+                                   "replaced)", path=self.url)
+        self._body = response["Body"]
+        self._body_stop = self.position + length
+
+    def _close_body(self) -> None:
+        if self._body is not None:
+            try:
+                self._body.close()
+            except Exception:  # noqa: BLE001 (a broken connection may fail to close; it is dropped either way)
+                pass
+            self._body = None
+
+    def _read_some(self, size: int) -> bytes:
+        """Up to ``size`` bytes from the body in flight, opening the next GET when one is needed."""
+        if self._body is None or self.position >= self._body_stop:
+            self._close_body()
+            self._request()
+            if self._body_stop <= self.position:  # an empty object, or the end was reached
+                return b""
+        wanted = min(size, self._body_stop - self.position)
+        # read1 on the urllib3 response returns what has arrived, so a body that breaks keeps every byte received
+        # and the retry asks for the rest from exactly there; StreamingBody.read would drop a partial read.
+        raw = getattr(self._body, "_raw_stream", None)
+        read1 = getattr(raw, "read1", None)
+        data = read1(wanted) if read1 is not None else self._body.read(min(wanted, 1 << 18))
+        if not data:
+            raise ConnectionResetError(f"body ended at byte {self.position}, expected up to {self._body_stop}")
+        return data
+
+    def read(self, size: int = -1) -> bytes:
+        end = self._end()
+        if size is None or size < 0:
+            parts = []
+            while chunk := self.read(RANGE_CHUNK):
+                parts.append(chunk)
+            return b"".join(parts)
+        if end is not None:
+            size = min(size, end - self.position)
+        parts, wanted = [], size
+        attempt = 0
+        while wanted > 0:
+            try:
+                data = self._read_some(wanted)
+            except self._retryable as exc:
+                self._close_body()
+                final = _final_error(exc, self.url)
+                if final is not None:
+                    raise final from None
+                attempt += 1
+                if attempt >= self.options.max_attempts:
+                    raise CorruptDataError(f"gave up after {attempt} attempts at byte {self.position}; last cause: "
+                                           f"{type(exc).__name__}: {_one_line(exc)}", path=self.url) from None
+                delay = _backoff(attempt - 1)
+                log.debug("S3 read of %s failed at byte %d (%s); retry %d in %.2fs", self.url, self.position,
+                          type(exc).__name__, attempt, delay)
+                time.sleep(delay)
+                continue
+            if not data:
+                break
+            attempt = 0  # progress: a later failure gets a fresh set of attempts
+            FETCH_STATS.add(nbytes=len(data))
+            self.position += len(data)
+            wanted -= len(data)
+            parts.append(data)
+            end = self._end()
+            if end is not None and self.position >= end:
+                break
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self._close_body()
+        super().close()
+
+
+def open_range(url: str, start: int = 0, stop: int | None = None, options: S3Options | None = None) -> RangeReader:
+    """A stream of bytes ``[start, stop)`` of ``url`` (``stop=None``: to the end); see ``RangeReader``."""
+    return RangeReader(url, start, stop, options)
+
+
+def _with_retries(url: str, options: S3Options, call: Any) -> Any:
+    retryable = _retryable_types()
+    for attempt in range(options.max_attempts):
+        try:
+            FETCH_STATS.add(requests=1)
+            return call()
+        except retryable as exc:
+            final = _final_error(exc, url)
+            if final is not None:
+                raise final from None
+            if attempt + 1 >= options.max_attempts:
+                raise CorruptDataError(f"gave up after {attempt + 1} attempts; last cause: {type(exc).__name__}: "
+                                       f"{_one_line(exc)}", path=url) from None
+            time.sleep(_backoff(attempt))
+    raise AssertionError("unreachable")
+
+
+def head_object(url: str, options: S3Options | None = None) -> tuple[int, dict[str, str]]:
+    """``(size, user metadata)`` of an object."""
+    options = options if options is not None else S3Options()
+    bucket, key = parse_s3_url(url)
+    client = make_client(options)
+    response = _with_retries(url, options, lambda: client.head_object(Bucket=bucket, Key=key))
+    return int(response["ContentLength"]), dict(response.get("Metadata", {}))
+
+
+def read_object(url: str, options: S3Options | None = None) -> bytes:
+    """The whole object (ranged GETs, retried and resumed like ``open_range``)."""
+    with open_range(url, 0, None, options) as stream:
+        return stream.read()
+
+
+def iter_chunks(url: str, options: S3Options | None = None, chunk: int = 1 << 20) -> Iterator[bytes]:
+    """The object in pieces of ``chunk`` bytes (streaming a whole shard: hashing, verifying)."""
+    with open_range(url, 0, None, options) as stream:
+        while data := stream.read(chunk):
+            yield data

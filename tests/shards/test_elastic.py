@@ -1,0 +1,205 @@
+"""Elastic resume: a state saved with another worker count, world size or batch size continues its epoch with exactly
+the samples the interrupted run had not yet yielded, once each, in equal shares; later epochs follow the new plan."""
+
+import collections
+
+import pytest
+
+import shards
+from tests.helpers import make_shard_dataset
+from tests.shards.stream_helpers import write_feature_dataset
+
+SIZES = {"train": [7, 5, 9, 3, 6, 4, 8]}  # 42 samples, 7 shards
+ALL_KEYS = {f"train_{i:05d}" for i in range(42)}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    out = tmp_path_factory.mktemp("elastic")
+    make_shard_dataset(out, shard_sizes=SIZES, size=(8, 8))
+    return out
+
+
+def build(folder, workers, *, rank=0, world=1, batch=4, drop_last=False, **options):
+    dataset = shards.open_dataset(folder, return_keys=True, seed=3, rank=rank, world_size=world,
+                                  decode=shards.Decode(decoder=lambda sample, seed: 0),
+                                  sampling=shards.Sampling(shuffle_buffer=6), **options)
+    return shards.make_loader(dataset, batch_size=batch, num_workers=workers, drop_last=drop_last,
+                              persistent_workers=False)
+
+
+def keys(loader_or_batches):
+    return [key for batch in loader_or_batches for key in batch[2]]
+
+
+def interrupted(loader, batches):
+    """The keys of the first ``batches`` batches and the state saved after them."""
+    iterator = iter(loader)
+    head = keys(next(iterator) for _ in range(batches))
+    state = loader.state_dict()
+    del iterator
+    return head, state
+
+
+@pytest.mark.parametrize("new_workers", [1, 3])
+@pytest.mark.parametrize("taken", [1, 4, 9])
+def test_two_workers_to_another_count_yields_exactly_the_missing_keys(folder, new_workers, taken):
+    head, state = interrupted(build(folder, 2), taken)
+    resumed = build(folder, new_workers)
+    resumed.load_state_dict(state)
+    batches = list(resumed)
+    rest = keys(batches)
+    assert len(rest) == len(set(rest)) and set(rest) == ALL_KEYS - set(head)
+    assert len(resumed) == taken + len(batches)  # the epoch's batch count, those before the resume included
+    assert sum(1 for batch in batches if len(batch[2]) < 4) <= 1  # whole batches: one partial at most
+
+
+def test_with_drop_last_only_the_last_partial_batch_is_left_out(folder):
+    head, state = interrupted(build(folder, 2, drop_last=True), 3)
+    for workers in (1, 3):
+        resumed = build(folder, workers, drop_last=True)
+        resumed.load_state_dict(state)
+        rest = keys(resumed)
+        assert len(rest) == len(set(rest)) and not set(rest) & set(head)
+        assert len(ALL_KEYS - set(head) - set(rest)) < 4  # fewer than batch_size samples left out per rank
+        assert len(rest) % 4 == 0
+
+
+def test_world_size_two_to_three(folder):
+    heads, states = [], []
+    for rank in range(2):
+        head, state = interrupted(build(folder, 2, rank=rank, world=2), 3)  # every rank: 3 batches
+        heads += head
+        states.append(state)
+    assert states[0] == states[1]  # the state does not depend on the rank
+    missing = ALL_KEYS - set(heads)
+    per_rank = []
+    for rank in range(3):
+        resumed = build(folder, 0 if rank else 2, rank=rank, world=3)  # the worker count may change too
+        resumed.load_state_dict(states[0])
+        per_rank.append(keys(resumed))
+    assert len({len(rest) for rest in per_rank}) == 1  # equal counts: no DDP hang
+    everything = [key for rest in per_rank for key in rest]
+    assert set(everything) == missing
+    padded = len(everything) - len(missing)  # repeats of the remainder's first samples, as for a whole epoch
+    assert 0 <= padded < 3 and collections.Counter(everything).most_common(1)[0][1] <= 2
+
+
+def test_world_size_three_to_two_with_dataset_drop_last(folder):
+    heads, state = [], None
+    for rank in range(3):
+        head, state = interrupted(build(folder, 1, rank=rank, world=3, drop_last=False), 2)
+        heads += head
+    missing = ALL_KEYS - set(heads)
+    everything = []
+    for rank in range(2):
+        dataset_options = {"drop_last": True}  # the dataset's: equal shares by leaving samples out
+        dataset = shards.open_dataset(folder, return_keys=True, seed=3, rank=rank, world_size=2,
+                                      decode=shards.Decode(decoder=lambda sample, seed: 0),
+                                      sampling=shards.Sampling(shuffle_buffer=6), **dataset_options)
+        resumed = shards.make_loader(dataset, batch_size=4, num_workers=0, drop_last=False)
+        with pytest.raises(shards.errors.InputError, match="sampling"):
+            resumed.load_state_dict(state)  # the dataset's drop_last changes the epoch: refused
+        resumed = build(folder, 0, rank=rank, world=2)
+        resumed.load_state_dict(state)
+        everything += keys(resumed)
+    assert set(everything) == missing and len(everything) == len(missing) + len(missing) % 2
+
+
+def test_a_continued_epoch_resumes_again_in_any_layout(folder):
+    head, state = interrupted(build(folder, 2), 3)
+    second = build(folder, 3)
+    second.load_state_dict(state)
+    full_rest = [list(batch[2]) for batch in second]
+
+    again = build(folder, 3)
+    again.load_state_dict(state)
+    middle, state2 = interrupted(again, 2)
+    assert state2["prior"]["num_workers"] == 2 and state2["batches"] == 5
+    same = build(folder, 3)  # the same layout as the continued epoch: bitwise exact, same order
+    same.load_state_dict(state2)
+    assert full_rest[:2] == [middle[:4], middle[4:]]
+    assert [list(batch[2]) for batch in same] == full_rest[2:]
+
+    other = build(folder, 1)  # and another layout again: the two-link chain is replayed
+    other.load_state_dict(state2)
+    rest = keys(other)
+    assert len(rest) == len(set(rest)) and set(rest) == ALL_KEYS - set(head) - set(middle)
+
+
+def test_later_epochs_follow_the_new_layouts_plan(folder):
+    _, state = interrupted(build(folder, 2), 2)
+    resumed = build(folder, 3)
+    resumed.load_state_dict(state)
+    list(resumed)
+    resumed.set_epoch(1)
+    fresh = build(folder, 3)
+    fresh.set_epoch(1)
+    assert keys(resumed) == keys(fresh) and len(resumed) == len(fresh)
+
+
+def test_another_batch_size_also_continues_the_epoch(folder):
+    head, state = interrupted(build(folder, 2, batch=4), 3)
+    resumed = build(folder, 2, batch=5)
+    resumed.load_state_dict(state)
+    rest = keys(resumed)
+    assert len(rest) == len(set(rest)) and set(rest) == ALL_KEYS - set(head)
+
+
+def test_class_weighted_sampling_resumes_in_the_same_layout_only(folder):
+    weights = shards.Sampling(class_weights="balanced", weight_window=8)
+
+    def loader(workers):
+        dataset = shards.open_dataset(folder, return_keys=True, seed=3, sampling=weights,
+                                      decode=shards.Decode(decoder=lambda sample, seed: 0))
+        return shards.make_loader(dataset, batch_size=4, num_workers=workers, drop_last=False,
+                                  persistent_workers=False)
+
+    _, state = interrupted(loader(2), 2)
+    with pytest.raises(shards.errors.InputError, match="class-weighted") as caught:
+        loader(1).load_state_dict(state)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_state_without_progress_starts_the_new_layouts_epoch(folder):
+    state = build(folder, 2).state_dict()
+    resumed = build(folder, 3)
+    resumed.load_state_dict(state)
+    assert keys(resumed) == keys(build(folder, 3))
+
+
+def test_feature_batches_across_world_sizes(tmp_path):
+    write_feature_dataset(tmp_path, [5, 7, 4, 9])  # 25 rows; the first feature is the row number
+
+    def loader(rank, world):
+        return shards.make_loader(shards.open_dataset(tmp_path, seed=5, rank=rank, world_size=world),
+                                  batch_size=3, drop_last=False)
+
+    head = []
+    state = None
+    for rank in range(2):
+        old = loader(rank, 2)
+        iterator = iter(old)
+        head += [int(r) for _ in range(2) for r in next(iterator)[0][:, 0].tolist()]
+        state = old.state_dict()
+    per_rank = []
+    for rank in range(3):
+        resumed = loader(rank, 3)
+        resumed.load_state_dict(state)
+        rows = [int(r) for batch in resumed for r in batch[0][:, 0].tolist()]
+        assert len(resumed) == 2 + -(-len(rows) // 3)
+        per_rank.append(rows)
+    assert len({len(rows) for rows in per_rank}) == 1
+    everything = [r for rows in per_rank for r in rows]
+    assert set(everything) == set(range(25)) - set(head) and len(everything) - len(set(everything)) < 3
+
+
+def test_persistent_workers_started_before_the_load_read_the_remainder(folder):
+    head, state = interrupted(build(folder, 2), 3)
+    dataset = shards.open_dataset(folder, return_keys=True, seed=3, decode=shards.Decode(decoder=lambda s, seed: 0),
+                                  sampling=shards.Sampling(shuffle_buffer=6))
+    loader = shards.make_loader(dataset, batch_size=4, num_workers=1, drop_last=False, persistent_workers=True)
+    assert set(keys(loader)) == ALL_KEYS  # the workers are running now
+    loader.load_state_dict(state)
+    rest = keys(loader)
+    assert len(rest) == len(set(rest)) and set(rest) == ALL_KEYS - set(head)
