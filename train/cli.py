@@ -6,7 +6,7 @@ import os
 
 import click
 
-from shards.cli.common import emit_json, handle_errors, quiet_option, s3_options
+from shards.cli.common import cache_options, emit_json, handle_errors, quiet_option, s3_options
 from shards.stream.options import PIPELINES
 from train.config import DATA_KINDS, DEFAULT_PIPELINE, DEVICES, HEADS, OPTIMIZERS, TrainConfig
 
@@ -55,6 +55,7 @@ from train.config import DATA_KINDS, DEFAULT_PIPELINE, DEVICES, HEADS, OPTIMIZER
 @click.option("--stop-after-steps", type=int, default=None, hidden=True,
               help="Testing and profiling: return after N steps as if killed (nothing more is written).")
 @s3_options
+@cache_options
 @quiet_option
 @handle_errors
 def train_command(path: str, out_dir: str, data: str, head: str, hidden_dim: int, dropout: float, model: str,
@@ -63,7 +64,7 @@ def train_command(path: str, out_dir: str, data: str, head: str, hidden_dim: int
                   weight_decay: float, label_smoothing: float, class_weighted_loss: bool, balanced_sampler: bool,
                   seed: int, workers: int | None, prefetch: int, amp: bool, device: str, train_split: str,
                   val_split: str, checkpoint_every: int, resume: bool, dry_run: bool, overwrite: bool,
-                  stop_after_steps: int | None, quiet: bool, s3) -> None:
+                  stop_after_steps: int | None, quiet: bool, s3, cache) -> None:
     """Train a classifier from image shards (dataset.json) or cached features (features.json) in PATH.
 
     Prints one JSON line with val_top1, data_wait_share and run_dir. Under torchrun, every process runs this
@@ -82,7 +83,10 @@ def train_command(path: str, out_dir: str, data: str, head: str, hidden_dim: int
         workers=workers, prefetch=prefetch, amp=amp, device=device, train_split=train_split, val_split=val_split,
         checkpoint_every=checkpoint_every, resume=resume, overwrite=overwrite, dry_run=dry_run, quiet=quiet,
         stop_after_steps=stop_after_steps,
-        storage_options=s3.to_dict() if path.startswith("s3://") else None)
+        storage_options=s3.to_dict() if path.startswith("s3://") else None,
+        cache_dir=None if cache is None else os.path.abspath(cache.dir),
+        cache_limit=None if cache is None else cache.limit,
+        cache_fallback=cache is not None and cache.fallback, cache_local=cache is not None and bool(cache.local))
     summary = train(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
         emit_json(summary)

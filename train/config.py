@@ -27,7 +27,7 @@ DEFAULT_LR = {"sgd": 0.1, "adamw": 1e-3}
 # epoch with exactly the samples it had left, see shards.stream.elastic).
 RESUMABLE_CHANGES = frozenset(
     {"epochs", "resume", "overwrite", "quiet", "dry_run", "checkpoint_every", "stop_after_steps", "device",
-     "storage_options", "workers"}
+     "storage_options", "workers", "cache_dir", "cache_limit", "cache_fallback", "cache_local"}
 )
 
 
@@ -73,6 +73,13 @@ class TrainConfig:
     stop_after_steps: int | None = None
     # How to reach an s3:// data_path (shards.formats.s3.S3Options fields; never credentials).
     storage_options: dict | None = None
+    # The node-local shard cache (shards.stream.cached_shards): a folder on this node's local disk, its size limit
+    # in bytes, whether a full disk falls back to the source, whether local paths are cached too. Steering only:
+    # a requeued run may use another node's folder.
+    cache_dir: str | None = None
+    cache_limit: int | None = None
+    cache_fallback: bool = False
+    cache_local: bool = False
 
     def __post_init__(self) -> None:
         _choice("data", self.data, DATA_KINDS)

@@ -29,10 +29,14 @@ from shards.manifest import (
 from shards.image.fast import Normalize
 from shards.image.transforms import TransformSpec
 from shards.stream.options import Decode, Remote, Sampling
+from shards.units import human_bytes
 from train.config import TrainConfig
 from train.distributed import DistContext
 
 log = logging.getLogger("shardcache.train")
+# The node-cache counters a run reports per epoch (summed over ranks): metrics.jsonl's cache_hit_rate and
+# fetched_bytes come from these.
+CACHE_COUNTERS = ("hits", "misses", "fetched_bytes", "served_bytes", "refetches", "evictions", "bypasses")
 
 
 @dataclass
@@ -55,6 +59,14 @@ class RunData:
     @property
     def features_dim(self) -> int | None:
         return self.manifest.features_dim if self.kind == "features" else None
+
+    def cache_counts(self) -> dict[str, int] | None:
+        """This rank's node-cache counters (train and val readers together, all epochs so far), or None."""
+        caches = [getattr(loader.dataset, "shard_cache", None) for loader in (self.train_loader, self.val_loader)]
+        snapshots = [cache.stats.snapshot() for cache in caches if cache is not None]
+        if not snapshots:
+            return None
+        return {name: sum(int(s[name]) for s in snapshots) for name in CACHE_COUNTERS}
 
     def train_class_counts(self, split: str) -> list[int]:
         return list(self.manifest.split(split).class_counts)
@@ -126,11 +138,14 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
         eval_spec = TransformSpec(preset="eval", size=cfg.image_size)
         decode = Decode(pipeline=cfg.pipeline, draft=cfg.fast_decode)
     sampling = Sampling(class_weights="balanced") if cfg.balanced_sampler else Sampling()
-    remote = Remote(storage_options=cfg.storage_options)
+    remote = Remote(storage_options=cfg.storage_options, cache_fallback=cfg.cache_fallback,
+                    cache_local=True if cfg.cache_local else None)
+    cache = {"cache_dir": cfg.cache_dir, "cache_limit": cfg.cache_limit} if cfg.cache_dir else {}
     train_set = shards.open_dataset(cfg.data_path, cfg.train_split, transform=train_spec, seed=cfg.seed, shuffle=True,
-                                    rank=rank, world_size=world, sampling=sampling, decode=decode, remote=remote)
+                                    rank=rank, world_size=world, sampling=sampling, decode=decode, remote=remote,
+                                    affinity_nodes=affinity_nodes(cfg, manifest, ctx), **cache)
     val_set = shards.open_dataset(cfg.data_path, cfg.val_split, transform=eval_spec, seed=cfg.seed, shuffle=False,
-                                  rank=rank, world_size=world, decode=decode, remote=remote)
+                                  rank=rank, world_size=world, decode=decode, remote=remote, **cache)
     train_loader = _loader(train_set, cfg, ctx, drop_last=True)
     val_loader = _loader(val_set, cfg, ctx, drop_last=False)
     if len(train_loader) == 0:
@@ -141,6 +156,21 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
     if kind == "images" and cfg.pipeline == "fast":
         normalize = Normalize(eval_spec.mean, eval_spec.std, channels_last=ctx.device.type == "cuda").to(ctx.device)
     return RunData(kind, manifest, train_loader, val_loader, workers, eval_spec, normalize)
+
+
+def affinity_nodes(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ctx: DistContext) -> int | None:
+    """Keep shards on the same node from epoch to epoch (``shards.stream.plan``'s node affinity) exactly when the
+    run has several nodes and a node's cache cannot hold the train split: then a global shuffle would make the
+    caches miss every epoch; otherwise it costs shuffle quality for nothing."""
+    if not cfg.cache_dir or cfg.cache_limit is None or ctx.nodes <= 1:
+        return None
+    split_bytes = sum(s.bytes for s in manifest.splits[cfg.train_split].shards)
+    if split_bytes <= cfg.cache_limit:
+        return None
+    if ctx.is_main:
+        log.info("the train split (%s) exceeds --cache-limit (%s): shards keep to their node across epochs "
+                 "(node affinity over %d nodes)", human_bytes(split_bytes), human_bytes(cfg.cache_limit), ctx.nodes)
+    return ctx.nodes
 
 
 def _loader(dataset: Any, cfg: TrainConfig, ctx: DistContext, *, drop_last: bool) -> Any:

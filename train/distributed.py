@@ -28,6 +28,13 @@ class DistContext:
     local_rank: int
     device: torch.device
     owns_group: bool  # we initialised the process group, so we tear it down
+    local_world_size: int = 1  # processes on this node (torchrun's LOCAL_WORLD_SIZE)
+
+    @property
+    def nodes(self) -> int:
+        """Nodes of the job, as torchrun numbers ranks (each node's ranks contiguous); 1 when it cannot tell."""
+        local = max(1, self.local_world_size)
+        return self.world_size // local if self.world_size % local == 0 else 1
 
     @property
     def is_main(self) -> bool:
@@ -52,7 +59,8 @@ def setup_distributed(requested_device: str, env: Mapping[str, str] | None = Non
     local_rank = int(env.get("LOCAL_RANK", "0"))
     if dist.is_available() and dist.is_initialized():
         device = resolve_device(requested_device, local_rank)
-        return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device, owns_group=False)
+        return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device, owns_group=False,
+                           local_world_size=int(env.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
     world_size = int(env.get("WORLD_SIZE", "1"))
     device = resolve_device(requested_device, local_rank)
     if world_size <= 1:
@@ -62,7 +70,8 @@ def setup_distributed(requested_device: str, env: Mapping[str, str] | None = Non
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, init_method="env://")
     log.info("rank %d of %d on %s (%s)", dist.get_rank(), world_size, device, backend)
-    return DistContext(dist.get_rank(), world_size, local_rank, device, owns_group=True)
+    return DistContext(dist.get_rank(), world_size, local_rank, device, owns_group=True,
+                       local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)))
 
 
 def wrap_model(model: nn.Module, ctx: DistContext) -> nn.Module:

@@ -17,13 +17,14 @@ from torch import nn
 from train import run_dir as rd
 from train.checkpoint import capture_rng_state, copy_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
 from train.config import TrainConfig
-from train.data import RunData, build_data, describe_batch, prepare_manifest
+from train.data import CACHE_COUNTERS, RunData, build_data, describe_batch, prepare_manifest
 from train.distributed import DistContext, setup_distributed, wrap_model
 from train.epoch import StepContext, TrainState, evaluate, run_train_epoch
 from train.meter import wait_advice
 from train.models import build_head, build_image_model, check_image_model
 from train.optim import build_optimizer, build_scheduler
 from train.plot import plot_curves
+from shards.units import human_bytes
 from train.prefetch import ThreadPrefetcher
 
 log = logging.getLogger("shardcache.train")
@@ -99,6 +100,7 @@ class Run:
             if cfg.class_weighted_loss else None
         self.loss_fn = nn.CrossEntropyLoss(weight=weight, label_smoothing=cfg.label_smoothing)
         self.state = TrainState()
+        self._cache_before: dict[str, int] = {}  # node-cache counters at the last epoch's end (cache_row)
         if self.plan.resume_from is not None:
             self.restore(load_checkpoint(self.plan.resume_from))
         self.ddp_model = wrap_model(self.model, self.ctx)
@@ -179,6 +181,7 @@ class Run:
         row = {"epoch": state.epoch + 1, "step": state.step, "lr": self.optimizer.param_groups[0]["lr"],
                "train_loss": float(train_sums[0] / train_sums[2]), "train_top1": float(train_sums[1] / train_sums[2]),
                "samples_per_s": samples_per_s, "data_wait_share": wait_share, "epoch_time_s": meter.wall_s, **val}
+        row.update(self.cache_row())
         if len(self.data.classes) > CONFUSION_IN_METRICS_MAX_CLASSES:
             row.pop("val_confusion")
         state.history.append(row)
@@ -192,6 +195,22 @@ class Run:
         self.ctx.barrier()
         return row
 
+    def cache_row(self) -> dict[str, Any]:
+        """This epoch's node-cache counters over all ranks: ``cache_hit_rate`` (shards served from a node's cache
+        without fetching, of all shard reads through it) and ``fetched_bytes`` (bytes fetched from the source)."""
+        counts = self.data.cache_counts()
+        if counts is None:
+            return {}
+        totals = torch.tensor([counts[name] for name in CACHE_COUNTERS], dtype=torch.float64, device=self.ctx.device)
+        if self.ctx.distributed:
+            torch.distributed.all_reduce(totals)
+        now = dict(zip(CACHE_COUNTERS, (int(v) for v in totals.tolist())))
+        epoch = {name: now[name] - self._cache_before.get(name, 0) for name in CACHE_COUNTERS}
+        self._cache_before = now
+        lookups = epoch["hits"] + epoch["misses"]
+        return {"cache_hit_rate": epoch["hits"] / lookups if lookups else None, "fetched_bytes": epoch["fetched_bytes"],
+                "cache": epoch}
+
     def write_epoch_files(self, row: dict[str, Any], improved: bool) -> None:
         rd.write_metrics(self.plan.path(rd.METRICS_FILE), self.state.history)
         plot_curves(self.state.history, self.plan.path(rd.CURVES_FILE))
@@ -204,6 +223,11 @@ class Run:
         log.info("epoch %d/%d: train_loss %.4f, val_loss %.4f, val_top1 %.2f%%%s | %.0f samples/s, data wait %.1f%%",
                  row["epoch"], self.cfg.epochs, row["train_loss"], row["val_loss"], 100 * row["val_top1"], top5,
                  row["samples_per_s"], 100 * row["data_wait_share"])
+        if "cache" in row:
+            rate = row["cache_hit_rate"]
+            log.info("node cache: hit rate %s, fetched %s, served %s from the cache",
+                     "n/a" if rate is None else f"{rate:.0%}", human_bytes(row["fetched_bytes"]),
+                     human_bytes(row["cache"]["served_bytes"]))
         advice = wait_advice(row["data_wait_share"], data_kind=self.data.kind, workers=self.data.workers)
         if advice:
             log.warning(advice)
@@ -226,7 +250,8 @@ class Run:
         save_checkpoint(self.plan.path(rd.MODEL_FILE), payload)
 
     def summary(self, row: dict[str, Any], *, stopped: bool) -> dict[str, Any]:
-        keep = ("epoch", "train_loss", "val_loss", "val_top1", "val_top5", "samples_per_s", "data_wait_share")
+        keep = ("epoch", "train_loss", "val_loss", "val_top1", "val_top5", "samples_per_s", "data_wait_share",
+                "cache_hit_rate", "fetched_bytes")
         out = {k: row.get(k) for k in keep if k in row}
         out.update({"run_dir": str(self.plan.folder), "data": self.data.kind, "classes": len(self.data.classes),
                     "best_val_top1": self.state.best_val_top1 if self.state.history else None,

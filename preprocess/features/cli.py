@@ -11,7 +11,7 @@ from shards.image.options import INTERPOLATIONS
 from preprocess.features.featurize import AMP_MODES, DTYPES, FeatureConfig, merge_features, run_precompute
 from preprocess.pack.cli import stage_root
 from preprocess.staging import features_spec, resolve_stage, run_staged
-from shards.cli.common import emit_json, handle_errors, quiet_option, s3_options, task_options
+from shards.cli.common import cache_options, emit_json, handle_errors, quiet_option, s3_options, task_options
 from shards.formats.s3 import S3Options, is_s3
 from shards.errors import InputError
 from shards.formats.features import FEATURE_SUFFIXES
@@ -63,6 +63,7 @@ def _triple(name: str, value: str | None) -> tuple[float, ...] | None:
                    "--num-tasks > 1, on a shared file system).")
 @task_options
 @s3_options
+@cache_options
 @quiet_option
 @handle_errors
 def precompute_features_command(data_dir: str | None, out_dir: Path | None, backbone: str, weights: str | None,
@@ -71,7 +72,7 @@ def precompute_features_command(data_dir: str | None, out_dir: Path | None, back
                                 device: str, amp: str, decode: str, batch_size: int, workers: int,
                                 splits: tuple[str, ...], overwrite: bool, merge_dir: Path | None,
                                 stage_dir: str | None, task_index: int, num_tasks: int, quiet: bool,
-                                s3: S3Options) -> None:
+                                s3: S3Options, cache) -> None:
     """Cache a frozen backbone's penultimate features of every image shard in DATA_DIR under --out.
 
     DATA_DIR and --out may be s3://bucket/prefix (the --s3-* options apply to both).
@@ -100,7 +101,8 @@ def precompute_features_command(data_dir: str | None, out_dir: Path | None, back
         resize=resize, crop=crop, mean=_triple("mean", mean), std=_triple("std", std), interpolation=interpolation,
         views=views, augment=augment, dtype=dtype, storage=storage, device=device, amp=amp, decode=decode,
         batch_size=batch_size, workers=workers, splits=tuple(splits) or None, task_index=task_index,
-        num_tasks=num_tasks, overwrite=overwrite, quiet=quiet, storage_options=s3 if is_s3(data_dir) else None)
+        num_tasks=num_tasks, overwrite=overwrite, quiet=quiet, storage_options=s3 if is_s3(data_dir) else None,
+        cache=cache)
     if staged is not None:
         _, summary = run_staged(staged, lambda stage: run_precompute(cfg), features_spec())
     else:

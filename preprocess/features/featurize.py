@@ -74,6 +74,7 @@ class FeatureConfig:
     overwrite: bool = False
     quiet: bool = False
     storage_options: Any = None  # S3Options (or a mapping of its fields) for an s3:// data_dir
+    cache: Any = None  # a shards.stream.cached_shards.CacheRequest: keep fetched image shards on this node's disk
 
     def __post_init__(self) -> None:
         check_local_output(self.out_dir)  # before Path(), which turns s3://b/x into s3:/b/x
@@ -215,7 +216,7 @@ def _featurize(cfg: FeatureConfig, jobs: list[ShardJob], storage: str, extractor
                spec: FeatureTransform, augment: AugmentSpec | None, digest: str) -> RunStats:
     stats = RunStats()
     dataset = ShardBatches(jobs, storage, batch_size=cfg.batch_size, spec=spec, augment=augment, decode=cfg.decode,
-                           storage_options=cfg.storage_options)
+                           storage_options=cfg.storage_options, shard_cache=_shard_cache(cfg))
     loader = make_loader(dataset, workers=cfg.workers, pin_memory=extractor.device.type == "cuda")
     by_index = {job.index: job for job in jobs}
     parts: dict[int, list[tuple]] = {job.index: [] for job in jobs}
@@ -353,3 +354,12 @@ def _merge_claimed(out_dir: Path, record: dict[str, Any], storage_options: Any =
         raise ShardcacheError(f"{len(missing)} of {len(jobs)} feature shards are missing or outdated "
                               f"(first: {missing[0].name}); run the remaining tasks first", path=str(out_dir))
     return manifest
+
+
+def _shard_cache(cfg: FeatureConfig) -> Any:
+    """The node-local shard cache for the image shards read, or None (see ``shards.stream.cached_shards``)."""
+    if cfg.cache is None:
+        return None
+    from shards.stream.cached_shards import CachedShards
+
+    return CachedShards(cfg.cache, cfg.storage_options)

@@ -53,9 +53,10 @@ class ShardBatches(IterableDataset):
     """Batches of one shard at a time; each worker takes every ``num_workers``-th job."""
 
     def __init__(self, jobs: list[ShardJob], storage: str, *, batch_size: int, spec: FeatureTransform,
-                 augment: AugmentSpec | None, decode: str, storage_options: Any = None):
+                 augment: AugmentSpec | None, decode: str, storage_options: Any = None, shard_cache: Any = None):
         super().__init__()
         self.storage_options = storage_options  # S3Options for s3:// jobs (picklable: no credentials)
+        self.shard_cache = shard_cache  # a CachedShards, or None: read every shard from its source
         self.jobs = jobs
         self.storage = storage
         self.batch_size = batch_size
@@ -66,7 +67,16 @@ class ShardBatches(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
-        for job in self.jobs[worker::workers]:
+        try:
+            yield from self._jobs(self.jobs[worker::workers])
+        finally:
+            if self.shard_cache is not None:
+                self.shard_cache.drop_prefetched()
+
+    def _jobs(self, mine: list[ShardJob]) -> Iterator[dict[str, Any]]:
+        for position, job in enumerate(mine):
+            if self.shard_cache is not None and position + 1 < len(mine):
+                self._prefetch(mine[position + 1])  # the next shard downloads while this one is decoded
             try:
                 yield from self._shard_batches(job)
             except _SampleError as exc:
@@ -80,11 +90,30 @@ class ShardBatches(IterableDataset):
                 yield {"job": job.index, "error": f"{type(exc).__name__}: {exc}", "key": None}
                 return
 
+    def _cacheable(self, job: ShardJob) -> bool:
+        return self.shard_cache is not None and job.bytes >= 0 and self.shard_cache.cached(job.path)
+
+    def _prefetch(self, job: ShardJob) -> None:
+        if self._cacheable(job):
+            self.shard_cache.prefetch(job.path, job.sha256, job.bytes)
+
     def _shard_batches(self, job: ShardJob) -> Iterator[dict[str, Any]]:
+        lease = None
+        if self._cacheable(job):
+            lease = self.shard_cache.lease(job.path, job.sha256, job.bytes)  # checked against the manifest
+        try:
+            yield from self._read_batches(job, None if lease is None else str(lease.path))
+        finally:
+            if lease is not None:
+                lease.release()
+
+    def _read_batches(self, job: ShardJob, cached: str | None) -> Iterator[dict[str, Any]]:
         pending: list = []
-        remote = job.path.startswith("s3://")
+        remote = job.path.startswith("s3://") and cached is None
         stream = _HashingReader(job, self.storage_options) if remote and self.storage == "tar" else None
-        if stream is not None:
+        if cached is not None:
+            samples = get_storage(self.storage).read(cached)
+        elif stream is not None:
             from shards.formats.tarseek import iter_tar_stream
 
             samples = iter_tar_stream(io.BufferedReader(stream, 1 << 20), job.path)

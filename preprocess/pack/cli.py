@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from pathlib import Path
 
@@ -17,31 +16,13 @@ from preprocess.pack.parts import STATE_DIR, merge_parts, read_plan_doc
 from preprocess.staging import dataset_spec, resolve_stage, run_staged
 from shards.atomic import check_local_output
 from shards.lock import claim_output
-from shards.cli.common import emit_json, handle_errors, quiet_option, s3_options, task_options
+from shards.cli.common import ByteSize, emit_json, handle_errors, quiet_option, s3_options, task_options
 from shards.image.decode import DEFAULT_MAX_PIXELS
 from shards.errors import InputError
 from shards.formats.s3 import is_s3
 from shards.formats.storage import STORAGES
 
 log = logging.getLogger("shardcache.pack")
-_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-class ByteSize(click.ParamType):
-    """``268435456``, ``256M``, ``256MiB`` or ``1G`` (binary units)."""
-
-    name = "bytes"
-
-    def convert(self, value, param, ctx) -> int:
-        if isinstance(value, int):
-            return value
-        match = _SIZE.match(str(value))
-        if not match:
-            self.fail(f"{value!r} is not a size like 268435456, 256M or 1G", param, ctx)
-        unit = (match.group(2) or "").upper()[:1]
-        return int(match.group(1)) * _UNITS[unit]
-
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("source", required=False, type=click.Path(path_type=str))

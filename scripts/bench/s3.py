@@ -7,7 +7,7 @@ before every pass. Also: the bytes fetched from S3 per sample read (counted by `
 workers) against the bytes those samples occupy in their shards, and the raw GET throughput of the two S3 clients
 tried (boto3/botocore and obstore), whole shard objects, 2 at a time.
 
-    python scripts/bench/s3.py --repeat 3        # 1500 images (~150 MB), ~2 minutes on 2 cores
+    python scripts/bench/s3.py --repeat 3        # 3000 images (~300 MB), ~2 minutes on 2 cores
 
 The server is started on free loopback ports and stopped at the end. stdout: one JSON line; the table: stderr.
 """
@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -108,7 +109,7 @@ def raw_gets(bucket: str, keys: list[str], endpoint: str, repeat: int, drop) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--images", type=int, default=1500)
+    parser.add_argument("--images", type=int, default=3000)
     parser.add_argument("--per-shard", type=int, default=150)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64)
@@ -135,16 +136,24 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def server_cpu_share(server, passes: dict, names: tuple[str, ...], expected: int) -> dict[str, float]:
-    """How much of the 2 cores the S3 server itself burns during a pass: the CPU a real remote store would not
-    take from the workers, and the reason the S3/local ratios here understate what a node with a remote store sees."""
-    shares = {}
-    for name in names:
-        make, paths = passes[name]
-        before, started = process_cpu_s(server.process.pid), time.perf_counter()
+def client_cpu_s() -> float:
+    """User + system CPU seconds of this process and its finished children (the DataLoader workers)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def cpu_shares(server, passes: dict, expected: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Per pass: how much of the 2 cores the S3 server itself burns (the CPU a real remote store would not take
+    from the workers, and the reason the S3/local ratios here understate what a node with a remote store sees),
+    and the client's CPU milliseconds per image (reader process and workers, server excluded)."""
+    server_cores, client_ms = {}, {}
+    for name, (make, paths) in passes.items():
+        server_before, client_before = process_cpu_s(server.process.pid), client_cpu_s()
+        started = time.perf_counter()
         bench.timed_pass(name, make, paths, expected)
-        shares[name] = (process_cpu_s(server.process.pid) - before) / (time.perf_counter() - started)
-    return shares
+        server_cores[name] = (process_cpu_s(server.process.pid) - server_before) / (time.perf_counter() - started)
+        client_ms[name] = (client_cpu_s() - client_before) * 1000 / expected
+    return server_cores, client_ms
 
 
 def run(args, workdir: Path, server) -> None:
@@ -164,17 +173,23 @@ def run(args, workdir: Path, server) -> None:
     }
     bench.NOT_FLOAT = (*bench.NOT_FLOAT, *passes)
     rates = bench.best_of_rounds(passes, len(files), args.repeat)
-    server_cpu = server_cpu_share(server, passes, ("io_s3", "fast_s3"), len(files))
+    server_cpu, client_ms = cpu_shares(server, passes, len(files))
     fetched = fetched_per_sample(url, folder, args, len(files))
     keys = [f"bench/tar/{p.name}" for p in tars]
     raw = raw_gets(server.bucket, keys, server.endpoint_url, args.repeat, lambda: bench.drop_cache(weed_files))
     ratios = {"io_s3_vs_local": rates["io_s3"] / rates["io_local"],
               "fast_s3_vs_local": rates["fast_s3"] / rates["fast_local"],
-              "obstore_vs_boto3_raw_get": raw["obstore"] / raw["boto3"]}
+              "obstore_vs_boto3_raw_get": raw["obstore"] / raw["boto3"],
+              # the client's CPU per image, S3 over local: with the store on another machine and the reader
+              # CPU-bound, the throughput ratio to expect is about the inverse of this
+              "io_client_cpu_s3_vs_local": client_ms["io_s3"] / client_ms["io_local"],
+              "fast_client_cpu_s3_vs_local": client_ms["fast_s3"] / client_ms["fast_local"]}
     for name, rate in rates.items():
         log.info("%-12s %8.1f img/s", name, rate)
     log.info("the S3 server itself used %.2f cores during the I/O-only pass and %.2f during the fast pass (of 2)",
              server_cpu["io_s3"], server_cpu["fast_s3"])
+    log.info("client CPU per image, S3/local (server excluded): I/O-only %.2fx, fast %.2fx",
+             ratios["io_client_cpu_s3_vs_local"], ratios["fast_client_cpu_s3_vs_local"])
     log.info("S3/local: I/O-only %.2fx (goal >= 0.7), fast %.2fx (goal >= 0.95); fetched %.3fx the samples' "
              "shard bytes (goal <= 1.05), %d requests", ratios["io_s3_vs_local"], ratios["fast_s3_vs_local"],
              fetched["vs_sample_bytes_in_shards"], fetched["requests"])
@@ -183,7 +198,8 @@ def run(args, workdir: Path, server) -> None:
                       "ratios": {k: round(v, 3) for k, v in ratios.items()},
                       "fetched": {k: round(v, 4) if isinstance(v, float) else v for k, v in fetched.items()},
                       "raw_get_mb_per_s": {k: round(v, 1) for k, v in raw.items()},
-                      "server_cores_used": {k: round(v, 2) for k, v in server_cpu.items()}}))
+                      "server_cores_used": {k: round(v, 2) for k, v in server_cpu.items()},
+                      "client_cpu_ms_per_image": {k: round(v, 3) for k, v in client_ms.items()}}))
 
 
 if __name__ == "__main__":

@@ -121,3 +121,48 @@ def s3_options(func: Callable) -> Callable:
         return func(*args, s3=options, **kwargs)
 
     return wrapper
+
+
+class ByteSize(click.ParamType):
+    """``268435456``, ``256M``, ``256MiB`` or ``1G`` (binary units; ``shards.units.parse_size``)."""
+
+    name = "bytes"
+
+    def convert(self, value, param, ctx) -> int:
+        from shards.units import parse_size
+
+        try:
+            return parse_size(value)
+        except InputError:
+            self.fail(f"{value!r} is not a size like 268435456, 256M or 1G", param, ctx)
+
+
+def cache_options(func: Callable) -> Callable:
+    """``--cache-dir``, ``--cache-limit``, ``--cache-fallback``, ``--cache-local``: the node-local shard cache
+    (``shards.stream.node_cache``), passed on as ``cache=CacheRequest(...)``. The folder defaults to
+    ``$SHARDCACHE_CACHE_DIR``, else no cache (no surprise disk use)."""
+
+    @click.option("--cache-dir", type=click.Path(path_type=str), default=None,
+                  help="Node-local folder that keeps whole shards fetched from s3://, http(s):// or a network "
+                       "file system, shared by every rank and worker of the node. Default: $SHARDCACHE_CACHE_DIR, "
+                       "else none.")
+    @click.option("--cache-limit", type=ByteSize(), default=None,
+                  help="Bytes the cache may hold (e.g. 200G); least recently used shards are evicted. "
+                       "Default: no limit.")
+    @click.option("--cache-fallback", is_flag=True,
+                  help="When the cache disk is full, read from the source instead of failing.")
+    @click.option("--cache-local", is_flag=True,
+                  help="Cache local shard paths too (default: only those on a network file system).")
+    @functools.wraps(func)
+    def wrapper(*args, cache_dir: str | None, cache_limit: int | None, cache_fallback: bool, cache_local: bool,
+                **kwargs):
+        from shards.stream.cached_shards import CacheRequest
+
+        folder = cache_dir if cache_dir is not None else os.environ.get("SHARDCACHE_CACHE_DIR") or None
+        if folder is None and (cache_limit is not None or cache_fallback or cache_local):
+            raise click.BadParameter("give --cache-dir (or set SHARDCACHE_CACHE_DIR)", param_hint="--cache-limit")
+        request = None if folder is None else CacheRequest(folder, cache_limit, fallback=cache_fallback,
+                                                           local=True if cache_local else None)
+        return func(*args, cache=request, **kwargs)
+
+    return wrapper

@@ -128,8 +128,8 @@ def dataset_location(feature_folder: str | os.PathLike, recorded: str,
     """``(where the source dataset is, None)``, or ``(None, why it is not followed)``.
 
     ``explicit`` (the caller's own dataset location) wins. A recorded ``s3://`` URL is followed only when the
-    feature folder is itself on ``s3://``; a relative ``dataset_dir`` under an ``s3://`` feature folder is not
-    followed (it names no folder anywhere)."""
+    feature folder is itself on ``s3://`` in the same bucket; a feature folder on ``s3://`` never leads to a local
+    path (a downloaded manifest does not pick files on this machine)."""
     if explicit is not None:
         text = str(explicit)
         return (text.rstrip("/") if text.startswith("s3://") else Path(text)), None
@@ -139,10 +139,18 @@ def dataset_location(feature_folder: str | os.PathLike, recorded: str,
         if not features_remote:
             return None, (f"the dataset it was computed from is on object storage ({recorded}); a local "
                           "features.json's URL is not followed, name the dataset explicitly to check it")
+        if _bucket(recorded) != _bucket(str(feature_folder)):
+            return None, (f"its dataset_dir {_shown(recorded)} is in another bucket than the features; name the "
+                          "dataset explicitly to check it")
         return recorded.rstrip("/"), None
-    if features_remote and not Path(recorded).is_absolute():
-        return None, f"its dataset_dir {_shown(recorded)} is relative to a folder on object storage"
+    if features_remote:
+        return None, (f"its dataset_dir {_shown(recorded)} is a local path, not followed from object storage; name "
+                      "the dataset explicitly to check it")
     return dataset_folder(feature_folder, recorded), None
+
+
+def _bucket(url: str) -> str:
+    return url[len("s3://"):].split("/", 1)[0]
 
 
 def local_shard_path(folder: str | os.PathLike, name: str, *, where: str | None = None) -> Path:

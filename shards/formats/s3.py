@@ -140,6 +140,9 @@ def _botocore():
 
 
 _clients: dict[tuple[int, S3Options], Any] = {}
+# Sessions outlive fork: a DataLoader worker makes its client from the parent's session, whose loaded service
+# model makes that ~10 ms instead of ~100 ms per worker and epoch (clients and their connections stay per process).
+_sessions: dict[tuple[str | None, str | None], Any] = {}
 _clients_lock = threading.Lock()
 
 
@@ -163,7 +166,10 @@ def make_client(options: S3Options | None = None) -> Any:
                 retries={"total_max_attempts": 1, "mode": "standard"},  # this module retries, resuming bodies
                 max_pool_connections=MAX_POOL_CONNECTIONS)
             try:
-                session = boto3.session.Session(profile_name=options.profile, region_name=options.region)
+                session = _sessions.get((options.profile, options.region))
+                if session is None:
+                    session = boto3.session.Session(profile_name=options.profile, region_name=options.region)
+                    _sessions[(options.profile, options.region)] = session
                 client = session.client("s3", endpoint_url=options.endpoint_url, config=config)
             except botocore.exceptions.ProfileNotFound as exc:
                 raise InputError(f"AWS profile {options.profile!r} not found ({exc})") from None
@@ -173,6 +179,14 @@ def make_client(options: S3Options | None = None) -> Any:
                 del _clients[stale]  # inherited from the parent across fork: never used here
             _clients[key] = client
     return client
+
+
+def forget_clients() -> None:
+    """Drop this process's sessions and clients, so the next request reads the AWS configuration again (after a
+    change of environment credentials or config files in a long-lived process)."""
+    with _clients_lock:
+        _clients.clear()
+        _sessions.clear()
 
 
 # -- counters ---------------------------------------------------------------------------------------------------------

@@ -20,14 +20,15 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from shards.image.decode import ImageDecoder
+from shards.stream.cached_shards import CachedShards
 from shards.stream.elastic import Continuation, EpochSource, continuation, dataset_fingerprint, sampling_settings
 from shards.stream.resume import STREAM, LoaderState, Resume, SharedEpochState, stream_resume
 from shards.errors import CorruptDataError, InputError, MissingInputError
 from shards.manifest import SplitInfo
 from shards.stream.options import ErrorPolicy
 from shards.stream.plan import (
-    STREAM_CLASS_WEIGHTS, STREAM_SHUFFLE_BUFFER, STREAM_TRANSFORM, ShardSlice, epoch_sizes, indices_to_slices,
-    plan_epoch, rng_for, shard_offsets, worker_range,
+    STREAM_CLASS_WEIGHTS, STREAM_SHUFFLE_BUFFER, STREAM_TRANSFORM, ShardSlice, check_nodes, epoch_sizes,
+    indices_to_slices, plan_epoch, rng_for, shard_offsets, worker_range,
 )
 from shards.formats.remote import is_remote, open_remote
 from shards.formats.s3 import is_s3
@@ -55,10 +56,14 @@ class StreamConfig:
     on_error: str = "raise"
     max_consecutive_errors: int = 10
     return_keys: bool = False
+    # Node affinity of the shard order (``plan.shard_order``): the job's node count, ranks numbered node by node.
+    nodes: int = 1
+    rotate_every: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
             raise InputError(f"rank must be in 0..world_size-1, got rank={self.rank}, world_size={self.world_size}")
+        check_nodes(self.nodes, self.world_size, self.rotate_every)
         if self.seed < 0:
             raise InputError(f"seed must be non-negative, got {self.seed}")
         ErrorPolicy(self.on_error, self.max_consecutive_errors)  # one validation of the error options
@@ -108,11 +113,16 @@ class ShardDataset(IterableDataset):
     """Base of the family: plan, stages, epoch state, resume. Subclasses read slices and decode samples."""
 
     def __init__(self, split: SplitInfo, locations: Sequence[str], config: StreamConfig,
-                 num_classes: int | None = None):
+                 num_classes: int | None = None, shard_cache: CachedShards | None = None):
         super().__init__()
         self.split_info = split
         self.locations = list(locations)
         self.config = config
+        # The node-local shard cache (``shards.stream.cached_shards``), or None: every read goes to the source.
+        self.shard_cache = shard_cache
+        if shard_cache is not None and split.shards:
+            where = self.locations[0].rsplit("/", 1)[0] if self.locations else config.split
+            shard_cache.check_limit(max(s.bytes for s in split.shards), where)
         self.sizes = epoch_sizes(split.samples, config.world_size, config.drop_last)
         self.num_classes = num_classes if num_classes is not None else len(split.class_counts)
         self._state = SharedEpochState()
@@ -169,7 +179,7 @@ class ShardDataset(IterableDataset):
         return LoaderState(kind, self.epoch, batches, batch_size=batch_size, num_workers=num_workers,
                            drop_last=drop_last, seed=c.seed, world_size=c.world_size, split_batch=split_batch,
                            dataset=dataset_fingerprint(self.split_info.shard_sizes),
-                           sampling=sampling_settings(c), prior=prior)
+                           sampling=sampling_settings(c), prior=prior, nodes=c.nodes)
 
     def epoch_source(self) -> EpochSource:
         return EpochSource.of(self.config, self.split_info.shard_sizes)
@@ -237,7 +247,8 @@ class ShardDataset(IterableDataset):
             return indices_to_slices(rows[start:stop], shard_offsets(self.split_info.shard_sizes))
         return plan_epoch(self.split_info.shard_sizes, seed=c.seed, epoch=epoch, rank=c.rank,
                           world_size=c.world_size, worker=worker, num_workers=num_workers,
-                          drop_last=c.drop_last, shuffle=c.shuffle, batch_size=self.plan_batch_size)
+                          drop_last=c.drop_last, shuffle=c.shuffle, batch_size=self.plan_batch_size,
+                          nodes=c.nodes, rotate_every=c.rotate_every)
 
     def sample_seeds(self, epoch: int, worker: int) -> Iterator[int]:
         """The augmentation seed of each sample a worker yields, in order: ``base(seed, epoch, rank, worker) +
@@ -252,11 +263,36 @@ class ShardDataset(IterableDataset):
         return itertools.count(base)
 
     def _worker_stream(self, epoch: int, worker: int, num_workers: int, skip: int) -> Iterator[Any]:
+        try:
+            yield from self._worker_samples(epoch, worker, num_workers, skip)
+        finally:
+            if self.shard_cache is not None:
+                self.shard_cache.drop_prefetched()
+
+    def _planned_slices(self, plan: list[ShardSlice], policy: _ErrorTally) -> Iterator[tuple[str, Any]]:
+        """The plan's slices in order; with a node cache, the next slice's shard is fetched while this one is read."""
+        for i, piece in enumerate(plan):
+            if i + 1 < len(plan) and plan[i + 1].shard != piece.shard:
+                self._prefetch(plan[i + 1].shard)
+            yield from self._guarded_slice(piece, policy)
+
+    def _prefetch(self, shard: int) -> None:
+        location, info = self.locations[shard], self.split_info.shards[shard]
+        if self.shard_cache is not None and info.sha256 and self.shard_cache.cached(location):
+            self.shard_cache.prefetch(location, info.sha256, info.bytes)
+
+    def _cached_copy(self, shard: int) -> Any:
+        """A lease on the node-local copy of a shard, or None (no cache, not cached, or no room: read the source)."""
+        location, info = self.locations[shard], self.split_info.shards[shard]
+        if self.shard_cache is None or not info.sha256 or not self.shard_cache.cached(location):
+            return None
+        return self.shard_cache.lease(location, info.sha256, info.bytes)
+
+    def _worker_samples(self, epoch: int, worker: int, num_workers: int, skip: int) -> Iterator[Any]:
         c = self.config
         ids = (epoch, c.rank, worker)
         policy = _ErrorTally(c, self._state)
-        items: Iterator = itertools.chain.from_iterable(
-            self._guarded_slice(s, policy) for s in self.worker_plan(epoch, worker, num_workers))
+        items: Iterator = self._planned_slices(self.worker_plan(epoch, worker, num_workers), policy)
         if c.class_weights is not None:
             items = weighted_windows(items, c.class_weights, c.weight_window,
                                      rng_for(c.seed, STREAM_CLASS_WEIGHTS, *ids))
@@ -357,8 +393,9 @@ class ImageShardDataset(ShardDataset):
 
     def __init__(self, split: SplitInfo, locations: Sequence[str], config: StreamConfig, *, storage: str,
                  decoder: Callable[[RawSample, int], Any] | Callable[[RawSample], Any] | None = None,
-                 num_classes: int | None = None, storage_options: Any = None):
-        super().__init__(split, locations, config, num_classes)
+                 num_classes: int | None = None, storage_options: Any = None,
+                 shard_cache: CachedShards | None = None):
+        super().__init__(split, locations, config, num_classes, shard_cache)
         self.storage = get_storage(storage)
         self.decoder = decoder if decoder is not None else ImageDecoder()
         self.storage_options = storage_options  # for s3:// (an S3Options, picklable: each worker makes its client)
@@ -387,6 +424,9 @@ class ImageShardDataset(ShardDataset):
 
     def read_slice(self, piece: ShardSlice) -> Iterator[RawSample]:
         location = self.locations[piece.shard]
+        lease = self._cached_copy(piece.shard)
+        if lease is not None:
+            return self._read_cached(lease, location, piece)
         if is_s3(location):
             return self._read_s3(location, piece)
         if is_remote(location):
@@ -399,6 +439,29 @@ class ImageShardDataset(ShardDataset):
         return self.storage.read_slice(location, piece.start, piece.stop, sha256=sha256,
                                        offsets=self._tar_offsets(piece.shard, location, info))
 
+    def _read_cached(self, lease: Any, location: str, piece: ShardSlice) -> Iterator[RawSample]:
+        """A slice of the node-local copy (checked against the manifest's sha256 when it was fetched), held
+        against eviction until the slice is read."""
+        try:
+            info = self.split_info.shards[piece.shard]
+            extra = {}
+            if info.index is not None and piece.start > 0 and self.storage.indexed \
+                    and (is_s3(location) or not is_remote(location)):  # no index over http(s): scan the local copy
+                extra["offsets"] = self._s3_offsets(piece.shard, location, info) if is_s3(location) \
+                    else self._tar_offsets(piece.shard, location, info)
+            yield from self.storage.read_slice(str(lease.path), piece.start, piece.stop, **extra)
+        finally:
+            lease.release()
+
+    def _s3_offsets(self, shard: int, location: str, info: Any) -> Any:
+        from shards.formats.s3 import S3Options
+        from shards.formats.s3shards import load_s3_index
+
+        cache = self.__dict__.setdefault("_s3_offsets_cache", {})
+        if shard not in cache:
+            cache[shard] = load_s3_index(location, info, S3Options.from_mapping(self.storage_options))
+        return cache[shard]
+
     def _tar_offsets(self, shard: int, location: str, info: Any) -> Any:
         """The shard's checked per-sample byte index, loaded once per worker (each holds its own copy)."""
         cache = self.__dict__.setdefault("_offsets_cache", {})
@@ -410,16 +473,14 @@ class ImageShardDataset(ShardDataset):
         """A slice from object storage: tar by its byte index (fetched once per worker) in one ranged GET, HDF5
         through a block-cached file object; see ``shards.formats.s3shards``."""
         from shards.formats.s3 import S3Options
-        from shards.formats.s3shards import iter_s3_hdf5_slice, iter_s3_tar_slice, load_s3_index
+        from shards.formats.s3shards import iter_s3_hdf5_slice, iter_s3_tar_slice
 
         options = S3Options.from_mapping(self.storage_options)
         info = self.split_info.shards[piece.shard]
         if self.storage.name == "hdf5":
             return iter_s3_hdf5_slice(location, piece.start, piece.stop, options, info.bytes)
-        cache = self.__dict__.setdefault("_s3_offsets", {})
-        if piece.shard not in cache:
-            cache[piece.shard] = load_s3_index(location, info, options)
-        return iter_s3_tar_slice(location, piece.start, piece.stop, options, cache[piece.shard])
+        return iter_s3_tar_slice(location, piece.start, piece.stop, options,
+                                 self._s3_offsets(piece.shard, location, info))
 
     def _read_remote(self, location: str, piece: ShardSlice) -> Iterator[RawSample]:
         with open_remote(location) as stream:

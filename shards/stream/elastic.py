@@ -1,16 +1,20 @@
 """Elastic resume: which samples an interrupted epoch had left, replayed from its saved layout without reading a shard.
 
-A saved state holds a batch count and the layout that produced it (world size, workers, batch size, drop_last).
-Every rank consumed the same number of batches, and DataLoader's round robin tells how many samples each worker
-of each rank had consumed (``shards.stream.resume``). Each worker's stream is a pure function of the plan and the
-seeded shuffle buffer, and the buffer permutes positions without looking at the samples (``stages``), so running
-it over global sample indices instead of samples replays, exactly, which samples every old worker yielded.
+A saved state holds a batch count and the layout that produced it (world size, node count, workers, batch size,
+drop_last). Every rank consumed the same number of batches, and DataLoader's round robin tells how many samples
+each worker of each rank had consumed (``shards.stream.resume``). Each worker's stream is a pure function of the
+plan and the seeded shuffle buffer, and the buffer permutes positions without looking at the samples (``stages``),
+so running it over global sample indices instead of samples replays, exactly, which samples every old worker
+yielded.
 
 The samples left (the epoch's samples minus every one yielded, in the epoch's shard order) are then dealt to the
 new layout exactly as a whole epoch is dealt (``plan.share_of``): equal rank shares, padded by repeating their
 first samples or, with the dataset's ``drop_last``, fewer than ``world_size`` of them left out; whole-batch worker
-runs. Later epochs follow the new layout's plan. Class-weighted resampling draws from labels, which are only known
-by reading the shards, and repeats samples, so such a run resumes in the same layout only.
+runs. Later epochs follow the new layout's plan. The node count belongs to the layout: with node affinity
+(``plan.shard_order``) it decides the shard order, so the old stream is rebuilt with the saved count; the
+remainder keeps that stream's order (node by node, so an unchanged node count stays mostly node-local) and is
+dealt as any remainder; the next epoch is node-local again. Class-weighted resampling draws from labels, which are
+only known by reading the shards, and repeats samples, so such a run resumes in the same layout only.
 """
 
 from __future__ import annotations
@@ -41,12 +45,13 @@ class EpochSource:
     shuffle_buffer: int
     drop_last: bool  # the dataset's: equal rank shares by leaving samples out rather than padding
     class_weights: bool
+    rotate_every: int = 0  # node affinity's rotation; the node count comes from each state's layout
 
     @classmethod
     def of(cls, config: Any, shard_sizes: Sequence[int]) -> EpochSource:
         """From a ``StreamConfig``."""
         return cls(tuple(int(n) for n in shard_sizes), config.seed, config.shuffle, config.shuffle_buffer,
-                   config.drop_last, config.class_weights is not None)
+                   config.drop_last, config.class_weights is not None, config.rotate_every)
 
 
 def dataset_fingerprint(shard_sizes: Sequence[int]) -> str:
@@ -56,8 +61,14 @@ def dataset_fingerprint(shard_sizes: Sequence[int]) -> str:
 def sampling_settings(config: Any) -> dict[str, Any]:
     """The settings besides the seed that decide sample order, as saved in a state."""
     weights = None if config.class_weights is None else [float(w) for w in config.class_weights]
-    return {"shuffle": bool(config.shuffle), "shuffle_buffer": int(config.shuffle_buffer), "class_weights": weights,
-            "weight_window": int(config.weight_window), "drop_last": bool(config.drop_last)}
+    settings = {"shuffle": bool(config.shuffle), "shuffle_buffer": int(config.shuffle_buffer), "class_weights": weights,
+                "weight_window": int(config.weight_window), "drop_last": bool(config.drop_last)}
+    # The rotation of node affinity is an order setting of the run, not of the hardware it runs on (the node count,
+    # which may change, is in the layout): a resume with another rotation is refused, as for another shuffle. It is
+    # recorded only when set, so that states saved before it existed (never rotating) still compare equal.
+    if config.rotate_every:
+        settings["rotate_every"] = int(config.rotate_every)
+    return settings
 
 
 @dataclass(frozen=True)
@@ -81,13 +92,18 @@ def continuation(state: dict[str, Any], current: LoaderState, source: EpochSourc
         left = remaining_after(source, saved.prior_state)
         return Continuation(position, rank_share(left, current, source, rank))
     if source.class_weights:
-        raise InputError(f"the saved state's layout (world_size, num_workers, batch_size, drop_last) "
-                         f"{saved.layout()[:4]} differs from this loader's {current.layout()[:4]}, and class-weighted "
+        raise InputError(f"the saved state's layout (world_size, num_workers, batch_size, drop_last, nodes) "
+                         f"{_shown(saved)} differs from this loader's {_shown(current)}, and class-weighted "
                          "sampling resumes in the same layout only")
     position = replace(current, epoch=saved.epoch, batches=saved.batches, prior=saved.to_dict())
     if saved.batches == 0 and saved.prior is None:
         return Continuation(replace(position, prior=None))  # nothing consumed: the new layout's whole epoch
     return Continuation(position, rank_share(remaining_after(source, saved), current, source, rank))
+
+
+def _shown(state: LoaderState) -> tuple:
+    """The layout fields a user sets, for messages (the split unit follows from the batch size)."""
+    return (*state.layout()[:4], state.node_count)
 
 
 def rank_share(left: np.ndarray, current: LoaderState, source: EpochSource, rank: int) -> np.ndarray:
@@ -106,7 +122,8 @@ def _replay(source: EpochSource, state: LoaderState) -> tuple[np.ndarray, np.nda
     prior = state.prior_state
     if prior is None:
         universe = epoch_stream(source.shard_sizes, seed=source.seed, epoch=state.epoch,
-                                world_size=state.world_size, drop_last=source.drop_last, shuffle=source.shuffle)
+                                world_size=state.world_size, drop_last=source.drop_last, shuffle=source.shuffle,
+                                nodes=state.node_count, rotate_every=source.rotate_every)
         consumed = np.zeros(sum(source.shard_sizes), dtype=bool)
         stream = universe
     else:

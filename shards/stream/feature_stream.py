@@ -25,6 +25,7 @@ from shards.stream.elastic import Continuation, continuation, permuted_rows
 from shards.stream.resume import FEATURE_BATCHES, LoaderState, consumed_batches
 from shards.formats.remote import is_remote
 from shards.formats.s3 import is_s3
+from shards.stream.cached_shards import CachedShards
 from shards.stream.stages import systematic_resample
 
 CACHE_MODES = ("auto", "memory", "none")
@@ -42,8 +43,8 @@ class FeatureShardDataset(ShardDataset):
 
     def __init__(self, split: SplitInfo, locations: Sequence[str], config: StreamConfig, *, cache: str = "auto",
                  num_classes: int | None = None, features_dim: int | None = None, dtype: str | None = None,
-                 views: int = 0, storage_options: Any = None):
-        super().__init__(split, locations, config, num_classes)
+                 views: int = 0, storage_options: Any = None, shard_cache: CachedShards | None = None):
+        super().__init__(split, locations, config, num_classes, shard_cache)
         self.storage_options = storage_options  # for s3:// feature folders
         # What features.json promises; features_dim None (a caller without the manifest): taken from each file.
         self.features_dim, self.dtype, self.views = features_dim, dtype, views
@@ -71,7 +72,11 @@ class FeatureShardDataset(ShardDataset):
         if index in self._shards:
             return self._shards[index]
         location, info = self.locations[index], self.split_info.shards[index]
-        if is_s3(location):
+        lease = self._cached_copy(index)
+        if lease is not None:  # checked against the manifest's sha256 when fetched; read whole, then released
+            with lease:
+                loaded = load_feature_shard(str(lease.path), mmap=False)
+        elif is_s3(location):
             from shards.formats.s3 import S3Options
             from shards.formats.s3shards import load_s3_feature_shard
 
@@ -87,7 +92,7 @@ class FeatureShardDataset(ShardDataset):
             check_feature_shard(loaded, location, info.samples,
                                 FeatureSpec(dim, self.dtype, self.num_classes, self.views))
             self._verified.add(index)
-        if self.cache == "memory" or is_s3(location):  # an S3 shard is fetched once per process, then held
+        if self.cache == "memory" or is_s3(location) or lease is not None:  # fetched once per process, then held
             self._shards[index] = loaded
         return loaded
 

@@ -110,11 +110,15 @@ class Remote:
     only from the caller: a manifest never chooses a command or another host (see ``shards.formats.locations``).
     ``storage_options`` configures ``s3://`` access: a mapping of ``shards.formats.s3.S3Options`` fields
     (``{"endpoint_url": ..., "profile": ..., "unsigned": True}``) or an ``S3Options``; credentials are never
-    options, they come from the AWS chain."""
+    options, they come from the AWS chain. With a node-local shard cache (``open_dataset(cache_dir=...)``),
+    ``cache_fallback=True`` reads from the source when the cache disk is full instead of failing, and
+    ``cache_local`` decides whether local paths are cached (None: only those on a network file system)."""
 
     base_url: str | None = None
     url_origins: tuple[str, ...] = ()
     storage_options: Any = None
+    cache_fallback: bool = False
+    cache_local: bool | None = None
 
     def __post_init__(self) -> None:
         if self.base_url is not None and not isinstance(self.base_url, str):

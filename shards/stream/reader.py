@@ -138,7 +138,9 @@ def open_dataset(path: str | os.PathLike, split: str = "train", *,
                  drop_last: bool = False, return_keys: bool = False,
                  rank: int | None = None, world_size: int | None = None,
                  sampling: Sampling = Sampling(), errors: ErrorPolicy = ErrorPolicy(), decode: Decode = Decode(),
-                 remote: Remote = Remote(), cache: str = "auto", **legacy: Any) -> ShardDataset:
+                 remote: Remote = Remote(), cache: str = "auto", cache_dir: str | os.PathLike | None = None,
+                 cache_limit: int | str | None = None, affinity_nodes: int | None = None, rotate_every: int = 0,
+                 **legacy: Any) -> ShardDataset:
     """Stream one split of a ``dataset.json`` (images) or ``features.json`` (features).
 
     Yields ``(sample, label)`` or ``(sample, label, key)``; the sample is an RGB PIL image (or ``transform`` of
@@ -151,6 +153,20 @@ def open_dataset(path: str | os.PathLike, split: str = "train", *,
     ``decode=Decode("fast")`` (image shards, ``transform`` a preset name or ``TransformSpec``) yields uint8
     [3, size, size] tensors made by crop-then-resize with DCT-scaled JPEG decoding; normalise each batch on the
     consuming device with ``shards.image.fast.Normalize(spec.mean, spec.std)`` (or ``dataset.decoder.normalizer()``).
+
+    ``cache_dir`` (default ``$SHARDCACHE_CACHE_DIR``, else none) keeps whole shards fetched from ``s3://``,
+    ``http(s)://`` or a network file system on local disk, shared by every rank and worker of the node, at most
+    ``cache_limit`` bytes (``"200G"``); see ``shards.stream.cached_shards``. ``dataset.shard_cache.summary()``
+    counts hits, misses and bytes fetched.
+
+    ``affinity_nodes`` (default None: one node, the plain per-epoch shuffle) keeps each shard on one node across
+    epochs, so a node's cache serves its ranks instead of missing on a new random share every epoch: set it to
+    the job's node count, ``world_size // LOCAL_WORLD_SIZE`` (torchrun; ``SLURM_NNODES`` under Slurm), with ranks
+    numbered node by node, and only when a node's cache cannot hold the whole dataset (one that can hits anyway,
+    and a rank then sees every shard over the epochs, not only its node's). ``rotate_every=k`` deals the shards to
+    nodes anew every ``k`` epochs (0: never), trading one cold epoch per ``k`` for more mixing; see
+    ``shards.stream.plan``. A saved state may be resumed on another node count (elastic resume), not with another
+    ``rotate_every``.
     """
     if legacy:
         grouped = _regroup(legacy, {"sampling": sampling, "errors": errors, "decode": decode, "remote": remote})
@@ -166,15 +182,17 @@ def open_dataset(path: str | os.PathLike, split: str = "train", *,
         shuffle_buffer=sampling.shuffle_buffer,
         class_weights=_resolve_weights(sampling.class_weights, split_info.class_counts),
         weight_window=sampling.weight_window, on_error=errors.on_error,
-        max_consecutive_errors=errors.max_consecutive_errors, return_keys=return_keys)
+        max_consecutive_errors=errors.max_consecutive_errors, return_keys=return_keys,
+        nodes=1 if affinity_nodes is None else affinity_nodes, rotate_every=rotate_every)
     root = remote.base_url if remote.base_url is not None else base
     locations = [shard_location(root, s.path) for s in split_info.shards]
+    shard_cache = _shard_cache(cache_dir, cache_limit, remote)
     if isinstance(manifest, FeatureManifest):
         if transform is not None or decode.image_only:
             raise InputError("transform, Decode.decoder and Decode.draft apply to image shards, not to feature shards")
         return FeatureShardDataset(split_info, locations, config, cache=cache, num_classes=len(manifest.classes),
                                    features_dim=manifest.features_dim, dtype=manifest.dtype, views=manifest.views,
-                                   storage_options=remote.storage_options)
+                                   storage_options=remote.storage_options, shard_cache=shard_cache)
     decoder = decode.decoder
     if decode.pipeline == "fast":
         decoder = FastDecoder(_fast_spec(transform))
@@ -184,4 +202,18 @@ def open_dataset(path: str | os.PathLike, split: str = "train", *,
     elif transform is not None:
         raise InputError("give either Decode.decoder or a transform, not both")
     return ImageShardDataset(split_info, locations, config, storage=manifest.storage, decoder=decoder,
-                             num_classes=len(manifest.classes), storage_options=remote.storage_options)
+                             num_classes=len(manifest.classes), storage_options=remote.storage_options,
+                             shard_cache=shard_cache)
+
+
+def _shard_cache(cache_dir: str | os.PathLike | None, cache_limit: int | str | None, remote: Remote):
+    """The node-local shard cache asked for, or None (``$SHARDCACHE_CACHE_DIR`` when no folder is given)."""
+    from shards.stream.cached_shards import CacheRequest, CachedShards
+
+    folder = cache_dir if cache_dir is not None else os.environ.get("SHARDCACHE_CACHE_DIR") or None
+    if folder is None:
+        if cache_limit is not None:
+            raise InputError("cache_limit needs a cache_dir (or $SHARDCACHE_CACHE_DIR)")
+        return None
+    request = CacheRequest(str(folder), cache_limit, fallback=remote.cache_fallback, local=remote.cache_local)
+    return CachedShards(request, remote.storage_options)

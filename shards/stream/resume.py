@@ -7,7 +7,7 @@ per-worker skips) and ``"feature_batches"`` (``FeatureBatchLoader``: in-process 
 so a batch count is the position). Every rank of a run consumes the same number of batches, so the state does not
 depend on the rank: rank 0's state continues every rank.
 
-A state continues its epoch bitwise exactly in the layout that saved it (world size, workers, batch size,
+A state continues its epoch bitwise exactly in the layout that saved it (world size, node count, workers, batch size,
 ``drop_last``); in another layout ``shards.stream.elastic`` replays the saved one to find the samples left. A
 state saved during such a continued epoch carries the state it continued (``prior``), so the chain replays again.
 
@@ -116,8 +116,10 @@ READABLE_VERSIONS = (1, 2)
 STREAM = "stream"
 FEATURE_BATCHES = "feature_batches"
 KINDS = (STREAM, FEATURE_BATCHES)
+# Fields added to a version after it was first written: a state saved before them lacks them and still loads.
+LATER_FIELDS = ("nodes",)
 # Settings a resumed run must share with the saved one, in the order they are checked; the layout (world size,
-# workers, batch size, drop_last) may change (``shards.stream.elastic``).
+# nodes, workers, batch size, drop_last) may change (``shards.stream.elastic``).
 COMPATIBLE = ("kind", "seed", "dataset", "sampling")
 
 
@@ -129,7 +131,8 @@ class LoaderState:
     version 2; version 1 split sample by sample). ``dataset`` fingerprints the shard sizes, ``sampling`` the order
     settings (shuffle, buffer, class weights, the dataset's drop_last). ``prior``: the state this epoch continued
     in another layout (its batches count from ``prior["batches"]``). ``None`` in a setting means the saved state
-    did not record it, so it is not checked.
+    did not record it, so it is not checked; except ``nodes`` (the node count of the epoch plan's node affinity):
+    a state without it was saved before node affinity existed, on what the plan took as one node.
     """
 
     kind: str
@@ -144,6 +147,7 @@ class LoaderState:
     dataset: str | None = None
     sampling: dict[str, Any] | None = None
     prior: dict[str, Any] | None = None
+    nodes: int | None = None
     version: int = LOADER_STATE_VERSION
 
     def __post_init__(self) -> None:
@@ -152,10 +156,17 @@ class LoaderState:
         if self.epoch < 0 or self.batches < 0:
             raise InputError(f"loader state epoch and batches must be non-negative, got epoch={self.epoch}, "
                              f"batches={self.batches}")
+        if self.nodes is not None and self.nodes < 1:
+            raise InputError(f"loader state nodes must be at least 1, got {self.nodes}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain numbers, booleans, strings, lists and dicts: loadable with ``torch.load(weights_only=True)``."""
         return asdict(self)
+
+    @property
+    def node_count(self) -> int:
+        """The nodes the epoch plan dealt shards to; unrecorded means one (see the class docstring)."""
+        return self.nodes or 1
 
     @property
     def logical_workers(self) -> int:
@@ -164,7 +175,9 @@ class LoaderState:
     def layout(self) -> tuple:
         """What decides which samples a batch count covers; two states with the same layout resume exactly."""
         split = self.split_batch if self.logical_workers > 1 else 1  # one worker: the split unit changes nothing
-        return self.world_size, self.logical_workers, self.batch_size, self.drop_last, split
+        # The node count orders the shards, so another one is a resume of the remainder; never None here, since
+        # an unrecorded count is one node, which a loader with affinity must not take as its own order.
+        return self.world_size, self.logical_workers, self.batch_size, self.drop_last, split, self.node_count
 
     def same_layout(self, other: LoaderState) -> bool:
         return all(a is None or b is None or a == b for a, b in zip(self.layout(), other.layout()))
@@ -192,10 +205,10 @@ class LoaderState:
         names = [f.name for f in fields(cls) if f.name != "version"]
         if version == 1:  # version 1 split workers sample by sample and recorded no fingerprints
             names = [n for n in names if n not in ("split_batch", "dataset", "sampling", "prior")]
-        missing = [n for n in names if n not in state]
+        missing = [n for n in names if n not in state and n not in LATER_FIELDS]
         if missing:
             raise InputError(f"loader state of version {version} lacks {', '.join(missing)}")
-        loaded = cls(**{n: state[n] for n in names})
+        loaded = cls(**{n: state[n] for n in names if n in state})
         if loaded.prior is not None and loaded.prior.get("epoch") != loaded.epoch:
             raise InputError("loader state continues a state of another epoch: it was not saved by shardcache")
         return loaded

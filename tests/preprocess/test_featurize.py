@@ -276,4 +276,22 @@ def test_an_s3_dataset_dir_is_followed_only_from_s3_features_or_when_named(tmp_p
     assert location is None and "not followed" in why
     assert dataset_location(tmp_path, "s3://bkt/data", explicit="s3://bkt/data") == ("s3://bkt/data", None)
     assert dataset_location("s3://bkt/feat", "../data")[0] is None
+    location, why = dataset_location("s3://bkt/feat", str(tmp_path / "data"))  # a remote manifest naming a local path
+    assert location is None and "local path" in why
+    location, why = dataset_location("s3://bkt/feat", "s3://other/data")
+    assert location is None and "another bucket" in why
     assert dataset_location(tmp_path, "data") == (tmp_path / "data", None)
+
+
+def test_features_through_the_node_cache_are_the_same_bytes(datasets, tmp_path):
+    data_dir, _ = datasets["tar"]
+    base = [str(data_dir), "--backbone", "resnet18", "--weights", "none", "--crop", "32", "--workers", "1", "-q"]
+    runner = CliRunner()
+    plain = runner.invoke(precompute_features_command, [*base, "--out", str(tmp_path / "plain")])
+    cached = runner.invoke(precompute_features_command, [*base, "--out", str(tmp_path / "cached"),
+                                                         "--cache-dir", str(tmp_path / "node"), "--cache-local"])
+    assert plain.exit_code == 0 and cached.exit_code == 0, cached.output
+    assert _file_bytes(tmp_path / "plain") == _file_bytes(tmp_path / "cached")
+    copies = sorted(p.name for p in (tmp_path / "node").rglob("*.tar"))
+    manifest = json.loads((data_dir / "dataset.json").read_text())
+    assert copies == sorted(f"{s['sha256']}.tar" for split in manifest["splits"].values() for s in split["shards"])

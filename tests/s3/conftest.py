@@ -43,10 +43,10 @@ def s3_env(s3_server, monkeypatch, tmp_path):
     for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(s3, "BACKOFF_BASE_S", 0.01)
-    s3._clients.clear()
+    s3.forget_clients()
     s3.FETCH_STATS.reset()
     yield s3_server
-    s3._clients.clear()
+    s3.forget_clients()
 
 
 class Bucket:

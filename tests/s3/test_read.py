@@ -176,7 +176,7 @@ def test_wrong_keys_are_a_one_line_403_exit_2(bucket, tmp_path, monkeypatch):
 
     url = bucket.upload(packed(tmp_path / "data"), "data")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret-key")
-    s3._clients.clear()
+    s3.forget_clients()
     for args in (["inspect", url], ["verify", url]):
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 2, result.output

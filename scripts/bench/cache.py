@@ -1,0 +1,146 @@
+"""Benchmark: two epochs of the fast pipeline, 2 ranks x 2 workers, with and without the node-local shard cache.
+
+Sources, side by side in one run: the tar dataset on local disk (the reference), the same dataset on a local S3
+server (SeaweedFS ``weed mini``) read directly, and from S3 through a fresh node cache (both ranks share it, as two
+ranks of one node do). Each configuration runs its two ranks as two processes with ``rank``/``world_size`` given,
+so no process group is needed; an epoch's rate is all samples over the slower rank's time. Page caches of the local
+shards, the server's volume files and the cache folder are dropped before each configuration.
+
+Prints per configuration: epoch-1 and epoch-2 img/s, bytes fetched from S3 over both epochs against the dataset's
+bytes, and the cache's counters; then the ratios the goals name (bytes fetched with the cache over 2 epochs at most
+1.05x the dataset; epoch 2 with the cache at least 0.95x local disk).
+
+    python scripts/bench/cache.py            # 3000 images (~300 MB), 2 rounds, ~3 minutes on 2 cores
+
+stdout: one JSON line; the table: stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import loader as bench  # noqa: E402  (scripts/bench/loader.py: corpus, packing, page-cache dropping)
+import s3 as s3bench  # noqa: E402  (scripts/bench/s3.py: index recording and upload)
+import shards  # noqa: E402
+from shards.formats import s3  # noqa: E402
+from shards.progress import setup_logging  # noqa: E402
+from tests.s3.server import start_server  # noqa: E402
+
+log = logging.getLogger("bench.cache")
+EPOCHS = 2
+
+
+def rank_main(rank: int, location: str, cache_dir: str | None, args, start, results) -> None:
+    """One rank: two epochs of uint8 batches (the GPU consumer's view), timed per epoch after a shared start."""
+    s3.share_stats()  # this rank's workers add their GETs to its counters
+    dataset = shards.open_dataset(location, transform=bench.SPEC, decode=shards.Decode("fast"), seed=0,
+                                  rank=rank, world_size=2, cache_dir=cache_dir)
+    loader = shards.make_loader(dataset, batch_size=args.batch_size, num_workers=args.workers, drop_last=False)
+    start.wait()
+    seconds, seen = [], 0
+    for epoch in range(EPOCHS):
+        loader.set_epoch(epoch)
+        began = time.perf_counter()
+        for _, labels in loader:
+            seen += len(labels)
+        seconds.append(time.perf_counter() - began)
+    cache = dataset.shard_cache.summary() if dataset.shard_cache is not None else None
+    results.put({"rank": rank, "seconds": seconds, "samples": seen, "fetched": s3.FETCH_STATS.bytes, "cache": cache})
+
+
+def run_config(name: str, location: str, cache_dir: str | None, args, drop: list[Path]) -> dict:
+    bench.drop_cache(drop)
+    context = multiprocessing.get_context("fork")
+    start, results = context.Barrier(2), context.Queue()
+    ranks = [context.Process(target=rank_main, args=(r, location, cache_dir, args, start, results)) for r in (0, 1)]
+    for process in ranks:
+        process.start()
+    rows = [results.get(timeout=1800) for _ in ranks]
+    for process in ranks:
+        process.join()
+        if process.exitcode != 0:
+            raise RuntimeError(f"{name}: rank process exited with {process.exitcode}")
+    samples = sum(r["samples"] for r in rows)
+    rates = [samples / EPOCHS / max(r["seconds"][e] for r in rows) for e in range(EPOCHS)]
+    caches = [r["cache"] for r in rows if r["cache"]]
+    cache = {k: sum(c[k] for c in caches) for k in caches[0] if k != "hit_rate"} if caches else None
+    out = {"epoch_img_per_s": [round(r, 1) for r in rates], "fetched_bytes": sum(r["fetched"] for r in rows),
+           "samples": samples, "cache": cache}
+    log.info("%-10s epoch 1 %7.1f img/s, epoch 2 %7.1f img/s, fetched %.1f MB%s", name, rates[0], rates[1],
+             out["fetched_bytes"] / 1e6, f", cache {cache}" if cache else "")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=3000)
+    parser.add_argument("--per-shard", type=int, default=150)
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=2, help="interleaved rounds; the best epoch rates are kept")
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args()
+    setup_logging(quiet=args.quiet)
+    workdir = Path(tempfile.mkdtemp(prefix="shardcache-bench-cache-"))
+    server = start_server(Path(tempfile.mkdtemp(prefix="shardcache-bench-weed-")))
+    os.environ.update(server.client_env())
+    try:
+        run(args, workdir, server)
+    finally:
+        server.stop()
+        shutil.rmtree(server.log_path.parent, ignore_errors=True)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run(args, workdir: Path, server) -> None:
+    files = bench.build_corpus(workdir / "images", args.images)
+    folder = workdir / "tar"
+    bench.pack(files, folder, "tar", args.per_shard)
+    s3bench.add_index(folder)
+    url = s3bench.upload(folder, server.bucket, "bench/tar")
+    os.sync()
+    tars = sorted(folder.glob("*.tar"))
+    dataset_bytes = sum(p.stat().st_size for p in tars)
+    weed_files = [p for p in (server.log_path.parent / "data").rglob("*") if p.is_file()]
+    results: dict[str, dict] = {}
+    for round_ in range(args.repeat):  # interleaved rounds; each configuration keeps its best epoch rates
+        cache_dir = workdir / f"node-cache-{round_}"  # a cold cache every round
+        for name, location, cache, drop in (("local", str(folder), None, tars), ("s3", url, None, weed_files),
+                                            ("s3_cache", url, str(cache_dir), weed_files)):
+            row = run_config(name, location, cache, args, drop)
+            best = results.get(name)
+            if best is not None:
+                row["epoch_img_per_s"] = [max(a, b) for a, b in zip(row["epoch_img_per_s"], best["epoch_img_per_s"])]
+            results[name] = row
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    local, cached = results["local"]["epoch_img_per_s"], results["s3_cache"]["epoch_img_per_s"]
+    ratios = {
+        "cache_fetched_vs_dataset": results["s3_cache"]["fetched_bytes"] / dataset_bytes,
+        "no_cache_fetched_vs_dataset": results["s3"]["fetched_bytes"] / dataset_bytes,
+        "cache_epoch2_vs_local": cached[1] / local[1],
+        "cache_epoch1_vs_s3_epoch1": cached[0] / results["s3"]["epoch_img_per_s"][0],
+    }
+    log.info("with the cache, 2 epochs fetched %.3fx the dataset (goal <= 1.05; without: %.3fx); epoch 2 ran at "
+             "%.2fx local disk (goal >= 0.95)", ratios["cache_fetched_vs_dataset"],
+             ratios["no_cache_fetched_vs_dataset"], ratios["cache_epoch2_vs_local"])
+    print(json.dumps({"images": len(files), "shards": len(tars), "dataset_bytes": dataset_bytes, "ranks": 2,
+                      "repeat": args.repeat,
+                      "workers_per_rank": args.workers, "results": results,
+                      "ratios": {k: round(v, 3) for k, v in ratios.items()}}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""Reading shards through the node-local cache: which locations are cached, how each source is fetched whole, and
+the prefetch of a worker's next shard.
+
+The cache itself (``shards.stream.node_cache``) knows nothing of sources: it is handed a function that writes a
+shard's bytes. This module chooses that function per location (``s3://`` by ranged GETs with retries, ``http(s)://``
+as one stream, a path on a network file system as a file copy) and decides what is worth caching: object storage
+and web locations always, local paths only on a network file system (NFS, Lustre, CIFS, GPFS, BeeGFS, CephFS, FUSE
+mounts) unless the caller says otherwise; ``pipe:`` commands never (their output is not addressable).
+
+A dataset holds a ``CachedShards`` made in the main process (the settings and the counters shared with its
+DataLoader workers); each process opens its own ``NodeCache`` and prefetch thread on first use.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Callable
+
+from shards.errors import InputError
+from shards.formats.remote import is_remote, open_remote
+from shards.formats.s3 import is_s3
+from shards.stream.node_cache import CacheSettings, CacheStats, Lease, NodeCache
+from shards.units import human_bytes, parse_size
+
+log = logging.getLogger("shardcache.cache")
+
+NETWORK_FS = frozenset({"nfs", "nfs4", "lustre", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "gpfs", "beegfs",
+                        "9p", "afs", "orangefs", "pvfs2", "wekafs", "davfs"})
+COPY_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class CacheRequest:
+    """What the caller asked for: a folder, a size limit (bytes or ``"200G"``), whether a full disk falls back to
+    reading the source, and whether local paths are cached (``None``: only those on a network file system)."""
+
+    dir: str
+    limit: int | str | None = None
+    fallback: bool = False
+    local: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not str(self.dir):
+            raise InputError("cache_dir must name a folder")
+        object.__setattr__(self, "dir", str(self.dir))
+        if self.limit is not None:
+            object.__setattr__(self, "limit", parse_size(self.limit, "cache_limit"))
+
+    def settings(self) -> CacheSettings:
+        return CacheSettings(self.dir, self.limit, self.fallback)
+
+
+def _mounts() -> list[tuple[str, str]]:
+    """``(mount point, file system type)`` of this process's mounts, longest mount point first."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return []
+    mounts = []
+    for line in lines:
+        before, _, after = line.partition(" - ")
+        fields = before.split()
+        if len(fields) >= 5 and after:
+            point = fields[4].encode().decode("unicode_escape")  # \040 for spaces
+            mounts.append((point, after.split()[0]))
+    return sorted(mounts, key=lambda m: len(m[0]), reverse=True)
+
+
+def on_network_fs(path: str | os.PathLike) -> bool:
+    """Whether ``path`` lies on a network or cluster file system (from ``/proc/self/mountinfo``)."""
+    target = os.path.realpath(path)
+    for point, fstype in _mounts():
+        if target == point or target.startswith(point.rstrip("/") + "/"):
+            return fstype in NETWORK_FS or fstype.startswith("fuse.")
+    return False
+
+
+class CachedShards:
+    """The node cache as a shard reader uses it: ``lease(location, sha256, size)`` -> a local copy (or None: read
+    the source), ``prefetch`` of the next shard on a background thread, and the shared counters."""
+
+    def __init__(self, request: CacheRequest, storage_options: Any = None):
+        self.request = request
+        self.storage_options = storage_options
+        self.stats = CacheStats()
+        self._network: dict[str, bool] = {}
+        self._process: tuple[int, NodeCache, ThreadPoolExecutor] | None = None
+        self._pending: dict[str, Future] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(_process=None, _pending={}, _lock=None)  # per process: made again on first use
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def check_limit(self, largest_shard_bytes: int, where: str) -> None:
+        NodeCache(self.request.settings(), self.stats).check_limit(largest_shard_bytes, where)
+
+    def cached(self, location: str) -> bool:
+        """Whether reads of ``location`` go through the cache."""
+        if is_s3(location) or location.startswith(("http://", "https://")):
+            return True
+        if is_remote(location):  # pipe: and other caller-given commands
+            return False
+        if self.request.local is not None:
+            return self.request.local
+        folder = os.path.dirname(location)
+        if folder not in self._network:
+            self._network[folder] = on_network_fs(folder or ".")
+        return self._network[folder]
+
+    def _here(self) -> tuple[NodeCache, ThreadPoolExecutor]:
+        if self._process is None or self._process[0] != os.getpid():
+            if self._lock is None:
+                self._lock = threading.Lock()
+            self._pending = {}
+            self._process = (os.getpid(), NodeCache(self.request.settings(), self.stats),
+                             ThreadPoolExecutor(1, thread_name_prefix="shardcache-prefetch"))
+        return self._process[1], self._process[2]
+
+    def lease(self, location: str, sha256: str, size: int) -> Lease | None:
+        """The verified local copy of a shard (fetched now unless prefetched), held until ``release()``; None when
+        it cannot be cached (no room, or a full disk with ``fallback``): read the source then."""
+        with self._lock:
+            pending = self._pending.pop(location, None)
+        if pending is not None:
+            return pending.result()
+        cache, _ = self._here()
+        return cache.acquire(sha256, size, _suffix(location), self._fetcher(location), location)
+
+    def prefetch(self, location: str, sha256: str, size: int) -> None:
+        """Start fetching a shard a worker will read next, so the download overlaps the current shard's decode."""
+        with self._lock:
+            if location in self._pending:
+                return
+        cache, pool = self._here()
+        future = pool.submit(cache.acquire, sha256, size, _suffix(location), self._fetcher(location), location)
+        with self._lock:
+            self._pending[location] = future
+
+    def drop_prefetched(self) -> None:
+        """Release leases prefetched for shards that will not be read (the end of an epoch, an error)."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for future in pending.values():
+            try:
+                lease = future.result()
+            except Exception:  # noqa: BLE001 - a failed prefetch is reported when the shard is read, not here
+                continue
+            if lease is not None:
+                lease.release()
+
+    def _fetcher(self, location: str) -> Callable[[BinaryIO], None]:
+        if is_s3(location):
+            from shards.formats.s3 import S3Options, open_range
+
+            options = S3Options.from_mapping(self.storage_options)
+
+            def fetch_s3(out: BinaryIO) -> None:
+                with open_range(location, 0, None, options) as stream:
+                    shutil.copyfileobj(stream, out, COPY_CHUNK)
+            return fetch_s3
+        if is_remote(location):
+            def fetch_url(out: BinaryIO) -> None:
+                with open_remote(location) as stream:
+                    shutil.copyfileobj(stream, out, COPY_CHUNK)
+            return fetch_url
+
+        def fetch_file(out: BinaryIO) -> None:
+            with open(location, "rb") as stream:
+                shutil.copyfileobj(stream, out, COPY_CHUNK)
+        return fetch_file
+
+    def summary(self) -> dict[str, Any]:
+        """The counters, with the hit rate, for logs and metrics."""
+        counts = self.stats.snapshot()
+        log.debug("shard cache %s: %s (fetched %s)", self.request.dir, counts, human_bytes(counts["fetched_bytes"]))
+        return counts
+
+
+def _suffix(location: str) -> str:
+    suffix = os.path.splitext(location.rstrip("/"))[1].lower()
+    return suffix if suffix in (".tar", ".h5", ".pt") else ".bin"
