@@ -2,7 +2,8 @@
 
 Sources, side by side in one run: the tar dataset on local disk (the reference), the same dataset on a local S3
 server (SeaweedFS ``weed mini``) read directly, and from S3 through a fresh node cache (both ranks share it, as two
-ranks of one node do). Each configuration runs its two ranks as two processes with ``rank``/``world_size`` given,
+ranks of one node do); then the same two ways from a throttled HTTP server (``--slow-mb-s``, all readers together:
+a busy shared file system). Each configuration runs its two ranks as two processes with ``rank``/``world_size`` given,
 so no process group is needed; an epoch's rate is all samples over the slower rank's time. Page caches of the local
 shards, the server's volume files and the cache folder are dropped before each configuration.
 
@@ -18,6 +19,8 @@ stdout: one JSON line; the table: stderr.
 from __future__ import annotations
 
 import argparse
+import functools
+import http.server
 import json
 import logging
 import multiprocessing
@@ -25,6 +28,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -41,6 +45,41 @@ from tests.s3.server import start_server  # noqa: E402
 
 log = logging.getLogger("bench.cache")
 EPOCHS = 2
+CHUNK = 256 << 10
+
+
+class ThrottledHandler(http.server.SimpleHTTPRequestHandler):
+    """A slow shared file system stand-in: every connection together gets at most ``rate`` bytes/s (a token bucket
+    shared by the server's threads), and the bytes sent are counted."""
+
+    rate = 100e6
+    sent = 0
+    _lock = threading.Lock()
+    _next_free = 0.0
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def copyfile(self, source, outputfile) -> None:
+        while chunk := source.read(CHUNK):
+            with ThrottledHandler._lock:
+                now = time.perf_counter()
+                start = max(now, ThrottledHandler._next_free)
+                ThrottledHandler._next_free = start + len(chunk) / self.rate
+                ThrottledHandler.sent += len(chunk)
+            time.sleep(max(0.0, start - now))
+            try:
+                outputfile.write(chunk)
+            except (BrokenPipeError, ConnectionResetError):  # a reader that needed only the first samples
+                return
+
+
+def throttled_server(folder: Path, rate: float) -> tuple[http.server.ThreadingHTTPServer, str]:
+    ThrottledHandler.rate = rate
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                             functools.partial(ThrottledHandler, directory=str(folder)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
 def rank_main(rank: int, location: str, cache_dir: str | None, args, start, results) -> None:
@@ -63,6 +102,7 @@ def rank_main(rank: int, location: str, cache_dir: str | None, args, start, resu
 
 def run_config(name: str, location: str, cache_dir: str | None, args, drop: list[Path]) -> dict:
     bench.drop_cache(drop)
+    sent_before = ThrottledHandler.sent
     context = multiprocessing.get_context("fork")
     start, results = context.Barrier(2), context.Queue()
     ranks = [context.Process(target=rank_main, args=(r, location, cache_dir, args, start, results)) for r in (0, 1)]
@@ -77,7 +117,8 @@ def run_config(name: str, location: str, cache_dir: str | None, args, drop: list
     rates = [samples / EPOCHS / max(r["seconds"][e] for r in rows) for e in range(EPOCHS)]
     caches = [r["cache"] for r in rows if r["cache"]]
     cache = {k: sum(c[k] for c in caches) for k in caches[0] if k != "hit_rate"} if caches else None
-    out = {"epoch_img_per_s": [round(r, 1) for r in rates], "fetched_bytes": sum(r["fetched"] for r in rows),
+    fetched = sum(r["fetched"] for r in rows) + ThrottledHandler.sent - sent_before
+    out = {"epoch_img_per_s": [round(r, 1) for r in rates], "fetched_bytes": fetched,
            "samples": samples, "cache": cache}
     log.info("%-10s epoch 1 %7.1f img/s, epoch 2 %7.1f img/s, fetched %.1f MB%s", name, rates[0], rates[1],
              out["fetched_bytes"] / 1e6, f", cache {cache}" if cache else "")
@@ -91,6 +132,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=2, help="interleaved rounds; the best epoch rates are kept")
+    parser.add_argument("--slow-mb-s", type=float, default=100.0,
+                        help="bandwidth of the throttled HTTP source (a busy shared file system), all readers together")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
     setup_logging(quiet=args.quiet)
@@ -115,11 +158,14 @@ def run(args, workdir: Path, server) -> None:
     tars = sorted(folder.glob("*.tar"))
     dataset_bytes = sum(p.stat().st_size for p in tars)
     weed_files = [p for p in (server.log_path.parent / "data").rglob("*") if p.is_file()]
+    slow_server, slow_url = throttled_server(folder, args.slow_mb_s * 1e6)
     results: dict[str, dict] = {}
     for round_ in range(args.repeat):  # interleaved rounds; each configuration keeps its best epoch rates
         cache_dir = workdir / f"node-cache-{round_}"  # a cold cache every round
-        for name, location, cache, drop in (("local", str(folder), None, tars), ("s3", url, None, weed_files),
-                                            ("s3_cache", url, str(cache_dir), weed_files)):
+        for name, location, cache, drop in (
+                ("local", str(folder), None, tars), ("s3", url, None, weed_files),
+                ("s3_cache", url, str(cache_dir / "s3"), weed_files), ("slow", slow_url, None, tars),
+                ("slow_cache", slow_url, str(cache_dir / "slow"), tars)):
             row = run_config(name, location, cache, args, drop)
             best = results.get(name)
             if best is not None:
@@ -132,10 +178,17 @@ def run(args, workdir: Path, server) -> None:
         "no_cache_fetched_vs_dataset": results["s3"]["fetched_bytes"] / dataset_bytes,
         "cache_epoch2_vs_local": cached[1] / local[1],
         "cache_epoch1_vs_s3_epoch1": cached[0] / results["s3"]["epoch_img_per_s"][0],
+        "slow_cache_fetched_vs_dataset": results["slow_cache"]["fetched_bytes"] / dataset_bytes,
+        "slow_cache_epoch2_vs_local": results["slow_cache"]["epoch_img_per_s"][1] / local[1],
+        "slow_no_cache_epoch2_vs_local": results["slow"]["epoch_img_per_s"][1] / local[1],
     }
+    slow_server.shutdown()
     log.info("with the cache, 2 epochs fetched %.3fx the dataset (goal <= 1.05; without: %.3fx); epoch 2 ran at "
              "%.2fx local disk (goal >= 0.95)", ratios["cache_fetched_vs_dataset"],
              ratios["no_cache_fetched_vs_dataset"], ratios["cache_epoch2_vs_local"])
+    log.info("from a %.0f MB/s source: epoch 2 at %.2fx local disk with the cache, %.2fx without; fetched %.3fx the "
+             "dataset over 2 epochs", args.slow_mb_s, ratios["slow_cache_epoch2_vs_local"],
+             ratios["slow_no_cache_epoch2_vs_local"], ratios["slow_cache_fetched_vs_dataset"])
     print(json.dumps({"images": len(files), "shards": len(tars), "dataset_bytes": dataset_bytes, "ranks": 2,
                       "repeat": args.repeat,
                       "workers_per_rank": args.workers, "results": results,
