@@ -27,7 +27,6 @@ import multiprocessing
 import os
 import shutil
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -41,7 +40,6 @@ import s3 as s3bench  # noqa: E402  (scripts/bench/s3.py: index recording and up
 import shards  # noqa: E402
 from shards.formats import s3  # noqa: E402
 from shards.progress import setup_logging  # noqa: E402
-from tests.s3.server import start_server  # noqa: E402
 
 log = logging.getLogger("bench.cache")
 EPOCHS = 2
@@ -137,15 +135,7 @@ def main() -> None:
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
     setup_logging(quiet=args.quiet)
-    workdir = Path(tempfile.mkdtemp(prefix="shardcache-bench-cache-"))
-    server = start_server(Path(tempfile.mkdtemp(prefix="shardcache-bench-weed-")))
-    os.environ.update(server.client_env())
-    try:
-        run(args, workdir, server)
-    finally:
-        server.stop()
-        shutil.rmtree(server.log_path.parent, ignore_errors=True)
-        shutil.rmtree(workdir, ignore_errors=True)
+    s3bench.with_server(run, args, "cache")
 
 
 def run(args, workdir: Path, server) -> None:

@@ -118,7 +118,13 @@ def main() -> None:
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
     setup_logging(quiet=args.quiet)
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="shardcache-bench-s3-"))
+    with_server(run, args, "s3", keep=args.workdir)
+
+
+def with_server(run, args, name: str, keep: Path | None = None) -> None:
+    """``run(args, workdir, server)`` with a local S3 server on free ports and the AWS variables pointing at it;
+    the server and the work folder (unless ``keep`` names it) are removed afterwards, also on failure."""
+    workdir = keep or Path(tempfile.mkdtemp(prefix=f"shardcache-bench-{name}-"))
     server = start_server(Path(tempfile.mkdtemp(prefix="shardcache-bench-weed-")))
     os.environ.update(server.client_env())
     try:
@@ -126,7 +132,7 @@ def main() -> None:
     finally:
         server.stop()
         shutil.rmtree(server.log_path.parent, ignore_errors=True)
-        if args.workdir is None:
+        if keep is None:
             shutil.rmtree(workdir, ignore_errors=True)
 
 

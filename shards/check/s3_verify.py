@@ -14,7 +14,9 @@ import io
 from typing import Any
 
 from shards.check.freshness import staleness_or_warn
-from shards.check.verify import DEFAULT_SAMPLES_PER_SHARD, VerifyReport, _check_samples, _Tally
+from shards.check.verify import (
+    DEFAULT_SAMPLES_PER_SHARD, VerifyReport, _check_samples, _Tally, check_split_totals,
+)
 from shards.errors import InputError, ShardcacheError
 from shards.formats.features import FeatureSpec, feature_shard_problems, load_feature_bytes
 from shards.formats.locations import shard_location
@@ -67,12 +69,7 @@ def _verify_images(url: str, base: str, manifest: DatasetManifest, full: bool, s
                 _check_index(location, shard, data, options, tally)
             _check_samples(None, manifest.storage, split_name, shard, None if full else samples_per_shard, tally,
                            samples=_samples(manifest.storage, data, location))
-        if sum(s.samples for s in split.shards) != split.samples:
-            tally.problems.append(f"split {split_name}: shard sample counts do not add up to {split.samples}")
-        counted = tally.class_counts.get(split_name)
-        if counted is not None and tuple(counted) != tuple(split.class_counts) and not tally.problems:
-            tally.problems.append(f"split {split_name}: class counts {counted} differ from the manifest's "
-                                  f"{list(split.class_counts)}")
+        check_split_totals(split_name, split, tally)
     return VerifyReport(url, "images", tuple(tally.problems), shards_checked, tally.read, tally.decoded)
 
 

@@ -131,6 +131,17 @@ def _check_samples(folder: Path, storage: str, split: str, shard: ShardInfo, dec
         tally.problems.append(f"{shard.path}: holds {seen} samples, manifest says {shard.samples}")
 
 
+def check_split_totals(split_name: str, split: Any, tally: _Tally) -> None:
+    """The split's own totals against its shards and the labels read (class counts only when nothing else failed,
+    so one damaged shard is not reported twice)."""
+    if sum(s.samples for s in split.shards) != split.samples:
+        tally.problems.append(f"split {split_name}: shard sample counts do not add up to {split.samples}")
+    counted = tally.class_counts.get(split_name)
+    if counted is not None and tuple(counted) != tuple(split.class_counts) and not tally.problems:
+        tally.problems.append(f"split {split_name}: class counts {counted} differ from the manifest's "
+                              f"{list(split.class_counts)}")
+
+
 def _verify_images(folder: Path, manifest: DatasetManifest, full: bool, samples_per_shard: int) -> VerifyReport:
     tally = _Tally(len(manifest.classes))
     shards_checked = 0
@@ -140,12 +151,7 @@ def _verify_images(folder: Path, manifest: DatasetManifest, full: bool, samples_
             if _check_file(folder, shard, tally):
                 _check_samples(folder, manifest.storage, split_name, shard, None if full else samples_per_shard,
                                tally)
-        if sum(s.samples for s in split.shards) != split.samples:
-            tally.problems.append(f"split {split_name}: shard sample counts do not add up to {split.samples}")
-        counted = tally.class_counts.get(split_name)
-        if counted is not None and tuple(counted) != tuple(split.class_counts) and not tally.problems:
-            tally.problems.append(f"split {split_name}: class counts {counted} differ from the manifest's "
-                                  f"{list(split.class_counts)}")
+        check_split_totals(split_name, split, tally)
     return VerifyReport(str(folder), "images", tuple(tally.problems), shards_checked, tally.read, tally.decoded)
 
 
