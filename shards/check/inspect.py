@@ -2,7 +2,8 @@
 
 The summary (classes with counts, shards, sizes) comes from the manifest alone. ``batch_report`` runs one batch
 through a DataLoader with the standard eval transform and reports shape, dtype, value range and label spread: the
-first thing to look at when training misbehaves. ``save_grid`` writes augmented training images to look at.
+first thing to look at when training misbehaves. ``save_grid`` writes augmented training images, each labelled
+with its class name, to look at.
 """
 
 from __future__ import annotations
@@ -110,11 +111,64 @@ def batch_report(folder: str | os.PathLike, *, split: str | None = None, batch_s
             "label_counts": {name: spread[name] for name in manifest.classes if spread[name]}}
 
 
+GRID_PADDING = 2
+GRID_COLUMNS = 8
+LABEL_BACKGROUND, LABEL_TEXT = (255, 255, 255), (25, 25, 25)
+
+
+def label_band_px(image_width: int) -> int:
+    """Height of the label band under each image: text scales with the image so names stay legible at 224 px
+    without swamping a 32 px thumbnail."""
+    return _label_font_px(image_width) + 8
+
+
+def _label_font_px(image_width: int) -> int:
+    return max(10, min(18, image_width // 12))
+
+
+def _fit(text: str, font: Any, width: int) -> str:
+    """``text``, cut with an ellipsis to fit ``width`` pixels: a long class name must not spill into its neighbour."""
+    if font.getlength(text) <= width:
+        return text
+    while text and font.getlength(text + "…") > width:
+        text = text[:-1]
+    return text + "…"
+
+
+def labelled_grid(images: Any, names: list[str], *, columns: int = GRID_COLUMNS, padding: int = GRID_PADDING):
+    """A PIL image of ``images`` (uint8, N x H x W x 3) in rows of ``columns``, each with its name in a white band
+    underneath: a grid is looked at to check that what the model sees matches its label."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    count, height, width = images.shape[0], images.shape[1], images.shape[2]
+    columns = max(1, min(columns, count))
+    rows = -(-count // columns)
+    band = label_band_px(width)
+    tile_h = height + band
+    canvas = Image.new("RGB", (columns * (width + padding) + padding, rows * (tile_h + padding) + padding), "black")
+    draw = ImageDraw.Draw(canvas)
+    try:
+        font = ImageFont.load_default(size=_label_font_px(width))
+    except TypeError:  # Pillow < 10.1 has only its small bitmap font, which still fits the band
+        font = ImageFont.load_default()
+    for index, name in enumerate(names):
+        left = (index % columns) * (width + padding) + padding
+        top = (index // columns) * (tile_h + padding) + padding
+        canvas.paste(Image.fromarray(images[index]), (left, top))
+        draw.rectangle([left, top + height, left + width - 1, top + tile_h - 1], fill=LABEL_BACKGROUND)
+        text = _fit(name, font, width - 4)
+        # Centred from the text's own box: bitmap fonts have no anchor support.
+        x0, y0, x1, y1 = draw.textbbox((0, 0), text, font=font)
+        draw.text((left + (width - (x1 - x0)) / 2 - x0, top + height + (band - (y1 - y0)) / 2 - y0), text,
+                  fill=LABEL_TEXT, font=font)
+    return canvas
+
+
 def save_grid(folder: str | os.PathLike, out_path: str | os.PathLike, *, split: str | None = None,
               count: int = 16, image_size: int = 224, seed: int = 0, storage_options: Any = None) -> dict[str, Any]:
-    """Save ``count`` training-augmented images (seeded) as one PNG grid, un-normalised so they look natural."""
+    """Save ``count`` training-augmented images (seeded) as one PNG grid, un-normalised so they look natural, each
+    labelled with its class name."""
     import torch
-    from torchvision.utils import save_image
 
     from shards.image.transforms import TransformSpec, build_transform
 
@@ -127,9 +181,11 @@ def save_grid(folder: str | os.PathLike, out_path: str | os.PathLike, *, split: 
                                     storage_options=storage_options)))
     mean = torch.tensor(spec.mean).view(1, 3, 1, 1)
     std = torch.tensor(spec.std).view(1, 3, 1, 1)
-    grid = (images * std + mean).clamp(0, 1)
+    # The same rounding torchvision's save_image uses, so the pixels match what it wrote before labels.
+    pixels = (images * std + mean).clamp(0, 1).mul(255).add(0.5).clamp(0, 255).to(torch.uint8)
+    names = [manifest.classes[int(label)] for label in labels]
+    grid = labelled_grid(pixels.permute(0, 2, 3, 1).contiguous().numpy(), names)
     out_path = Path(out_path)
     with atomic_output(out_path) as tmp:
-        save_image(grid, tmp, nrow=min(8, len(grid)), padding=2, format="png")
-    return {"grid": str(out_path), "images": len(grid), "split": split,
-            "labels": [manifest.classes[int(label)] for label in labels]}
+        grid.save(tmp, format="PNG")
+    return {"grid": str(out_path), "images": len(names), "split": split, "labels": names}

@@ -2,11 +2,12 @@
 
 import json
 
+import numpy as np
 from click.testing import CliRunner
 from PIL import Image
 
 from shards.cli.main import main
-from shards.check.inspect import batch_report, save_grid, summarize
+from shards.check.inspect import batch_report, label_band_px, labelled_grid, save_grid, summarize
 from tests.helpers import make_shard_dataset
 
 
@@ -29,12 +30,28 @@ def test_batch_report_shows_shape_dtype_range_and_labels(tmp_path):
     assert report["label_counts"] == {"a": 2, "b": 2, "c": 2}
 
 
-def test_grid_is_saved_as_a_png(tmp_path):
+def test_grid_is_saved_as_a_png_with_a_label_band_under_each_image(tmp_path):
     make_shard_dataset(tmp_path / "ds")
     result = save_grid(tmp_path / "ds", tmp_path / "grid.png", count=4, image_size=24)
     assert result["images"] == 4 and len(result["labels"]) == 4
+    assert set(result["labels"]) <= {"a", "b", "c"}
+    band = label_band_px(24)
     with Image.open(tmp_path / "grid.png") as grid:
-        assert grid.format == "PNG" and grid.size == (4 * 24 + 5 * 2, 24 + 2 * 2)
+        assert grid.format == "PNG" and grid.size == (4 * 24 + 5 * 2, 24 + band + 2 * 2)
+        for column in range(4):
+            left = 2 + column * (24 + 2)
+            label = grid.convert("L").crop((left, 2 + 24, left + 24, 2 + 24 + band))
+            low, high = label.getextrema()
+            assert high == 255 and low < 128  # a white band with dark text on it, not a blank strip
+
+
+def test_long_class_names_are_cut_to_the_image_width():
+    images = np.zeros((2, 32, 32, 3), dtype=np.uint8)
+    grid = labelled_grid(images, ["x" * 80, "y"], columns=2)
+    band = label_band_px(32)
+    assert grid.size == (2 * 32 + 3 * 2, 32 + band + 2 * 2)
+    gap = grid.convert("L").crop((2 + 32, 2 + 32, 2 + 32 + 2, 2 + 32 + band))
+    assert gap.getextrema() == (0, 0)  # the padding between the two labels is untouched
 
 
 def test_cli_prints_a_table_on_stderr_and_json_on_stdout(tmp_path):
