@@ -13,6 +13,7 @@ import click
 from preprocess.pack.append import append
 from preprocess.pack.packer import PackConfig, pack
 from preprocess.pack.parts import STATE_DIR, merge_parts, read_plan_doc
+from preprocess.pack.table import ENCODINGS, IMPUTE_STATISTICS, TASKS, TableConfig, pack_table
 from preprocess.staging import dataset_spec, resolve_stage, run_staged
 from shards.atomic import check_local_output
 from shards.lock import claim_output
@@ -58,19 +59,53 @@ log = logging.getLogger("shardcache.pack")
               help="With --out s3://...: the local folder the shards are packed in before upload (default: "
                    "$SHARDCACHE_STAGE_DIR or ~/.cache/shardcache/stage, one folder per URL; required with "
                    "--num-tasks > 1, on a shared file system).")
+@click.option("--table", is_flag=True,
+              help="SOURCE is a CSV table, not images: pack its rows as float32 feature shards and features.json "
+                   "(what precompute-features writes), standardised with train-split statistics. A 'split' column "
+                   "assigns the splits; otherwise --val-fraction (default 0.2 here) carves a stratified val split.")
+@click.option("--target", default=None, help="With --table: the column to predict.")
+@click.option("--columns", default=None, metavar="A,B,...",
+              help="With --table: the input columns (default: all but the target and the split column).")
+@click.option("--categorical", default=None, metavar="C,...",
+              help="With --table: input columns holding categories (from the train split, sorted).")
+@click.option("--encode", type=click.Choice(ENCODINGS), default="onehot", show_default=True,
+              help="With --table: categories as one-hot columns or as one integer code (unseen: all-zero or -1).")
+@click.option("--impute", type=click.Choice(IMPUTE_STATISTICS), default=None,
+              help="With --table: fill missing numbers with this train-split statistic (recorded) and encode "
+                   "missing categories as unknown. Default: a missing cell is an error naming its row and column.")
+@click.option("--task", "table_task", type=click.Choice(TASKS), default="auto", show_default=True,
+              help="With --table: auto infers classification from strings or integers with few distinct values.")
 @task_options
 @s3_options
 @quiet_option
 @handle_errors
 def pack_shards_command(source, out, storage, max_samples, max_bytes, val_fraction, seed, no_shuffle, verify,
                         max_pixels, resize_max_side, quality, strict, allow_empty_classes, workers, overwrite,
-                        append_new, prune, merge_dir, stage_dir, task_index, num_tasks, quiet, s3) -> None:
-    """Pack an ImageFolder tree (or train/val/test trees, or a CSV/JSONL list) into shards in OUT.
+                        append_new, prune, merge_dir, stage_dir, table, target, columns, categorical, encode, impute,
+                        table_task, task_index, num_tasks, quiet, s3) -> None:
+    """Pack an ImageFolder tree (or train/val/test trees, or a CSV/JSONL list) into shards in OUT, or (--table)
+    the rows of a CSV table into feature shards.
 
     Prints a progress bar on stderr and one JSON summary line on stdout. Exit codes: 0 done, 1 failed,
     2 bad input or another run is writing OUT (nothing written). Files that are not regular files (FIFOs,
     devices), dangling symlinks and symlink loops are skipped and listed in dataset.json (--strict: exit 1).
     """
+    given = _explicit_options(click.get_current_context())
+    if not table:
+        _refuse_options(given & TABLE_ONLY, "works only with --table")
+    else:
+        _refuse_options(given & IMAGE_ONLY, "applies to image packing, not --table")
+        if source is None or out is None or target is None:
+            raise InputError("give TABLE.csv, --target COLUMN and --out OUT")
+        if num_tasks > 1:
+            raise InputError("--table packs in one process; run it as a single task, not a task array")
+        cfg = TableConfig(source=source, out=out, target=target, columns=_names(columns),
+                          categorical=_names(categorical) or (), encode=encode, impute=impute, task=table_task,
+                          val_fraction=val_fraction if "val_fraction" in given else None, seed=seed,
+                          shuffle=not no_shuffle, max_samples=max_samples,
+                          storage="hdf5" if storage == "hdf5" else "pt", overwrite=overwrite)
+        emit_json(pack_table(cfg).summary)
+        return
     if merge_dir is not None:
         started = time.monotonic()
         check_local_output(merge_dir, "--merge")
@@ -109,6 +144,40 @@ def pack_shards_command(source, out, storage, max_samples, max_bytes, val_fracti
     else:
         log.info("wrote %s/dataset.json", out)
     emit_json(summary)
+
+
+# Options given on the command line that the other kind of packing would silently ignore are refused instead.
+TABLE_ONLY = frozenset({"target", "columns", "categorical", "encode", "impute", "table_task"})
+IMAGE_ONLY = frozenset({"max_bytes", "verify", "max_pixels", "resize_max_side", "quality", "strict",
+                        "allow_empty_classes", "workers", "append_new", "prune", "merge_dir", "stage_dir",
+                        "storage_tar"})
+
+
+def _explicit_options(ctx: click.Context) -> set[str]:
+    """The parameters the user gave (not defaults); ``--storage tar`` is image-only, ``hdf5`` serves both."""
+    given = {name for name in ctx.params
+             if ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT)}
+    if "storage" in given and ctx.params["storage"] != "hdf5":
+        given.add("storage_tar")
+    return given
+
+
+def _refuse_options(names: set[str], why: str) -> None:
+    if names:
+        flags = {"table_task": "--task", "append_new": "--append", "merge_dir": "--merge",
+                 "storage_tar": "--storage tar"}
+        shown = sorted(flags.get(name, "--" + name.replace("_", "-")) for name in names)
+        raise InputError(f"{', '.join(shown)} {why}")
+
+
+def _names(text: str | None) -> tuple[str, ...] | None:
+    """``A, B,C`` -> ("A", "B", "C"); None when the option was not given."""
+    if text is None:
+        return None
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if not names:
+        raise InputError(f"{text!r} names no column")
+    return names
 
 
 def _pack_result(result) -> tuple:

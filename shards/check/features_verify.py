@@ -47,6 +47,8 @@ def verify_feature_folder(folder: str | os.PathLike, *, full: bool = False) -> l
             problems.extend(content)
             if shard is not None:
                 readable.append(info)
+    if manifest.config.get("kind") == "table":
+        return problems  # packed from a CSV (preprocess/pack/table.py): no image dataset to be stale against
     if manifest.dataset_dir.startswith("s3://"):  # not followed from a local features.json (DESIGN: untrusted input)
         from shards.check.freshness import staleness_or_warn
 
@@ -100,7 +102,8 @@ def _check_content(folder: Path, info: ShardInfo, manifest: FeatureManifest) -> 
         shard = load_feature_shard(path)
     except ShardcacheError as exc:
         return [str(exc)], None
-    spec = FeatureSpec(manifest.features_dim, manifest.dtype, len(manifest.classes), manifest.views)
+    # A regression table has no classes: its labels are placeholders, only classification labels have a range.
+    spec = FeatureSpec(manifest.features_dim, manifest.dtype, len(manifest.classes) or None, manifest.views)
     problems = [f"{path}: {problem}" for problem in feature_shard_problems(shard, info.samples, spec)]
     seen: set[str] = set()
     for row, key in enumerate(shard.keys):

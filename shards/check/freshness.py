@@ -120,6 +120,8 @@ def check_features_fresh(folder: str | Path, manifest: FeatureManifest, *, stora
     ``dataset_dir``: the caller's own location of the source dataset (else the recorded one, see
     ``dataset_location``); ``storage_options``: how to reach ``s3://`` ones. A dataset that is gone or cannot be
     reached is a warning, not an error."""
+    if manifest.config.get("kind") == "table":  # packed from a table (pack-shards --table): no dataset.json behind it
+        return
     location, why_not = dataset_location(folder, manifest.dataset_dir, dataset_dir)
     if location is None:
         log.warning("%s: cannot check freshness: %s", folder, why_not)
