@@ -1,4 +1,4 @@
-"""The ``shards`` console script: verify and inspect shard folders.
+"""The ``shards`` console script: verify, inspect and report on shard folders, feature caches and runs.
 
 Human-readable text goes to stderr (silenced by ``--quiet``); one JSON line with the result goes to stdout.
 """
@@ -16,7 +16,7 @@ from shards.check.verify import DEFAULT_SAMPLES_PER_SHARD, verify_dataset
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
-    """Verify and inspect shardcache folders."""
+    """Verify, inspect and report on shardcache folders."""
 
 
 @main.command("verify")
@@ -75,3 +75,25 @@ def inspect_command(folder: str, show_batch: bool, batch_size: int, split: str |
         if not quiet:
             click.echo(f"  grid: {grid_path} ({result['grid']['images']} images)", err=True)
     emit_json(result)
+
+
+@main.command("report")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
+@click.option("--out", type=click.Path(dir_okay=False, path_type=str), default=None,
+              help="The HTML file to write. Default: PATH/report.html for one folder, else ./report.html.")
+@click.option("--no-grid", is_flag=True, help="Leave out the sample images (no shard is opened).")
+@quiet_option
+@handle_errors
+def report_command(paths: tuple[str, ...], out: str | None, no_grid: bool, quiet: bool) -> None:
+    """One self-contained HTML page (no network, opens in any browser) for each dataset (dataset.json), feature
+    cache (features.json) or training run (metrics.jsonl + config.json) given, and the local folders they name."""
+    from shards.atomic import check_local_output
+    from shards.report.build import default_out, make_report
+
+    if out is not None:
+        check_local_output(out)
+    report = make_report(list(paths), grid=not no_grid)
+    target = report.write(out if out is not None else default_out(paths))
+    if not quiet:
+        click.echo(f"report: {target} ({', '.join(s['kind'] for s in report.summary())})", err=True)
+    emit_json({"out": str(target), "sections": report.summary()})

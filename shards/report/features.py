@@ -1,0 +1,101 @@
+"""The report's section for a feature cache (a folder with ``features.json``).
+
+The question a reader brings is "can I train on this, and is it still the features of my dataset?": so the
+section leads with fresh or stale and why, judged by the one staleness rule in ``shards.check.freshness`` against
+the dataset the manifest names (followed only as ``shards.formats.locations.dataset_location`` allows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from shards.errors import ShardcacheError
+from shards.manifest import DATASET_FILE, FeatureManifest
+from shards.report.html import (Markup, Section, count, join, key_values, note, num_cell, size, subsection, table,
+                                tag, tiles)
+
+
+@dataclass(frozen=True)
+class Freshness:
+    state: str  # "fresh", "stale" or "unknown"
+    reasons: tuple[str, ...]
+    dataset_dir: Path | None  # the local dataset folder when it exists and was checked
+
+
+def freshness(folder: Path, manifest: FeatureManifest) -> Freshness:
+    """Fresh, stale (with every reason) or unknown (with why it could not be checked)."""
+    from shards.check.freshness import feature_staleness
+    from shards.formats.locations import dataset_location
+
+    location, why_not = dataset_location(folder, manifest.dataset_dir)
+    if location is None:
+        return Freshness("unknown", (str(why_not),), None)
+    if str(location).startswith("s3://"):
+        why = f"the dataset is on object storage ({location}); a report reads local folders only"
+        return Freshness("unknown", (why,), None)
+    location = Path(location)
+    if not (location / DATASET_FILE).is_file():
+        return Freshness("unknown", (f"the dataset it was computed from ({location}) is gone",), None)
+    try:
+        problems = feature_staleness(folder, manifest, location, deep=True)
+    except ShardcacheError as exc:
+        return Freshness("unknown", (f"the dataset at {location} cannot be read: {exc}",), None)
+    return Freshness("stale" if problems else "fresh", tuple(problems), location)
+
+
+def _describe_transform(transform: Any) -> str:
+    if not isinstance(transform, dict):
+        return "n/a" if transform is None else str(transform)
+    parts = [f"{k}={transform[k]}" for k in ("resize", "crop", "interpolation") if k in transform]
+    rest = {k: v for k, v in transform.items() if k not in ("resize", "crop", "interpolation")}
+    parts += [f"{k}={v}" for k, v in sorted(rest.items())]
+    return ", ".join(parts)
+
+
+def _weights(config: Mapping[str, Any]) -> str:
+    if "weights_sha256" not in config:
+        return "not recorded"
+    if config["weights_sha256"] is None:
+        return f"none: random init from seed {config.get('init_seed', '?')}"
+    return str(config["weights_sha256"])
+
+
+def _freshness_note(state: Freshness) -> Markup:
+    if state.state == "fresh":
+        return note(f"Fresh: computed from the current {DATASET_FILE} at {state.dataset_dir} and every image shard "
+                    "it names.", "good")
+    items = join(tag("li", reason) for reason in state.reasons)
+    if state.state == "stale":
+        return note(Markup("Stale: the dataset changed since these features were computed; rerun "
+                           "precompute-features. Why:") + tag("ul", items), "bad")
+    return note(Markup("Freshness unknown:") + tag("ul", items), "warn")
+
+
+def features_section(folder: Path, manifest: FeatureManifest, anchor: str, state: Freshness, *,
+                     links: Markup | None = None) -> Section:
+    config = manifest.config
+    total_bytes = sum(shard.bytes for split in manifest.splits.values() for shard in split.shards)
+    tone = {"fresh": "good", "stale": "bad", "unknown": "warn"}[state.state]
+    overview = tiles([("cache", state.state, tone), ("backbone", str(config.get("backbone", "n/a")), None),
+                      ("feature dim", count(manifest.features_dim), None), ("dtype", manifest.dtype, None),
+                      ("views per image", count(manifest.views), None), ("on disk", size(total_bytes), None),
+                      ("samples", count(sum(s.samples for s in manifest.splits.values())), None)])
+    provenance = manifest.extra.get("provenance")
+    items = [("backbone", config.get("backbone", "n/a")),
+             ("weights sha256", _weights(config)),
+             ("transform", _describe_transform(config.get("transform"))),
+             ("augmented views", config.get("augment") if config.get("augment") else "none"),
+             ("views", manifest.views), ("dtype", manifest.dtype), ("feature dim", manifest.features_dim),
+             ("storage", manifest.storage), ("AMP", config.get("amp", "n/a")), ("decoder", config.get("decode", "n/a")),
+             ("config hash", manifest.config_hash), ("dataset dir", manifest.dataset_dir),
+             ("dataset.json sha256", manifest.dataset_sha256), ("created", manifest.created), ("tool", manifest.tool)]
+    if isinstance(provenance, dict):
+        items += [(f"provenance: {key}", value) for key, value in sorted(provenance.items())]
+    rows = [[name, num_cell(split.samples), num_cell(len(split.shards)),
+             num_cell(sum(s.bytes for s in split.shards), size)] for name, split in manifest.splits.items()]
+    parts = [overview, _freshness_note(state), links or "",
+             subsection("Splits", table(["split", "samples", "feature shards", "bytes"], rows)),
+             subsection("Backbone, transform and provenance", key_values(items))]
+    return Section(anchor, "features", path=str(folder), title=folder.name or str(folder), body=join(parts))

@@ -1,0 +1,271 @@
+"""The report's section for a training run (a folder with ``metrics.jsonl`` and ``config.json``).
+
+Read from the files a run already writes, never from live training state, so the same page comes out whether
+``train-from-shards`` draws it at the end of an epoch or someone runs ``shards report`` on a finished run. Nothing
+here imports ``train`` (``shards`` depends on no other package): the run folder's file names are part of the
+on-disk contract and repeated below. Checkpoints are described from their files' sizes and ``metrics.jsonl``,
+never opened: loading them would cost seconds per epoch, and unpickling is not allowed.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from shards.errors import InputError, ManifestError
+from shards.report import svg
+from shards.report.html import (Cell, Markup, Section, count, figure, fixed, image_data_uri, join, key_value_grid,
+                                note, num_cell, number, pct, rate, seconds, size, subsection, table, tag, tiles, void)
+from shards.report.stages import stage_breakdown
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINTS = (("last.pt", "the latest state; --resume continues from it"),
+               ("best.pt", "the epoch with the highest val top-1"),
+               ("model.pt", "the final model: weights, classes, transform"))
+WAIT_WARN = 0.2  # the training loop's own threshold for "the input pipeline is the bottleneck"
+MAX_CLASS_BARS = 40
+MAX_CONFUSION = 64  # training leaves larger matrices out of metrics.jsonl; a bigger one here is not drawn either
+MAX_EPOCH_ROWS = 2000  # also the most classes listed: beyond that a table helps nobody
+
+
+@dataclass
+class RunFiles:
+    """A run folder as read: its config (empty when missing), its metrics rows, and lines that did not parse."""
+
+    folder: Path
+    config: dict[str, Any]
+    rows: list[dict[str, Any]]
+    problems: list[str] = field(default_factory=list)
+
+
+def is_run_folder(folder: Path) -> bool:
+    """A run has finished an epoch (metrics.jsonl) or at least started (a config.json naming its data and folder:
+    other tools write files called config.json too)."""
+    if (folder / METRICS_FILE).is_file():
+        return True
+    config = _json_file(folder / CONFIG_FILE) if (folder / CONFIG_FILE).is_file() else None
+    return isinstance(config, dict) and {"data_path", "out_dir"} <= set(config)
+
+
+def _json_file(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def read_run(folder: Path) -> RunFiles:
+    config = _json_file(folder / CONFIG_FILE) if (folder / CONFIG_FILE).exists() else {}
+    if not isinstance(config, dict):
+        raise ManifestError("not a JSON object", path=str(folder / CONFIG_FILE))
+    rows, problems = [], []
+    metrics = folder / METRICS_FILE
+    if metrics.is_file():
+        try:
+            lines = metrics.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InputError(f"cannot read ({exc})", path=str(metrics)) from exc
+        for number_, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                row = None
+            if isinstance(row, dict):
+                rows.append(row)
+            else:
+                problems.append(f"{METRICS_FILE} line {number_} is not a JSON object; left out")
+    return RunFiles(folder, config, rows, problems)
+
+
+def numeric_history(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
+    """Rows cut down to their finite numbers, for code that would choke on a string where a number belongs."""
+    out = []
+    for index, row in enumerate(rows):
+        clean = {k: number(v) for k, v in row.items()}
+        clean = {k: v for k, v in clean.items() if v is not None}
+        clean["epoch"] = int(clean.get("epoch", index + 1))
+        out.append(clean)
+    return out
+
+
+def best_epoch(history: Sequence[Mapping[str, float]]) -> int | None:
+    """The first epoch with the highest val top-1: training copies best.pt only on a strict gain."""
+    scored = [(row["val_top1"], -row["epoch"]) for row in history if "val_top1" in row]
+    return -max(scored)[1] if scored else None
+
+
+def _overview(run: RunFiles, history: Sequence[Mapping[str, float]]) -> Markup:
+    if not history:
+        return note("No epoch has finished yet: metrics.jsonl is empty or missing.", "warn")
+    last = history[-1]
+    best = best_epoch(history)
+    best_row = next((row for row in history if row["epoch"] == best), {})
+    planned = number(run.config.get("epochs"))
+    wait = last.get("data_wait_share")
+    items = [("val top-1, epoch " + str(last["epoch"]), pct(last.get("val_top1")), None),
+             (f"best val top-1 (epoch {best})" if best else "best val top-1", pct(best_row.get("val_top1")), "good"),
+             ("epochs", f"{len(history)}" + (f" / {planned:.0f}" if planned else ""), None),
+             ("val loss", fixed(last.get("val_loss")), None),
+             ("samples/s", count(last.get("samples_per_s")), None),
+             ("data wait", pct(wait, 1), "warn" if wait is not None and wait > WAIT_WARN else None)]
+    if "val_top5" in last:
+        items.insert(2, ("val top-5", pct(last.get("val_top5")), None))
+    if any("cache_hit_rate" in row for row in run.rows):
+        items.append(("cache hit rate", pct(last.get("cache_hit_rate"), 1), None))
+    return tiles(items)
+
+
+def _curves(history: Sequence[Mapping[str, float]]) -> Markup:
+    try:
+        from shards.report.curves import curves_bytes
+
+        svg_bytes = curves_bytes(history, fmt="svg")
+    except Exception as exc:  # noqa: BLE001 - a figure that cannot be drawn must not cost the rest of the report
+        return note(f"Curves unavailable ({type(exc).__name__}: {exc}).", "warn")
+    return figure(void("img", src=image_data_uri(svg_bytes, "image/svg+xml"), alt="training curves",
+                       class_="curves"),
+                  "Loss, top-1, learning rate, throughput and data-wait share per epoch.")
+
+
+def _epoch_table(history: Sequence[Mapping[str, float]], rows: Sequence[Mapping[str, Any]]) -> Markup:
+    top5 = any("val_top5" in row for row in history)
+    cache = any("cache_hit_rate" in row for row in rows)
+    headers = ["epoch", "train loss", "val loss", "train top-1", "val top-1", *(["val top-5"] if top5 else []),
+               "lr", "samples/s", "data wait", "epoch time", *(["cache hits", "fetched"] if cache else [])]
+    body = []
+    for row in history[-MAX_EPOCH_ROWS:]:
+        cells = [num_cell(row["epoch"]), num_cell(row.get("train_loss"), fixed), num_cell(row.get("val_loss"), fixed),
+                 num_cell(row.get("train_top1"), pct), num_cell(row.get("val_top1"), pct)]
+        cells += [num_cell(row.get("val_top5"), pct)] if top5 else []
+        cells += [num_cell(row.get("lr"), rate), num_cell(row.get("samples_per_s")),
+                  num_cell(row.get("data_wait_share"), lambda v: pct(v, 1)), num_cell(row.get("epoch_time_s"), seconds)]
+        cells += [num_cell(row.get("cache_hit_rate"), lambda v: pct(v, 1)),
+                  num_cell(row.get("fetched_bytes"), size)] if cache else []
+        body.append(cells)
+    return table(headers, body, scroll=len(body) > 12)
+
+
+def confusion_of(row: Mapping[str, Any]) -> list[list[float]] | None:
+    """The row's square confusion matrix of counts, or None when absent or malformed."""
+    matrix = row.get("val_confusion")
+    if not isinstance(matrix, list) or not matrix or not all(isinstance(r, list) and len(r) == len(matrix)
+                                                               for r in matrix):
+        return None
+    values = [[number(v) for v in r] for r in matrix]
+    return None if any(v is None or v < 0 for r in values for v in r) else values  # type: ignore[misc]
+
+
+def class_names(row: Mapping[str, Any], n: int, classes: Sequence[str] | None) -> tuple[list[str], str]:
+    """Names for ``n`` classes and where they came from: the dataset manifest, else the per-class metrics' keys
+    (written in class order, sorted like the manifest's classes), else indices."""
+    if classes is not None and len(classes) == n:
+        return list(classes), "the data's manifest"
+    per_class = row.get("val_per_class_accuracy")
+    if isinstance(per_class, Mapping) and len(per_class) == n:
+        return [str(k) for k in per_class], "metrics.jsonl"
+    return [str(i) for i in range(n)], "indices (no class list found)"
+
+
+def _per_class(row: Mapping[str, Any], classes: Sequence[str] | None) -> Markup:
+    matrix = confusion_of(row)
+    if matrix is not None and len(matrix) > MAX_CONFUSION:
+        matrix = None
+    per_class = row.get("val_per_class_accuracy")
+    if matrix is None and not isinstance(per_class, Mapping):
+        return subsection("Per-class accuracy and confusion", note("Not recorded in metrics.jsonl (runs with more "
+                                                                   "than 64 classes leave the matrix out)."))
+    n = len(matrix) if matrix is not None else len(per_class)
+    names, source = class_names(row, n, classes)
+    accuracy = [number(per_class.get(name)) if isinstance(per_class, Mapping) else None for name in names]
+    if matrix is not None and all(a is None for a in accuracy):
+        accuracy = [r[i] / sum(r) if sum(r) else None for i, r in enumerate(matrix)]
+    rows = []
+    for i, name in enumerate(names[:MAX_EPOCH_ROWS]):
+        confused: Any = ""
+        support = None
+        if matrix is not None:
+            support = sum(matrix[i])
+            others = [(v, j) for j, v in enumerate(matrix[i]) if j != i and v > 0]
+            if others:
+                value, j = max(others)
+                confused = f"{names[j]} ({value:,.0f})"
+        rows.append([Cell(name), num_cell(accuracy[i], pct), num_cell(support), confused])
+    parts = []
+    if n <= MAX_CLASS_BARS:
+        parts.append(tag("figure", svg.hbars(names, [("val top-1", accuracy)], pct, width=520,
+                                             title="per-class accuracy")))
+    if matrix is None:
+        parts.append(note(f"No confusion matrix in metrics.jsonl (training records it up to {MAX_CONFUSION} "
+                          "classes)."))
+    else:
+        parts.append(figure(svg.heatmap(matrix, names), "Rows: true class; columns: predicted. Colour: share of "
+                                                        "the row; numbers: counts."))
+    body = tag("div", join(parts), class_="grid2") + table(["class", "val top-1", "val samples",
+                                                            "most often predicted instead"], rows, scroll=n > 15)
+    body += note(f"Epoch {row.get('epoch', '?')}; class names from {source}.")
+    return subsection("Per-class accuracy and confusion", body)
+
+
+def _cache(history: Sequence[Mapping[str, float]], rows: Sequence[Mapping[str, Any]]) -> Markup:
+    if not any("cache_hit_rate" in row for row in rows):
+        return Markup("")
+    labels = [str(row["epoch"]) for row in history]
+    hits = svg.columns(labels, [("hit rate", [row.get("cache_hit_rate") for row in history])], lambda v: pct(v, 0),
+                       title="cache hit rate", x_title="epoch", height=200)
+    fetched = svg.columns(labels, [("fetched", [row.get("fetched_bytes") for row in history])], size,
+                          title="bytes fetched", x_title="epoch", height=200)
+    return subsection("Node-local shard cache", tag("div", figure(hits, "Shard reads served from the node's cache.")
+                                                    + figure(fetched, "Bytes fetched from the source."),
+                                                    class_="grid2"))
+
+
+def _mtime(path: Path) -> str:
+    stamp = _dt.datetime.fromtimestamp(path.stat().st_mtime, _dt.timezone.utc)
+    return stamp.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _checkpoints(folder: Path, history: Sequence[Mapping[str, float]]) -> Markup:
+    last = history[-1]["epoch"] if history else None
+    epochs = {"last.pt": f"after epoch {last}" if last else "n/a",
+              "best.pt": f"epoch {best_epoch(history)}" if best_epoch(history) else "n/a",
+              "model.pt": f"final, after epoch {last}" if last else "n/a"}
+    rows = []
+    for name, meaning in CHECKPOINTS:
+        path = folder / name
+        if path.is_file():
+            rows.append([Cell(str(path), mono=True), num_cell(path.stat().st_size, size), epochs[name], _mtime(path),
+                         meaning])
+        else:
+            rows.append([Cell(str(path), mono=True), "absent", "", "", meaning])
+    return subsection("Checkpoints", table(["file", "size", "epoch", "written", "what"], rows, sortable=False)
+                      + note("Epochs are read from metrics.jsonl; the checkpoints themselves are not opened."))
+
+
+def run_section(run: RunFiles, anchor: str, *, classes: Sequence[str] | None = None,
+                links: Markup | None = None) -> Section:
+    """``classes``: the class list of the run's data manifest, when it could be read (names the matrix)."""
+    history = numeric_history(run.rows)
+    parts = [_overview(run, history), links or ""]
+    parts += [note(problem, "warn") for problem in run.problems]
+    if history:
+        last = history[-1]
+        wait = last.get("data_wait_share")
+        if wait is not None and wait > WAIT_WARN:
+            parts.append(note(f"The input pipeline is the bottleneck: the last epoch waited for data "
+                              f"{pct(wait, 1)} of the time. More workers, cached features, fast decode or a local "
+                              "disk help; the stage breakdown shows which stage is slow.", "warn"))
+        parts.append(subsection("Curves", _curves(history)))
+        parts.append(subsection("Per epoch", _epoch_table(history, run.rows)))
+        parts.append(_per_class(run.rows[-1], classes))
+        parts.append(stage_breakdown(run.rows))
+        parts.append(_cache(history, run.rows))
+    parts.append(_checkpoints(run.folder, history))
+    config = sorted(run.config.items())
+    parts.append(subsection("Config", key_value_grid(config) if config else note("No config.json.", "warn")))
+    return Section(anchor, "run", path=str(run.folder), title=run.folder.name or str(run.folder), body=join(parts))

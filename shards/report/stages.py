@@ -1,0 +1,145 @@
+"""Where an epoch's time went: the stage breakdown of ``metrics.jsonl`` rows, as stacked bars and shares.
+
+Rows may carry ``stage_seconds`` ({stage: seconds}) and, from a distributed run, ``stage_seconds_by_rank`` (one
+such mapping per rank, as a list or as {rank: mapping}). A slow rank holds every other one at the next all-reduce,
+so with several ranks the last epoch is also shown rank by rank. Runs from before stage timing have neither and
+say so instead of showing an empty chart.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from shards.report import svg
+from shards.report.html import Markup, figure, join, note, num_cell, pct, seconds, subsection, table, tag
+
+# The names are the contract of shards.stream.stage_times (not imported: it loads torch). Worker stages are busy
+# seconds summed over a rank's DataLoader workers and overlap the loop; loop stages are the loop's wall seconds.
+WORKER_STAGES = ("read", "decode", "transform", "collate")
+LOOP_STAGES = ("wait", "to_device", "normalize", "step")
+STAGES = WORKER_STAGES + LOOP_STAGES
+# Fixed colours, so a stage looks the same in every chart and every report: waiting red, useful compute green.
+STAGE_COLOURS = {"read": "#4c78a8", "decode": "#f58518", "transform": "#eeca3b", "collate": "#b279a2",
+                 "wait": "#e45756", "to_device": "#72b7b2", "normalize": "#9d755d", "step": "#54a24b"}
+
+
+def _seconds_map(value: Any) -> dict[str, float] | None:
+    from shards.report.html import number
+
+    if not isinstance(value, Mapping):
+        return None
+    parsed = {str(k): number(v) for k, v in value.items()}
+    return {k: v for k, v in parsed.items() if v is not None and v >= 0}
+
+
+def by_rank(row: Mapping[str, Any]) -> list[dict[str, float]] | None:
+    """The row's per-rank stage seconds in rank order, or None."""
+    value = row.get("stage_seconds_by_rank")
+    if isinstance(value, Mapping):
+        try:
+            value = [value[k] for k in sorted(value, key=lambda k: int(k))]
+        except (TypeError, ValueError):
+            return None
+    if not isinstance(value, list) or not value:
+        return None
+    ranks = [_seconds_map(item) for item in value]
+    return None if any(r is None for r in ranks) else ranks  # type: ignore[return-value]
+
+
+def stage_seconds(row: Mapping[str, Any]) -> dict[str, float] | None:
+    """The row's stage seconds; from per-rank rows alone, their mean over ranks."""
+    own = _seconds_map(row.get("stage_seconds"))
+    if own is not None:
+        return own
+    ranks = by_rank(row)
+    if ranks is None:
+        return None
+    names = {name for rank in ranks for name in rank}
+    return {name: sum(rank.get(name, 0.0) for rank in ranks) / len(ranks) for name in names}
+
+
+MAX_EXTRA_STAGES = 8
+
+
+def ordered_stages(maps: Sequence[Mapping[str, float]]) -> list[str]:
+    """The known stages in pipeline order, then a few others a newer writer may add (never hundreds: the rows are
+    untrusted)."""
+    seen = {name for m in maps for name in m}
+    return [s for s in STAGES if s in seen] + sorted(seen - set(STAGES))[:MAX_EXTRA_STAGES]
+
+
+def _colours(names: Sequence[str]) -> list[str]:
+    extra = iter(("#bab0ac", "#ff9da6", "#17becf", "#7f7f7f", "#bcbd22"))
+    return [STAGE_COLOURS.get(name) or next(extra, "#999999") for name in names]
+
+
+def _rank_table(ranks: Sequence[Mapping[str, float]], names: Sequence[str]) -> Markup:
+    rows = []
+    for index, rank in enumerate(ranks):
+        loop = sum(rank.get(n, 0.0) for n in LOOP_STAGES)
+        rows.append([num_cell(index), *[num_cell(rank.get(n), seconds) for n in names], num_cell(loop, seconds),
+                     num_cell(rank.get("wait", 0.0) / loop if loop else None, lambda v: pct(v, 1))])
+    return table(["rank", *names, "loop total", "wait share of loop"], rows)
+
+
+def _axis_seconds(value: float) -> str:
+    return f"{value:g} s"
+
+
+def _shares(last: Mapping[str, float], group: Sequence[str], names: Sequence[str], fills: Sequence[str],
+            title: str) -> Markup:
+    parts = [(n, last.get(n, 0.0), f) for n, f in zip(names, fills) if n in group]
+    if not sum(value for _, value, _ in parts):
+        return tag("h4", title) + note("No time recorded here (no DataLoader workers timed this epoch).")
+    return tag("h4", title) + svg.share_bar(parts, lambda v: pct(v, 1), width=520, title=title)
+
+
+def _per_rank(ranks: Sequence[Mapping[str, float]], epoch: object) -> list[Markup]:
+    names = ordered_stages(ranks)
+    chart = svg.columns([f"rank {i}" for i in range(len(ranks))], [(n, [r.get(n, 0.0) for r in ranks]) for n in names],
+                        seconds, axis_fmt=_axis_seconds, stacked=True, colours=_colours(names), width=620,
+                        height=220, title="last epoch's stage seconds per rank")
+    loop = [sum(r.get(n, 0.0) for n in LOOP_STAGES) for r in ranks]
+    slowest = max(range(len(ranks)), key=lambda i: loop[i])
+    spread = (max(loop) - min(loop)) / max(loop) if max(loop) else 0.0
+    return [tag("h3", f"Epoch {epoch}: per rank ({len(ranks)} ranks)"), tag("figure", chart),
+            _rank_table(ranks, names),
+            note(f"Rank {slowest}'s loop took longest; the fastest spent {pct(spread, 1)} less. Every rank waits for "
+                 "the slowest at each gradient all-reduce.", "warn" if spread > 0.2 else "info")]
+
+
+def stage_breakdown(rows: Sequence[Mapping[str, Any]]) -> Markup:
+    """Stacked seconds per epoch, the last epoch's shares (loop and workers apart: worker time overlaps the loop),
+    and the last epoch rank by rank when there are several ranks."""
+    timed = [(row, stage_seconds(row)) for row in rows]
+    timed = [(row, m) for row, m in timed if m]
+    if not timed:
+        return subsection("Stage breakdown", note("Not recorded: this run's metrics.jsonl has no stage_seconds "
+                                                  "(runs from before stage timing)."))
+    names = ordered_stages([m for _, m in timed])
+    fills = _colours(names)
+    labels = [str(row.get("epoch", i + 1)) for i, (row, _) in enumerate(timed)]
+    per_epoch = svg.columns(labels, [(n, [m.get(n, 0.0) for _, m in timed]) for n in names], seconds, stacked=True,
+                            axis_fmt=_axis_seconds, colours=fills, title="stage seconds per epoch", x_title="epoch",
+                            width=560, height=260)
+    last_row, last = timed[-1]
+    epoch = last_row.get("epoch", len(timed))
+    loop_total = sum(last.get(n, 0.0) for n in LOOP_STAGES)
+    worker_total = sum(last.get(n, 0.0) for n in WORKER_STAGES)
+    share_rows = []
+    for n in names:
+        group, total = ("loop", loop_total) if n in LOOP_STAGES else ("workers", worker_total)
+        share = last.get(n, 0.0) / total if total else None
+        share_rows.append([n, group, num_cell(last.get(n), seconds), num_cell(share, lambda v: pct(v, 1))])
+    shares = (tag("h3", f"Epoch {epoch}: where the time went")
+              + _shares(last, LOOP_STAGES, names, fills, "training loop (wall time)")
+              + _shares(last, WORKER_STAGES, names, fills, "loader workers (busy time, overlaps the loop)")
+              + table(["stage", "part", "seconds", "share of part"], share_rows))
+    caption = ("Seconds per stage and epoch, summed over ranks. Worker stages (read, decode, transform, collate) "
+               "run in DataLoader workers alongside the loop (wait, to_device, normalize, step), so the stack can "
+               "exceed the epoch's wall time.")
+    body = [tag("div", figure(per_epoch, caption) + tag("div", shares), class_="grid2")]
+    ranks = by_rank(last_row)
+    if ranks and len(ranks) > 1:
+        body += _per_rank(ranks, epoch)
+    return subsection("Stage breakdown", join(body))
