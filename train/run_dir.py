@@ -23,7 +23,8 @@ CURVES_FILE = "curves.png"
 LAST_FILE = "last.pt"
 BEST_FILE = "best.pt"
 MODEL_FILE = "model.pt"
-RUN_FILES = (CONFIG_FILE, METRICS_FILE, CURVES_FILE, LAST_FILE, BEST_FILE, MODEL_FILE)
+REPORT_FILE = "report.html"  # shards.report.build.write_run_report, rewritten at the end of every epoch
+RUN_FILES = (CONFIG_FILE, METRICS_FILE, CURVES_FILE, LAST_FILE, BEST_FILE, MODEL_FILE, REPORT_FILE)
 
 
 @dataclass(frozen=True)
