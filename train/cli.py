@@ -52,6 +52,7 @@ from train.config import DATA_KINDS, DEFAULT_PIPELINE, DEVICES, HEADS, OPTIMIZER
 @click.option("--resume", is_flag=True, help="Continue the run in --out exactly from last.pt (start if there is none).")
 @click.option("--dry-run", is_flag=True, help="Print one batch's shape, dtype, value range and labels, then exit.")
 @click.option("--overwrite", is_flag=True, help="Replace a different run in --out.")
+@click.option("--no-report", is_flag=True, help="Do not write report.html into the run folder.")
 @click.option("--stop-after-steps", type=int, default=None, hidden=True,
               help="Testing and profiling: return after N steps as if killed (nothing more is written).")
 @s3_options
@@ -64,7 +65,7 @@ def train_command(path: str, out_dir: str, data: str, head: str, hidden_dim: int
                   weight_decay: float, label_smoothing: float, class_weighted_loss: bool, balanced_sampler: bool,
                   seed: int, workers: int | None, prefetch: int, amp: bool, device: str, train_split: str,
                   val_split: str, checkpoint_every: int, resume: bool, dry_run: bool, overwrite: bool,
-                  stop_after_steps: int | None, quiet: bool, s3, cache) -> None:
+                  stop_after_steps: int | None, no_report: bool, quiet: bool, s3, cache) -> None:
     """Train a classifier from image shards (dataset.json) or cached features (features.json) in PATH.
 
     Prints one JSON line with val_top1, data_wait_share and run_dir. Under torchrun, every process runs this
@@ -82,7 +83,7 @@ def train_command(path: str, out_dir: str, data: str, head: str, hidden_dim: int
         class_weighted_loss=class_weighted_loss, balanced_sampler=balanced_sampler, seed=seed,
         workers=workers, prefetch=prefetch, amp=amp, device=device, train_split=train_split, val_split=val_split,
         checkpoint_every=checkpoint_every, resume=resume, overwrite=overwrite, dry_run=dry_run, quiet=quiet,
-        stop_after_steps=stop_after_steps,
+        stop_after_steps=stop_after_steps, report=not no_report,
         storage_options=s3.to_dict() if path.startswith("s3://") else None,
         cache_dir=None if cache is None else os.path.abspath(cache.dir),
         cache_limit=None if cache is None else cache.limit,

@@ -27,7 +27,7 @@ DEFAULT_LR = {"sgd": 0.1, "adamw": 1e-3}
 # epoch with exactly the samples it had left, see shards.stream.elastic).
 RESUMABLE_CHANGES = frozenset(
     {"epochs", "resume", "overwrite", "quiet", "dry_run", "checkpoint_every", "stop_after_steps", "device",
-     "storage_options", "workers", "cache_dir", "cache_limit", "cache_fallback", "cache_local"}
+     "storage_options", "workers", "cache_dir", "cache_limit", "cache_fallback", "cache_local", "report"}
 )
 
 
@@ -80,6 +80,7 @@ class TrainConfig:
     cache_limit: int | None = None
     cache_fallback: bool = False
     cache_local: bool = False
+    report: bool = True  # report.html in the run folder (shards.report), rewritten as epochs end
 
     def __post_init__(self) -> None:
         _choice("data", self.data, DATA_KINDS)

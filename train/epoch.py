@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shards.progress import progress
-from train.meter import DataWaitMeter
+from train.meter import WAIT_WARNING_SHARE, DataWaitMeter, dominant_worker_stage
 from train.metrics import ClassificationTally
 from train.models import logits_of
 
@@ -59,19 +59,29 @@ class StepContext:
     normalize: nn.Module | None = None
 
 
-def to_device(batch: Sequence[torch.Tensor], device: torch.device,
-              normalize: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def to_device(batch: Sequence[torch.Tensor], device: torch.device, normalize: nn.Module | None = None,
+              meter: DataWaitMeter | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs as float32 (feature caches are float16; the fast image pipeline's uint8 batches are normalised
-    here, once per batch on the device) and labels as int64 on the training device."""
+    here, once per batch on the device) and labels as int64 on the training device.
+
+    With a ``meter``, the copies count as the ``to_device`` stage and the normalisation as ``normalize``: wall
+    seconds of this loop, so on CUDA an asynchronous copy counts only what it holds the loop up."""
     inputs, labels = batch[0], batch[1]
     if not isinstance(labels, torch.Tensor):
         labels = torch.as_tensor(labels)
     inputs = inputs.to(device, non_blocking=True)
     if normalize is not None and inputs.dtype == torch.uint8:
+        if meter is not None:
+            meter.lap("to_device")
         inputs = normalize(inputs)
+        if meter is not None:
+            meter.lap("normalize")
     if inputs.dtype != torch.float32:
         inputs = inputs.float()
-    return inputs, labels.to(device, dtype=torch.int64, non_blocking=True)
+    labels = labels.to(device, dtype=torch.int64, non_blocking=True)
+    if meter is not None:
+        meter.lap("to_device")
+    return inputs, labels
 
 
 def train_step(ctx: StepContext, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,15 +98,16 @@ def train_step(ctx: StepContext, inputs: torch.Tensor, labels: torch.Tensor) -> 
 
 
 def run_train_epoch(ctx: StepContext, loader: Any, state: TrainState, *, total_epochs: int, quiet: bool,
-                    after_step: Callable[[], bool],
-                    checkpoint_due: Callable[[int], bool]) -> tuple[DataWaitMeter, bool]:
+                    after_step: Callable[[], bool], checkpoint_due: Callable[[int], bool],
+                    worker_stages: Callable[[], dict[str, float]] | None = None) -> tuple[DataWaitMeter, bool]:
     """Train on the loader's remaining batches; ``after_step`` may checkpoint and returns True to stop early.
 
     Loss and accuracy sums stay on the device (no sync per step) and are folded into ``state`` whenever a
     checkpoint is due and at the end, so the grouping of the sums, and so the numbers, do not depend on a resume.
+    ``worker_stages`` (the loader's ``stage_seconds``) lets the meter split the epoch's wait by worker stage.
     """
     ctx.model.train()
-    meter = DataWaitMeter()
+    meter = DataWaitMeter(worker_stages=worker_stages)
     meter.start()
     bar = progress(total=len(loader), initial=state.batch_in_epoch, desc=f"epoch {state.epoch + 1}/{total_epochs}",
                    unit="batch", quiet=quiet)
@@ -112,10 +123,11 @@ def run_train_epoch(ctx: StepContext, loader: Any, state: TrainState, *, total_e
 
     try:
         for batch in meter.iterate(loader):
-            inputs, labels = to_device(batch, ctx.device, ctx.normalize)
+            inputs, labels = to_device(batch, ctx.device, ctx.normalize, meter)
             loss, correct = train_step(ctx, inputs, labels)
             count = int(labels.shape[0])
             sums += torch.stack([loss.double() * count, correct.double()])
+            meter.lap("step")
             state.samples += count
             state.step += 1
             state.batch_in_epoch += 1
@@ -123,8 +135,7 @@ def run_train_epoch(ctx: StepContext, loader: Any, state: TrainState, *, total_e
             bar.update(1)
             if not quiet and time.perf_counter() - last_postfix > POSTFIX_EVERY_S:
                 last_postfix = time.perf_counter()
-                bar.set_postfix({"loss": f"{float(loss):.4f}", "samples/s": f"{meter.samples_per_s:,.0f}",
-                                 "data wait": f"{meter.wait_share:.0%}"})
+                bar.set_postfix(progress_postfix(meter, float(loss)))
             if checkpoint_due(state.step):
                 fold()
             if after_step():
@@ -135,6 +146,16 @@ def run_train_epoch(ctx: StepContext, loader: Any, state: TrainState, *, total_e
         meter.stop()
         bar.close()
     return meter, stopped
+
+
+def progress_postfix(meter: DataWaitMeter, loss: float) -> dict[str, str]:
+    """The bar's numbers; while the loop starves, also the worker stage it waits for (``decode 78%``)."""
+    postfix = {"loss": f"{loss:.4f}", "samples/s": f"{meter.samples_per_s:,.0f}",
+               "data wait": f"{meter.wait_share:.0%}"}
+    dominant = dominant_worker_stage(meter.worker_seconds) if meter.wait_share > WAIT_WARNING_SHARE else None
+    if dominant is not None:
+        postfix["slowest stage"] = f"{dominant[0]} {dominant[1]:.0%}"
+    return postfix
 
 
 @torch.no_grad()

@@ -8,6 +8,7 @@ Every rank computes; rank 0 alone logs and writes.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,13 +21,15 @@ from train.config import TrainConfig
 from train.data import CACHE_COUNTERS, RunData, build_data, describe_batch, prepare_manifest
 from train.distributed import DistContext, setup_distributed, wrap_model
 from train.epoch import StepContext, TrainState, evaluate, run_train_epoch
-from train.meter import wait_advice
+from train.meter import gather_stage_seconds, sum_stage_seconds, wait_advice
 from train.models import build_head, build_image_model, check_image_model
 from train.optim import build_optimizer, build_scheduler
 from train.plot import plot_curves
 from shards.units import human_bytes
 from train.prefetch import ThreadPrefetcher
 
+# Redraw curves.png and report.html after an epoch only when they are this old (see refresh_views).
+VIEW_REFRESH_S = 30.0
 log = logging.getLogger("shardcache.train")
 CONFUSION_IN_METRICS_MAX_CLASSES = 64  # a 1000x1000 matrix per epoch would swamp metrics.jsonl
 
@@ -101,6 +104,9 @@ class Run:
         self.loss_fn = nn.CrossEntropyLoss(weight=weight, label_smoothing=cfg.label_smoothing)
         self.state = TrainState()
         self._cache_before: dict[str, int] = {}  # node-cache counters at the last epoch's end (cache_row)
+        # When curves.png and report.html were last drawn: from the start, so a run of short epochs draws them
+        # once at its end, a long one after every epoch.
+        self._views_at = time.monotonic()
         if self.plan.resume_from is not None:
             self.restore(load_checkpoint(self.plan.resume_from))
         self.ddp_model = wrap_model(self.model, self.ctx)
@@ -162,7 +168,8 @@ class Run:
             meter, stopped = run_train_epoch(
                 step_ctx, self.batches(self.data.train_loader), self.state, total_epochs=cfg.epochs,
                 quiet=cfg.quiet or not self.ctx.is_main, after_step=self.after_step,
-                checkpoint_due=lambda step: bool(cfg.checkpoint_every) and step % cfg.checkpoint_every == 0)
+                checkpoint_due=lambda step: bool(cfg.checkpoint_every) and step % cfg.checkpoint_every == 0,
+                worker_stages=getattr(self.data.train_loader, "stage_seconds", None))
             if stopped:
                 return self.summary(row, stopped=True)
             row = self.end_epoch(meter)
@@ -182,6 +189,7 @@ class Run:
                "train_loss": float(train_sums[0] / train_sums[2]), "train_top1": float(train_sums[1] / train_sums[2]),
                "samples_per_s": samples_per_s, "data_wait_share": wait_share, "epoch_time_s": meter.wall_s, **val}
         row.update(self.cache_row())
+        row.update(self.stage_row(meter))
         if len(self.data.classes) > CONFUSION_IN_METRICS_MAX_CLASSES:
             row.pop("val_confusion")
         state.history.append(row)
@@ -211,12 +219,35 @@ class Run:
         return {"cache_hit_rate": epoch["hits"] / lookups if lookups else None, "fetched_bytes": epoch["fetched_bytes"],
                 "cache": epoch}
 
+    def stage_row(self, meter) -> dict[str, Any]:
+        """Where the epoch's time went: ``stage_seconds`` summed over ranks (worker stages: busy seconds summed over
+        each rank's workers; loop stages: wall seconds of each rank's loop) and ``stage_seconds_by_rank``."""
+        by_rank = gather_stage_seconds(meter.stage_seconds, self.ctx.device)
+        return {"stage_seconds": sum_stage_seconds(by_rank), "stage_seconds_by_rank": by_rank}
+
     def write_epoch_files(self, row: dict[str, Any], improved: bool) -> None:
         rd.write_metrics(self.plan.path(rd.METRICS_FILE), self.state.history)
-        plot_curves(self.state.history, self.plan.path(rd.CURVES_FILE))
         self.save_last(mid_epoch=False)
         if improved:
             copy_checkpoint(self.plan.path(rd.LAST_FILE), self.plan.path(rd.BEST_FILE))
+        self.refresh_views(final=False)
+
+    def refresh_views(self, *, final: bool) -> None:
+        """``curves.png`` and ``report.html`` for someone watching the run. Drawing them takes about a second, so
+        after short epochs they are redrawn at most every ``VIEW_REFRESH_S`` seconds, and always at the end."""
+        now = time.monotonic()
+        if not final and now - self._views_at < VIEW_REFRESH_S:
+            return
+        self._views_at = now
+        plot_curves(self.state.history, self.plan.path(rd.CURVES_FILE))
+        if not self.cfg.report:
+            return
+        from shards.report.build import write_run_report
+
+        try:
+            write_run_report(self.plan.folder)
+        except Exception as exc:  # noqa: BLE001 - a view must never stop the training it reports on
+            log.warning("report.html not written: %s", exc)
 
     def log_epoch(self, row: dict[str, Any]) -> None:
         top5 = f", val_top5 {row['val_top5']:.2%}" if "val_top5" in row else ""
@@ -228,7 +259,8 @@ class Run:
             log.info("node cache: hit rate %s, fetched %s, served %s from the cache",
                      "n/a" if rate is None else f"{rate:.0%}", human_bytes(row["fetched_bytes"]),
                      human_bytes(row["cache"]["served_bytes"]))
-        advice = wait_advice(row["data_wait_share"], data_kind=self.data.kind, workers=self.data.workers)
+        advice = wait_advice(row["data_wait_share"], data_kind=self.data.kind, workers=self.data.workers,
+                             stages=row.get("stage_seconds"), pipeline=self.cfg.pipeline)
         if advice:
             log.warning(advice)
 
@@ -248,10 +280,11 @@ class Run:
             "train_config": cfg.to_dict(), "epochs": self.state.epoch,
         }
         save_checkpoint(self.plan.path(rd.MODEL_FILE), payload)
+        self.refresh_views(final=True)
 
     def summary(self, row: dict[str, Any], *, stopped: bool) -> dict[str, Any]:
         keep = ("epoch", "train_loss", "val_loss", "val_top1", "val_top5", "samples_per_s", "data_wait_share",
-                "cache_hit_rate", "fetched_bytes")
+                "cache_hit_rate", "fetched_bytes", "stage_seconds")
         out = {k: row.get(k) for k in keep if k in row}
         out.update({"run_dir": str(self.plan.folder), "data": self.data.kind, "classes": len(self.data.classes),
                     "best_val_top1": self.state.best_val_top1 if self.state.history else None,

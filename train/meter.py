@@ -1,38 +1,63 @@
-"""The data-wait meter: how much of an epoch the training loop spent blocked waiting for the next batch.
+"""The data-wait meter: how much of an epoch the training loop spent blocked waiting for the next batch, and where
+the time went, stage by stage.
 
 This is the built-in answer to "is my data pipeline the bottleneck?": the share of wall time spent inside
-``next(iterator)``. Above 20% the GPU (or CPU) is starving and the advice says what usually fixes it.
+``next(iterator)``. Above 20% the GPU (or CPU) is starving and the advice says what usually fixes it, naming the
+stage the workers spend most of their time in (``shards.stream.stage_times``: read, decode, transform, collate).
+The loop's own stages (wait, to_device, normalize, step) are wall seconds of this process, laps of one clock.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from shards.stream.stage_times import LOOP_STAGES, STAGES, WORKER_STAGES, stage_delta, zero_stages
+
 T = TypeVar("T")
 WAIT_WARNING_SHARE = 0.20
+# Copying batches to the device above this share of the loop's time is worth a tip of its own.
+TO_DEVICE_WARNING_SHARE = 0.10
 
 
 class DataWaitMeter:
-    """Wraps the batch iterator; counts seconds blocked in ``next`` against wall seconds since ``start``."""
+    """Wraps the batch iterator; counts seconds blocked in ``next`` against wall seconds since ``start``.
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+    ``lap(stage)`` charges the time since the batch arrived (or since the last lap) to a loop stage, so one clock
+    read per stage splits the loop. ``worker_stages`` is the loader's cumulative ``stage_seconds``; the meter keeps
+    the difference between ``start`` and ``stop``, this epoch's worker seconds.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter,
+                 worker_stages: Callable[[], dict[str, float]] | None = None) -> None:
         self.clock = clock  # injectable, so tests measure exact shares instead of sleeping
+        self.worker_stages = worker_stages
         self.wait_s = 0.0
         self.samples = 0
         self.batches = 0
+        self.loop_s = zero_stages(LOOP_STAGES[1:])
         self._started = clock()
         self._stopped: float | None = None
+        self._mark = self._started
+        self._workers_before = self._workers_now()
+        self._workers_epoch: dict[str, float] | None = None
+
+    def _workers_now(self) -> dict[str, float]:
+        return self.worker_stages() if self.worker_stages is not None else zero_stages()
 
     def start(self) -> None:
         self.wait_s, self.samples, self.batches = 0.0, 0, 0
+        self.loop_s = zero_stages(LOOP_STAGES[1:])
         self._started, self._stopped = self.clock(), None
+        self._mark = self._started
+        self._workers_before, self._workers_epoch = self._workers_now(), None
 
     def stop(self) -> None:
         self._stopped = self.clock()
+        self._workers_epoch = stage_delta(self._workers_now(), self._workers_before)
 
     def iterate(self, batches: Iterable[T]) -> Iterator[T]:
         iterator = iter(batches)
@@ -43,9 +68,28 @@ class DataWaitMeter:
             except StopIteration:
                 self.wait_s += self.clock() - began
                 return
-            self.wait_s += self.clock() - began
+            self._mark = self.clock()
+            self.wait_s += self._mark - began
             self.batches += 1
             yield batch
+
+    def lap(self, stage: str) -> None:
+        """Charge the seconds since the last lap (or since the batch arrived) to ``stage``."""
+        now = self.clock()
+        self.loop_s[stage] += now - self._mark
+        self._mark = now
+
+    @property
+    def worker_seconds(self) -> dict[str, float]:
+        """This epoch's worker-stage seconds: final after ``stop``, so far before it."""
+        if self._workers_epoch is not None:
+            return dict(self._workers_epoch)
+        return stage_delta(self._workers_now(), self._workers_before)
+
+    @property
+    def stage_seconds(self) -> dict[str, float]:
+        """This rank's seconds per stage this epoch, every name of ``STAGES``."""
+        return {**self.worker_seconds, "wait": self.wait_s, **self.loop_s}
 
     def add_samples(self, count: int) -> None:
         self.samples += count
@@ -80,11 +124,71 @@ class DataWaitMeter:
         return self.samples_per_s, self.wait_share
 
 
-def wait_advice(share: float, *, data_kind: str, workers: int) -> str | None:
-    """What to change when the loop starves; ``None`` when the data pipeline keeps up."""
+def gather_stage_seconds(seconds: dict[str, float], device: torch.device | str = "cpu") -> list[dict[str, float]]:
+    """Every rank's stage seconds, in rank order (one tensor all_gather; ``device`` as in ``reduced``)."""
+    values = torch.tensor([float(seconds.get(name, 0.0)) for name in STAGES], dtype=torch.float64, device=device)
+    if not (dist.is_available() and dist.is_initialized()):
+        return [dict(zip(STAGES, values.tolist()))]
+    gathered = [torch.empty_like(values) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, values)
+    return [dict(zip(STAGES, rank.tolist())) for rank in gathered]
+
+
+def sum_stage_seconds(by_rank: Sequence[dict[str, float]]) -> dict[str, float]:
+    return {name: sum(rank.get(name, 0.0) for rank in by_rank) for name in STAGES}
+
+
+def dominant_worker_stage(stages: dict[str, float] | None) -> tuple[str, float] | None:
+    """The worker stage with the most seconds and its share of all worker seconds; None without worker time."""
+    if not stages:
+        return None
+    total = sum(stages.get(name, 0.0) for name in WORKER_STAGES)
+    if total <= 0:
+        return None
+    name = max(WORKER_STAGES, key=lambda stage: stages.get(stage, 0.0))
+    return name, stages[name] / total
+
+
+def _stage_tip(stage: str, *, workers: int, pipeline: str | None) -> str:
+    more_workers = f"add workers (--workers, now {workers})"
+    if stage == "read":
+        return "the shards come slowly: use --cache-dir on node-local disk, or copy the shards to a local disk"
+    if stage == "collate":
+        fewer_bytes = "" if pipeline == "fast" else "use --pipeline fast (uint8 batches, a quarter of the bytes), "
+        return f"batches are slow to assemble: {fewer_bytes}{more_workers} or a smaller --batch-size"
+    fast = "" if pipeline == "fast" else ", use --pipeline fast"  # decode or transform: more hands, less work
+    return f"{more_workers}{fast}, or train on cached features (precompute-features, then --data features)"
+
+
+def stage_advice(stages: dict[str, Any], *, workers: int, pipeline: str | None = None) -> list[str]:
+    """The stage-specific tips: the largest worker stage with its share, and copying to the device when large."""
+    tips = []
+    dominant = dominant_worker_stage(stages)
+    if dominant is not None:
+        name, share = dominant
+        tips.append(f"{name} is {share:.0%} of worker time: {_stage_tip(name, workers=workers, pipeline=pipeline)}")
+    loop_total = sum(stages.get(name, 0.0) for name in LOOP_STAGES)
+    if loop_total > 0 and stages.get("to_device", 0.0) / loop_total > TO_DEVICE_WARNING_SHARE:
+        tips.append(f"to_device is {stages['to_device'] / loop_total:.0%} of the loop's time: use pin_memory / a GPU "
+                    "node")
+    return tips
+
+
+def wait_advice(share: float, *, data_kind: str, workers: int, stages: dict[str, Any] | None = None,
+                pipeline: str | None = None) -> str | None:
+    """What to change when the loop starves; ``None`` when the data pipeline keeps up.
+
+    With ``stages`` (an epoch's ``stage_seconds``) the advice names the stage the workers spend most time in; without
+    worker seconds it falls back to the tips that usually help.
+    """
     if share <= WAIT_WARNING_SHARE:
         return None
-    tips = []
+    tips = stage_advice(stages, workers=workers, pipeline=pipeline) if stages else []
+    if tips and dominant_worker_stage(stages) is not None:
+        if data_kind == "features":
+            tips.append("a larger --batch-size (per-batch overhead dominates a small head)")
+        return (f"the training loop waited for data {share:.0%} of the epoch (over {WAIT_WARNING_SHARE:.0%}): "
+                f"the data pipeline is the bottleneck: " + "; ".join(tips))
     if data_kind == "images":
         tips.append(f"more --workers (now {workers})")
         tips.append("train on precomputed features instead of images (precompute-features, then --data features)")

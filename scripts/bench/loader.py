@@ -11,9 +11,12 @@ and worker count everywhere, and each pass first drops the page cache of its dat
 whether simplejpeg earns its dependency. I/O-only passes replace decoding by counting bytes; single-core rates
 (decode only with PIL and simplejpeg, and decode plus transform) are the per-core ceilings. An accuracy check
 compares the fast eval path's uint8 pixels and a seeded random resnet18's features with torchvision's reference.
+The fast path also runs with its per-stage timing switched off (``make_loader(stage_times=False)``): the ratio is
+what measuring read/decode/transform/collate seconds costs, and a clock-only loop prices it per sample without noise.
 
     python scripts/bench/loader.py --repeat 3   # 3000 images, ~3.5 minutes on 2 cores
     python scripts/bench/loader.py --quick --repeat 3   # 600 images, ~70 s
+    python scripts/bench/loader.py --stage-times-only --repeat 5   # only what stage timing costs
 
 Progress and the table go to stderr; stdout gets one JSON line with ``images_per_s``, ``fast_vs_best_peer``, the
 ratios and the accuracy numbers.
@@ -56,6 +59,7 @@ from shards.progress import setup_logging  # noqa: E402
 from shards.formats.sample import RawSample  # noqa: E402
 from shards.formats.storage import get_storage, shard_name  # noqa: E402
 from shards.image.transforms import TransformSpec, build_transform  # noqa: E402
+from shards.stream.stage_times import SharedStageTimes, StageTally  # noqa: E402
 
 # Every library is imported above, before any timed pass, so no loader pays another's import time.
 
@@ -163,14 +167,14 @@ def webdataset_loader(folder: Path, args, io_only: bool):
 
 
 def shardcache_loader(folder: Path, args, io_only: bool, draft: bool = False, spec: TransformSpec = SPEC,
-                      verify_sha256: bool = True):
+                      verify_sha256: bool = True, stage_times: bool = True):
     if io_only:
         dataset = shards.open_dataset(folder, decode=shards.Decode(decoder=ByteCount()), seed=0)
     else:
         dataset = shards.open_dataset(folder, transform=spec, decode=shards.Decode(draft=draft), seed=0)
     dataset.verify_sha256 = verify_sha256
     return shards.make_loader(dataset, batch_size=args.batch_size, num_workers=args.workers, drop_last=False,
-                              persistent_workers=False)
+                              persistent_workers=False, stage_times=stage_times)
 
 
 def _check_decoder(expect_simplejpeg: bool, confirmed, worker_id: int) -> None:
@@ -195,7 +199,7 @@ def simplejpeg_switch(enabled: bool) -> Iterator[None]:
 
 
 def fast_batches(folder: Path, args, use_simplejpeg: bool = True, consumer: str = "normalize",
-                 verify_sha256: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                 verify_sha256: bool = True, stage_times: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The fast path as a consumer sees it: uint8 batches from the workers, normalised here, per batch.
 
     ``consumer``: ``normalize`` (torch's default intra-op threads), ``normalize_1thread`` (one thread, so idle
@@ -208,7 +212,7 @@ def fast_batches(folder: Path, args, use_simplejpeg: bool = True, consumer: str 
     confirmed = multiprocessing.Value("i", 0)
     check = functools.partial(_check_decoder, use_simplejpeg and fast.simplejpeg is not None, confirmed)
     loader = shards.make_loader(dataset, batch_size=args.batch_size, num_workers=args.workers, drop_last=False,
-                                persistent_workers=False, worker_init_fn=check)
+                                persistent_workers=False, worker_init_fn=check, stage_times=stage_times)
     threads = torch.get_num_threads()
     if consumer == "normalize_1thread":
         torch.set_num_threads(1)
@@ -220,6 +224,9 @@ def fast_batches(folder: Path, args, use_simplejpeg: bool = True, consumer: str 
         torch.set_num_threads(threads)
     if args.workers > 0 and confirmed.value != args.workers:
         raise RuntimeError(f"only {confirmed.value} of {args.workers} workers confirmed the decoder setting")
+    if stage_times:
+        log.info("worker seconds by stage: %s",
+                  ", ".join(f"{k} {v:.2f}" for k, v in loader.stage_seconds().items()))
 
 
 def timed_pass(name: str, make: Callable, files: list[Path], expected: int) -> float:
@@ -244,6 +251,18 @@ def best_of_rounds(passes: dict, expected: int, repeat: int) -> dict[str, float]
     for _ in range(repeat):
         for name, (make, paths) in passes.items():
             rates[name] = max(rates.get(name, 0.0), timed_pass(name, make, paths, expected))
+    return rates
+
+
+def alternating_rounds(passes: dict, expected: int, repeat: int) -> dict[str, list[float]]:
+    """Every loader once per round, every other round in reverse order, so no pass always follows the same one
+    (on a shared 2-core machine a pass's slot in the round moved its rate by ~10%); each pass's rate per round."""
+    rates: dict[str, list[float]] = {name: [] for name in passes}
+    for round_index in range(repeat):
+        names = list(passes) if round_index % 2 == 0 else list(reversed(passes))
+        for name in names:
+            make, paths = passes[name]
+            rates[name].append(timed_pass(name, make, paths, expected))
     return rates
 
 
@@ -335,6 +354,8 @@ def main() -> None:
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--sha256-only", action="store_true",
                         help="only measure what hashing whole tar shards while streaming costs (I/O-only and fast)")
+    parser.add_argument("--stage-times-only", action="store_true",
+                        help="only measure what per-stage timing costs (fast and standard paths, with and without)")
     args = parser.parse_args()
     setup_logging(quiet=args.quiet)
     count = 600 if args.quick else args.images
@@ -378,6 +399,60 @@ def sha256_passes(args, workdir: Path, tars: list[Path]) -> dict:
         "fast_tar": (lambda: fast_batches(tar, args), tars),
         "fast_tar_nosha256": (lambda: fast_batches(tar, args, verify_sha256=False), tars),
     }
+
+
+def stage_time_passes(args, workdir: Path, tars: list[Path]) -> dict:
+    """The fast and standard paths with and without per-stage timing, interleaved in the same rounds."""
+    tar = workdir / "tar"
+    return {
+        "fast_tar": (lambda: fast_batches(tar, args), tars),
+        "fast_tar_nostagetimes": (lambda: fast_batches(tar, args, stage_times=False), tars),
+        "shardcache_tar": (lambda: shardcache_loader(tar, args, False), tars),
+        "shardcache_tar_nostagetimes": (lambda: shardcache_loader(tar, args, False, stage_times=False), tars),
+    }
+
+
+def stage_time_costs(rates: dict[str, float]) -> dict[str, float]:
+    """Share of throughput lost to stage timing, best rate against best rate (negative: within noise)."""
+    return {name: 1 - rates[name] / rates[f"{name}_nostagetimes"] for name in ("fast_tar", "shardcache_tar")
+            if f"{name}_nostagetimes" in rates}
+
+
+def stage_timing_us_per_sample(samples: int = 200_000) -> float:
+    """What the timing adds per sample (read wrapper, decode split, a flush per batch of 64), without noise from
+    loading: a loop over ready items with and without it, best of three."""
+    items = [(None, None)] * samples
+
+    def plain() -> None:
+        for _ in items:
+            pass
+
+    def timed() -> None:
+        tally = StageTally(SharedStageTimes(), 64, slot=0)
+        clock = time.perf_counter
+        for _ in tally.timed_read(items):
+            began = clock()
+            tally.decoded(began, clock(), clock())
+        tally.flush()
+
+    def best(function: Callable[[], None]) -> float:
+        runs = []
+        for _ in range(3):
+            start = time.perf_counter()
+            function()
+            runs.append(time.perf_counter() - start)
+        return min(runs)
+
+    return (best(timed) - best(plain)) / samples * 1e6
+
+
+def stage_times_report(rates: dict[str, float], costs: dict[str, float], per_sample_us: float) -> str:
+    lines = [f"stage timing costs {name} {cost:.2%} of throughput ({rates[name]:.1f} vs "
+             f"{rates[name + '_nostagetimes']:.1f} img/s without, best of rounds)" for name, cost in costs.items()]
+    per_image_ms = 1000 / rates["fast_eval_1core"] if "fast_eval_1core" in rates else None
+    share = f", {per_sample_us / 1000 / per_image_ms:.3%} of a fast-path image on one core" if per_image_ms else ""
+    lines.append(f"stage timing adds {per_sample_us:.2f} us per sample{share}")
+    return "\n".join(lines)
 
 
 def sha256_costs(rates: dict[str, float]) -> dict[str, float]:
@@ -445,15 +520,29 @@ def run(args, workdir: Path, count: int, per_shard: int) -> None:
                           "images_per_s": {k: round(v, 1) for k, v in rates.items()},
                           "sha256_cost": {k: round(v, 4) for k, v in costs.items()}}))
         return
+    if args.stage_times_only:
+        per_round = alternating_rounds(stage_time_passes(args, workdir, tars), count, args.repeat)
+        rates = {name: max(values) for name, values in per_round.items()}
+        rates.update(single_core(files, min(count, 300)))
+        costs, per_sample_us = stage_time_costs(rates), stage_timing_us_per_sample()
+        print(stage_times_report(rates, costs, per_sample_us), file=sys.stderr)
+        print(json.dumps({"images": count, "workers": args.workers, "repeat": args.repeat,
+                          "images_per_s": {k: round(v, 1) for k, v in rates.items()},
+                          "stage_times_cost": {k: round(v, 4) for k, v in costs.items()},
+                          "stage_timing_us_per_sample": round(per_sample_us, 3)}))
+        return
     passes = loader_passes(args, workdir, files, tars, h5s)
     passes.update({k: v for k, v in sha256_passes(args, workdir, tars).items() if k.endswith("_nosha256")})
+    passes["fast_tar_nostagetimes"] = stage_time_passes(args, workdir, tars)["fast_tar_nostagetimes"]
     rates = best_of_rounds(passes, count, args.repeat)
     rates.update(single_core(files, min(count, 300)))
+    per_sample_us = stage_timing_us_per_sample()
     accuracy = fast_accuracy(files, min(count, 50))
     drafts = {"224": draft_difference(files, min(count, 50), SPEC),
               "112": draft_difference(files, min(count, 50), SMALL_SPEC)}
     ratios = ratios_of(rates)
     print(report(rates, ratios, accuracy, drafts), file=sys.stderr)
+    print(stage_times_report(rates, stage_time_costs(rates), per_sample_us), file=sys.stderr)
     print(json.dumps({"images": count, "workers": args.workers, "batch_size": args.batch_size,
                       "repeat": args.repeat, "mean_file_kb": round(mean_kb, 1),
                       "simplejpeg": getattr(fast.simplejpeg, "__version__", None),
@@ -463,7 +552,9 @@ def run(args, workdir: Path, count: int, per_shard: int) -> None:
                       "ratios": {k: round(v, 3) for k, v in ratios.items()},
                       "accuracy": accuracy,
                       "draft_mean_abs_diff_gray": {k: round(v, 3) for k, v in drafts.items()},
-                      "sha256_cost": {k: round(v, 4) for k, v in sha256_costs(rates).items()}}))
+                      "sha256_cost": {k: round(v, 4) for k, v in sha256_costs(rates).items()},
+                      "stage_times_cost": {k: round(v, 4) for k, v in stage_time_costs(rates).items()},
+                      "stage_timing_us_per_sample": round(per_sample_us, 3)}))
 
 
 if __name__ == "__main__":

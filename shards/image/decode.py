@@ -7,6 +7,7 @@ to black); palette and 16-bit images converted through their proper paths; CMYK 
 from __future__ import annotations
 
 import io
+import time
 
 from PIL import Image, ImageOps
 
@@ -71,7 +72,12 @@ class ImageDecoder:
     ``seed`` is the sample's augmentation seed from the reader. A preset's ``PilTransform`` takes it directly; any
     other callable (a torchvision pipeline draws from torch's global generator) runs with torch's CPU generator
     seeded to it inside ``torch.random.fork_rng``, so the caller's random state is the same afterwards.
+
+    ``decoded_at`` is the ``time.perf_counter()`` at which the last call finished decoding and began transforming:
+    the reader's stage timing (``shards.stream.stage_times``) splits the call there.
     """
+
+    decoded_at: float | None = None
 
     def __init__(self, transform=None, *, draft_size: tuple[int, int] | None = None):
         self.transform = transform
@@ -89,6 +95,7 @@ class ImageDecoder:
 
     def __call__(self, sample, seed: int = 0):
         image = self.decode(sample.data, sample.ext)
+        self.decoded_at = time.perf_counter()
         if self.transform is None:
             return image
         import torch

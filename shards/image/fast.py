@@ -14,6 +14,7 @@ interpolations go through one ``PIL.Image.resize(box=...)`` of just the region t
 from __future__ import annotations
 
 import random
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -111,11 +112,13 @@ class FastEval:
 
     def __call__(self, data: bytes, seed: int = 0) -> torch.Tensor:
         """Decode and apply the eval geometry; ``seed`` is accepted for a uniform interface and ignored."""
-        array = decode_rgb_array(data, self.resize if self.draft else None)
-        return self.apply(array)
+        return self.apply(self.decode(data))
 
-    def apply(self, array: np.ndarray) -> torch.Tensor:
-        """The eval geometry on an already decoded RGB array."""
+    def decode(self, data: bytes) -> np.ndarray:
+        return decode_rgb_array(data, self.resize if self.draft else None)
+
+    def apply(self, array: np.ndarray, seed: int = 0) -> torch.Tensor:
+        """The eval geometry on an already decoded RGB array (``seed`` ignored, as in ``__call__``)."""
         height, width = array.shape[:2]
         if self.interpolation == "bilinear":  # torchvision's own order (resize, then crop) on torch's fast kernel
             size = eval_resize_size(width, height, self.resize)
@@ -144,7 +147,13 @@ class FastTrain:
     interpolation: str = "bilinear"
 
     def __call__(self, data: bytes, seed: int) -> torch.Tensor:
-        array = decode_rgb_array(data)
+        return self.apply(self.decode(data), seed)
+
+    def decode(self, data: bytes) -> np.ndarray:
+        return decode_rgb_array(data)
+
+    def apply(self, array: np.ndarray, seed: int) -> torch.Tensor:
+        """The crop, flip and resize ``seed`` gives, on an already decoded RGB array."""
         box, flip = self.view(array.shape[1], array.shape[0], seed)
         if self.interpolation == "bilinear":  # an integer box: crop, then resize, exactly as torchvision does
             crop = _hwc_view(array)[:, box.top : box.bottom, box.left : box.right]
@@ -165,7 +174,12 @@ class FastDecoder:
     A train spec's crop and flip come from the per-sample ``seed`` the reader passes (no global random state), so
     augmentations replay exactly on resume. ColorJitter has no uint8 counterpart here: such a spec is refused, and
     callers keep the standard pipeline for it.
+
+    ``decoded_at``: the ``time.perf_counter()`` at which the last call finished decoding and began the geometry,
+    where the reader's stage timing (``shards.stream.stage_times``) splits decode from transform.
     """
+
+    decoded_at: float | None = None
 
     def __init__(self, spec):
         if spec.color_jitter > 0:
@@ -183,6 +197,8 @@ class FastDecoder:
 
     def __call__(self, sample, seed: int) -> torch.Tensor:
         try:
-            return self.geometry(sample.data, seed)
+            array = self.geometry.decode(sample.data)
+            self.decoded_at = time.perf_counter()
+            return self.geometry.apply(array, seed)
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
             raise CorruptDataError(f"cannot decode .{sample.ext} image ({type(exc).__name__}: {exc})") from exc

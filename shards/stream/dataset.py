@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -34,6 +35,7 @@ from shards.formats.remote import is_remote, open_remote
 from shards.formats.s3 import is_s3
 from shards.formats.sample import RawSample
 from shards.stream.stages import Broken, shuffle_buffer, weighted_windows
+from shards.stream.stage_times import SharedStageTimes, StageTally, TimedCollate
 from shards.formats.storage import get_storage
 from shards.formats.tarindex import load_local_index
 
@@ -110,7 +112,16 @@ class _ErrorTally:
 
 
 class ShardDataset(IterableDataset):
-    """Base of the family: plan, stages, epoch state, resume. Subclasses read slices and decode samples."""
+    """Base of the family: plan, stages, epoch state, resume. Subclasses read slices and decode samples.
+
+    ``time_stages`` (on by default; ``make_loader(stage_times=False)`` turns it off): every worker adds the seconds
+    it spends reading, decoding and transforming to a shared block (``shards.stream.stage_times``), read back with
+    ``stage_seconds()``. ``decode_timed = False``: a subclass whose decode step is no real work (features) leaves
+    decode and transform at 0.
+    """
+
+    time_stages = True
+    decode_timed = True
 
     def __init__(self, split: SplitInfo, locations: Sequence[str], config: StreamConfig,
                  num_classes: int | None = None, shard_cache: CachedShards | None = None):
@@ -126,6 +137,7 @@ class ShardDataset(IterableDataset):
         self.sizes = epoch_sizes(split.samples, config.world_size, config.drop_last)
         self.num_classes = num_classes if num_classes is not None else len(split.class_counts)
         self._state = SharedEpochState()
+        self._stage_times = SharedStageTimes()
         self._pending_resume: Resume | None = None
         self._yielded = 0
         # The unit of the split between DataLoader workers: ``make_loader`` sets its batch size, so every worker
@@ -157,6 +169,18 @@ class ShardDataset(IterableDataset):
     @property
     def dropped(self) -> int:
         return self.sizes.dropped
+
+    def stage_seconds(self) -> dict[str, float]:
+        """Busy seconds per worker stage (``read``, ``decode``, ``transform``, ``collate``), summed over all
+        workers and epochs since the last ``reset_stage_seconds``."""
+        return self._stage_times.snapshot()
+
+    def reset_stage_seconds(self) -> None:
+        self._stage_times.reset()
+
+    def timed_collate(self, collate_fn: Callable) -> TimedCollate:
+        """``collate_fn`` adding its seconds to this dataset's collate stage, from whichever worker runs it."""
+        return TimedCollate(collate_fn, self._stage_times)
 
     def state_dict(self) -> dict[str, Any]:
         """Progress of in-process iteration (no DataLoader workers); ``make_loader``'s wrapper has its own."""
@@ -263,9 +287,12 @@ class ShardDataset(IterableDataset):
         return itertools.count(base)
 
     def _worker_stream(self, epoch: int, worker: int, num_workers: int, skip: int) -> Iterator[Any]:
+        tally = StageTally(self._stage_times, self.plan_batch_size) if self.time_stages else None
         try:
-            yield from self._worker_samples(epoch, worker, num_workers, skip)
+            yield from self._worker_samples(epoch, worker, num_workers, skip, tally)
         finally:
+            if tally is not None:
+                tally.flush()  # the samples since the last full batch, before the loader sees the stream end
             if self.shard_cache is not None:
                 self.shard_cache.drop_prefetched()
 
@@ -288,7 +315,8 @@ class ShardDataset(IterableDataset):
             return None
         return self.shard_cache.lease(location, info.sha256, info.bytes)
 
-    def _worker_samples(self, epoch: int, worker: int, num_workers: int, skip: int) -> Iterator[Any]:
+    def _worker_samples(self, epoch: int, worker: int, num_workers: int, skip: int,
+                        tally: StageTally | None = None) -> Iterator[Any]:
         c = self.config
         ids = (epoch, c.rank, worker)
         policy = _ErrorTally(c, self._state)
@@ -298,6 +326,8 @@ class ShardDataset(IterableDataset):
                                      rng_for(c.seed, STREAM_CLASS_WEIGHTS, *ids))
         if c.shuffle:
             items = shuffle_buffer(items, c.shuffle_buffer, rng_for(c.seed, STREAM_SHUFFLE_BUFFER, *ids))
+        if tally is not None:
+            items = tally.timed_read(items)
         for position, ((where, sample), seed) in enumerate(zip(items, self.sample_seeds(epoch, worker))):
             if position < skip:
                 continue
@@ -306,7 +336,7 @@ class ShardDataset(IterableDataset):
                 yield from policy.fill()
                 continue
             try:
-                output = self.decode(sample, seed)
+                output = self.decode(sample, seed) if tally is None else self._timed_decode(sample, seed, tally)
             except CorruptDataError as exc:
                 policy.failed(where, sample.key, str(exc))
                 yield from policy.fill()
@@ -315,6 +345,23 @@ class ShardDataset(IterableDataset):
         if policy.pending:
             raise CorruptDataError(f"no readable sample left to stand in for {policy.pending} unreadable one(s)",
                                    path=self.config.split)
+
+    def _timed_decode(self, sample: Any, seed: int, tally: StageTally) -> Any:
+        """``decode``, its seconds split into decode and transform where the decoder marks the boundary."""
+        if not self.decode_timed:
+            output = self.decode(sample, seed)
+            tally.sample_done()
+            return output
+        began = time.perf_counter()
+        try:
+            return self.decode(sample, seed)
+        finally:
+            tally.decoded(began, getattr(self.decode_marker(), "decoded_at", None), time.perf_counter())
+
+    def decode_marker(self) -> Any:
+        """The object whose ``decoded_at`` (a ``time.perf_counter()`` value it sets) marks where, inside the last
+        decode call, decoding ended and transforming began; None: the whole call counts as decode."""
+        return None
 
     def _pack(self, output: Any, sample: Any) -> tuple:
         if self.config.return_keys:
@@ -421,6 +468,9 @@ class ImageShardDataset(ShardDataset):
 
     def decode(self, sample: RawSample, seed: int) -> Any:
         return self._decode(sample, seed)
+
+    def decode_marker(self) -> Any:
+        return self._decoder  # ImageDecoder and FastDecoder set decoded_at; a user's decoder may too
 
     def read_slice(self, piece: ShardSlice) -> Iterator[RawSample]:
         location = self.locations[piece.shard]

@@ -9,6 +9,7 @@ workers: it turns the rank's planned slices into one index tensor, shuffles it f
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple, Sequence
 
@@ -27,6 +28,7 @@ from shards.formats.remote import is_remote
 from shards.formats.s3 import is_s3
 from shards.stream.cached_shards import CachedShards
 from shards.stream.stages import systematic_resample
+from shards.stream.stage_times import zero_stages
 
 CACHE_MODES = ("auto", "memory", "none")
 AUTO_CACHE_BYTES = 4 << 30
@@ -40,6 +42,8 @@ class FeatureRow(NamedTuple):
 
 class FeatureShardDataset(ShardDataset):
     """Feature shards -> ``(features[D], label[, key])`` per sample, with every guarantee of the image reader."""
+
+    decode_timed = False  # a row is already the model input: its seconds are read, decode and transform stay 0
 
     def __init__(self, split: SplitInfo, locations: Sequence[str], config: StreamConfig, *, cache: str = "auto",
                  num_classes: int | None = None, features_dim: int | None = None, dtype: str | None = None,
@@ -119,16 +123,23 @@ class FeatureBatchLoader:
     when asked, then fully permuted from ``(seed, epoch, rank)``. ``state_dict`` counts batches, so a resumed run
     yields exactly the batches the interrupted epoch had left; with another world size or batch size, exactly the
     rows it had left, dealt to the new ranks (``shards.stream.elastic``).
+
+    ``stage_seconds()``: the seconds spent planning the epoch's rows and gathering batches (loading shards on first
+    use included) count as read, the one worker stage an in-process loader of ready rows has.
     """
 
     num_workers = 0  # by design: see the module docstring
 
-    def __init__(self, dataset: FeatureShardDataset, batch_size: int, *, drop_last: bool = False):
+    def __init__(self, dataset: FeatureShardDataset, batch_size: int, *, drop_last: bool = False,
+                 stage_times: bool = True):
         if batch_size < 1:
             raise InputError(f"batch_size must be at least 1, got {batch_size}")
         self.dataset = dataset
         self.batch_size = batch_size
         self.drop_last = drop_last
+        self.stage_times = stage_times
+        # A plain float: only this loader's thread (or a prefetch thread) adds to it, no worker process does.
+        self._read_s = 0.0
         self._table: FeatureShard | None = None
         self._key_list: list[str] | None = None
         self._offsets = np.cumsum([0] + dataset.split_info.shard_sizes)
@@ -156,6 +167,13 @@ class FeatureBatchLoader:
 
     def set_epoch(self, epoch: int) -> None:
         self.dataset.set_epoch(epoch)
+
+    def stage_seconds(self) -> dict[str, float]:
+        """Seconds per worker stage since the last reset, all epochs: only ``read`` is ever non-zero."""
+        return {**zero_stages(), "read": self._read_s}
+
+    def reset_stage_seconds(self) -> None:
+        self._read_s = 0.0
 
     def state_dict(self, batches_consumed: int | None = None) -> dict[str, Any]:
         """The position in the current epoch: after the batches handed out, or after ``batches_consumed`` of them
@@ -200,19 +218,27 @@ class FeatureBatchLoader:
         pending, self._pending = self._pending, None
         continues = pending is not None and pending.position.epoch == epoch
         self._active = pending if continues and pending.rank_indices is not None else None
-        rows = self.epoch_rows(epoch)
         start = pending.position.batches if continues else 0
         before = self._active.position.prior["batches"] if self._active is not None else 0
         self._consumed = start
+        clock = time.perf_counter if self.stage_times else None
+        began = clock() if clock else 0.0
+        rows = self.epoch_rows(epoch)
         for batch in range(start - before, self._batches(len(rows))):
             index = rows[batch * self.batch_size:(batch + 1) * self.batch_size]
             features, labels = self._gather(index)
             self._consumed = before + batch + 1
+            out = (features, labels)
             if self.dataset.config.return_keys:
                 keys = self._keys()
-                yield features, labels, [keys[i] for i in index.tolist()]
-            else:
-                yield features, labels
+                out = (features, labels, [keys[i] for i in index.tolist()])
+            if clock:
+                self._read_s += clock() - began
+            yield out
+            if clock:
+                began = clock()
+        if clock:
+            self._read_s += clock() - began
 
     def _load_table(self) -> FeatureShard:
         if self._table is None:

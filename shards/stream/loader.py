@@ -9,6 +9,10 @@ size continues over the samples its epoch had left (``shards.stream.elastic``).
 
 The epoch plan splits each rank's share between workers in whole batches (the loader tells the dataset its batch
 size), so a rank has at most one partial batch and ``drop_last`` loses fewer than ``batch_size`` samples.
+
+Stage timing (``shards.stream.stage_times``, on unless ``stage_times=False``): the workers add their read, decode
+and transform seconds to the dataset's shared block, and the collate function is wrapped to add its own, so
+``stage_seconds()`` tells the training loop which stage of the workers it is waiting for.
 """
 
 from __future__ import annotations
@@ -38,11 +42,12 @@ def default_num_workers() -> int:
 
 
 class ShardLoader:
-    """The DataLoader wrapper: ``len`` right for the rank, ``set_epoch``, ``state_dict``/``load_state_dict``."""
+    """The DataLoader wrapper: ``len`` right for the rank, ``set_epoch``, ``state_dict``/``load_state_dict``,
+    ``stage_seconds``."""
 
     def __init__(self, dataset: ShardDataset, batch_size: int, *, num_workers: int, drop_last: bool,
                  collate_fn: Callable | None, pin_memory: bool, persistent_workers: bool,
-                 prefetch_factor: int | None, **dataloader_options: Any):
+                 prefetch_factor: int | None, stage_times: bool = True, **dataloader_options: Any):
         if batch_size < 1:
             raise InputError(f"batch_size must be at least 1, got {batch_size}")
         self.dataset = dataset
@@ -50,11 +55,15 @@ class ShardLoader:
         self.num_workers = num_workers
         self.drop_last = drop_last
         dataset.plan_batch_size = batch_size  # whole batches per worker (see the module docstring)
+        dataset.time_stages = stage_times
+        collate_fn = collate_fn if collate_fn is not None else default_collate
+        if stage_times:
+            collate_fn = dataset.timed_collate(collate_fn)
         self._consumed = 0  # batches handed out in the current epoch
         self._starting_batches = 0  # where the next iteration starts counting: a loaded state's position
         self._dataloader_options = dict(
             batch_size=batch_size, num_workers=num_workers, drop_last=drop_last,
-            collate_fn=collate_fn if collate_fn is not None else default_collate, pin_memory=pin_memory,
+            collate_fn=collate_fn, pin_memory=pin_memory,
             persistent_workers=persistent_workers and num_workers > 0,
             prefetch_factor=prefetch_factor if num_workers > 0 else None, **dataloader_options)
         self.loader = self._new_dataloader()
@@ -81,6 +90,14 @@ class ShardLoader:
     @property
     def epoch(self) -> int:
         return self.dataset.epoch
+
+    def stage_seconds(self) -> dict[str, float]:
+        """This rank's busy seconds per worker stage (``read``, ``decode``, ``transform``, ``collate``), summed over
+        its workers and all epochs since the last ``reset_stage_seconds``; a consumer takes differences per epoch."""
+        return self.dataset.stage_seconds()
+
+    def reset_stage_seconds(self) -> None:
+        self.dataset.reset_stage_seconds()
 
     def __iter__(self) -> Iterator[Any]:
         self.dataset.plan_batch_size = self.batch_size
@@ -115,18 +132,19 @@ class ShardLoader:
 
 def make_loader(dataset: ShardDataset, batch_size: int = 256, *, num_workers: int | None = None,
                 drop_last: bool | None = None, collate_fn: Callable | None = None, pin_memory: bool | None = None,
-                persistent_workers: bool = True, prefetch_factor: int = 4,
+                persistent_workers: bool = True, prefetch_factor: int = 4, stage_times: bool = True,
                 **dataloader_options: Any) -> ShardLoader | FeatureBatchLoader:
     """Batches from a dataset of ``open_dataset``, with defaults that suit it.
 
     Workers default to the usable CPUs minus one (max 8), ``pin_memory`` to whether CUDA is present, ``drop_last``
     to ``dataset.config.shuffle`` (training). A feature dataset gets an in-process ``FeatureBatchLoader`` (no
-    workers: they only slow features down) unless ``num_workers`` asks for workers.
+    workers: they only slow features down) unless ``num_workers`` asks for workers. ``stage_times=False`` turns
+    off the per-stage seconds (``stage_seconds()`` then stays at 0), for measuring what they cost.
     """
     if drop_last is None:
         drop_last = dataset.config.shuffle
     if isinstance(dataset, FeatureShardDataset) and not num_workers:
-        return FeatureBatchLoader(dataset, batch_size, drop_last=drop_last)
+        return FeatureBatchLoader(dataset, batch_size, drop_last=drop_last, stage_times=stage_times)
     if num_workers is None:
         num_workers = default_num_workers()
     if pin_memory is None:
@@ -136,7 +154,7 @@ def make_loader(dataset: ShardDataset, batch_size: int = 256, *, num_workers: in
     dataloader_options.setdefault("generator", torch.Generator().manual_seed(dataset.config.seed))
     return ShardLoader(dataset, batch_size, num_workers=num_workers, drop_last=drop_last, collate_fn=collate_fn,
                        pin_memory=pin_memory, persistent_workers=persistent_workers,
-                       prefetch_factor=prefetch_factor, **dataloader_options)
+                       prefetch_factor=prefetch_factor, stage_times=stage_times, **dataloader_options)
 
 
 def pad_collate(batch: Sequence[tuple]) -> dict[str, Any]:

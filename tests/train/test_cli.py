@@ -106,3 +106,14 @@ def test_run_folder_is_protected(feature_folder: Path, tmp_path: Path):
     (foreign / "notes.txt").write_text("mine")
     assert_one_line_error(run_cli(feature_folder, "--out", foreign, "--batch-size", "16"), "no training run")
     assert (foreign / "notes.txt").read_text() == "mine"
+
+
+def test_the_run_folder_gets_a_report_unless_asked_not_to(feature_folder: Path, tmp_path: Path):
+    result = run_cli(feature_folder, "--out", tmp_path / "run", "--epochs", "2", "--batch-size", "16")
+    assert result.exit_code == 0, result.output
+    page = (tmp_path / "run" / "report.html").read_text()
+    last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert f"{100 * last['val_top1']:.2f}%" in page and "http://" not in page.replace("http://www.w3.org", "")
+    quiet = run_cli(feature_folder, "--out", tmp_path / "bare", "--epochs", "1", "--batch-size", "16", "--no-report")
+    assert quiet.exit_code == 0 and not (tmp_path / "bare" / "report.html").exists()
+    assert (tmp_path / "bare" / "curves.png").exists()

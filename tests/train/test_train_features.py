@@ -14,7 +14,7 @@ from train.config import TrainConfig
 from train.loop import train
 from train.run_dir import read_metrics
 
-TIMING_FIELDS = {"samples_per_s", "data_wait_share", "epoch_time_s"}
+TIMING_FIELDS = {"samples_per_s", "data_wait_share", "epoch_time_s", "stage_seconds", "stage_seconds_by_rank"}
 
 
 def config(data: Path, out: Path, **changes) -> TrainConfig:
@@ -44,7 +44,7 @@ def test_run_folder_holds_everything_and_loads_without_pickle(feature_folder: Pa
     run = tmp_path / "run"
     train(config(feature_folder, run, epochs=2))
     assert sorted(p.name for p in run.iterdir()) == sorted(
-        ["config.json", "metrics.jsonl", "curves.png", "last.pt", "best.pt", "model.pt"])
+        ["config.json", "metrics.jsonl", "curves.png", "last.pt", "best.pt", "model.pt", "report.html"])
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["epoch"] for r in rows] == [1, 2]
     for key in ("train_loss", "val_loss", "val_top1", "samples_per_s", "data_wait_share", "val_per_class_accuracy",
