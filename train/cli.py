@@ -6,9 +6,9 @@ import os
 
 import click
 
-from shards.cli.common import cache_options, emit_json, handle_errors, quiet_option, s3_options
+from shards.cli.common import ByteSize, cache_options, emit_json, handle_errors, quiet_option, s3_options
 from shards.stream.options import PIPELINES
-from train.config import DATA_KINDS, DEFAULT_PIPELINE, DEVICES, HEADS, OPTIMIZERS, TrainConfig
+from train.config import DATA_KINDS, DEFAULT_PIPELINE, DEVICES, HEADS, LOSSES, OPTIMIZERS, TASKS, TrainConfig
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -17,7 +17,12 @@ from train.config import DATA_KINDS, DEFAULT_PIPELINE, DEVICES, HEADS, OPTIMIZER
               help="Run folder: config.json, metrics.jsonl, curves.png, last.pt, best.pt, model.pt.")
 @click.option("--data", type=click.Choice(DATA_KINDS), default="auto",
               help="Input kind; auto reads it from the manifest (features.json or dataset.json).")
-@click.option("--head", type=click.Choice(HEADS), default="linear", help="Classifier head on features.")
+@click.option("--task", type=click.Choice(TASKS), default="auto",
+              help="auto: regression when features.json records a float target (pack-shards --table), "
+                   "else classification.")
+@click.option("--loss", type=click.Choice(LOSSES), default="mse",
+              help="Regression loss on targets standardised with the train split's mean and std.")
+@click.option("--head", type=click.Choice(HEADS), default="linear", help="Classifier (or regression) head on features.")
 @click.option("--hidden-dim", type=int, default=512, help="Hidden width of the mlp head.")
 @click.option("--dropout", type=float, default=0.0, help="Dropout before the mlp head's last layer.")
 @click.option("--model", default="resnet18", help="torchvision classification model for --data images.")
@@ -53,29 +58,37 @@ from train.config import DATA_KINDS, DEFAULT_PIPELINE, DEVICES, HEADS, OPTIMIZER
 @click.option("--dry-run", is_flag=True, help="Print one batch's shape, dtype, value range and labels, then exit.")
 @click.option("--overwrite", is_flag=True, help="Replace a different run in --out.")
 @click.option("--no-report", is_flag=True, help="Do not write report.html into the run folder.")
+@click.option("--cache-images", is_flag=True,
+              help="Image shards, fast pipeline: keep decoded images in memory after the first epoch (train views "
+                   "then crop from images bounded to image-size / 0.875), so later epochs skip decoding.")
+@click.option("--memory-limit", type=ByteSize(), default=None,
+              help="With --cache-images: at most this much per process (8G); over it, the rest is decoded every "
+                   "epoch. Default: half of what the job (its cgroup, else the machine) has left.")
 @click.option("--stop-after-steps", type=int, default=None, hidden=True,
               help="Testing and profiling: return after N steps as if killed (nothing more is written).")
 @s3_options
 @cache_options
 @quiet_option
 @handle_errors
-def train_command(path: str, out_dir: str, data: str, head: str, hidden_dim: int, dropout: float, model: str,
-                  weights: str | None, image_size: int, pipeline: str, fast_decode: bool, epochs: int,
-                  batch_size: int, optimizer: str, lr: float | None, momentum: float, warmup_epochs: float,
+def train_command(path: str, out_dir: str, data: str, task: str, loss: str, head: str, hidden_dim: int,
+                  dropout: float, model: str, weights: str | None, image_size: int, pipeline: str, fast_decode: bool,
+                  epochs: int, batch_size: int, optimizer: str, lr: float | None, momentum: float, warmup_epochs: float,
                   weight_decay: float, label_smoothing: float, class_weighted_loss: bool, balanced_sampler: bool,
                   seed: int, workers: int | None, prefetch: int, amp: bool, device: str, train_split: str,
                   val_split: str, checkpoint_every: int, resume: bool, dry_run: bool, overwrite: bool,
-                  stop_after_steps: int | None, no_report: bool, quiet: bool, s3, cache) -> None:
-    """Train a classifier from image shards (dataset.json) or cached features (features.json) in PATH.
+                  stop_after_steps: int | None, no_report: bool, cache_images: bool, memory_limit: int | None,
+                  quiet: bool, s3, cache) -> None:
+    """Train a classifier from image shards (dataset.json) or cached features (features.json) in PATH, or a
+    regression head on a table's float target (pack-shards --table).
 
-    Prints one JSON line with val_top1, data_wait_share and run_dir. Under torchrun, every process runs this
-    command; rank 0 writes the run folder.
+    Prints one JSON line with val_top1 (val_r2, val_mse and val_mae for regression), data_wait_share and run_dir.
+    Under torchrun, every process runs this command; rank 0 writes the run folder.
     """
     from train.loop import train
 
     cfg = TrainConfig(
         data_path=path if path.startswith("s3://") else os.path.abspath(path),
-        out_dir=os.path.abspath(out_dir), data=data,
+        out_dir=os.path.abspath(out_dir), data=data, task=task, loss=loss,
         head=head, hidden_dim=hidden_dim, dropout=dropout, model=model, weights=weights,
         image_size=image_size, pipeline=pipeline, fast_decode=fast_decode,
         epochs=epochs, batch_size=batch_size, optimizer=optimizer, lr=lr, momentum=momentum,
@@ -83,7 +96,8 @@ def train_command(path: str, out_dir: str, data: str, head: str, hidden_dim: int
         class_weighted_loss=class_weighted_loss, balanced_sampler=balanced_sampler, seed=seed,
         workers=workers, prefetch=prefetch, amp=amp, device=device, train_split=train_split, val_split=val_split,
         checkpoint_every=checkpoint_every, resume=resume, overwrite=overwrite, dry_run=dry_run, quiet=quiet,
-        stop_after_steps=stop_after_steps, report=not no_report,
+        stop_after_steps=stop_after_steps, report=not no_report, cache_images=cache_images,
+        memory_limit=memory_limit,
         storage_options=s3.to_dict() if path.startswith("s3://") else None,
         cache_dir=None if cache is None else os.path.abspath(cache.dir),
         cache_limit=None if cache is None else cache.limit,

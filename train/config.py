@@ -20,6 +20,9 @@ OPTIMIZERS = ("sgd", "adamw")
 # to "standard") because the loop owns the device-side normalisation the fast pipeline needs.
 DEFAULT_PIPELINE = "fast"
 DEVICES = ("auto", "cpu", "cuda")
+# auto: regression when features.json's config.target says so (a table with a float target), else classification.
+TASKS = ("auto", "classification", "regression")
+LOSSES = ("mse", "huber")  # regression, on standardised targets (train.regression); classification: cross-entropy
 DEFAULT_LR = {"sgd": 0.1, "adamw": 1e-3}
 
 # Fields a resumed run may change without it being a different run: they steer the process, not the numbers
@@ -27,7 +30,8 @@ DEFAULT_LR = {"sgd": 0.1, "adamw": 1e-3}
 # epoch with exactly the samples it had left, see shards.stream.elastic).
 RESUMABLE_CHANGES = frozenset(
     {"epochs", "resume", "overwrite", "quiet", "dry_run", "checkpoint_every", "stop_after_steps", "device",
-     "storage_options", "workers", "cache_dir", "cache_limit", "cache_fallback", "cache_local", "report"}
+     "storage_options", "workers", "cache_dir", "cache_limit", "cache_fallback", "cache_local", "report",
+     "memory_limit"}
 )
 
 
@@ -38,6 +42,8 @@ class TrainConfig:
     data_path: str
     out_dir: str
     data: str = "auto"
+    task: str = "auto"
+    loss: str = "mse"
     head: str = "linear"
     hidden_dim: int = 512
     dropout: float = 0.0
@@ -81,11 +87,18 @@ class TrainConfig:
     cache_fallback: bool = False
     cache_local: bool = False
     report: bool = True  # report.html in the run folder (shards.report), rewritten as epochs end
+    # Decoded images kept in memory after the first epoch (shards.stream.image_cache). Part of the run: train views
+    # are then cropped from images bounded to size / 0.875, so a resume may not switch it. memory_limit (bytes;
+    # None: half of what the job has left, shared by the node's ranks) only decides how much is kept: steering.
+    cache_images: bool = False
+    memory_limit: int | None = None
 
     def __post_init__(self) -> None:
         _choice("data", self.data, DATA_KINDS)
         _choice("head", self.head, HEADS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("task", self.task, TASKS)
+        _choice("loss", self.loss, LOSSES)
         check_pipeline(self.pipeline)
         if self.pipeline == "fast" and self.fast_decode:
             raise InputError("fast_decode applies to the standard pipeline; the fast one drafts JPEGs itself")
@@ -117,6 +130,11 @@ class TrainConfig:
             raise InputError(f"stop_after_steps={self.stop_after_steps!r} must be >= 1")
         if self.resume and self.overwrite:
             raise InputError("resume and overwrite contradict each other; choose one")
+        if self.memory_limit is not None and (not self.cache_images or self.memory_limit < 0):
+            raise InputError(f"memory_limit={self.memory_limit!r} sizes the image cache: give cache_images too, "
+                             "and a size >= 0")
+        if self.cache_images and self.pipeline != "fast":
+            raise InputError("cache_images needs the fast pipeline (its uint8 outputs are what is kept)")
         if self.train_split == self.val_split:
             raise InputError(f"train_split and val_split are both {self.val_split!r}")
 

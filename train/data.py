@@ -31,6 +31,7 @@ from shards.image.transforms import TransformSpec
 from shards.stream.options import Decode, Remote, Sampling
 from shards.units import human_bytes
 from train.config import TrainConfig
+from train.regression import manifest_task, resolve_task
 from train.distributed import DistContext
 
 log = logging.getLogger("shardcache.train")
@@ -59,6 +60,11 @@ class RunData:
     @property
     def features_dim(self) -> int | None:
         return self.manifest.features_dim if self.kind == "features" else None
+
+    @property
+    def task(self) -> str:
+        """What the loaders yield beside the inputs: float targets for regression (``--task`` checked to agree)."""
+        return manifest_task(self.manifest)
 
     def cache_counts(self) -> dict[str, int] | None:
         """This rank's node-cache counters (train and val readers together, all epochs so far), or None."""
@@ -121,7 +127,7 @@ def prepare_manifest(cfg: TrainConfig) -> DatasetManifest | FeatureManifest:
     if isinstance(manifest, FeatureManifest):
         check_features_fresh(cfg.data_path, manifest, storage_options=cfg.storage_options)
     check_splits(manifest, cfg)
-    if len(manifest.classes) < 2:
+    if resolve_task(cfg, manifest) == "classification" and len(manifest.classes) < 2:
         raise ManifestError(f"needs at least 2 classes, the manifest has {len(manifest.classes)}",
                             path=cfg.data_path)
     return manifest
@@ -141,11 +147,12 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
     remote = Remote(storage_options=cfg.storage_options, cache_fallback=cfg.cache_fallback,
                     cache_local=True if cfg.cache_local else None)
     cache = {"cache_dir": cfg.cache_dir, "cache_limit": cfg.cache_limit} if cfg.cache_dir else {}
+    train_images, val_images = image_caches(cfg, manifest, ctx)
     train_set = shards.open_dataset(cfg.data_path, cfg.train_split, transform=train_spec, seed=cfg.seed, shuffle=True,
                                     rank=rank, world_size=world, sampling=sampling, decode=decode, remote=remote,
-                                    affinity_nodes=affinity_nodes(cfg, manifest, ctx), **cache)
+                                    affinity_nodes=affinity_nodes(cfg, manifest, ctx), **cache, **train_images)
     val_set = shards.open_dataset(cfg.data_path, cfg.val_split, transform=eval_spec, seed=cfg.seed, shuffle=False,
-                                  rank=rank, world_size=world, decode=decode, remote=remote, **cache)
+                                  rank=rank, world_size=world, decode=decode, remote=remote, **cache, **val_images)
     train_loader = _loader(train_set, cfg, ctx, drop_last=True)
     val_loader = _loader(val_set, cfg, ctx, drop_last=False)
     if len(train_loader) == 0:
@@ -156,6 +163,32 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
     if kind == "images" and cfg.pipeline == "fast":
         normalize = Normalize(eval_spec.mean, eval_spec.std, channels_last=ctx.device.type == "cuda").to(ctx.device)
     return RunData(kind, manifest, train_loader, val_loader, workers, eval_spec, normalize)
+
+
+def image_caches(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest,
+                 ctx: DistContext) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``open_dataset`` keywords of the train and val image caches (``--cache-images``), or none.
+
+    One budget per process: ``--memory-limit``, else half of what the job has left shared by the node's ranks
+    (they all open their caches at once, each seeing the same free memory). The val crops get what they need, at
+    most a quarter (val is read in the same order every epoch, so each rank needs only its share); the train
+    images the rest."""
+    if not cfg.cache_images:
+        return {}, {}
+    if manifest.kind != "images":
+        raise InputError("--cache-images keeps decoded images; a feature folder is held in memory already",
+                         path=cfg.data_path)
+    from shards.stream.image_cache import planned_bytes
+    from shards.stream.memory_budget import default_memory_limit
+
+    budget = cfg.memory_limit
+    if budget is None:
+        budget = default_memory_limit() // max(1, ctx.local_world_size)
+    world = ctx.world_size if ctx.distributed else 1
+    val_samples = -(-manifest.splits[cfg.val_split].samples // world)
+    val_limit = min(planned_bytes(TransformSpec(preset="eval", size=cfg.image_size), val_samples), budget // 4)
+    return ({"cache": "memory", "memory_limit": budget - val_limit},
+            {"cache": "memory", "memory_limit": val_limit})
 
 
 def affinity_nodes(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ctx: DistContext) -> int | None:
@@ -186,8 +219,7 @@ def describe_batch(batch: tuple[torch.Tensor, torch.Tensor], classes: list[str])
     """The dry run's report: what the model will actually be fed."""
     inputs, labels = batch[0], batch[1]
     values = inputs.float()
-    counts = torch.bincount(labels.long(), minlength=len(classes)).tolist()
-    return {
+    report = {
         "batch_shape": list(inputs.shape),
         "dtype": str(inputs.dtype).removeprefix("torch."),
         "min": float(values.min()),
@@ -195,5 +227,10 @@ def describe_batch(batch: tuple[torch.Tensor, torch.Tensor], classes: list[str])
         "mean": float(values.mean()),
         "std": float(values.std()) if values.numel() > 1 else 0.0,
         "labels_shape": list(labels.shape),
-        "label_counts": {name: count for name, count in zip(classes, counts) if count},
     }
+    if labels.is_floating_point():  # regression targets: their range, not counts per class
+        report["target_range"] = [float(labels.min()), float(labels.max())]
+        return report
+    counts = torch.bincount(labels.long(), minlength=len(classes)).tolist()
+    report["label_counts"] = {name: count for name, count in zip(classes, counts) if count}
+    return report

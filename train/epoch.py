@@ -30,6 +30,7 @@ class TrainState:
     correct: int = 0
     samples: int = 0
     best_val_top1: float = -1.0
+    best_val_mse: float | None = None  # regression: best.pt is the epoch with the lowest val_mse
     history: list[dict[str, Any]] = field(default_factory=list)
 
     def start_epoch(self) -> None:
@@ -38,7 +39,8 @@ class TrainState:
     def to_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "step": self.step, "batch_in_epoch": self.batch_in_epoch,
                 "loss_sum": self.loss_sum, "correct": self.correct, "samples": self.samples,
-                "best_val_top1": self.best_val_top1, "history": list(self.history)}
+                "best_val_top1": self.best_val_top1, "best_val_mse": self.best_val_mse,
+                "history": list(self.history)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainState":
@@ -62,7 +64,7 @@ class StepContext:
 def to_device(batch: Sequence[torch.Tensor], device: torch.device, normalize: nn.Module | None = None,
               meter: DataWaitMeter | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs as float32 (feature caches are float16; the fast image pipeline's uint8 batches are normalised
-    here, once per batch on the device) and labels as int64 on the training device.
+    here, once per batch on the device) and labels as int64 (regression targets as float32) on the training device.
 
     With a ``meter``, the copies count as the ``to_device`` stage and the normalisation as ``normalize``: wall
     seconds of this loop, so on CUDA an asynchronous copy counts only what it holds the loop up."""
@@ -78,14 +80,16 @@ def to_device(batch: Sequence[torch.Tensor], device: torch.device, normalize: nn
             meter.lap("normalize")
     if inputs.dtype != torch.float32:
         inputs = inputs.float()
-    labels = labels.to(device, dtype=torch.int64, non_blocking=True)
+    labels = labels.to(device, dtype=torch.float32 if labels.is_floating_point() else torch.int64,
+                       non_blocking=True)
     if meter is not None:
         meter.lap("to_device")
     return inputs, labels
 
 
 def train_step(ctx: StepContext, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step; returns the detached mean loss and the number of correct predictions."""
+    """One optimizer step; returns the detached mean loss and the number of correct predictions (0 for
+    regression targets, where nothing is counted as correct)."""
     with torch.autocast(device_type=ctx.device.type, dtype=torch.float16, enabled=ctx.amp):
         logits = logits_of(ctx.model(inputs))
         loss = ctx.loss_fn(logits.float(), labels)
@@ -94,6 +98,8 @@ def train_step(ctx: StepContext, inputs: torch.Tensor, labels: torch.Tensor) -> 
     ctx.scaler.step(ctx.optimizer)
     ctx.scaler.update()
     ctx.scheduler.step()
+    if labels.is_floating_point():
+        return loss.detach(), torch.zeros((), dtype=torch.int64, device=labels.device)
     return loss.detach(), (logits.detach().argmax(dim=1) == labels).sum()
 
 

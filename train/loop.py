@@ -8,6 +8,7 @@ Every rank computes; rank 0 alone logs and writes.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from train.optim import build_optimizer, build_scheduler
 from train.plot import plot_curves
 from shards.units import human_bytes
 from train.prefetch import ThreadPrefetcher
+from train.regression import RegressionLoss, TargetScale, evaluate_regression
 
 # Redraw curves.png and report.html after an epoch only when they are this old (see refresh_views).
 VIEW_REFRESH_S = 30.0
@@ -35,7 +37,8 @@ CONFUSION_IN_METRICS_MAX_CLASSES = 64  # a 1000x1000 matrix per epoch would swam
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Train as ``cfg`` says; return the summary (last and best val top-1, throughput, data-wait share, run dir)."""
+    """Train as ``cfg`` says; return the summary (last and best val top-1, or val R², MSE and MAE for regression;
+    throughput, data-wait share, run dir)."""
     manifest = prepare_manifest(cfg)
     if manifest.kind == "images":
         check_image_model(cfg.model, cfg.weights)
@@ -64,17 +67,19 @@ def dry_run(cfg: TrainConfig, data: RunData) -> dict[str, Any]:
     loader_dtype = str(batch[0].dtype).removeprefix("torch.")
     if data.normalize is not None:  # report what the model sees, after the per-batch normalisation
         batch = (data.normalize(batch[0].to(next(data.normalize.buffers()).device)).cpu(), batch[1])
-    report = {"dry_run": True, "data": data.kind, "classes": len(data.classes), "train_batches": len(data.train_loader),
-              "val_batches": len(data.val_loader), "loader_dtype": loader_dtype, **describe_batch(batch, data.classes)}
-    log.info("dry run: batch %s %s, values [%.4g, %.4g], labels %s", report["batch_shape"], report["dtype"],
-             report["min"], report["max"], report["label_counts"])
+    report = {"dry_run": True, "data": data.kind, "task": data.task, "classes": len(data.classes),
+              "train_batches": len(data.train_loader), "val_batches": len(data.val_loader),
+              "loader_dtype": loader_dtype, **describe_batch(batch, data.classes)}
+    log.info("dry run: batch %s %s, values [%.4g, %.4g], %s %s", report["batch_shape"], report["dtype"],
+             report["min"], report["max"], *(("targets in", report["target_range"]) if "target_range" in report
+                                             else ("labels", report["label_counts"])))
     return report
 
 
 def build_model(cfg: TrainConfig, data: RunData) -> nn.Module:
     if data.kind == "features":
-        return build_head(cfg.head, data.features_dim, len(data.classes), hidden_dim=cfg.hidden_dim,
-                          dropout=cfg.dropout)
+        outputs = 1 if data.task == "regression" else len(data.classes)
+        return build_head(cfg.head, data.features_dim, outputs, hidden_dim=cfg.hidden_dim, dropout=cfg.dropout)
     return build_image_model(cfg.model, len(data.classes), weights=cfg.weights)
 
 
@@ -101,7 +106,11 @@ class Run:
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp)
         weight = class_weights(self.data.train_class_counts(cfg.train_split)).to(device) \
             if cfg.class_weighted_loss else None
-        self.loss_fn = nn.CrossEntropyLoss(weight=weight, label_smoothing=cfg.label_smoothing)
+        self.regression = self.data.task == "regression"
+        if self.regression:
+            self.loss_fn: nn.Module = RegressionLoss(TargetScale.from_config(self.data.manifest.config), cfg.loss)
+        else:
+            self.loss_fn = nn.CrossEntropyLoss(weight=weight, label_smoothing=cfg.label_smoothing)
         self.state = TrainState()
         self._cache_before: dict[str, int] = {}  # node-cache counters at the last epoch's end (cache_row)
         # When curves.png and report.html were last drawn: from the start, so a run of short epochs draws them
@@ -183,18 +192,23 @@ class Run:
                                   device=self.ctx.device)
         if self.ctx.distributed:
             torch.distributed.all_reduce(train_sums)
-        val = evaluate(self.model, self.batches(self.data.val_loader), self.ctx.device, self.data.classes, self.amp,
-                       self.data.normalize)
+        val_batches = self.batches(self.data.val_loader)
+        if self.regression:
+            val = evaluate_regression(self.model, val_batches, self.ctx.device, self.loss_fn, self.amp,
+                                      self.data.normalize)
+        else:
+            val = evaluate(self.model, val_batches, self.ctx.device, self.data.classes, self.amp, self.data.normalize)
         row = {"epoch": state.epoch + 1, "step": state.step, "lr": self.optimizer.param_groups[0]["lr"],
                "train_loss": float(train_sums[0] / train_sums[2]), "train_top1": float(train_sums[1] / train_sums[2]),
                "samples_per_s": samples_per_s, "data_wait_share": wait_share, "epoch_time_s": meter.wall_s, **val}
+        if self.regression:
+            row.pop("train_top1")
         row.update(self.cache_row())
         row.update(self.stage_row(meter))
         if len(self.data.classes) > CONFUSION_IN_METRICS_MAX_CLASSES:
             row.pop("val_confusion")
         state.history.append(row)
-        improved = row["val_top1"] > state.best_val_top1
-        state.best_val_top1 = max(state.best_val_top1, row["val_top1"])
+        improved = self.track_best(row)
         state.epoch += 1
         state.start_epoch()
         if self.ctx.is_main:
@@ -202,6 +216,20 @@ class Run:
             self.log_epoch(row)
         self.ctx.barrier()
         return row
+
+    def track_best(self, row: dict[str, Any]) -> bool:
+        """Whether this epoch is the new best.pt: the highest val top-1, or for regression the lowest finite
+        val_mse (a diverged epoch's NaN never wins)."""
+        state = self.state
+        if self.regression:
+            mse = row["val_mse"]
+            improved = math.isfinite(mse) and (state.best_val_mse is None or mse < state.best_val_mse)
+            if improved:
+                state.best_val_mse = mse
+            return improved
+        improved = row["val_top1"] > state.best_val_top1
+        state.best_val_top1 = max(state.best_val_top1, row["val_top1"])
+        return improved
 
     def cache_row(self) -> dict[str, Any]:
         """This epoch's node-cache counters over all ranks: ``cache_hit_rate`` (shards served from a node's cache
@@ -250,9 +278,14 @@ class Run:
             log.warning("report.html not written: %s", exc)
 
     def log_epoch(self, row: dict[str, Any]) -> None:
-        top5 = f", val_top5 {row['val_top5']:.2%}" if "val_top5" in row else ""
-        log.info("epoch %d/%d: train_loss %.4f, val_loss %.4f, val_top1 %.2f%%%s | %.0f samples/s, data wait %.1f%%",
-                 row["epoch"], self.cfg.epochs, row["train_loss"], row["val_loss"], 100 * row["val_top1"], top5,
+        if self.regression:
+            r2 = "n/a" if row["val_r2"] is None else f"{row['val_r2']:.4f}"
+            scores = f"val_r2 {r2}, val_mse {row['val_mse']:.4g}, val_mae {row['val_mae']:.4g}"
+        else:
+            top5 = f", val_top5 {row['val_top5']:.2%}" if "val_top5" in row else ""
+            scores = f"val_top1 {row['val_top1']:.2%}{top5}"
+        log.info("epoch %d/%d: train_loss %.4f, val_loss %.4f, %s | %.0f samples/s, data wait %.1f%%",
+                 row["epoch"], self.cfg.epochs, row["train_loss"], row["val_loss"], scores,
                  row["samples_per_s"], 100 * row["data_wait_share"])
         if "cache" in row:
             rate = row["cache_hit_rate"]
@@ -277,19 +310,32 @@ class Run:
             "features_dim": data.features_dim, "hidden_dim": cfg.hidden_dim,
             "feature_config": data.feature_config(),
             "transform": data.eval_transform.to_dict() if data.eval_transform else None,
-            "train_config": cfg.to_dict(), "epochs": self.state.epoch,
+            "train_config": cfg.to_dict(), "epochs": self.state.epoch, "task": data.task,
+            # Regression: the head predicts (y - mean) / std; a prediction is output * std + mean.
+            "target": self.regression_target() if self.regression else None,
         }
         save_checkpoint(self.plan.path(rd.MODEL_FILE), payload)
         self.refresh_views(final=True)
 
+    def regression_target(self) -> dict[str, Any]:
+        """What turns the head's output back into the target: the column, its train mean and std, the loss."""
+        target = self.data.manifest.config["target"]
+        return {"column": target.get("column"), **self.loss_fn.scale.to_dict(), "loss": self.cfg.loss}
+
     def summary(self, row: dict[str, Any], *, stopped: bool) -> dict[str, Any]:
-        keep = ("epoch", "train_loss", "val_loss", "val_top1", "val_top5", "samples_per_s", "data_wait_share",
+        scores = ("val_r2", "val_mse", "val_mae") if self.regression else ("val_top1", "val_top5")
+        keep = ("epoch", "train_loss", "val_loss", *scores, "samples_per_s", "data_wait_share",
                 "cache_hit_rate", "fetched_bytes", "stage_seconds")
         out = {k: row.get(k) for k in keep if k in row}
-        out.update({"run_dir": str(self.plan.folder), "data": self.data.kind, "classes": len(self.data.classes),
-                    "best_val_top1": self.state.best_val_top1 if self.state.history else None,
-                    "steps": self.state.step, "stopped": stopped, "world_size": self.ctx.world_size,
-                    "device": str(self.ctx.device)})
-        out.setdefault("val_top1", None)
+        out.update({"run_dir": str(self.plan.folder), "data": self.data.kind, "task": self.data.task,
+                    "classes": len(self.data.classes), "steps": self.state.step, "stopped": stopped,
+                    "world_size": self.ctx.world_size, "device": str(self.ctx.device)})
+        if self.regression:
+            out["best_val_mse"] = self.state.best_val_mse
+            for name in scores:
+                out.setdefault(name, None)
+        else:
+            out["best_val_top1"] = self.state.best_val_top1 if self.state.history else None
+            out.setdefault("val_top1", None)
         out.setdefault("data_wait_share", None)
         return out

@@ -10,8 +10,8 @@ copies that config into ``model.pt``).
 Bad cells are input errors, not guesses: a missing or non-numeric cell stops the job (exit 2, nothing written),
 naming the file, the spreadsheet row (the header is row 1) and the column, unless ``--impute`` asks for missing
 cells to be filled. Statistics come from the train split only, so nothing about val leaks into the inputs. A
-regression target is stored as ``targets`` (float32 [N]) beside all-zero labels: feature shard readers ignore
-entries they do not know, so the files stay valid feature shards.
+regression target is stored as the feature format's ``targets`` (float32 [N]) beside all-zero placeholder labels,
+and ``config.target`` records its train mean and std (``train-from-shards --task regression`` standardises with them).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import numpy as np
 
 from preprocess.pack.parts import STATE_DIR
 from preprocess.pack.plan import split_order_key
-from shards.atomic import atomic_output, check_local_output, remove_stale_tmp, sha256_file, tmp_target
+from shards.atomic import check_local_output, remove_stale_tmp, sha256_file, tmp_target
 from shards.errors import InputError, MissingInputError, OutputExistsError, ShardcacheError
 from shards.lock import claim_output
 from shards.manifest import (DATASET_FILE, FEATURES_FILE, FeatureManifest, ShardInfo, SplitInfo,
@@ -577,13 +577,10 @@ def _write(out: Path, prepared: PreparedTable, cfg: TableConfig) -> FeatureManif
         for shard_name, start in zip(names[name], range(0, len(rows), cfg.max_samples)):
             chunk = rows[start:start + cfg.max_samples]
             # Fancy indexing copies: a slice would share (and torch.save would store) the whole split's array.
+            targets = None if target.values is None else torch.from_numpy(target.values[chunk].astype(np.float32))
             shard = FeatureShard(torch.from_numpy(prepared.features[chunk]), torch.from_numpy(target.labels[chunk]),
-                                 [prepared.keys[r] for r in chunk])
-            path = out / shard_name
-            if target.values is None:
-                size, digest = write_feature_shard(path, shard, cfg.storage)
-            else:
-                size, digest = _write_with_targets(path, shard, target.values[chunk].astype(np.float32), cfg.storage)
+                                 [prepared.keys[r] for r in chunk], targets=targets)
+            size, digest = write_feature_shard(out / shard_name, shard, cfg.storage)
             infos.append(ShardInfo(shard_name, len(chunk), size, digest))
         counts = np.bincount(target.labels[rows], minlength=len(target.classes)) if target.classes else []
         splits[name] = SplitInfo(len(rows), tuple(int(c) for c in counts), tuple(infos))
@@ -596,27 +593,3 @@ def _write(out: Path, prepared: PreparedTable, cfg: TableConfig) -> FeatureManif
     manifest.save(out)
     return manifest
 
-
-def _write_with_targets(path: Path, shard: Any, targets: np.ndarray, storage: str) -> tuple[int, str]:
-    """``write_feature_shard`` plus ``targets`` (float32 [N]), the regression target, which readers of the feature
-    format ignore (they take ``features``, ``labels``, ``keys`` and ``views`` by name)."""
-    import torch
-
-    with atomic_output(path) as tmp:
-        if storage == "pt":
-            payload = {"features": shard.features.contiguous(), "labels": shard.labels.contiguous(),
-                       "keys": list(shard.keys), "targets": torch.from_numpy(targets)}
-            with open(tmp, "wb") as handle:  # a file object keeps the bytes free of the temp name (see features.py)
-                torch.save(payload, handle)
-        else:
-            import h5py
-
-            with h5py.File(tmp, "w") as f:
-                features = shard.features.numpy()
-                rows = max(1, min(len(features), 4096))
-                f.create_dataset("features", data=features, chunks=(rows, features.shape[1]), track_times=False)
-                f.create_dataset("labels", data=shard.labels.numpy(), track_times=False)
-                f.create_dataset("keys", data=np.array(shard.keys, dtype=object), dtype=h5py.string_dtype("utf-8"),
-                                 track_times=False)
-                f.create_dataset("targets", data=targets, track_times=False)
-    return path.stat().st_size, sha256_file(path)

@@ -1,8 +1,10 @@
 """Feature shard files: one per image shard, same sample order and keys.
 
 ``.pt`` files hold ``{"features": Tensor[N, D], "labels": Tensor[N], "keys": list[str]}`` (plus
-``"views": Tensor[N, K, D]`` when augmented views were cached) and load with ``weights_only=True, mmap=True``,
-so nothing is unpickled and a large file is paged in lazily. ``.h5`` files hold datasets of the same names.
+``"views": Tensor[N, K, D]`` when augmented views were cached, and ``"targets": float32 Tensor[N]`` for a
+regression table, whose labels are all-zero placeholders) and load with ``weights_only=True, mmap=True``, so nothing
+is unpickled and a large file is paged in lazily. ``.h5`` files hold datasets of the same names. Files written
+before an entry existed load with it as None.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -21,12 +23,23 @@ from shards.errors import ChecksumError, CorruptDataError, InputError
 FEATURE_SUFFIXES = {"pt": ".pt", "hdf5": ".h5"}
 
 
+def target_task(config: Mapping[str, Any]) -> str:
+    """What a feature folder's rows are for, from its ``features.json`` config: "regression" when every shard
+    promises a float target per row (a table packed with a regression target, ``config.target``), else
+    "classification" (the labels are what to predict)."""
+    target = config.get("target")
+    if isinstance(target, Mapping) and target.get("task") == "regression" and target.get("stored_as") == "targets":
+        return "regression"
+    return "classification"
+
+
 @dataclass(frozen=True)
 class FeatureShard:
     features: torch.Tensor  # [N, D]
     labels: torch.Tensor  # [N] int64
     keys: list[str]
     views: torch.Tensor | None = None  # [N, K, D] augmented views, when cached
+    targets: torch.Tensor | None = None  # [N] float32 regression targets (a regression table), else None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -52,6 +65,8 @@ def write_feature_shard(path: str | os.PathLike, shard: FeatureShard, storage: s
             }
             if shard.views is not None:
                 payload["views"] = shard.views.contiguous()
+            if shard.targets is not None:
+                payload["targets"] = shard.targets.to(torch.float32).contiguous()
             # Through a file object: given a path, torch names the archive inside after the (unique) temp name,
             # and the bytes would differ from run to run.
             with open(tmp, "wb") as handle:
@@ -69,6 +84,8 @@ def write_feature_shard(path: str | os.PathLike, shard: FeatureShard, storage: s
                                  dtype=h5py.string_dtype("utf-8"), track_times=False)
                 if shard.views is not None:
                     f.create_dataset("views", data=shard.views.numpy(), track_times=False)
+                if shard.targets is not None:
+                    f.create_dataset("targets", data=shard.targets.to(torch.float32).numpy(), track_times=False)
         else:
             raise InputError(f"unknown feature format {storage!r}; choose one of {sorted(FEATURE_SUFFIXES)}")
     return path.stat().st_size, sha256_file(path)
@@ -82,18 +99,12 @@ def load_feature_shard(path: str | os.PathLike, *, mmap: bool = True) -> Feature
             data = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
             if not isinstance(data, dict):
                 raise TypeError(f"holds a {type(data).__name__}, not a dict")
-            return FeatureShard(data["features"], data["labels"], list(data["keys"]), data.get("views"))
+            return _from_mapping(data)
         if path.suffix == ".h5":
             import h5py
 
             with h5py.File(path, "r") as f:
-                views = torch.from_numpy(f["views"][...]) if "views" in f else None
-                return FeatureShard(
-                    torch.from_numpy(f["features"][...]),
-                    torch.from_numpy(f["labels"][...]),
-                    [str(k) for k in f["keys"].asstr()[...]],
-                    views,
-                )
+                return _from_h5(f)
     except FileNotFoundError:
         raise
     except Exception as exc:  # torch and h5py raise many types for a damaged file
@@ -114,15 +125,24 @@ def load_feature_bytes(data: bytes, where: str) -> FeatureShard:
             loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             if not isinstance(loaded, dict):
                 raise TypeError(f"holds a {type(loaded).__name__}, not a dict")
-            return FeatureShard(loaded["features"], loaded["labels"], list(loaded["keys"]), loaded.get("views"))
+            return _from_mapping(loaded)
         import h5py
 
         with h5py.File(io.BytesIO(data), "r") as f:
-            views = torch.from_numpy(f["views"][...]) if "views" in f else None
-            return FeatureShard(torch.from_numpy(f["features"][...]), torch.from_numpy(f["labels"][...]),
-                                [str(k) for k in f["keys"].asstr()[...]], views)
+            return _from_h5(f)
     except Exception as exc:  # torch and h5py raise many types for a damaged file
         raise CorruptDataError(f"unreadable feature shard ({type(exc).__name__}: {exc})", path=where) from exc
+
+
+def _from_mapping(data: dict) -> FeatureShard:
+    return FeatureShard(data["features"], data["labels"], list(data["keys"]), data.get("views"), data.get("targets"))
+
+
+def _from_h5(f: Any) -> FeatureShard:
+    """The datasets of an open ``h5py.File``; the optional ones (views, targets) as None when absent."""
+    optional = {name: torch.from_numpy(f[name][...]) if name in f else None for name in ("views", "targets")}
+    return FeatureShard(torch.from_numpy(f["features"][...]), torch.from_numpy(f["labels"][...]),
+                        [str(k) for k in f["keys"].asstr()[...]], **optional)
 
 
 def verify_feature_file(path: str | os.PathLike, expected_bytes: int, expected_sha256: str) -> None:
@@ -141,12 +161,13 @@ class FeatureSpec:
 
     features_dim: int
     dtype: str | None = None  # "float16", ...; None: not checked
-    num_classes: int | None = None
+    num_classes: int | None = None  # None: no classes (a regression table's labels are placeholders)
     views: int = 0
+    targets: bool = False  # a float32 [N] ``targets`` entry (target_task(config) == "regression")
 
 
 def feature_shard_problems(shard: FeatureShard, samples: int, spec: FeatureSpec) -> list[str]:
-    """Every way ``shard`` breaks what the manifest promises: shapes, dtypes, label range, key types.
+    """Every way ``shard`` breaks what the manifest promises: shapes, dtypes, label range, targets, key types.
 
     One-line strings naming the first bad row and key, so ``shards verify`` can list them and the stream can raise
     the first one. Cheap: the label range is one min/max over an int64 column.
@@ -174,9 +195,26 @@ def feature_shard_problems(shard: FeatureShard, samples: int, spec: FeatureSpec)
                             f"({len(bad)} such rows)")
     if not all(isinstance(k, str) for k in keys):
         problems.append("keys must all be strings")
+    if spec.targets:
+        problems.extend(_target_problems(shard, samples))
     if spec.views and (shard.views is None or tuple(shard.views.shape) != (samples, spec.views, spec.features_dim)):
         problems.append(f"views missing or not [{samples}, {spec.views}, {spec.features_dim}]")
     return problems
+
+
+def _target_problems(shard: FeatureShard, samples: int) -> list[str]:
+    targets = shard.targets
+    if not isinstance(targets, torch.Tensor) or targets.dtype != torch.float32 or tuple(targets.shape) != (samples,):
+        what = "missing" if targets is None else (f"{targets.dtype} {tuple(targets.shape)}"
+                                                  if isinstance(targets, torch.Tensor) else type(targets).__name__)
+        return [f"targets are {what}, expected float32 [{samples}] (features.json records a regression target)"]
+    bad = (~torch.isfinite(targets)).nonzero()
+    if len(bad):
+        row = int(bad[0])
+        key = shard.keys[row] if row < len(shard.keys) and isinstance(shard.keys[row], str) else "?"
+        return [f"target {float(targets[row])} at row {row} (key {key}) is not a finite number "
+                f"({len(bad)} such rows)"]
+    return []
 
 
 def check_feature_shard(shard: FeatureShard, path: str | os.PathLike, samples: int, spec: FeatureSpec) -> None:
@@ -188,10 +226,13 @@ def check_feature_shard(shard: FeatureShard, path: str | os.PathLike, samples: i
 
 def stack_rows(shards: Sequence[FeatureShard]) -> FeatureShard:
     """Concatenate shards (for small caches held in memory)."""
-    views = [s.views for s in shards]
+    def joined(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
+        return torch.cat(tensors) if tensors and all(t is not None for t in tensors) else None
+
     return FeatureShard(
         torch.cat([s.features for s in shards]),
         torch.cat([s.labels for s in shards]),
         [k for s in shards for k in s.keys],
-        torch.cat(views) if views and all(v is not None for v in views) else None,
+        joined([s.views for s in shards]),
+        joined([s.targets for s in shards]),
     )

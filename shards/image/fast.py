@@ -30,8 +30,11 @@ from shards.image.geometry import (Box, center_crop_box, eval_resize_size, eval_
                                    train_view)
 from shards.image.options import IMAGENET_MEAN, IMAGENET_STD, pil_resample
 
-__all__ = ["FastDecoder", "FastEval", "FastTrain", "Normalize", "decode_rgb_array", "draft_factor", "jpeg_orientation",
-           "random_resized_crop_box", "IMAGENET_MEAN", "IMAGENET_STD"]
+__all__ = ["FastDecoder", "FastEval", "FastTrain", "Normalize", "bound_short_side", "decode_rgb_array", "draft_factor",
+           "jpeg_orientation", "random_resized_crop_box", "IMAGENET_MEAN", "IMAGENET_STD"]
+
+# What a decoder raises on bytes that are not a readable image; the decode stage turns them into CorruptDataError.
+DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 
 try:  # libjpeg-turbo without PIL's per-call overhead; optional, PIL is the fallback and handles other formats
     import simplejpeg
@@ -100,6 +103,20 @@ def _resize_bilinear(image: torch.Tensor, height: int, width: int) -> torch.Tens
                          align_corners=False)[0]
 
 
+def bound_short_side(array: np.ndarray, side: int, interpolation: str = "bilinear") -> np.ndarray:
+    """``array`` resized so its shorter side is ``side`` (torchvision's ``Resize(side)`` sizes), or as it is when
+    already no larger: a bounded source that every epoch crops from, so a cache of it (``shards.stream.image_cache``)
+    holds a known number of pixels per image whatever the stored resolution."""
+    height, width = array.shape[:2]
+    if min(height, width) <= side:
+        return array
+    size = eval_resize_size(width, height, side)
+    if interpolation == "bilinear":
+        resized = _resize_bilinear(_hwc_view(array), size.height, size.width)
+        return resized.permute(1, 2, 0).contiguous().numpy()
+    return resize_box(array, (0, 0, width, height), (size.width, size.height), interpolation)
+
+
 @dataclass(frozen=True)
 class FastEval:
     """Resize(``resize``) + CenterCrop(``crop``), emitting uint8 CHW (bilinear: resize then crop, like torchvision;
@@ -145,12 +162,17 @@ class FastTrain:
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     hflip: float = 0.5
     interpolation: str = "bilinear"
+    # None: crop from the image as decoded. A side: crop from the image bounded to that shorter side
+    # (``bound_short_side``, JPEGs DCT-scaled down to it), the source an image cache keeps between epochs.
+    source_side: int | None = None
 
     def __call__(self, data: bytes, seed: int) -> torch.Tensor:
         return self.apply(self.decode(data), seed)
 
     def decode(self, data: bytes) -> np.ndarray:
-        return decode_rgb_array(data)
+        if self.source_side is None:
+            return decode_rgb_array(data)
+        return bound_short_side(decode_rgb_array(data, self.source_side), self.source_side, self.interpolation)
 
     def apply(self, array: np.ndarray, seed: int) -> torch.Tensor:
         """The crop, flip and resize ``seed`` gives, on an already decoded RGB array."""
@@ -173,7 +195,8 @@ class FastDecoder:
 
     A train spec's crop and flip come from the per-sample ``seed`` the reader passes (no global random state), so
     augmentations replay exactly on resume. ColorJitter has no uint8 counterpart here: such a spec is refused, and
-    callers keep the standard pipeline for it.
+    callers keep the standard pipeline for it. ``source_side`` (train only) crops every view from the image bounded
+    to that shorter side (``FastTrain.source_side``), the source ``open_dataset(cache="memory")`` keeps in memory.
 
     ``decoded_at``: the ``time.perf_counter()`` at which the last call finished decoding and began the geometry,
     where the reader's stage timing (``shards.stream.stage_times``) splits decode from transform.
@@ -181,13 +204,17 @@ class FastDecoder:
 
     decoded_at: float | None = None
 
-    def __init__(self, spec):
+    def __init__(self, spec, source_side: int | None = None):
         if spec.color_jitter > 0:
             raise InputError("the fast pipeline has no ColorJitter; use the standard pipeline for color_jitter > 0")
+        if source_side is not None and spec.preset != "train":
+            raise InputError(f"source_side={source_side} bounds the train preset's source; the eval preset has its "
+                             "own resize")
         self.spec = spec
+        self.source_side = source_side
         if spec.preset == "train":
             self.geometry = FastTrain(spec.size, tuple(spec.scale), hflip=spec.hflip,
-                                      interpolation=spec.interpolation)
+                                      interpolation=spec.interpolation, source_side=source_side)
         else:
             self.geometry = FastEval(spec.eval_resize, spec.size, interpolation=spec.interpolation)
 
@@ -200,5 +227,10 @@ class FastDecoder:
             array = self.geometry.decode(sample.data)
             self.decoded_at = time.perf_counter()
             return self.geometry.apply(array, seed)
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-            raise CorruptDataError(f"cannot decode .{sample.ext} image ({type(exc).__name__}: {exc})") from exc
+        except DECODE_ERRORS as exc:
+            raise undecodable(sample, exc) from exc
+
+
+def undecodable(sample, exc: BaseException) -> CorruptDataError:
+    """The error a sample whose bytes do not decode becomes, naming its format and the decoder's complaint."""
+    return CorruptDataError(f"cannot decode .{sample.ext} image ({type(exc).__name__}: {exc})")

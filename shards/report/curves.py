@@ -89,6 +89,7 @@ PANELS = (
     Panel("Loss", (Series("train_loss", "train", "#1f77b4"), Series("val_loss", "val", "#ff7f0e")), YAxis.PLAIN),
     Panel("Accuracy", (Series("train_top1", "train top-1", "#1f77b4"), Series("val_top1", "val top-1", "#ff7f0e"),
                        Series("val_top5", "val top-5", "#ff7f0e", "--")), YAxis.PERCENT),
+    Panel("R²", (Series("val_r2", "val R²", "#ff7f0e"),), YAxis.PLAIN),  # regression runs
     Panel("Learning rate", (Series("lr", "lr", "#9467bd"),), YAxis.RATE),
     Panel("Throughput", (Series("samples_per_s", "samples/s", "#2ca02c"),), YAxis.COUNT,
           twin=(Series("data_wait_share", "data wait (right)", "#d62728", "--"),)),
@@ -113,12 +114,13 @@ def _points(history: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], 
 
 
 def find_best_epoch(history: Sequence[Mapping[str, Any]]) -> int | None:
-    """The first epoch with the highest ``val_top1``: the training loop copies ``best.pt`` only on a strict gain,
-    so a later tie is not the checkpoint on disk."""
+    """The first epoch with the highest ``val_top1`` (a regression run: the lowest ``val_mse``): the training loop
+    copies ``best.pt`` only on a strict gain, so a later tie is not the checkpoint on disk."""
     epochs, values = _points(history, "val_top1")
-    if not values:
-        return None
-    return epochs[values.index(max(values))]
+    if values:
+        return epochs[values.index(max(values))]
+    epochs, values = _points(history, "val_mse")
+    return epochs[values.index(min(values))] if values else None
 
 
 def _title(history: Sequence[Mapping[str, Any]], best: int | None) -> str:
@@ -126,9 +128,10 @@ def _title(history: Sequence[Mapping[str, Any]], best: int | None) -> str:
     text = f"{TITLE}: {count} epoch{'s' if count != 1 else ''}"
     if best is None:
         return text
-    epochs, values = _points(history, "val_top1")
-    if best in epochs:
-        return f"{text}, best val top-1 {values[epochs.index(best)]:.1%} at epoch {best}"
+    for key, name, form in (("val_top1", "val top-1", "{:.1%}"), ("val_r2", "val R²", "{:.3f}")):
+        epochs, values = _points(history, key)
+        if best in epochs:
+            return f"{text}, best {name} {form.format(values[epochs.index(best)])} at epoch {best}"
     return f"{text}, best at epoch {best}"
 
 
@@ -266,7 +269,7 @@ def curves_figure(history: Sequence[Mapping[str, Any]], *, best_epoch: int | Non
         for ax, panel in zip(axes, panels):
             _draw_panel(ax, panel, history, xlim, best)
         if best is not None:
-            labelled = next((ax for ax, panel in zip(axes, panels) if panel.title == "Accuracy"), axes[0])
+            labelled = next((ax for ax, panel in zip(axes, panels) if panel.title in ("Accuracy", "R²")), axes[0])
             _label_best(labelled, best, xlim)
         figure.suptitle(_title(history, best), fontsize=11)
         figure.get_layout_engine().set(h_pad=0.08, w_pad=0.08, hspace=0.06, wspace=0.04)

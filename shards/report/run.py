@@ -24,7 +24,7 @@ from shards.report.stages import stage_breakdown
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS = (("last.pt", "the latest state; --resume continues from it"),
-               ("best.pt", "the epoch with the highest val top-1"),
+               ("best.pt", "the epoch with the highest val top-1 (regression: the lowest val MSE)"),
                ("model.pt", "the final model: weights, classes, transform"))
 WAIT_WARN = 0.2  # the training loop's own threshold for "the input pipeline is the bottleneck"
 MAX_CLASS_BARS = 40
@@ -94,22 +94,42 @@ def numeric_history(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]
     return out
 
 
+def is_regression(history: Sequence[Mapping[str, float]]) -> bool:
+    """A regression run writes val_mse (and val_r2, val_mae) where a classification run writes val_top1."""
+    return any("val_mse" in row for row in history) and not any("val_top1" in row for row in history)
+
+
 def best_epoch(history: Sequence[Mapping[str, float]]) -> int | None:
-    """The first epoch with the highest val top-1: training copies best.pt only on a strict gain."""
-    scored = [(row["val_top1"], -row["epoch"]) for row in history if "val_top1" in row]
+    """The first epoch with the highest val top-1 (regression: the lowest val MSE): training copies best.pt only on
+    a strict gain."""
+    if is_regression(history):
+        scored = [(-row["val_mse"], -row["epoch"]) for row in history if "val_mse" in row]
+    else:
+        scored = [(row["val_top1"], -row["epoch"]) for row in history if "val_top1" in row]
     return -max(scored)[1] if scored else None
+
+
+def _scores(history: Sequence[Mapping[str, float]], best: int | None) -> list[tuple[str, str, str | None]]:
+    """The overview's first tiles: the last and the best epoch's score."""
+    last = history[-1]
+    best_row = next((row for row in history if row["epoch"] == best), {})
+    at_best = f" (epoch {best})" if best else ""
+    if is_regression(history):
+        return [("val R², epoch " + str(last["epoch"]), fixed(last.get("val_r2")), None),
+                ("best val MSE" + at_best, fixed(best_row.get("val_mse")), "good"),
+                ("val R² at best", fixed(best_row.get("val_r2")), None),
+                ("val MAE, epoch " + str(last["epoch"]), fixed(last.get("val_mae")), None)]
+    return [("val top-1, epoch " + str(last["epoch"]), pct(last.get("val_top1")), None),
+            ("best val top-1" + at_best, pct(best_row.get("val_top1")), "good")]
 
 
 def _overview(run: RunFiles, history: Sequence[Mapping[str, float]]) -> Markup:
     if not history:
         return note("No epoch has finished yet: metrics.jsonl is empty or missing.", "warn")
     last = history[-1]
-    best = best_epoch(history)
-    best_row = next((row for row in history if row["epoch"] == best), {})
     planned = number(run.config.get("epochs"))
     wait = last.get("data_wait_share")
-    items = [("val top-1, epoch " + str(last["epoch"]), pct(last.get("val_top1")), None),
-             (f"best val top-1 (epoch {best})" if best else "best val top-1", pct(best_row.get("val_top1")), "good"),
+    items = [*_scores(history, best_epoch(history)),
              ("epochs", f"{len(history)}" + (f" / {planned:.0f}" if planned else ""), None),
              ("val loss", fixed(last.get("val_loss")), None),
              ("samples/s", count(last.get("samples_per_s")), None),
@@ -130,19 +150,22 @@ def _curves(history: Sequence[Mapping[str, float]]) -> Markup:
         return note(f"Curves unavailable ({type(exc).__name__}: {exc}).", "warn")
     return figure(void("img", src=image_data_uri(svg_bytes, "image/svg+xml"), alt="training curves",
                        class_="curves"),
-                  "Loss, top-1, learning rate, throughput and data-wait share per epoch.")
+                  "Loss, top-1 (regression: R²), learning rate, throughput and data-wait share per epoch.")
 
 
 def _epoch_table(history: Sequence[Mapping[str, float]], rows: Sequence[Mapping[str, Any]]) -> Markup:
     top5 = any("val_top5" in row for row in history)
     cache = any("cache_hit_rate" in row for row in rows)
-    headers = ["epoch", "train loss", "val loss", "train top-1", "val top-1", *(["val top-5"] if top5 else []),
+    scores = ([("val R²", "val_r2", fixed), ("val MSE", "val_mse", fixed), ("val MAE", "val_mae", fixed)]
+              if is_regression(history) else
+              [("train top-1", "train_top1", pct), ("val top-1", "val_top1", pct),
+               *([("val top-5", "val_top5", pct)] if top5 else [])])
+    headers = ["epoch", "train loss", "val loss", *(name for name, _, _ in scores),
                "lr", "samples/s", "data wait", "epoch time", *(["cache hits", "fetched"] if cache else [])]
     body = []
     for row in history[-MAX_EPOCH_ROWS:]:
-        cells = [num_cell(row["epoch"]), num_cell(row.get("train_loss"), fixed), num_cell(row.get("val_loss"), fixed),
-                 num_cell(row.get("train_top1"), pct), num_cell(row.get("val_top1"), pct)]
-        cells += [num_cell(row.get("val_top5"), pct)] if top5 else []
+        cells = [num_cell(row["epoch"]), num_cell(row.get("train_loss"), fixed), num_cell(row.get("val_loss"), fixed)]
+        cells += [num_cell(row.get(key), form) for _, key, form in scores]
         cells += [num_cell(row.get("lr"), rate), num_cell(row.get("samples_per_s")),
                   num_cell(row.get("data_wait_share"), lambda v: pct(v, 1)), num_cell(row.get("epoch_time_s"), seconds)]
         cells += [num_cell(row.get("cache_hit_rate"), lambda v: pct(v, 1)),
@@ -262,7 +285,8 @@ def run_section(run: RunFiles, anchor: str, *, classes: Sequence[str] | None = N
                               "disk help; the stage breakdown shows which stage is slow.", "warn"))
         parts.append(subsection("Curves", _curves(history)))
         parts.append(subsection("Per epoch", _epoch_table(history, run.rows)))
-        parts.append(_per_class(run.rows[-1], classes))
+        if not is_regression(history):  # a regression run has no classes to break down
+            parts.append(_per_class(run.rows[-1], classes))
         parts.append(stage_breakdown(run.rows))
         parts.append(_cache(history, run.rows))
     parts.append(_checkpoints(run.folder, history))

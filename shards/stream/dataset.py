@@ -135,6 +135,7 @@ class ShardDataset(IterableDataset):
             where = self.locations[0].rsplit("/", 1)[0] if self.locations else config.split
             shard_cache.check_limit(max(s.bytes for s in split.shards), where)
         self.sizes = epoch_sizes(split.samples, config.world_size, config.drop_last)
+        self._first_rows = shard_offsets(split.shard_sizes).tolist()  # each shard's first global row: cache keys
         self.num_classes = num_classes if num_classes is not None else len(split.class_counts)
         self._state = SharedEpochState()
         self._stage_times = SharedStageTimes()
@@ -328,7 +329,7 @@ class ShardDataset(IterableDataset):
             items = shuffle_buffer(items, c.shuffle_buffer, rng_for(c.seed, STREAM_SHUFFLE_BUFFER, *ids))
         if tally is not None:
             items = tally.timed_read(items)
-        for position, ((where, sample), seed) in enumerate(zip(items, self.sample_seeds(epoch, worker))):
+        for position, ((where, sample, row), seed) in enumerate(zip(items, self.sample_seeds(epoch, worker))):
             if position < skip:
                 continue
             if isinstance(sample, Broken):
@@ -336,7 +337,8 @@ class ShardDataset(IterableDataset):
                 yield from policy.fill()
                 continue
             try:
-                output = self.decode(sample, seed) if tally is None else self._timed_decode(sample, seed, tally)
+                output = self.decode_row(sample, seed, row) if tally is None \
+                    else self._timed_decode(sample, seed, row, tally)
             except CorruptDataError as exc:
                 policy.failed(where, sample.key, str(exc))
                 yield from policy.fill()
@@ -346,15 +348,15 @@ class ShardDataset(IterableDataset):
             raise CorruptDataError(f"no readable sample left to stand in for {policy.pending} unreadable one(s)",
                                    path=self.config.split)
 
-    def _timed_decode(self, sample: Any, seed: int, tally: StageTally) -> Any:
-        """``decode``, its seconds split into decode and transform where the decoder marks the boundary."""
+    def _timed_decode(self, sample: Any, seed: int, row: int, tally: StageTally) -> Any:
+        """``decode_row``, its seconds split into decode and transform where the decoder marks the boundary."""
         if not self.decode_timed:
-            output = self.decode(sample, seed)
+            output = self.decode_row(sample, seed, row)
             tally.sample_done()
             return output
         began = time.perf_counter()
         try:
-            return self.decode(sample, seed)
+            return self.decode_row(sample, seed, row)
         finally:
             tally.decoded(began, getattr(self.decode_marker(), "decoded_at", None), time.perf_counter())
 
@@ -368,14 +370,16 @@ class ShardDataset(IterableDataset):
             return output, sample.label, sample.key
         return output, sample.label
 
-    def _guarded_slice(self, piece: ShardSlice, policy: _ErrorTally) -> Iterator[tuple[str, Any]]:
-        """Read one slice; check it really holds as many samples as the manifest says."""
+    def _guarded_slice(self, piece: ShardSlice, policy: _ErrorTally) -> Iterator[tuple[str, Any, int]]:
+        """Read one slice as ``(where, sample, global row)``; check it really holds as many samples as the manifest
+        says."""
         where = self.locations[piece.shard]
+        first = self._first_rows[piece.shard] + piece.start
         count = 0
         try:
             for sample in self.read_slice(piece):
+                yield where, sample, first + count
                 count += 1
-                yield where, sample
             if count < piece.size:
                 raise CorruptDataError(f"shard ended after sample {piece.start + count}, the manifest says "
                                        f"{self.split_info.shards[piece.shard].samples}", path=where)
@@ -384,8 +388,8 @@ class ShardDataset(IterableDataset):
                 raise
             if count == piece.size:  # found after the last sample (a checksum): nothing left to skip
                 log.warning("samples already used from a damaged shard: %s", exc)
-            for _ in range(piece.size - count):
-                yield where, Broken(exc.key, -1, str(exc))
+            for offset in range(count, piece.size):
+                yield where, Broken(exc.key, -1, str(exc)), first + offset
 
     # -- what subclasses provide -----------------------------------------------------------------------------
     def read_slice(self, piece: ShardSlice) -> Iterator[Any]:
@@ -395,6 +399,10 @@ class ShardDataset(IterableDataset):
         """``sample`` -> output; ``seed`` is the sample's augmentation seed (``sample_seeds``), the only source of
         randomness a decoder should use."""
         raise NotImplementedError
+
+    def decode_row(self, sample: Any, seed: int, row: int) -> Any:
+        """``decode`` for the sample at global ``row`` of the split, the key a cache of decoded samples uses."""
+        return self.decode(sample, seed)
 
 
 class _OneArgumentDecoder:
@@ -434,6 +442,9 @@ class ImageShardDataset(ShardDataset):
     ``verify_sha256 = True``: a slice that covers a whole local tar shard is hashed as it is read and checked
     against the manifest after its last sample. Off by default: it costs about 1% of a decoding pipeline but 22% of
     raw reading (``scripts/bench/loader.py --sha256-only``); ``shards verify`` checks every shard's sha256.
+
+    ``image_cache`` (``open_dataset(cache="memory")``, ``shards.stream.image_cache``): decoded samples kept in memory
+    shared by the workers, so epochs after the first skip decoding; ``close()`` lets go of it early.
     """
 
     verify_sha256 = False
@@ -441,10 +452,11 @@ class ImageShardDataset(ShardDataset):
     def __init__(self, split: SplitInfo, locations: Sequence[str], config: StreamConfig, *, storage: str,
                  decoder: Callable[[RawSample, int], Any] | Callable[[RawSample], Any] | None = None,
                  num_classes: int | None = None, storage_options: Any = None,
-                 shard_cache: CachedShards | None = None):
+                 shard_cache: CachedShards | None = None, image_cache: Any = None):
         super().__init__(split, locations, config, num_classes, shard_cache)
         self.storage = get_storage(storage)
         self.decoder = decoder if decoder is not None else ImageDecoder()
+        self.image_cache = image_cache
         self.storage_options = storage_options  # for s3:// (an S3Options, picklable: each worker makes its client)
         for location in self.locations:
             if is_s3(location):
@@ -469,8 +481,20 @@ class ImageShardDataset(ShardDataset):
     def decode(self, sample: RawSample, seed: int) -> Any:
         return self._decode(sample, seed)
 
+    def decode_row(self, sample: RawSample, seed: int, row: int) -> Any:
+        if self.image_cache is None:
+            return self._decode(sample, seed)
+        return self.image_cache(sample, seed, row)
+
     def decode_marker(self) -> Any:
+        if self.image_cache is not None:
+            return self.image_cache
         return self._decoder  # ImageDecoder and FastDecoder set decoded_at; a user's decoder may too
+
+    def close(self) -> None:
+        """Release the image cache's memory in this process now (workers let go when they exit)."""
+        if self.image_cache is not None:
+            self.image_cache.close()
 
     def read_slice(self, piece: ShardSlice) -> Iterator[RawSample]:
         location = self.locations[piece.shard]

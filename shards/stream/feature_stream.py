@@ -5,6 +5,9 @@ worker making a linear-head epoch 3-6x slower). ``FeatureBatchLoader`` therefore
 workers: it turns the rank's planned slices into one index tensor, shuffles it fully, and gathers
 ``features[B, D]`` rows with one indexing call per batch, from memory (``cache="memory"``) or from mmap'ed shards.
 ``FeatureShardDataset`` is the per-sample ``IterableDataset`` for users who want a DataLoader anyway.
+
+A regression table (``task="regression"``, from ``features.json``'s ``config.target``) has no classes: both yield
+its float32 ``targets`` where a classification folder yields labels, and nothing else about the order changes.
 """
 
 from __future__ import annotations
@@ -31,24 +34,30 @@ from shards.stream.stages import systematic_resample
 from shards.stream.stage_times import zero_stages
 
 CACHE_MODES = ("auto", "memory", "none")
+TASKS = ("classification", "regression")
 AUTO_CACHE_BYTES = 4 << 30
 
 
 class FeatureRow(NamedTuple):
     key: str
-    label: int
+    label: int | float  # the class index, or a regression table's target
     features: torch.Tensor
 
 
 class FeatureShardDataset(ShardDataset):
-    """Feature shards -> ``(features[D], label[, key])`` per sample, with every guarantee of the image reader."""
+    """Feature shards -> ``(features[D], label[, key])`` per sample, with every guarantee of the image reader
+    (``(features[D], target[, key])`` for a regression table)."""
 
     decode_timed = False  # a row is already the model input: its seconds are read, decode and transform stay 0
 
     def __init__(self, split: SplitInfo, locations: Sequence[str], config: StreamConfig, *, cache: str = "auto",
                  num_classes: int | None = None, features_dim: int | None = None, dtype: str | None = None,
-                 views: int = 0, storage_options: Any = None, shard_cache: CachedShards | None = None):
+                 views: int = 0, storage_options: Any = None, shard_cache: CachedShards | None = None,
+                 task: str = "classification"):
         super().__init__(split, locations, config, num_classes, shard_cache)
+        if task not in TASKS:
+            raise InputError(f"task must be one of {list(TASKS)}, got {task!r}")
+        self.task = task
         self.storage_options = storage_options  # for s3:// feature folders
         # What features.json promises; features_dim None (a caller without the manifest): taken from each file.
         self.features_dim, self.dtype, self.views = features_dim, dtype, views
@@ -93,8 +102,9 @@ class FeatureShardDataset(ShardDataset):
             dim = self.features_dim
             if dim is None:
                 dim = loaded.features.shape[-1] if isinstance(loaded.features, torch.Tensor) else -1
-            check_feature_shard(loaded, location, info.samples,
-                                FeatureSpec(dim, self.dtype, self.num_classes, self.views))
+            # No classes (a regression table): its labels are placeholders, with no range to check.
+            spec = FeatureSpec(dim, self.dtype, self.num_classes or None, self.views, self.task == "regression")
+            check_feature_shard(loaded, location, info.samples, spec)
             self._verified.add(index)
         if self.cache == "memory" or is_s3(location) or lease is not None:  # fetched once per process, then held
             self._shards[index] = loaded
@@ -103,9 +113,13 @@ class FeatureShardDataset(ShardDataset):
     def read_slice(self, piece: ShardSlice) -> Iterator[FeatureRow]:
         shard = self.shard(piece.shard)
         block = shard.features[piece.start:piece.stop]
-        labels = shard.labels[piece.start:piece.stop].tolist()
+        labels = self.values_of(shard)[piece.start:piece.stop].tolist()
         for i, label in enumerate(labels):
             yield FeatureRow(shard.keys[piece.start + i], label, block[i])
+
+    def values_of(self, shard: FeatureShard) -> torch.Tensor:
+        """What a sample pairs its features with: the labels, or a regression table's float32 targets."""
+        return shard.targets if self.task == "regression" else shard.labels
 
     def decode(self, sample: FeatureRow, seed: int) -> torch.Tensor:
         return sample.features  # features are not augmented: the seed is not needed
@@ -117,7 +131,8 @@ class FeatureShardDataset(ShardDataset):
 
 
 class FeatureBatchLoader:
-    """In-process batches ``(features[B, D], labels[B])`` (plus ``keys`` with ``return_keys``) for one rank.
+    """In-process batches ``(features[B, D], labels[B])`` (plus ``keys`` with ``return_keys``) for one rank; for a
+    regression table ``(features[B, D], targets[B])``, float32.
 
     Order: the rank's planned rows (equal counts on every rank), resampled by class weight over the whole epoch
     when asked, then fully permuted from ``(seed, epoch, rank)``. ``state_dict`` counts batches, so a resumed run
@@ -258,9 +273,10 @@ class FeatureBatchLoader:
         return self._key_list
 
     def _gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        values_of = self.dataset.values_of
         if self.dataset.cache == "memory":
             table = self._load_table()
-            return table.features[index], table.labels[index]
+            return table.features[index], values_of(table)[index]
         shard_of = np.searchsorted(self._offsets, index.numpy(), side="right") - 1
         features = labels = None
         for shard in np.unique(shard_of):
@@ -269,7 +285,7 @@ class FeatureBatchLoader:
             local = index[mask] - int(self._offsets[shard])
             if features is None:
                 features = loaded.features.new_empty((len(index), loaded.features.shape[1]))
-                labels = torch.empty(len(index), dtype=torch.int64)
+                labels = values_of(loaded).new_empty(len(index))
             features[mask] = loaded.features[local]
-            labels[mask] = loaded.labels[local]
+            labels[mask] = values_of(loaded)[local]
         return features, labels

@@ -18,6 +18,8 @@ from shards.image.decode import ImageDecoder
 from shards.errors import InputError
 from shards.image.fast import FastDecoder
 from shards.stream.feature_stream import FeatureShardDataset
+from shards.stream.image_cache import ImageCacheRequest
+from shards.formats.features import target_task
 from shards.manifest import DATASET_FILE, FEATURES_FILE, DatasetManifest, FeatureManifest, Manifest, load_manifest
 from shards.formats.locations import shard_location, url_origin
 from shards.formats.remote import is_remote, read_remote_json
@@ -140,6 +142,7 @@ def open_dataset(path: str | os.PathLike, split: str = "train", *,
                  sampling: Sampling = Sampling(), errors: ErrorPolicy = ErrorPolicy(), decode: Decode = Decode(),
                  remote: Remote = Remote(), cache: str = "auto", cache_dir: str | os.PathLike | None = None,
                  cache_limit: int | str | None = None, affinity_nodes: int | None = None, rotate_every: int = 0,
+                 memory_limit: int | str | None = None, cache_side: int | None = None,
                  **legacy: Any) -> ShardDataset:
     """Stream one split of a ``dataset.json`` (images) or ``features.json`` (features).
 
@@ -158,6 +161,14 @@ def open_dataset(path: str | os.PathLike, split: str = "train", *,
     ``http(s)://`` or a network file system on local disk, shared by every rank and worker of the node, at most
     ``cache_limit`` bytes (``"200G"``); see ``shards.stream.cached_shards``. ``dataset.shard_cache.summary()``
     counts hits, misses and bytes fetched.
+
+    ``cache="memory"`` on image shards (fast pipeline only) keeps each sample's decoded pixels in memory shared by
+    the DataLoader workers, so epochs after the first skip decoding: the eval preset's final crops, the train
+    preset's images bounded to ``cache_side`` on the shorter side (default ``size / 0.875``; every epoch, the
+    first included, crops from that bounded image), at most ``memory_limit`` bytes (``"8G"``; default half of
+    what the job's cgroup or the machine has left), the rest decoded every epoch; see
+    ``shards.stream.image_cache``. ``dataset.image_cache.stats()`` counts cached samples, hits and misses.
+    ``"auto"`` caches only feature folders (under 4 GiB).
 
     ``affinity_nodes`` (default None: one node, the plain per-epoch shuffle) keeps each shard on one node across
     epochs, so a node's cache serves its ranks instead of missing on a new random share every epoch: set it to
@@ -188,14 +199,19 @@ def open_dataset(path: str | os.PathLike, split: str = "train", *,
     locations = [shard_location(root, s.path) for s in split_info.shards]
     shard_cache = _shard_cache(cache_dir, cache_limit, remote)
     if isinstance(manifest, FeatureManifest):
-        if transform is not None or decode.image_only:
-            raise InputError("transform, Decode.decoder and Decode.draft apply to image shards, not to feature shards")
-        return FeatureShardDataset(split_info, locations, config, cache=cache, num_classes=len(manifest.classes),
-                                   features_dim=manifest.features_dim, dtype=manifest.dtype, views=manifest.views,
-                                   storage_options=remote.storage_options, shard_cache=shard_cache)
+        if transform is not None or decode.image_only or memory_limit is not None or cache_side is not None:
+            raise InputError("transform, Decode.decoder, Decode.draft, memory_limit and cache_side apply to image "
+                             "shards, not to feature shards")
+        # A regression table has no classes (None: no label range to check) and yields its float targets.
+        return FeatureShardDataset(split_info, locations, config, cache=cache,
+                                   num_classes=len(manifest.classes) or None, features_dim=manifest.features_dim,
+                                   dtype=manifest.dtype, views=manifest.views, storage_options=remote.storage_options,
+                                   shard_cache=shard_cache, task=target_task(manifest.config))
+    images = ImageCacheRequest(cache, memory_limit, cache_side, pipeline=decode.pipeline)
     decoder = decode.decoder
     if decode.pipeline == "fast":
-        decoder = FastDecoder(_fast_spec(transform))
+        spec = _fast_spec(transform)
+        decoder = FastDecoder(spec, source_side=images.source_side(spec))
     elif decoder is None:
         image_transform, draft_size = _resolve_transform(transform, decode.draft)
         decoder = ImageDecoder(image_transform, draft_size=draft_size)
@@ -203,7 +219,7 @@ def open_dataset(path: str | os.PathLike, split: str = "train", *,
         raise InputError("give either Decode.decoder or a transform, not both")
     return ImageShardDataset(split_info, locations, config, storage=manifest.storage, decoder=decoder,
                              num_classes=len(manifest.classes), storage_options=remote.storage_options,
-                             shard_cache=shard_cache)
+                             shard_cache=shard_cache, image_cache=images.open(decoder, split_info.samples, split))
 
 
 def _shard_cache(cache_dir: str | os.PathLike | None, cache_limit: int | str | None, remote: Remote):

@@ -1,8 +1,9 @@
 """Stream stages between reading and decoding: plain generators over items, seeded, content-blind where it matters.
 
-Items are ``(where, sample)`` pairs: ``where`` names the shard for error messages, ``sample`` has ``key`` and
-``label``. The shuffle buffer's order depends only on the item count and its generator, never on the bytes, so a
-resumed run replays it exactly without decoding anything.
+Items are ``(where, sample, row)`` tuples: ``where`` names the shard for error messages, ``sample`` has ``key``
+and ``label``, ``row`` is the sample's global index in its split (the key of a decoded-image cache). The shuffle
+buffer's order depends only on the item count and its generator, never on the bytes, so a resumed run replays it
+exactly without decoding anything.
 """
 
 from __future__ import annotations

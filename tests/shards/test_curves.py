@@ -55,7 +55,15 @@ def test_svg_references_nothing_outside_itself(epochs):
 
 
 def test_rows_without_any_known_metric_say_so():
-    assert "no metrics to plot" in svg_text(curves_bytes([{"epoch": 1}, {"epoch": 2, "val_r2": 0.5}], "svg"))
+    assert "no metrics to plot" in svg_text(curves_bytes([{"epoch": 1}, {"epoch": 2, "val_f1": 0.5}], "svg"))
+
+
+def test_a_regression_run_gets_an_r2_panel_and_its_best_is_the_lowest_val_mse():
+    rows = [{"epoch": e, "train_loss": 1.0 / e, "val_loss": 1.0 / e, "val_mse": mse, "val_r2": r2}
+            for e, (mse, r2) in enumerate([(9.0, 0.1), (4.0, 0.6), (5.0, 0.5), (4.0, 0.6)], 1)]
+    assert find_best_epoch(rows) == 2  # best.pt: the first lowest val_mse
+    text = svg_text(curves_bytes(rows, "svg"))
+    assert "val R²" in text and "best val R² 0.600 at epoch 2" in text and "Accuracy" not in text
 
 
 def test_svg_keeps_text_as_text():
