@@ -10,16 +10,14 @@ Slurm array share one explicit ``--stage-dir`` on a shared file system; the task
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from shards.errors import InputError, OutputExistsError
+from shards.formats.features import is_feature_file
 from shards.formats.s3 import S3Options, is_s3, make_client
 from shards.formats.s3_upload import PublishSpec, check_out_url, default_stage_dir, list_prefix, publish_folder
-
-_FEATURE_FILE = re.compile(r"^[A-Za-z0-9_]+-\d{6}\.(pt|h5)$")
 
 
 @dataclass(frozen=True)
@@ -87,7 +85,7 @@ def features_spec() -> PublishSpec:
     from shards.manifest import FEATURES_FILE
 
     return PublishSpec(FEATURES_FILE, _feature_identity,
-                       lambda name: name == FEATURES_FILE or bool(_FEATURE_FILE.match(name)))
+                       lambda name: name == FEATURES_FILE or is_feature_file(name))
 
 
 __all__ = ["StagedOutput", "dataset_spec", "features_spec", "is_s3", "resolve_stage", "run_staged"]

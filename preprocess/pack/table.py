@@ -37,6 +37,7 @@ from shards.errors import InputError, MissingInputError, OutputExistsError, Shar
 from shards.lock import claim_output
 from shards.manifest import (DATASET_FILE, FEATURES_FILE, FeatureManifest, ShardInfo, SplitInfo,
                              load_feature_manifest)
+from shards.formats.features import is_feature_file
 
 log = logging.getLogger("shardcache.pack")
 
@@ -55,7 +56,6 @@ MISSING_CELLS = frozenset({"", "na", "n/a", "#n/a", "nan", "null", "?"})
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")  # float() would also take inf, nan and 1_000
 _INTEGER = re.compile(r"^[+-]?\d+$")
 _SPLIT_NAME = re.compile(r"^[A-Za-z0-9_]+$")
-_OWN_SHARD = re.compile(r"^[A-Za-z0-9_]+-\d{6}\.(pt|h5)$")
 
 
 @dataclass(frozen=True)
@@ -500,7 +500,7 @@ def pack_table(cfg: TableConfig) -> TableResult:
 
 def _is_own_file(name: str) -> bool:
     name = tmp_target(name) or name
-    return bool(_OWN_SHARD.match(name)) or name == FEATURES_FILE
+    return is_feature_file(name) or name == FEATURES_FILE
 
 
 def _existing_hash(out: Path) -> str | None:

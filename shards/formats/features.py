@@ -10,6 +10,7 @@ before an entry existed load with it as None.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -21,6 +22,15 @@ from shards.atomic import atomic_output, sha256_file
 from shards.errors import ChecksumError, CorruptDataError, InputError
 
 FEATURE_SUFFIXES = {"pt": ".pt", "hdf5": ".h5"}
+
+
+def is_feature_file(name: str) -> bool:
+    """Whether a file name is one shardcache writes for a feature shard (``<split>-NNNNNN.pt|.h5``): what an
+    ``--overwrite`` or an upload may treat as its own."""
+    return bool(_FEATURE_FILE.match(name))
+
+
+_FEATURE_FILE = re.compile(r"^[A-Za-z0-9_]+-\d{6}\.(pt|h5)$")
 
 
 def target_task(config: Mapping[str, Any]) -> str:

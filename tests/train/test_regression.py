@@ -18,20 +18,13 @@ from preprocess.pack.table import TableEncoding
 from shards.errors import InputError
 from shards.manifest import load_feature_manifest
 from shards.report.build import write_run_report
+from tests.preprocess.test_table import write_csv
 from train.cli import train_command
 from train.config import TrainConfig
 from train.regression import RegressionTally, TargetScale
 
 TRAIN_ARGS = ("--head", "linear", "--task", "regression", "--epochs", "30", "--batch-size", "32", "--device", "cpu",
               "--quiet", "--no-report")
-
-
-def write_csv(path: Path, header, rows) -> Path:
-    with open(path, "w", newline="", encoding="utf-8") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(header)
-        writer.writerows(rows)
-    return path
 
 
 def pack(source: Path, out: Path, *args) -> dict:
