@@ -47,12 +47,17 @@ class ShardInfo:
     # older datasets have neither and are read by scanning.
     index: str | None = None
     index_sha256: str | None = None
+    # Samples of each class in this shard, indexed like the manifest's ``classes``, so a subset by class can skip
+    # whole shards without reading them; None for shards packed before it was recorded, and for regression tables.
+    class_counts: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {"path": self.path, "samples": self.samples, "bytes": self.bytes, "sha256": self.sha256}
         for name in ("source", "source_sha256", "index", "index_sha256"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
+        if self.class_counts is not None:
+            out["class_counts"] = list(self.class_counts)
         return out
 
     @classmethod
@@ -72,7 +77,22 @@ class ShardInfo:
             source_sha256=data.get("source_sha256"),
             index=None if index is None else check_shard_path(index, where=where),
             index_sha256=None if index_sha256 is None else str(index_sha256),
+            class_counts=cls._parse_class_counts(data.get("class_counts"), int(data["samples"])),
         )
+
+    @staticmethod
+    def _parse_class_counts(value: Any, samples: int) -> tuple[int, ...] | None:
+        """Absent (None), or a list of non-negative ints summing to the shard's ``samples``; a ValueError
+        otherwise, which the manifest readers turn into one ``ManifestError`` line."""
+        if value is None:
+            return None
+        if not isinstance(value, list) or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
+                                                  for c in value):
+            raise ValueError(f"shard class_counts {value!r} is not a list of non-negative integers")
+        if sum(value) != samples:
+            raise ValueError(f"shard class_counts {value!r} sum to {sum(value)}, but the shard has {samples} "
+                             "samples")
+        return tuple(value)
 
 
 @dataclass(frozen=True)

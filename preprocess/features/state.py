@@ -11,6 +11,7 @@ from the records last, atomically, and only when every shard has one. The writer
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -147,10 +148,15 @@ def assemble_manifest(out_dir: Path, record: Mapping[str, Any], dataset: Dataset
     missing = [job for job in jobs if infos[job.index] is None]
     if missing:
         return None, missing
+    # A feature shard holds its image shard's samples row for row (augmented views are one [N, K, D] tensor
+    # beside the features, not extra rows), so it has the same class counts: copied from the dataset each shard was
+    # just checked against, so shards recorded before counts existed get them too.
+    source_counts = {s.path: s.class_counts for split in dataset.splits.values() for s in split.shards}
     splits = {}
     for name in record["splits"]:
         source = dataset.splits[name]
-        shards = tuple(infos[job.index] for job in jobs if job.split == name)
+        shards = tuple(dataclasses.replace(infos[job.index], class_counts=source_counts[job.name])
+                       for job in jobs if job.split == name)
         splits[name] = SplitInfo(source.samples, source.class_counts, shards)  # type: ignore[arg-type]
     config = record["config"]
     manifest = FeatureManifest(

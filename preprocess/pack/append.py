@@ -161,15 +161,22 @@ def rewrite_without(out: Path, manifest: DatasetManifest, index: dict[str, dict[
             continue
         name = shard_name(split, next_index.get(split, 0), manifest.storage)
         next_index[split] = next_index.get(split, 0) + 1
+        counts = [0] * len(manifest.classes)
+        positions: dict[str, int] = {}
         with storage.writer(out / name, classes=manifest.classes) as writer:
             for raw in storage.read(out / old):
                 if raw.key not in drop_keys:
+                    positions[raw.key] = writer.samples
                     writer.write(raw)
+                    counts[raw.label] += 1
         replaced[old] = ShardInfo(name, writer.samples, writer.bytes, writer.sha256,
                                   index=getattr(writer, "index", None),
-                                  index_sha256=getattr(writer, "index_sha256", None))
+                                  index_sha256=getattr(writer, "index_sha256", None), class_counts=tuple(counts))
         for row in kept_rows:
             row["shard"] = name
+            row.pop("row", None)
+            if row["key"] in positions:  # its new position (``shards.stream.rows`` selects rows by it)
+                row["row"] = positions[row["key"]]
     return replaced
 
 

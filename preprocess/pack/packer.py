@@ -12,6 +12,7 @@ and the last tasks to finish merge one at a time.
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import time
@@ -115,8 +116,10 @@ def _pack_sample(job: ShardJob, sample, skipped: list[dict], index: list[dict]) 
         skipped.append({"path": sample.rel_path, "reason": str(exc)})
         index.append({**row, "skipped": str(exc)})
         return None
-    index.append({**row, "shard": job.shard.name})
     meta = sample_meta(sample.rel_path, job.classes[sample.label], image)
+    # The ``<key>.json`` member's fields (width, height...) in the index too, so a reader can filter on them
+    # without opening a shard; parsed back from the member's bytes, so the two never disagree.
+    index.append({**row, "shard": job.shard.name, "meta": json.loads(meta)})
     return RawSample(sample.key, image.data, image.ext, sample.label, meta)
 
 
@@ -134,6 +137,7 @@ def pack_shard(job: ShardJob, on_file: Callable[[int], None] | None = None) -> d
                 if writer is None:
                     spec = STORAGES[job.storage]
                     writer = stack.enter_context(spec.writer(out / job.shard.name, classes=job.classes))
+                index[-1]["row"] = writer.samples  # its position in the shard: a subset selects rows unread
                 writer.write(raw)
                 counts[raw.label] += 1
             if on_file is not None:
@@ -143,6 +147,7 @@ def pack_shard(job: ShardJob, on_file: Callable[[int], None] | None = None) -> d
         info = {"path": job.shard.name, "samples": writer.samples, "bytes": writer.bytes, "sha256": writer.sha256}
         if getattr(writer, "index", None) is not None:  # tar shards: the per-sample byte index beside the shard
             info.update(index=writer.index, index_sha256=writer.index_sha256)
+        info["class_counts"] = counts  # in the shard's ShardInfo, so a class subset can skip shards unread
     part = {"plan_sha256": job.plan_sha256, "split": job.shard.split, "shard": info, "class_counts": counts,
             "skipped": skipped, "index": index, "source_files": len(job.shard.samples),
             "source_bytes": sum(s.size for s in job.shard.samples)}

@@ -5,10 +5,12 @@ Layout inside ``OUT/``::
     .pack/plan.json              the plan every task computed: digest, classes, source (with the files skipped
                                  at scan time), options, shard names
     .pack/lock*                  the writer locks (``shards.lock``); they stay, even through ``--overwrite``
-    .pack/<shard>.json           one part manifest per finished shard: its ShardInfo, class counts, skipped
-                                 files and per-sample source index; written after the shard was renamed
+    .pack/<shard>.json           one part manifest per finished shard: its ShardInfo (with its class counts),
+                                 class counts, skipped files and per-sample source index; written after the shard
+                                 was renamed
     source-index.jsonl           (at merge) one line per source file: key, path, size, mtime_ns, label, split,
-                                 shard (null and a reason for skipped files); lets ``--append`` find what is packed
+                                 shard and meta (the ``<key>.json`` member: width, height...), or shard null and a
+                                 reason for skipped files; lets ``--append`` find what is packed
     dataset.json                 (at merge, last) the manifest; ``packing.plan_sha256`` ties it to the plan
 
 A shard counts as finished only when its part manifest matches the plan digest and the shard file still has the
@@ -180,7 +182,9 @@ def build_manifest(plan_doc: Mapping[str, Any], parts: Sequence[Mapping[str, Any
     splits: dict[str, SplitInfo] = {}
     for split in plan_doc["splits"]:
         mine = [p for p in parts if p["split"] == split]
-        shards = tuple(ShardInfo.from_dict(p["shard"]) for p in mine if p["shard"] is not None)
+        # A part written before shards recorded their class counts has them only beside its ShardInfo.
+        shards = tuple(ShardInfo.from_dict({"class_counts": p["class_counts"], **p["shard"]})
+                       for p in mine if p["shard"] is not None)
         counts = [sum(p["class_counts"][i] for p in mine) for i in range(len(classes))]
         if shards:
             splits[split] = SplitInfo(sum(s.samples for s in shards), tuple(counts), shards)

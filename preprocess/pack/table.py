@@ -581,7 +581,10 @@ def _write(out: Path, prepared: PreparedTable, cfg: TableConfig) -> FeatureManif
             shard = FeatureShard(torch.from_numpy(prepared.features[chunk]), torch.from_numpy(target.labels[chunk]),
                                  [prepared.keys[r] for r in chunk], targets=targets)
             size, digest = write_feature_shard(out / shard_name, shard, cfg.storage)
-            infos.append(ShardInfo(shard_name, len(chunk), size, digest))
+            # Per-shard class counts let a class subset skip shards unread; a regression table has no classes.
+            shard_counts = (tuple(int(c) for c in np.bincount(target.labels[chunk], minlength=len(target.classes)))
+                            if target.classes else None)
+            infos.append(ShardInfo(shard_name, len(chunk), size, digest, class_counts=shard_counts))
         counts = np.bincount(target.labels[rows], minlength=len(target.classes)) if target.classes else []
         splits[name] = SplitInfo(len(rows), tuple(int(c) for c in counts), tuple(infos))
     manifest = FeatureManifest(storage=cfg.storage, classes=target.classes, splits=splits,

@@ -29,8 +29,9 @@ from shards.manifest import SplitInfo
 from shards.stream.options import ErrorPolicy
 from shards.stream.plan import (
     STREAM_CLASS_WEIGHTS, STREAM_SHUFFLE_BUFFER, STREAM_TRANSFORM, ShardSlice, check_nodes, epoch_sizes,
-    indices_to_slices, plan_epoch, rng_for, shard_offsets, worker_range,
+    indices_to_slices, plan_epoch, rng_for, shard_offsets, share_of, worker_range,
 )
+from shards.stream.mixture import Mixture
 from shards.formats.remote import is_remote, open_remote
 from shards.formats.s3 import is_s3
 from shards.formats.sample import RawSample
@@ -146,9 +147,21 @@ class ShardDataset(IterableDataset):
         self.plan_batch_size = 1
         self._continued: Continuation | None = None  # the last loaded state: a remainder when the layout changed
         self._remainder_live = False  # whether the current iteration reads that remainder
+        self.mixture: Mixture | None = None  # several sources or a subset (``use_mixture``): the epoch's rows
+        self.label_maps: list[Any] | None = None  # per shard: source label -> combined label, or None
         if self.sizes.dropped:
             log.info("drop_last leaves out the last %d sample(s) of %r every epoch", self.sizes.dropped,
                      config.split)
+
+    def use_mixture(self, mixture: Mixture, label_maps: Sequence[Any] | None = None) -> None:
+        """Stream ``mixture``'s epochs (``shards.stream.mixture``) over this dataset's shards, the combined split of
+        its sources; ``label_maps`` map each shard's labels onto the combined classes."""
+        if self.config.nodes > 1:
+            raise InputError("node affinity (affinity_nodes) orders whole shards of one dataset; a mixture or "
+                             "subset orders its own runs: leave affinity_nodes unset")
+        self.mixture = mixture
+        self.label_maps = None if label_maps is None or all(m is None for m in label_maps) else list(label_maps)
+        self.sizes = epoch_sizes(mixture.epoch_size, self.config.world_size, self.config.drop_last)
 
     # -- what the outside uses -------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -203,11 +216,12 @@ class ShardDataset(IterableDataset):
         c = self.config
         return LoaderState(kind, self.epoch, batches, batch_size=batch_size, num_workers=num_workers,
                            drop_last=drop_last, seed=c.seed, world_size=c.world_size, split_batch=split_batch,
-                           dataset=dataset_fingerprint(self.split_info.shard_sizes),
+                           dataset=self.mixture.fingerprint() if self.mixture is not None
+                           else dataset_fingerprint(self.split_info.shard_sizes),
                            sampling=sampling_settings(c), prior=prior, nodes=c.nodes)
 
     def epoch_source(self) -> EpochSource:
-        return EpochSource.of(self.config, self.split_info.shard_sizes)
+        return EpochSource.of(self.config, self.split_info.shard_sizes, self.mixture)
 
     def continue_from(self, state: dict[str, Any], current: LoaderState) -> LoaderState:
         """Make the next iteration continue the saved ``state`` in the layout ``current`` describes: bitwise exactly
@@ -270,6 +284,10 @@ class ShardDataset(IterableDataset):
             rows = remainder.rank_indices
             start, stop = worker_range(len(rows), worker, num_workers, self.plan_batch_size)
             return indices_to_slices(rows[start:stop], shard_offsets(self.split_info.shard_sizes))
+        if self.mixture is not None:
+            rows = share_of(self.mixture.stream(epoch), rank=c.rank, world_size=c.world_size, worker=worker,
+                            num_workers=num_workers, drop_last=c.drop_last, batch_size=self.plan_batch_size)
+            return indices_to_slices(rows, shard_offsets(self.split_info.shard_sizes))
         return plan_epoch(self.split_info.shard_sizes, seed=c.seed, epoch=epoch, rank=c.rank,
                           world_size=c.world_size, worker=worker, num_workers=num_workers,
                           drop_last=c.drop_last, shuffle=c.shuffle, batch_size=self.plan_batch_size,
@@ -405,6 +423,15 @@ class ShardDataset(IterableDataset):
         return self.decode(sample, seed)
 
 
+def relabelled(samples: Iterator[Any], mapping: Any, where: str) -> Iterator[Any]:
+    """Samples with their source's label mapped onto a mixture's combined classes (``label_maps``)."""
+    for sample in samples:
+        if not 0 <= sample.label < len(mapping):
+            raise CorruptDataError(f"label {sample.label} is outside the source's {len(mapping)} classes",
+                                   path=where, key=sample.key)
+        yield sample._replace(label=int(mapping[sample.label]))
+
+
 class _OneArgumentDecoder:
     """A ``decoder(sample)`` of the older interface under the reader's ``decoder(sample, seed)``.
 
@@ -497,6 +524,11 @@ class ImageShardDataset(ShardDataset):
             self.image_cache.close()
 
     def read_slice(self, piece: ShardSlice) -> Iterator[RawSample]:
+        samples = self._read_source_slice(piece)
+        mapping = self.label_maps[piece.shard] if self.label_maps is not None else None
+        return samples if mapping is None else relabelled(samples, mapping, self.locations[piece.shard])
+
+    def _read_source_slice(self, piece: ShardSlice) -> Iterator[RawSample]:
         location = self.locations[piece.shard]
         lease = self._cached_copy(piece.shard)
         if lease is not None:

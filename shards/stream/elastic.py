@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -46,12 +46,21 @@ class EpochSource:
     drop_last: bool  # the dataset's: equal rank shares by leaving samples out rather than padding
     class_weights: bool
     rotate_every: int = 0  # node affinity's rotation; the node count comes from each state's layout
+    mixture: Any = field(default=None, compare=False)  # a ``Mixture``: its own epoch rows (shards.stream.mixture)
 
     @classmethod
-    def of(cls, config: Any, shard_sizes: Sequence[int]) -> EpochSource:
+    def of(cls, config: Any, shard_sizes: Sequence[int], mixture: Any = None) -> EpochSource:
         """From a ``StreamConfig``."""
         return cls(tuple(int(n) for n in shard_sizes), config.seed, config.shuffle, config.shuffle_buffer,
-                   config.drop_last, config.class_weights is not None, config.rotate_every)
+                   config.drop_last, config.class_weights is not None, config.rotate_every, mixture)
+
+    def epoch_rows(self, epoch: int, world_size: int, nodes: int) -> np.ndarray:
+        """The epoch's rows in stream order, before rank padding: what the plan of that layout deals out."""
+        if self.mixture is not None:
+            return self.mixture.stream(epoch)
+        return epoch_stream(self.shard_sizes, seed=self.seed, epoch=epoch, world_size=world_size,
+                            drop_last=self.drop_last, shuffle=self.shuffle, nodes=nodes,
+                            rotate_every=self.rotate_every)
 
 
 def dataset_fingerprint(shard_sizes: Sequence[int]) -> str:
@@ -112,27 +121,26 @@ def rank_share(left: np.ndarray, current: LoaderState, source: EpochSource, rank
 
 
 def remaining_after(source: EpochSource, state: LoaderState) -> np.ndarray:
-    """Global indices of the samples of ``state``'s epoch that no rank had yielded, in the epoch's shard order."""
-    consumed, universe = _replay(source, state)
-    return universe[~consumed[universe]]
+    """Global indices of the samples of ``state``'s epoch that no rank had yielded, in the epoch's order."""
+    consumed, rows = _replay(source, state)
+    return rows[~consumed]
 
 
 def _replay(source: EpochSource, state: LoaderState) -> tuple[np.ndarray, np.ndarray]:
-    """(a mask of the samples yielded up to ``state``, the epoch's samples in order), following ``prior`` links."""
+    """(a mask over the epoch's stream positions yielded up to ``state``, the epoch's rows in stream order),
+    following ``prior`` links. Positions, not rows: a mixture may read a row twice in one epoch, once per pass."""
     prior = state.prior_state
     if prior is None:
-        universe = epoch_stream(source.shard_sizes, seed=source.seed, epoch=state.epoch,
-                                world_size=state.world_size, drop_last=source.drop_last, shuffle=source.shuffle,
-                                nodes=state.node_count, rotate_every=source.rotate_every)
-        consumed = np.zeros(sum(source.shard_sizes), dtype=bool)
-        stream = universe
+        rows = source.epoch_rows(state.epoch, state.world_size, state.node_count)
+        consumed = np.zeros(len(rows), dtype=bool)
+        stream = np.arange(len(rows), dtype=np.int64)
     else:
-        consumed, universe = _replay(source, prior)
-        stream = universe[~consumed[universe]]
+        consumed, rows = _replay(source, prior)
+        stream = np.flatnonzero(~consumed).astype(np.int64)
     for rank in range(state.world_size):
-        for indices in yielded(source, state, stream, rank):
-            consumed[indices] = True
-    return consumed, universe
+        for positions in yielded(source, state, stream, rank):
+            consumed[positions] = True
+    return consumed, rows
 
 
 def yielded(source: EpochSource, state: LoaderState, stream: np.ndarray, rank: int) -> list[np.ndarray]:

@@ -12,6 +12,7 @@ its float32 ``targets`` where a classification folder yields labels, and nothing
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple, Sequence
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from shards.stream.dataset import ShardDataset, StreamConfig
-from shards.errors import InputError, MissingInputError
+from shards.errors import CorruptDataError, InputError, MissingInputError
 from shards.formats.features import (FeatureShard, FeatureSpec, check_feature_shard, load_feature_shard, stack_rows,
                                      verify_feature_file)
 from shards.manifest import SplitInfo
@@ -106,6 +107,9 @@ class FeatureShardDataset(ShardDataset):
             spec = FeatureSpec(dim, self.dtype, self.num_classes or None, self.views, self.task == "regression")
             check_feature_shard(loaded, location, info.samples, spec)
             self._verified.add(index)
+        mapping = self.label_maps[index] if self.label_maps is not None else None
+        if mapping is not None:  # a mixture's source: its labels onto the combined classes
+            loaded = relabel_shard(loaded, mapping, location)
         if self.cache == "memory" or is_s3(location) or lease is not None:  # fetched once per process, then held
             self._shards[index] = loaded
         return loaded
@@ -128,6 +132,15 @@ class FeatureShardDataset(ShardDataset):
         state = dict(self.__dict__)
         state["_shards"] = {}  # workers mmap their own copies
         return state
+
+
+def relabel_shard(shard: FeatureShard, mapping: Any, where: str) -> FeatureShard:
+    """``shard`` with its labels mapped through ``mapping`` (source class -> combined class)."""
+    table = torch.as_tensor(np.asarray(mapping, dtype=np.int64))
+    labels = shard.labels.long()
+    if len(labels) and (int(labels.min()) < 0 or int(labels.max()) >= len(table)):
+        raise CorruptDataError(f"a label is outside the source's {len(table)} classes", path=where)
+    return dataclasses.replace(shard, labels=table[labels])
 
 
 class FeatureBatchLoader:

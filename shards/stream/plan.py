@@ -45,6 +45,8 @@ STREAM_SHUFFLE_BUFFER = 2
 STREAM_CLASS_WEIGHTS = 3
 STREAM_TRANSFORM = 4
 STREAM_AFFINITY = 5
+STREAM_MIX_DRAW = 6  # which shards a source's fractional share of an epoch reads (shards.stream.mixture)
+STREAM_MIX_ORDER = 7  # the order of a mixture's shard runs within an epoch
 # Sub-streams of STREAM_AFFINITY, so that the partition of one rotation group and the shard order inside one node
 # never draw from the same seed (numpy pads short seed lists with zeros: (5, g) would collide with (5, g, 0)).
 _AFFINITY_PARTITION = 0

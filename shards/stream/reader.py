@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from shards.stream.dataset import ImageShardDataset, ShardDataset, StreamConfig
+from shards.stream.mixture import MixOptions, SourceSpec, Subset, as_specs
+from shards.stream.plan import ShardSlice
+from shards.stream.selection import LoadedSource, combine
 from shards.image.decode import ImageDecoder
 from shards.errors import InputError
 from shards.image.fast import FastDecoder
@@ -135,7 +138,8 @@ def _fast_spec(transform: Any) -> TransformSpec:
     raise InputError("the fast pipeline needs the transform as a preset name or TransformSpec, not a callable")
 
 
-def open_dataset(path: str | os.PathLike, split: str = "train", *,
+def open_dataset(path: str | os.PathLike | SourceSpec | Sequence[str | os.PathLike | SourceSpec],
+                 split: str = "train", *,
                  transform: Callable | str | TransformSpec | None = None, seed: int = 0, shuffle: bool = True,
                  drop_last: bool = False, return_keys: bool = False,
                  rank: int | None = None, world_size: int | None = None,
@@ -143,6 +147,7 @@ def open_dataset(path: str | os.PathLike, split: str = "train", *,
                  remote: Remote = Remote(), cache: str = "auto", cache_dir: str | os.PathLike | None = None,
                  cache_limit: int | str | None = None, affinity_nodes: int | None = None, rotate_every: int = 0,
                  memory_limit: int | str | None = None, cache_side: int | None = None,
+                 subset: Subset | None = None, mix: MixOptions = MixOptions(),
                  **legacy: Any) -> ShardDataset:
     """Stream one split of a ``dataset.json`` (images) or ``features.json`` (features).
 
@@ -178,12 +183,17 @@ def open_dataset(path: str | os.PathLike, split: str = "train", *,
     nodes anew every ``k`` epochs (0: never), trading one cold epoch per ``k`` for more mixing; see
     ``shards.stream.plan``. A saved state may be resumed on another node count (elastic resume), not with another
     ``rotate_every``.
+
+    Several sources (a list of folders or ``shards.SourceSpec(path, weight=|repeat=|choose=, subset=)``) are read
+    as one split: each fills its share of every epoch, drawn by whole shard runs from ``(seed, epoch)``, and
+    ``subset=Subset(classes=, keys=, where=, max_samples=)`` (or a source's own) reads only part of a source
+    without repacking; ``mix=MixOptions(class_map="union")`` mixes sources whose class lists differ. See
+    ``shards.stream.mixture``; ``dataset.mixture.composition()`` says what an epoch holds.
     """
     if legacy:
         grouped = _regroup(legacy, {"sampling": sampling, "errors": errors, "decode": decode, "remote": remote})
         sampling, errors, decode, remote = (grouped[name] for name in ("sampling", "errors", "decode", "remote"))
-    manifest, base = _load(path, remote.url_origins, remote.storage_options)
-    split_info = manifest.split(split)
+    specs = as_specs(path, subset)
     if rank is None or world_size is None:
         auto_rank, auto_world = distributed_rank_world()
         rank = auto_rank if rank is None else rank
@@ -191,13 +201,56 @@ def open_dataset(path: str | os.PathLike, split: str = "train", *,
     config = StreamConfig(
         split=split, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size, drop_last=drop_last,
         shuffle_buffer=sampling.shuffle_buffer,
-        class_weights=_resolve_weights(sampling.class_weights, split_info.class_counts),
+        class_weights=None,
         weight_window=sampling.weight_window, on_error=errors.on_error,
         max_consecutive_errors=errors.max_consecutive_errors, return_keys=return_keys,
         nodes=1 if affinity_nodes is None else affinity_nodes, rotate_every=rotate_every)
+    shard_cache = _shard_cache(cache_dir, cache_limit, remote)
+    combined = None
+    if specs is None:
+        manifest, base = _load(path, remote.url_origins, remote.storage_options)
+        split_info = manifest.split(split)
+        root = remote.base_url if remote.base_url is not None else base
+        locations = [shard_location(root, s.path) for s in split_info.shards]
+    else:
+        sources = [_load_source(spec, split, remote, config, shard_cache) for spec in specs]
+        combined = combine(sources, split, mix, seed=seed, shuffle=shuffle)
+        manifest, split_info, locations = combined.manifest, combined.split, combined.locations
+    if sampling.class_weights is not None:
+        config = dataclasses.replace(config, class_weights=_resolve_weights(sampling.class_weights,
+                                                                            split_info.class_counts))
+    dataset = _build(manifest, split_info, locations, config, transform=transform, decode=decode, remote=remote,
+                     cache=cache, shard_cache=shard_cache, memory_limit=memory_limit, cache_side=cache_side)
+    if combined is not None:
+        dataset.use_mixture(combined.mixture, combined.label_maps)
+    return dataset
+
+
+def _load_source(spec: SourceSpec, split: str, remote: Remote, config: StreamConfig, shard_cache: Any) -> LoadedSource:
+    """One mixture source: its manifest, shard locations, and a plain reader for what a subset must look at."""
+    manifest, base = _load(spec.path, remote.url_origins, remote.storage_options)
+    split_info = manifest.split(split, where=spec.path)
     root = remote.base_url if remote.base_url is not None else base
     locations = [shard_location(root, s.path) for s in split_info.shards]
-    shard_cache = _shard_cache(cache_dir, cache_limit, remote)
+    folder = None if is_remote(root) or str(root).startswith("s3://") else str(root)
+    plain = dataclasses.replace(config, shuffle=False, class_weights=None, return_keys=False, rank=0, world_size=1,
+                                nodes=1, rotate_every=0)
+    readers: list[ShardDataset] = []
+
+    def read_all(shard: int) -> Any:
+        if not readers:  # a plain reader of this source, made only when a shard must be read to be filtered
+            readers.append(_build(manifest, split_info, locations, plain, transform=None, decode=Decode(),
+                                  remote=remote, cache="none", shard_cache=shard_cache))
+        return readers[0].read_slice(ShardSlice(shard, 0, split_info.shards[shard].samples))
+
+    return LoadedSource(spec, manifest, split_info, locations, folder, read_all)
+
+
+def _build(manifest: Manifest, split_info: Any, locations: list[str], config: StreamConfig, *, transform: Any,
+           decode: Decode, remote: Remote, cache: str, shard_cache: Any, memory_limit: Any = None,
+           cache_side: int | None = None) -> ShardDataset:
+    """The streaming dataset of one (possibly combined) split."""
+    split = config.split
     if isinstance(manifest, FeatureManifest):
         if transform is not None or decode.image_only or memory_limit is not None or cache_side is not None:
             raise InputError("transform, Decode.decoder, Decode.draft, memory_limit and cache_side apply to image "

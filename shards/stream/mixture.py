@@ -1,0 +1,283 @@
+"""Mixing and subsetting datasets without repacking: the source specs and the epoch's draw, as pure functions.
+
+A mixture is several sources (dataset or feature folders, each optionally a subset of itself) read as one split.
+Each source has a fixed number of samples per epoch (``draw``): its ``weight``'s share of the epoch
+(``MixOptions.epoch_size``, default the sources' selected samples together), ``repeat`` times its selected samples,
+or ``choose`` samples exactly (MosaicML streaming's ``Stream`` proportion/repeat/choose). So the epoch's size is
+known before it starts, every rank gets the same count, and ``len()`` is exact.
+
+The draw works on shards, not samples (open_clip PR #425 found shard-level mixing trains better, and it keeps every
+read a sequential run): a source drawn ``d`` times its ``n`` selected samples reads every selected run
+``d // n`` times, then, for the rest, whole shard runs in an order drawn from ``(seed, epoch, source)``, the last
+one cut short. The epoch is these runs in an order drawn from ``(seed, epoch)`` (without shuffling: source by
+source, shard by shard), flattened into global row indices of the combined split. That ordered array is what the
+epoch plan deals to ranks and workers (``plan.share_of``) and what elastic resume replays, so mixing adds no
+state of its own to save: the mixture is a pure function of (sources, seed, epoch), and its fingerprint goes into
+the loader's state so a resume with other sources or weights is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from shards.errors import InputError
+from shards.stream.plan import STREAM_MIX_DRAW, STREAM_MIX_ORDER, rng_for
+
+CLASS_MAPS = ("same", "union")
+
+
+@dataclass(frozen=True)
+class Subset:
+    """Which samples of a source to read: ``classes`` (names), ``keys`` (a file of sample keys, one per line, or
+    the keys themselves), ``where`` (a filter on the per-sample metadata: ``"width >= 256"`` or, from Python, a
+    callable taking the sample's fields), then at most ``max_samples`` of what is left, in manifest order (the
+    same samples every epoch). Shards holding none of ``classes`` are never read (the manifest's per-shard class
+    counts say so); the rest of the filtering reads the dataset's source index, or the shards themselves when
+    there is none (``shards.stream.rows``)."""
+
+    classes: tuple[str, ...] | None = None
+    keys: Any = None
+    where: Any = None
+    max_samples: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.classes is not None:
+            if isinstance(self.classes, str):
+                raise InputError(f"Subset.classes={self.classes!r} must be a list of class names, not one string")
+            object.__setattr__(self, "classes", tuple(str(c) for c in self.classes))
+            if not self.classes:
+                raise InputError("Subset.classes is empty: name at least one class")
+        if self.max_samples is not None and (isinstance(self.max_samples, bool) or int(self.max_samples) < 1):
+            raise InputError(f"Subset.max_samples={self.max_samples!r} must be an integer >= 1")
+        if self.where is not None and not callable(self.where):
+            from shards.stream.where import Where
+
+            object.__setattr__(self, "where", Where(self.where))  # a bad filter fails here, before any read
+
+    @property
+    def empty(self) -> bool:
+        return self.classes is None and self.keys is None and self.where is None and self.max_samples is None
+
+    def key_set(self) -> frozenset[str] | None:
+        """The keys asked for, read once from their file (a path) or taken as given (an iterable of strings)."""
+        if self.keys is None:
+            return None
+        if isinstance(self.keys, (str, os.PathLike)):
+            try:
+                with open(self.keys, encoding="utf-8-sig") as handle:
+                    return frozenset(line.strip() for line in handle if line.strip())
+            except OSError as exc:
+                raise InputError(f"cannot read the keys file ({exc.strerror or exc})", path=str(self.keys)) from None
+        return frozenset(str(k) for k in self.keys)
+
+    def describe(self) -> dict[str, Any]:
+        """What the run's config records (a callable filter is recorded by name)."""
+        where = self.where
+        where = getattr(where, "expression", None) or (None if where is None else getattr(where, "__name__", "callable"))
+        keys = None if self.keys is None else (str(self.keys) if isinstance(self.keys, (str, os.PathLike))
+                                               else f"{len(list(self.keys))} keys")
+        return {"classes": None if self.classes is None else list(self.classes), "keys": keys, "where": where,
+                "max_samples": self.max_samples}
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One source of a mixture: a dataset or feature folder (or ``s3://`` prefix) and how much of each epoch it
+    fills: ``weight`` (a share; then every source needs one), ``repeat`` (times its samples; 1 by default) or
+    ``choose`` (samples per epoch). ``subset`` reads only part of it."""
+
+    path: str
+    weight: float | None = None
+    repeat: float | None = None
+    choose: int | None = None
+    subset: Subset = field(default_factory=Subset)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", os.fspath(self.path))
+        given = [name for name in ("weight", "repeat", "choose") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise InputError(f"source {self.path}: give one of weight, repeat or choose, not {' and '.join(given)}")
+        for name in ("weight", "repeat"):
+            value = getattr(self, name)
+            if value is not None and not (float(value) > 0 and np.isfinite(float(value))):
+                raise InputError(f"source {self.path}: {name}={value!r} must be a positive number")
+        if self.choose is not None and (isinstance(self.choose, bool) or int(self.choose) < 1):
+            raise InputError(f"source {self.path}: choose={self.choose!r} must be an integer >= 1")
+
+    @classmethod
+    def parse(cls, text: str, subset: Subset | None = None) -> SourceSpec:
+        """``PATH``, ``PATH:WEIGHT``, ``PATH:repeat=R`` or ``PATH:choose=N`` (the ``--data`` option's form)."""
+        path, _, tail = text.rpartition(":")
+        subset = subset or Subset()
+        if path and tail and not tail.startswith("//") and "/" not in tail:
+            name, equals, value = tail.partition("=")
+            try:
+                if not equals:
+                    return cls(path, weight=float(tail), subset=subset)
+                if name == "repeat":
+                    return cls(path, repeat=float(value), subset=subset)
+                if name == "choose":
+                    return cls(path, choose=int(value), subset=subset)
+            except ValueError:
+                raise InputError(f"--data {text!r}: {tail!r} is not a weight, repeat=R or choose=N") from None
+            raise InputError(f"--data {text!r}: {tail!r} is not a weight, repeat=R or choose=N")
+        return cls(text, subset=subset)
+
+    def describe(self) -> dict[str, Any]:
+        return {"path": self.path, "weight": self.weight, "repeat": self.repeat, "choose": self.choose,
+                "subset": None if self.subset.empty else self.subset.describe()}
+
+
+@dataclass(frozen=True)
+class MixOptions:
+    """How sources combine: ``class_map="same"`` (every source has the same classes) or ``"union"`` (the sorted
+    union of their class names; each source's labels are mapped by name), and ``epoch_size`` (samples per epoch
+    when the sources are weighted; default their selected samples together)."""
+
+    class_map: str = "same"
+    epoch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.class_map not in CLASS_MAPS:
+            raise InputError(f"class_map={self.class_map!r} is not one of {', '.join(CLASS_MAPS)}")
+        if self.epoch_size is not None and (isinstance(self.epoch_size, bool) or int(self.epoch_size) < 1):
+            raise InputError(f"MixOptions.epoch_size={self.epoch_size!r} must be an integer >= 1")
+
+
+def draws(specs: Sequence[SourceSpec], available: Sequence[int], epoch_size: int | None = None) -> list[int]:
+    """Samples per epoch of each source: weights share ``epoch_size`` by largest remainder (exact totals), else
+    ``choose`` or ``round(repeat * available)``."""
+    weighted = [s.weight is not None for s in specs]
+    if any(weighted) and not all(weighted):
+        raise InputError("give every source a weight, or none (use repeat= or choose= for fixed amounts)")
+    if epoch_size is not None and not all(weighted):
+        raise InputError("epoch_size applies to weighted sources; give each source a weight")
+    for spec, count in zip(specs, available):
+        if count == 0:
+            raise InputError("no sample of this source matches the subset", path=spec.path)
+    if all(weighted):
+        total = sum(available) if epoch_size is None else int(epoch_size)
+        weights = np.asarray([float(s.weight) for s in specs])
+        exact = total * weights / weights.sum()
+        counts = np.floor(exact).astype(np.int64)
+        for i in np.argsort(-(exact - counts), kind="stable")[: total - int(counts.sum())]:
+            counts[i] += 1
+        return [int(c) for c in counts]
+    return [int(s.choose) if s.choose is not None else int(round((s.repeat or 1.0) * n))
+            for s, n in zip(specs, available)]
+
+
+@dataclass
+class Mixture:
+    """The selected runs of each source (global rows of the combined split, one array per kept shard) and the
+    samples each source fills per epoch. ``stream(epoch)`` is the epoch's order; the rest describes it."""
+
+    specs: tuple[SourceSpec, ...]
+    runs: list[list[np.ndarray]]  # per source, per kept shard: its selected global rows, ascending
+    draw: list[int]
+    seed: int
+    shuffle: bool
+    class_counts: tuple[int, ...] = ()
+    per_source_counts: list[list[int]] = field(default_factory=list)  # per source, selected samples per class
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def available(self) -> list[int]:
+        return [int(sum(len(r) for r in runs)) for runs in self.runs]
+
+    @property
+    def epoch_size(self) -> int:
+        return int(sum(self.draw))
+
+    def stream(self, epoch: int) -> np.ndarray:
+        """The epoch's global rows in order (kept for the last epoch asked: workers ask once per epoch)."""
+        if self._cache.get("epoch") != epoch:
+            self._cache.clear()
+            self._cache.update(epoch=epoch, rows=epoch_rows(self.runs, self.draw, seed=self.seed, epoch=epoch,
+                                                            shuffle=self.shuffle))
+        return self._cache["rows"]
+
+    def fingerprint(self) -> str:
+        """What decides the epochs besides the seed: a saved state resumes only on the same mixture."""
+        digest = hashlib.sha256()
+        for runs, draw in zip(self.runs, self.draw):
+            digest.update(np.int64(draw).tobytes())
+            for rows in runs:
+                digest.update(np.int64(len(rows)).tobytes())
+                digest.update(np.ascontiguousarray(rows, dtype=np.int64).tobytes())
+        return "mix-" + digest.hexdigest()[:16]
+
+    def composition(self, classes: Sequence[str] = ()) -> list[dict[str, Any]]:
+        """Per source, what one epoch holds: samples selected and drawn, its share of the epoch, whole passes."""
+        total = max(1, self.epoch_size)
+        out = []
+        for i, (spec, available, draw) in enumerate(zip(self.specs, self.available, self.draw)):
+            row = {**spec.describe(), "available": available, "drawn": draw, "share": draw / total,
+                   "passes": draw / available if available else 0.0, "shards": len(self.runs[i])}
+            if self.per_source_counts and classes:
+                row["class_counts"] = {c: n for c, n in zip(classes, self.per_source_counts[i]) if n}
+            out.append(row)
+        return out
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_cache"] = {}
+        # A callable where= filter may not pickle (a lambda); workers never filter again, so keep its description.
+        state["specs"] = tuple(SourceSpec(s.path, s.weight, s.repeat, s.choose) for s in self.specs)
+        return state
+
+
+def epoch_rows(runs: Sequence[Sequence[np.ndarray]], draw: Sequence[int], *, seed: int, epoch: int,
+               shuffle: bool = True) -> np.ndarray:
+    """The epoch's rows: each source's runs ``draw // available`` times plus a seeded choice of runs for the rest,
+    all runs in an order drawn from ``(seed, epoch)``, flattened (see the module docstring)."""
+    pieces: list[np.ndarray] = []
+    for source, (source_runs, wanted) in enumerate(zip(runs, draw)):
+        available = int(sum(len(r) for r in source_runs))
+        passes, rest = divmod(int(wanted), available)
+        pieces.extend(list(source_runs) * passes)
+        if rest:
+            order = (rng_for(seed, STREAM_MIX_DRAW, epoch, source).permutation(len(source_runs)) if shuffle
+                     else range(len(source_runs)))
+            for i in order:
+                run = source_runs[int(i)]
+                pieces.append(run[:rest])
+                rest -= min(rest, len(run))
+                if rest == 0:
+                    break
+    if shuffle and pieces:
+        pieces = [pieces[int(i)] for i in rng_for(seed, STREAM_MIX_ORDER, epoch).permutation(len(pieces))]
+    return np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, dtype=np.int64)
+
+
+def as_specs(path: Any, subset: Subset | None) -> tuple[SourceSpec, ...] | None:
+    """The sources of an ``open_dataset`` call, or None for one plain folder (the unchanged path)."""
+    if isinstance(path, SourceSpec):
+        specs: Iterable = [path]
+    elif isinstance(path, (list, tuple)):
+        specs = path
+    elif subset is None or subset.empty:
+        return None
+    else:
+        specs = [path]
+    out = []
+    for item in specs:
+        spec = item if isinstance(item, SourceSpec) else SourceSpec(os.fspath(item))
+        if subset is not None and not subset.empty and spec.subset.empty:
+            spec = SourceSpec(spec.path, spec.weight, spec.repeat, spec.choose, subset)
+        out.append(spec)
+    if not out:
+        raise InputError("open_dataset() got an empty list of sources")
+    return tuple(out)
+
+
+def unweighted(specs: Sequence[SourceSpec]) -> tuple[SourceSpec, ...]:
+    """The same sources, each read once (validation reads every selected sample once, whatever the weights)."""
+    return tuple(SourceSpec(s.path, subset=s.subset) for s in specs)
+
+

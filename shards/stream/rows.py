@@ -1,0 +1,77 @@
+"""What a subset filter looks at: each sample's key, label and metadata, per shard, in shard order.
+
+From the pack-time source index (``source-index.jsonl``, named and checksummed in ``dataset.json``) when its rows
+carry their position in the shard (``row``) and cover the shard exactly: one small file read instead of the shards.
+Otherwise (an older dataset, a feature folder, object storage) by reading the shard through the caller's reader,
+so the same location rules, checks and caches apply. Both are untrusted input: a row's metadata must be a JSON
+object of bounded size, and a source index that does not match its checksum is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from shards.atomic import sha256_file
+from shards.errors import CorruptDataError
+
+log = logging.getLogger(__name__)
+
+MAX_META_BYTES = 64 << 10  # a sample's JSON metadata is a few hundred bytes; more is not metadata
+
+
+def sample_fields(key: str, label: int, classes: Sequence[str], meta: Any, where: str) -> dict[str, Any]:
+    """The fields a ``where`` filter sees: the metadata, then ``key``, ``label`` and ``class`` (which win)."""
+    if isinstance(meta, (bytes, bytearray)):
+        if len(meta) > MAX_META_BYTES:
+            raise CorruptDataError(f"metadata of {len(meta)} bytes (at most {MAX_META_BYTES})", path=where, key=key)
+        try:
+            meta = json.loads(meta) if meta else {}
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CorruptDataError(f"metadata is not JSON ({exc})", path=where, key=key) from None
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict):
+        raise CorruptDataError("metadata is not a JSON object", path=where, key=key)
+    name = classes[label] if 0 <= label < len(classes) else None
+    return {**meta, "key": key, "label": label, "class": name}
+
+
+def index_rows(folder: str | None, manifest: Any) -> dict[str, list[dict[str, Any]]] | None:
+    """Per shard name, the rows of a local dataset's source index in shard order; None when it cannot tell."""
+    entry = manifest.extra.get("source_index") if manifest.kind == "images" else None
+    if folder is None or not isinstance(entry, Mapping) or not isinstance(entry.get("path"), str):
+        return None
+    name = entry["path"]
+    if "/" in name or "\\" in name or name.startswith("."):
+        return None  # an index outside the dataset folder is never read
+    path = Path(folder) / name
+    if not path.is_file():
+        return None
+    if entry.get("sha256") and sha256_file(path) != entry["sha256"]:
+        raise CorruptDataError("source index does not match the checksum in dataset.json", path=str(path))
+    by_shard: dict[str, list[dict[str, Any]]] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if not isinstance(row, dict) or not row.get("shard") or row.get("skipped"):
+            continue
+        if not isinstance(row.get("row"), int):
+            return None  # packed before rows recorded their position: read the shards instead
+        by_shard.setdefault(str(row["shard"]), []).append(row)
+    for rows in by_shard.values():
+        rows.sort(key=lambda r: r["row"])
+    return by_shard
+
+
+def shard_fields(shard_info: Any, indexed: Mapping[str, list[dict[str, Any]]] | None,
+                 read_all: Callable[[], Iterator[Any]], classes: Sequence[str], where: str) -> list[dict[str, Any]]:
+    """Every sample's filter fields for one shard: from the source index when it covers the shard exactly,
+    else from ``read_all()`` (samples with ``key``, ``label`` and, for images, ``meta`` bytes)."""
+    rows = None if indexed is None else indexed.get(shard_info.path)
+    if rows is not None and [r["row"] for r in rows] == list(range(shard_info.samples)):
+        return [sample_fields(str(r["key"]), int(r["label"]), classes, r.get("meta"), where) for r in rows]
+    return [sample_fields(s.key, int(s.label), classes, getattr(s, "meta", None), where) for s in read_all()]

@@ -1,0 +1,176 @@
+"""From mixture sources to one combined split: class maps, subsets, the kept shards and their selected rows.
+
+Each source's manifest is checked against the first (same kind; images in the same storage; features computed with
+the same config), its classes are mapped onto the combined list (``same``: identical lists, else a one-line error;
+``union``: the sorted union of names), and its subset is resolved shard by shard: a shard whose per-shard class
+counts hold none of the wanted classes is dropped unread, one that holds only wanted classes is kept whole, and
+the rest are filtered row by row (``shards.stream.rows``). Only shards with a selected row enter the combined
+split, so a dropped shard is never opened, now or while streaming.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from shards.errors import CorruptDataError, InputError
+from shards.manifest import SplitInfo
+from shards.stream.mixture import MixOptions, Mixture, SourceSpec, draws
+from shards.stream.rows import index_rows, shard_fields
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedSource:
+    """One source as ``open_dataset`` loaded it: its manifest, shard locations for the split, the local folder
+    holding its source index (None when remote), and ``read_all(i)``: every sample of its shard ``i``."""
+
+    spec: SourceSpec
+    manifest: Any
+    split: SplitInfo
+    locations: list[str]
+    folder: str | None
+    read_all: Callable[[int], Iterator[Any]]
+
+
+@dataclass
+class Combined:
+    """The mixture as one split: what the streaming datasets are built from."""
+
+    manifest: Any  # the first source's, with the combined classes and this split
+    split: SplitInfo
+    locations: list[str]
+    label_maps: list[np.ndarray | None]  # per kept shard: source label -> combined label (None: the same)
+    mixture: Mixture
+
+
+def combine(sources: Sequence[LoadedSource], split: str, options: MixOptions, *, seed: int,
+            shuffle: bool) -> Combined:
+    first = sources[0].manifest
+    for source in sources[1:]:
+        _check_compatible(first, source)
+    classes = _combined_classes(sources, options.class_map)
+    shards, locations, label_maps, runs, per_source_counts = [], [], [], [], []
+    offset = 0
+    for source in sources:
+        mapping = np.asarray([classes.index(c) for c in source.manifest.classes], dtype=np.int64)
+        identity = len(mapping) == len(classes) and bool(np.all(mapping == np.arange(len(classes))))
+        selected, own_counts = _select(source, classes)
+        source_runs = []
+        for shard, rows in selected:
+            shards.append(source.split.shards[shard])
+            locations.append(source.locations[shard])
+            label_maps.append(None if identity else mapping)
+            source_runs.append(rows.astype(np.int64) + offset)
+            offset += source.split.shards[shard].samples
+        counts = np.zeros(len(classes), dtype=np.int64)
+        np.add.at(counts, mapping, np.asarray(own_counts, dtype=np.int64))
+        runs.append(source_runs)
+        per_source_counts.append([int(n) for n in counts])
+        log.info("source %s, split %r: %d of %d samples selected in %d of %d shards", source.spec.path, split,
+                 sum(len(r) for r in source_runs), source.split.samples, len(source_runs), len(source.split.shards))
+    specs = tuple(s.spec for s in sources)
+    available = [int(sum(len(r) for r in source_runs)) for source_runs in runs]
+    draw = draws(specs, available, options.epoch_size)
+    totals = np.sum(per_source_counts, axis=0) if per_source_counts else np.zeros(len(classes))
+    mixture = Mixture(specs, runs, draw, seed, shuffle, tuple(int(n) for n in totals), per_source_counts)
+    combined = SplitInfo(sum(s.samples for s in shards), mixture.class_counts, tuple(shards))
+    manifest = first.replace(classes=tuple(classes), splits={split: combined})
+    return Combined(manifest, combined, locations, label_maps, mixture)
+
+
+def _check_compatible(first: Any, source: LoadedSource) -> None:
+    other, where = source.manifest, source.spec.path
+    if other.kind != first.kind:
+        raise InputError(f"holds {other.kind}, the first source holds {first.kind}: mix sources of one kind", path=where)
+    if other.storage != first.storage and first.kind == "images":
+        raise InputError(f"stores {other.storage} shards, the first source {first.storage}: mix sources of one "
+                         "storage (repack one with --storage)", path=where)
+    if first.kind == "features" and other.config_hash != first.config_hash:
+        raise InputError(f"features were computed with another config (hash {other.config_hash} vs "
+                         f"{first.config_hash}): mix features of one backbone, weights and transform", path=where)
+
+
+def _combined_classes(sources: Sequence[LoadedSource], class_map: str) -> list[str]:
+    first = list(sources[0].manifest.classes)
+    if class_map == "union":
+        return sorted({c for s in sources for c in s.manifest.classes})
+    for source in sources[1:]:
+        theirs = list(source.manifest.classes)
+        if theirs != first:
+            only_theirs = sorted(set(theirs) - set(first))
+            only_first = sorted(set(first) - set(theirs))
+            detail = (f"only here: {', '.join(only_theirs[:5]) or '-'}; only in {sources[0].spec.path}: "
+                      f"{', '.join(only_first[:5]) or '-'}") if only_theirs or only_first else "the same names in another order"
+            raise InputError(f"its classes differ from the first source's ({detail}); pass class_map='union' "
+                             "(--class-map union) to map labels by class name", path=source.spec.path)
+    return first
+
+
+def _select(source: LoadedSource, classes: Sequence[str]) -> tuple[list[tuple[int, np.ndarray]], list[int]]:
+    """``(shard, selected local rows)`` for every shard with a selected row, and the selected samples per class of
+    the source's own class list."""
+    subset, own, split = source.spec.subset, list(source.manifest.classes), source.split
+    if subset.empty:  # the whole source: no shard is read to select it
+        return [(i, np.arange(info.samples)) for i, info in enumerate(split.shards) if info.samples], \
+            list(split.class_counts)
+    wanted = None
+    if subset.classes is not None:
+        unknown = [c for c in subset.classes if c not in classes]
+        if unknown:
+            raise InputError(f"no class {', '.join(map(repr, unknown))} in the sources (classes: "
+                             f"{', '.join(classes[:10])}{'...' if len(classes) > 10 else ''})", path=source.spec.path)
+        wanted = np.asarray([c in subset.classes for c in own], dtype=bool)
+    keys, where, left = subset.key_set(), subset.where, subset.max_samples
+    indexed = None
+    out, totals = [], np.zeros(len(own), dtype=np.int64)
+    for shard, info in enumerate(split.shards):
+        if left is not None and left <= 0:
+            break
+        counts = getattr(info, "class_counts", None)
+        if counts is not None and len(counts) != len(own):
+            counts = None  # not this manifest's classes: do not trust it to skip anything
+        if wanted is not None and counts is not None and not any(n for n, w in zip(counts, wanted) if w):
+            continue  # no wanted class in this shard: never opened
+        whole = keys is None and where is None and counts is not None \
+            and (wanted is None or all(w or n == 0 for n, w in zip(counts, wanted)))
+        if whole and (left is None or left >= info.samples):
+            rows = np.arange(info.samples)
+            totals += np.asarray(counts, dtype=np.int64)
+        else:
+            if indexed is None:
+                indexed = index_rows(source.folder, source.manifest) or {}
+            rows, labels = _filter_rows(source, shard, indexed, wanted, keys, where)
+            if left is not None:
+                rows = rows[:left]
+            totals += np.bincount(labels[rows], minlength=len(own))[: len(own)]
+        if len(rows) == 0:
+            continue
+        if left is not None:
+            left -= len(rows)
+        out.append((shard, rows))
+    return out, [int(n) for n in totals]
+
+
+def _filter_rows(source: LoadedSource, shard: int, indexed: dict, wanted: np.ndarray | None,
+                 keys: frozenset[str] | None, where: Callable | None) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of one shard that pass the subset's filters, and every row's label."""
+    info, where_at, own = source.split.shards[shard], source.locations[shard], source.manifest.classes
+    fields = shard_fields(info, indexed, lambda: source.read_all(shard), own, where_at)
+    if len(fields) != info.samples:
+        raise CorruptDataError(f"holds {len(fields)} samples, the manifest says {info.samples}", path=where_at)
+    labels = np.asarray([f["label"] for f in fields], dtype=np.int64)
+    bad = np.flatnonzero((labels < 0) | (labels >= len(own)))
+    if len(bad):
+        raise CorruptDataError(f"label {int(labels[bad[0]])} is outside the manifest's {len(own)} classes",
+                               path=where_at, key=fields[int(bad[0])]["key"])
+    mask = np.ones(len(fields), dtype=bool) if wanted is None else wanted[labels]
+    if keys is not None:
+        mask &= np.asarray([f["key"] in keys for f in fields], dtype=bool)
+    if where is not None:
+        mask &= np.asarray([bool(m and where(f)) for f, m in zip(fields, mask)], dtype=bool)
+    return np.flatnonzero(mask), labels
