@@ -8,15 +8,28 @@ import click
 
 from shards.cli.common import ByteSize, cache_options, emit_json, handle_errors, quiet_option, s3_options
 from shards.stream.options import PIPELINES
-from train.config import DATA_KINDS, DEFAULT_PIPELINE, DEVICES, HEADS, LOSSES, OPTIMIZERS, TASKS, TrainConfig
+from train.config import CLASS_MAPS, DATA_KINDS, DEFAULT_PIPELINE, DEVICES, HEADS, LOSSES, OPTIMIZERS, TASKS, TrainConfig
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.argument("path", type=click.Path(file_okay=False))
+@click.argument("path", type=click.Path(file_okay=False), required=False)
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
               help="Run folder: config.json, metrics.jsonl, curves.png, last.pt, best.pt, model.pt.")
-@click.option("--data", type=click.Choice(DATA_KINDS), default="auto",
-              help="Input kind; auto reads it from the manifest (features.json or dataset.json).")
+@click.option("--data", "data_options", multiple=True, metavar="PATH[:WEIGHT]",
+              help="A source to mix (repeat the option): PATH, PATH:WEIGHT (a share of each epoch), PATH:repeat=R "
+                   "or PATH:choose=N; sources draw whole shard runs from the seed. The values auto, images and "
+                   "features instead choose the input kind (default auto: from the manifest).")
+@click.option("--class-map", type=click.Choice(CLASS_MAPS), default="same",
+              help="Sources with different class lists: union maps labels by class name (recorded in model.pt).")
+@click.option("--epoch-size", type=int, default=None, help="Samples per epoch of weighted sources (default: all).")
+@click.option("--classes", "subset_classes", default=None, metavar="A,B,...",
+              help="Train on these classes only (shards without them are never read).")
+@click.option("--keys", "subset_keys", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="A file of sample keys, one per line: train on those only.")
+@click.option("--where", "subset_where", default=None, metavar="EXPR",
+              help="A filter on each sample's metadata, e.g. \"width >= 256 and mode == 'RGB'\".")
+@click.option("--max-samples", "subset_max", type=int, default=None,
+              help="At most this many samples of each source (after the other filters, in manifest order).")
 @click.option("--task", type=click.Choice(TASKS), default="auto",
               help="auto: regression when features.json records a float target (pack-shards --table), "
                    "else classification.")
@@ -70,7 +83,9 @@ from train.config import DATA_KINDS, DEFAULT_PIPELINE, DEVICES, HEADS, LOSSES, O
 @cache_options
 @quiet_option
 @handle_errors
-def train_command(path: str, out_dir: str, data: str, task: str, loss: str, head: str, hidden_dim: int,
+def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...], class_map: str,
+                  epoch_size: int | None, subset_classes: str | None, subset_keys: str | None,
+                  subset_where: str | None, subset_max: int | None, task: str, loss: str, head: str, hidden_dim: int,
                   dropout: float, model: str, weights: str | None, image_size: int, pipeline: str, fast_decode: bool,
                   epochs: int, batch_size: int, optimizer: str, lr: float | None, momentum: float, warmup_epochs: float,
                   weight_decay: float, label_smoothing: float, class_weighted_loss: bool, balanced_sampler: bool,
@@ -86,8 +101,14 @@ def train_command(path: str, out_dir: str, data: str, task: str, loss: str, head
     """
     from train.loop import train
 
+    data, sources = data_sources(path, data_options)
+    path = sources[0]["path"]
+    subset = {"classes": [c for c in subset_classes.split(",") if c] if subset_classes else None,
+              "keys": os.path.abspath(subset_keys) if subset_keys else None, "where": subset_where,
+              "max_samples": subset_max}
     cfg = TrainConfig(
-        data_path=path if path.startswith("s3://") else os.path.abspath(path),
+        data_path=path, sources=sources if len(sources) > 1 or len(sources[0]) > 1 else [], class_map=class_map,
+        epoch_size=epoch_size, subset=subset if any(v is not None for v in subset.values()) else None,
         out_dir=os.path.abspath(out_dir), data=data, task=task, loss=loss,
         head=head, hidden_dim=hidden_dim, dropout=dropout, model=model, weights=weights,
         image_size=image_size, pipeline=pipeline, fast_decode=fast_decode,
@@ -98,10 +119,31 @@ def train_command(path: str, out_dir: str, data: str, task: str, loss: str, head
         checkpoint_every=checkpoint_every, resume=resume, overwrite=overwrite, dry_run=dry_run, quiet=quiet,
         stop_after_steps=stop_after_steps, report=not no_report, cache_images=cache_images,
         memory_limit=memory_limit,
-        storage_options=s3.to_dict() if path.startswith("s3://") else None,
+        storage_options=s3.to_dict() if any(s["path"].startswith("s3://") for s in sources) else None,
         cache_dir=None if cache is None else os.path.abspath(cache.dir),
         cache_limit=None if cache is None else cache.limit,
         cache_fallback=cache is not None and cache.fallback, cache_local=cache is not None and bool(cache.local))
     summary = train(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
         emit_json(summary)
+
+
+def data_sources(path: str | None, data_options: tuple[str, ...]) -> tuple[str, list[dict]]:
+    """``(input kind, sources)`` from PATH and the ``--data`` values: a value in ``DATA_KINDS`` is the kind (the
+    option's older use), any other a source ``PATH[:WEIGHT]``; PATH, when given, is the first source."""
+    from shards.stream.mixture import SourceSpec
+
+    kinds = [v for v in data_options if v in DATA_KINDS]
+    if len(kinds) > 1:
+        raise click.UsageError(f"--data names the input kind more than once ({', '.join(kinds)})")
+    specs = [SourceSpec.parse(v) for v in data_options if v not in DATA_KINDS]
+    if path is not None:
+        specs.insert(0, SourceSpec(path))
+    if not specs:
+        raise click.UsageError("give a PATH or at least one --data PATH[:WEIGHT]")
+    sources = []
+    for spec in specs:
+        row = {"path": spec.path if spec.path.startswith("s3://") else os.path.abspath(spec.path)}
+        row.update({k: getattr(spec, k) for k in ("weight", "repeat", "choose") if getattr(spec, k) is not None})
+        sources.append(row)
+    return (kinds[0] if kinds else "auto"), sources

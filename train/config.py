@@ -14,6 +14,7 @@ from shards.errors import InputError
 from shards.stream.options import check_pipeline
 
 DATA_KINDS = ("auto", "images", "features")
+CLASS_MAPS = ("same", "union")  # as shards.stream.mixture.CLASS_MAPS, without importing the reader
 HEADS = ("linear", "mlp")
 OPTIMIZERS = ("sgd", "adamw")
 # The image pipelines are defined and validated in shards.stream.options; training defaults to "fast" (the library
@@ -92,9 +93,20 @@ class TrainConfig:
     # None: half of what the job has left, shared by the node's ranks) only decides how much is kept: steering.
     cache_images: bool = False
     memory_limit: int | None = None
+    # A mixture (shards.stream.mixture): the sources beside data_path (which is the first), each
+    # {"path", "weight", "repeat", "choose"}; how class lists combine; a subset of every source
+    # {"classes", "keys", "where", "max_samples"}; the samples per epoch of weighted sources.
+    sources: list = dataclasses.field(default_factory=list)
+    class_map: str = "same"
+    subset: dict | None = None
+    epoch_size: int | None = None
 
     def __post_init__(self) -> None:
         _choice("data", self.data, DATA_KINDS)
+        _choice("class_map", self.class_map, CLASS_MAPS)
+        object.__setattr__(self, "sources", [dict(s) for s in self.sources])  # lists: equal after a JSON round trip
+        if self.epoch_size is not None and not any(s.get("weight") is not None for s in self.sources):
+            raise InputError("epoch_size applies to weighted sources (--data PATH:WEIGHT)")
         _choice("head", self.head, HEADS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("task", self.task, TASKS)
@@ -137,6 +149,11 @@ class TrainConfig:
             raise InputError("cache_images needs the fast pipeline (its uint8 outputs are what is kept)")
         if self.train_split == self.val_split:
             raise InputError(f"train_split and val_split are both {self.val_split!r}")
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the input is several sources or a subset (``shards.stream.mixture``), not one whole folder."""
+        return bool(self.sources) or bool(self.subset)
 
     @property
     def resolved_lr(self) -> float:

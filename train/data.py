@@ -28,7 +28,9 @@ from shards.manifest import (
 )
 from shards.image.fast import Normalize
 from shards.image.transforms import TransformSpec
+from shards.stream.mixture import MixOptions, SourceSpec, Subset, unweighted
 from shards.stream.options import Decode, Remote, Sampling
+from shards.stream.selection import combined_classes
 from shards.units import human_bytes
 from train.config import TrainConfig
 from train.regression import manifest_task, resolve_task
@@ -77,6 +79,19 @@ class RunData:
     def train_class_counts(self, split: str) -> list[int]:
         return list(self.manifest.split(split).class_counts)
 
+    @property
+    def mixture(self) -> Any:
+        """The train split's ``Mixture`` (several sources or a subset), or None."""
+        return getattr(self.train_loader.dataset, "mixture", None)
+
+    def mixture_record(self, cfg: TrainConfig) -> dict[str, Any] | None:
+        """What the run folder records of a mixture: the class map, the epoch size, each source's composition."""
+        mixture = self.mixture
+        if mixture is None:
+            return None
+        return {"class_map": cfg.class_map, "epoch_size": mixture.epoch_size,
+                "sources": mixture.composition(self.classes)}
+
     def feature_config(self) -> dict[str, Any]:
         """What a user of the trained head needs to reproduce its inputs (backbone, weights, transform)."""
         if not isinstance(self.manifest, FeatureManifest):
@@ -109,24 +124,44 @@ def read_manifest(path: str, data: str, storage_options: dict | None = None) -> 
     return load_dataset_manifest(folder)
 
 
-def check_splits(manifest: DatasetManifest | FeatureManifest, cfg: TrainConfig) -> None:
+def source_paths(cfg: TrainConfig) -> list[str]:
+    return [str(s["path"]) for s in cfg.sources] or [cfg.data_path]
+
+
+def source_specs(cfg: TrainConfig, *, weighted: bool = True) -> list[SourceSpec] | None:
+    """The mixture's sources (``--data PATH[:WEIGHT]``, ``--classes``...), or None for one whole folder."""
+    if not cfg.mixed:
+        return None
+    subset = Subset(**cfg.subset) if cfg.subset else Subset()
+    rows = cfg.sources or [{"path": cfg.data_path}]
+    specs = [SourceSpec(r["path"], r.get("weight"), r.get("repeat"), r.get("choose"), subset) for r in rows]
+    return specs if weighted else list(unweighted(specs))
+
+
+def check_splits(manifest: DatasetManifest | FeatureManifest, cfg: TrainConfig, path: str | None = None) -> None:
     for role, name in (("train", cfg.train_split), ("val", cfg.val_split)):
         if name not in manifest.splits:
             option = "--val-split" if role == "val" else "--train-split"
             raise ManifestError(f"no {role} split {name!r} (splits: {', '.join(sorted(manifest.splits))}); "
                                 f"pack one or choose another with {option}",
-                                path=str(Path(cfg.data_path) / (FEATURES_FILE if manifest.kind == "features"
-                                                                else DATASET_FILE)))
+                                path=str(Path(path or cfg.data_path) / (FEATURES_FILE if manifest.kind == "features"
+                                                                        else DATASET_FILE)))
         if manifest.splits[name].samples == 0:
-            raise ManifestError(f"the {role} split {name!r} holds no samples", path=cfg.data_path)
+            raise ManifestError(f"the {role} split {name!r} holds no samples", path=path or cfg.data_path)
 
 
 def prepare_manifest(cfg: TrainConfig) -> DatasetManifest | FeatureManifest:
     """Read and check everything about the input that can be wrong, before any process group or folder."""
-    manifest = read_manifest(cfg.data_path, cfg.data, cfg.storage_options)
-    if isinstance(manifest, FeatureManifest):
-        check_features_fresh(cfg.data_path, manifest, storage_options=cfg.storage_options)
-    check_splits(manifest, cfg)
+    paths = source_paths(cfg)
+    manifests = [read_manifest(path, cfg.data, cfg.storage_options) for path in paths]
+    for path, one in zip(paths, manifests):
+        if isinstance(one, FeatureManifest):
+            check_features_fresh(path, one, storage_options=cfg.storage_options)
+        check_splits(one, cfg, path)
+    manifest = manifests[0]
+    if len(manifests) > 1:  # the mixture's classes; build_data puts in its combined splits
+        manifest = manifest.replace(classes=tuple(combined_classes([m.classes for m in manifests], paths,
+                                                                   cfg.class_map)))
     if resolve_task(cfg, manifest) == "classification" and len(manifest.classes) < 2:
         raise ManifestError(f"needs at least 2 classes, the manifest has {len(manifest.classes)}",
                             path=cfg.data_path)
@@ -148,11 +183,17 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
                     cache_local=True if cfg.cache_local else None)
     cache = {"cache_dir": cfg.cache_dir, "cache_limit": cfg.cache_limit} if cfg.cache_dir else {}
     train_images, val_images = image_caches(cfg, manifest, ctx)
-    train_set = shards.open_dataset(cfg.data_path, cfg.train_split, transform=train_spec, seed=cfg.seed, shuffle=True,
-                                    rank=rank, world_size=world, sampling=sampling, decode=decode, remote=remote,
-                                    affinity_nodes=affinity_nodes(cfg, manifest, ctx), **cache, **train_images)
-    val_set = shards.open_dataset(cfg.data_path, cfg.val_split, transform=eval_spec, seed=cfg.seed, shuffle=False,
-                                  rank=rank, world_size=world, decode=decode, remote=remote, **cache, **val_images)
+    specs = source_specs(cfg)
+    train_set = shards.open_dataset(specs or cfg.data_path, cfg.train_split, transform=train_spec, seed=cfg.seed,
+                                    shuffle=True, rank=rank, world_size=world, sampling=sampling, decode=decode,
+                                    remote=remote, affinity_nodes=None if specs else affinity_nodes(cfg, manifest, ctx),
+                                    mix=MixOptions(cfg.class_map, cfg.epoch_size), **cache, **train_images)
+    # Validation reads every selected sample of every source once, whatever the weights.
+    val_set = shards.open_dataset(source_specs(cfg, weighted=False) or cfg.data_path, cfg.val_split,
+                                  transform=eval_spec, seed=cfg.seed, shuffle=False, rank=rank, world_size=world,
+                                  decode=decode, remote=remote, mix=MixOptions(cfg.class_map), **cache, **val_images)
+    if specs:
+        manifest = manifest.replace(splits={cfg.train_split: train_set.split_info, cfg.val_split: val_set.split_info})
     train_loader = _loader(train_set, cfg, ctx, drop_last=True)
     val_loader = _loader(val_set, cfg, ctx, drop_last=False)
     if len(train_loader) == 0:

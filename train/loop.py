@@ -54,7 +54,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             return dry_run(cfg, data)
         ctx.barrier()  # every rank has judged the folder before rank 0 writes into it
         if ctx.is_main:
-            rd.start_run(plan, cfg)
+            rd.start_run(plan, cfg, mixture=data.mixture_record(cfg))
         ctx.barrier()
         return Run(cfg, ctx, data, plan).fit()
     finally:
@@ -205,6 +205,8 @@ class Run:
             row.pop("train_top1")
         row.update(self.cache_row())
         row.update(self.stage_row(meter))
+        if self.data.mixture is not None:  # samples each source filled this epoch (fixed by the mixture's draw)
+            row["mixture_drawn"] = list(self.data.mixture.draw)
         if len(self.data.classes) > CONFUSION_IN_METRICS_MAX_CLASSES:
             row.pop("val_confusion")
         state.history.append(row)
@@ -311,6 +313,8 @@ class Run:
             "feature_config": data.feature_config(),
             "transform": data.eval_transform.to_dict() if data.eval_transform else None,
             "train_config": cfg.to_dict(), "epochs": self.state.epoch, "task": data.task,
+            # A mixture: its class map and sources (labels index ``classes``, the union under class_map="union").
+            "mixture": data.mixture_record(cfg),
             # Regression: the head predicts (y - mean) / std; a prediction is output * std + mean.
             "target": self.regression_target() if self.regression else None,
         }

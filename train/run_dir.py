@@ -67,15 +67,19 @@ def plan_run(cfg: TrainConfig) -> RunPlan:
     return RunPlan(folder, last if last.exists() else None, clear=False)
 
 
-def start_run(plan: RunPlan, cfg: TrainConfig) -> None:
-    """Rank 0 only: clear our own files when overwriting, then record the config."""
+def start_run(plan: RunPlan, cfg: TrainConfig, mixture: Mapping[str, Any] | None = None) -> None:
+    """Rank 0 only: clear our own files when overwriting, then record the config (and a mixture's composition,
+    which ``shards report`` shows; a resumed run reads back only the config's own fields)."""
     plan.folder.mkdir(parents=True, exist_ok=True)
     if plan.clear:
         for name in RUN_FILES:
             with contextlib.suppress(FileNotFoundError):
                 plan.path(name).unlink()
         remove_stale_tmp(plan.folder, {plan.path(name).name for name in RUN_FILES})
-    write_json_atomic(plan.path(CONFIG_FILE), cfg.to_dict())
+    record = cfg.to_dict()
+    if mixture is not None:
+        record["mixture"] = dict(mixture)
+    write_json_atomic(plan.path(CONFIG_FILE), record)
 
 
 def write_metrics(path: Path, history: Iterable[Mapping[str, Any]]) -> None:

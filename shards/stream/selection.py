@@ -53,7 +53,8 @@ def combine(sources: Sequence[LoadedSource], split: str, options: MixOptions, *,
     first = sources[0].manifest
     for source in sources[1:]:
         _check_compatible(first, source)
-    classes = _combined_classes(sources, options.class_map)
+    classes = combined_classes([s.manifest.classes for s in sources], [s.spec.path for s in sources],
+                               options.class_map)
     shards, locations, label_maps, runs, per_source_counts = [], [], [], [], []
     offset = 0
     for source in sources:
@@ -95,19 +96,22 @@ def _check_compatible(first: Any, source: LoadedSource) -> None:
                          f"{first.config_hash}): mix features of one backbone, weights and transform", path=where)
 
 
-def _combined_classes(sources: Sequence[LoadedSource], class_map: str) -> list[str]:
-    first = list(sources[0].manifest.classes)
+def combined_classes(class_lists: Sequence[Sequence[str]], names: Sequence[str], class_map: str) -> list[str]:
+    """The mixture's classes: the first source's, which every other must equal (``same``), or the sorted union of
+    every source's names (``union``); ``names`` name the sources in the error."""
+    first = list(class_lists[0])
     if class_map == "union":
-        return sorted({c for s in sources for c in s.manifest.classes})
-    for source in sources[1:]:
-        theirs = list(source.manifest.classes)
+        return sorted({c for classes in class_lists for c in classes})
+    for name, classes in zip(names[1:], class_lists[1:]):
+        theirs = list(classes)
         if theirs != first:
             only_theirs = sorted(set(theirs) - set(first))
             only_first = sorted(set(first) - set(theirs))
-            detail = (f"only here: {', '.join(only_theirs[:5]) or '-'}; only in {sources[0].spec.path}: "
-                      f"{', '.join(only_first[:5]) or '-'}") if only_theirs or only_first else "the same names in another order"
+            detail = (f"only here: {', '.join(only_theirs[:5]) or '-'}; only in {names[0]}: "
+                      f"{', '.join(only_first[:5]) or '-'}") if only_theirs or only_first \
+                else "the same names in another order"
             raise InputError(f"its classes differ from the first source's ({detail}); pass class_map='union' "
-                             "(--class-map union) to map labels by class name", path=source.spec.path)
+                             "(--class-map union) to map labels by class name", path=name)
     return first
 
 
