@@ -104,6 +104,7 @@ def _check_samples(folder: Path, storage: str, split: str, shard: ShardInfo, dec
     counts = tally.class_counts.setdefault(split, [0] * tally.n_classes)
     positions = None if decode_wanted is None else decode_positions(shard.samples, decode_wanted)
     seen, last_key = 0, None
+    own = [0] * tally.n_classes  # this shard's, against its recorded class_counts (what subsets skip shards by)
     try:
         if samples is None:
             samples = get_storage(storage).read(local_shard_path(folder, shard.path))
@@ -117,6 +118,7 @@ def _check_samples(folder: Path, storage: str, split: str, shard: ShardInfo, dec
                 tally.problems.append(f"{where}: label {sample.label} outside 0..{tally.n_classes - 1}")
             else:
                 counts[sample.label] += 1
+                own[sample.label] += 1
             if positions is None or position in positions:
                 try:
                     decode_image(sample.data)
@@ -129,6 +131,9 @@ def _check_samples(folder: Path, storage: str, split: str, shard: ShardInfo, dec
     tally.read += seen
     if seen != shard.samples:
         tally.problems.append(f"{shard.path}: holds {seen} samples, manifest says {shard.samples}")
+    elif shard.class_counts is not None and list(shard.class_counts) != own:
+        tally.problems.append(f"{shard.path}: class counts {own} differ from the manifest's per-shard "
+                              f"{list(shard.class_counts)}")
 
 
 def check_split_totals(split_name: str, split: Any, tally: _Tally) -> None:

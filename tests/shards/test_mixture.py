@@ -341,3 +341,29 @@ def test_source_spec_parse():
         SourceSpec.parse("a:heavy")
     with pytest.raises(InputError, match="one of weight, repeat or choose"):
         SourceSpec("a", weight=1, repeat=2)
+
+
+def test_a_mixture_reads_through_the_node_cache_once_per_shard(image_sources, tmp_path):
+    p, q = image_sources
+    specs = [SourceSpec(p, weight=1), SourceSpec(q, weight=2, subset=Subset(classes=["b", "c"]))]
+
+    def epochs(**cache):
+        dataset = shards.open_dataset(specs, "train", return_keys=True, seed=4, decode=shards.Decode(decoder=zero),
+                                      mix=MixOptions(epoch_size=30), **cache)
+        loader = shards.make_loader(dataset, batch_size=4, num_workers=2, drop_last=False, persistent_workers=False)
+        out = []
+        for epoch in (0, 1):
+            loader.set_epoch(epoch)
+            out.append([k for batch in loader for k in batch[2]])
+        return dataset, out
+
+    _, plain = epochs()
+    cached, through_cache = epochs(cache_dir=tmp_path / "cache", remote=shards.Remote(cache_local=True))
+    assert through_cache == plain
+    counts = cached.shard_cache.stats.snapshot()
+    offsets = np.cumsum([0] + cached.split_info.shard_sizes)
+    read = np.unique(np.concatenate([np.searchsorted(offsets, cached.mixture.stream(e), side="right") - 1
+                                     for e in (0, 1)]))
+    assert len(read) > 1 and counts["misses"] == len(read)  # each shard the two epochs read, fetched once
+    assert counts["fetched_bytes"] == sum(cached.split_info.shards[int(i)].bytes for i in read)
+    assert counts["hits"] > 0 and counts["refetches"] == 0

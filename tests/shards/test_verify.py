@@ -121,3 +121,16 @@ def test_a_shard_unreadable_midway_names_the_last_sample_read(tmp_path):
     path.write_bytes(data[:len(data) // 2 + 700])  # cut inside a tar header, after a few whole samples
     unreadable = [p for p in verify_dataset(tmp_path).problems if "unreadable" in p]
     assert len(unreadable) == 1 and unreadable[0].startswith("train-000000.tar [after sample train_0000")
+
+
+def test_wrong_per_shard_class_counts_are_reported(tmp_path):
+    # A subset skips shards by these counts unread, so a wrong one would silently drop samples.
+    make_shard_dataset(tmp_path, shard_sizes={"train": [6, 3]})
+    manifest = load_dataset_manifest(tmp_path)
+    split = manifest.splits["train"]
+    first, second = split.shards
+    shards = (first.__class__(**{**first.__dict__, "class_counts": (2, 2, 2)}),
+              second.__class__(**{**second.__dict__, "class_counts": (3, 0, 0)}))
+    manifest.replace(splits={"train": split.__class__(9, split.class_counts, shards)}).save(tmp_path)
+    problems = verify_dataset(tmp_path).problems
+    assert problems == ("train-000001.tar: class counts [1, 1, 1] differ from the manifest's per-shard [3, 0, 0]",)
