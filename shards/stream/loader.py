@@ -18,6 +18,8 @@ and transform seconds to the dataset's shared block, and the collate function is
 from __future__ import annotations
 
 import os
+import threading
+import time
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -41,6 +43,33 @@ def default_num_workers() -> int:
     return max(1, min(MAX_DEFAULT_WORKERS, cpus - 1))
 
 
+class OrphanGuard:
+    """A DataLoader ``worker_init_fn`` that ends a worker soon after the process that made the loader is gone.
+
+    torch's own watchdog compares the worker's parent with the parent it saw when the worker loop started, so a
+    worker still starting up when its parent is killed (seen with ``kill -9`` right after the first batch: one
+    worker of two had not reached its loop) takes its new parent, pid 1, for the old one and waits forever, holding
+    whatever it mapped (the decoded-image cache's memory). This guard compares against the pid recorded before the
+    fork, from a daemon thread, once a second; ``worker_init_fn`` given by the caller still runs.
+    """
+
+    INTERVAL_S = 1.0
+
+    def __init__(self, then: Callable[[int], Any] | None = None):
+        self.owner = os.getpid()
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        threading.Thread(target=self._watch, name="shardcache-orphan-guard", daemon=True).start()
+        if self.then is not None:
+            self.then(worker_id)
+
+    def _watch(self) -> None:
+        while os.getppid() == self.owner:
+            time.sleep(self.INTERVAL_S)
+        os._exit(1)  # the loader's process is gone: nobody will read what this worker makes
+
+
 class ShardLoader:
     """The DataLoader wrapper: ``len`` right for the rank, ``set_epoch``, ``state_dict``/``load_state_dict``,
     ``stage_seconds``."""
@@ -61,6 +90,8 @@ class ShardLoader:
             collate_fn = dataset.timed_collate(collate_fn)
         self._consumed = 0  # batches handed out in the current epoch
         self._starting_batches = 0  # where the next iteration starts counting: a loaded state's position
+        if num_workers > 0:
+            dataloader_options["worker_init_fn"] = OrphanGuard(dataloader_options.get("worker_init_fn"))
         self._dataloader_options = dict(
             batch_size=batch_size, num_workers=num_workers, drop_last=drop_last,
             collate_fn=collate_fn, pin_memory=pin_memory,

@@ -1,6 +1,7 @@
 """make_loader: same samples with any number of workers, lengths right for the rank, epochs reach workers."""
 
 import collections
+import time
 
 import pytest
 import torch
@@ -91,3 +92,30 @@ def test_pad_collate_with_pil_images_through_a_loader(tmp_path):
     loader = shards.make_loader(dataset, batch_size=3, num_workers=0, collate_fn=pad_collate)
     batch = next(iter(loader))
     assert batch["images"].dtype == torch.uint8 and batch["images"].shape == (3, 3, 12, 16)
+
+
+def _guarded_worker(guard) -> None:
+    guard(0)
+    time.sleep(30)  # a worker waiting for work that will never come
+
+
+def test_a_worker_whose_loader_process_is_gone_exits_on_its_own():
+    # torch's watchdog takes the parent a worker sees when its loop starts; a worker that starts after the loader's
+    # process died sees pid 1 and would wait forever. The guard compares with the pid recorded before the fork.
+    import multiprocessing
+
+    from shards.stream.loader import OrphanGuard
+
+    guard = OrphanGuard()
+    guard.owner = -1  # as if the loader's process had gone: this child's parent is not the owner
+    child = multiprocessing.get_context("fork").Process(target=_guarded_worker, args=(guard,))
+    child.start()
+    child.join(timeout=10)
+    assert child.exitcode == 1
+    kept = OrphanGuard()  # the owner still there: the worker lives on
+    child = multiprocessing.get_context("fork").Process(target=_guarded_worker, args=(kept,))
+    child.start()
+    child.join(timeout=2.5)
+    assert child.is_alive()
+    child.kill()
+    child.join()
