@@ -4,6 +4,12 @@ The summary (classes with counts, shards, sizes) comes from the manifest alone. 
 through a DataLoader with the standard eval transform and reports shape, dtype, value range and label spread: the
 first thing to look at when training misbehaves. ``save_grid`` writes augmented training images, each labelled
 with its class name, to look at.
+
+For a mixture (several sources, or one folder's subset: ``shards.stream.mixture``), ``mixture_report`` says what
+each epoch holds per source: samples available and drawn, share of the epoch, passes, and the classes drawn. Those
+class counts are exact when a source is drawn a whole number of passes (every selected sample the same number of
+times) or when every row's label is read (``exact_classes``, no image decoded); otherwise a fraction of a pass
+picks shard runs from (seed, epoch), and the counts given are the expected ones, marked so.
 """
 
 from __future__ import annotations
@@ -11,11 +17,16 @@ from __future__ import annotations
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from shards.atomic import atomic_output
-from shards.errors import InputError
+from shards.errors import CorruptDataError, InputError
 from shards.manifest import DatasetManifest, load_dataset_manifest, load_manifest
+
+if TYPE_CHECKING:  # numpy and the reader load only when a mixture is inspected: the CLI stays light
+    import numpy as np
+
+    from shards.stream.mixture import MixOptions, Mixture, SourceSpec
 
 
 def _manifest(folder: str | os.PathLike, storage_options: Any = None, *, images: bool = False):
@@ -189,3 +200,185 @@ def save_grid(folder: str | os.PathLike, out_path: str | os.PathLike, *, split: 
     with atomic_output(out_path) as tmp:
         grid.save(tmp, format="PNG")
     return {"grid": str(out_path), "images": len(names), "split": split, "labels": names}
+
+
+# -- mixtures ------------------------------------------------------------------------------------------------------
+MAX_CLASS_LINES = 40  # classes listed per epoch in the text table; the JSON has them all
+
+
+def mixture_classes(specs: Sequence[SourceSpec], class_map: str = "same", *,
+                    storage_options: Any = None) -> list[str]:
+    """The combined class names, as ``shards.stream.selection`` forms them: the first source's (``same``; a
+    source with other classes is refused when the mixture is opened) or the sorted union (``union``)."""
+    manifests = [_manifest(spec.path, storage_options) for spec in specs]
+    if class_map == "union":
+        return sorted({name for manifest in manifests for name in manifest.classes})
+    return list(manifests[0].classes)
+
+
+def open_mixture(specs: Sequence[SourceSpec], split: str = "train", *, mix: MixOptions | None = None,
+                 seed: int = 0, storage_options: Any = None):
+    """The dataset training would stream from ``specs`` (one process, no transform: nothing is decoded)."""
+    from shards.stream.mixture import MixOptions
+    from shards.stream.options import Remote
+    from shards.stream.reader import open_dataset
+
+    return open_dataset(list(specs), split, seed=seed, rank=0, world_size=1, cache="none",
+                        mix=mix or MixOptions(), remote=Remote(storage_options=storage_options))
+
+
+def row_labels(dataset: Any) -> np.ndarray:
+    """Every row's label in the dataset's (combined) split, in row order, read from its shards without decoding a
+    sample; a mixture's labels come mapped onto its combined classes."""
+    import numpy as np
+
+    from shards.stream.plan import ShardSlice
+
+    labels: list[int] = []
+    for shard, samples in enumerate(dataset.split_info.shard_sizes):
+        read = [int(sample.label) for sample in dataset.read_slice(ShardSlice(shard, 0, samples))]
+        if len(read) != samples:
+            raise CorruptDataError(f"holds {len(read)} samples, the manifest says {samples}",
+                                   path=dataset.locations[shard])
+        labels += read
+    return np.asarray(labels, dtype=np.int64)
+
+
+def drawn_class_counts(mixture: Mixture, epoch: int, labels: np.ndarray, num_classes: int) -> list[list[int]]:
+    """Per source, the samples of each class that ``mixture.stream(epoch)`` draws, given every row's label
+    (``labels[row]``, a combined class index). Sources occupy consecutive blocks of rows, in source order."""
+    import numpy as np
+
+    rows = mixture.stream(epoch)
+    starts = np.asarray([int(runs[0][0]) for runs in mixture.runs], dtype=np.int64)
+    source = np.searchsorted(starts, rows, side="right") - 1
+    counts = np.zeros((len(mixture.runs), num_classes), dtype=np.int64)
+    np.add.at(counts, (source, np.asarray(labels, dtype=np.int64)[rows]), 1)
+    return counts.tolist()
+
+
+def epoch_composition(mixture: Mixture, classes: Sequence[str], epoch: int,
+                      labels: np.ndarray | None = None) -> list[dict[str, Any]]:
+    """``mixture.composition(classes)`` plus the classes epoch ``epoch`` (as ``set_epoch`` takes it) draws from each
+    source: ``drawn_class_counts`` and their ``drawn_class_counts_basis``, ``"exact"`` when counted from ``labels``
+    or when the source is drawn whole passes, else ``"expected"`` (selected counts times passes)."""
+    sources = mixture.composition(classes)
+    counted = drawn_class_counts(mixture, epoch, labels, len(classes)) if labels is not None and classes else None
+    for i, source in enumerate(sources):
+        passes, rest = divmod(source["drawn"], source["available"])
+        if counted is not None:
+            drawn, basis = counted[i], "exact"
+        elif not classes or not mixture.per_source_counts:  # a regression table: no classes to count
+            continue
+        elif rest == 0:
+            drawn, basis = [n * passes for n in mixture.per_source_counts[i]], "exact"
+        else:
+            drawn, basis = [round(n * source["passes"], 2) for n in mixture.per_source_counts[i]], "expected"
+        source["drawn_class_counts"] = {name: n for name, n in zip(classes, drawn) if n}
+        source["drawn_class_counts_basis"] = basis
+    return sources
+
+
+def mixture_report(source: Any, split: str = "train", *, mix: MixOptions | None = None, seed: int = 0,
+                   epochs: int = 1, classes: Sequence[str] | None = None, exact_classes: bool = False,
+                   storage_options: Any = None) -> dict[str, Any]:
+    """What each of ``epochs`` epochs of a mixture holds, per source.
+
+    ``source`` is a dataset opened with ``open_dataset`` on several sources or a subset (its ``.mixture``), or
+    the ``SourceSpec``s to open (with ``split``, ``mix`` and ``seed``, as training would). Class names are
+    ``classes``, else the sources' combined by ``mix.class_map``. ``exact_classes`` reads every selected shard's
+    labels (no decoding) so each epoch's class counts are exact for every source. Epochs are numbered from 1, as
+    ``metrics.jsonl`` numbers them: epoch ``e`` is the dataset's ``set_epoch(e - 1)``."""
+    from shards.stream.mixture import MixOptions, SourceSpec
+
+    mix = mix or MixOptions()
+    if isinstance(epochs, bool) or int(epochs) < 1:
+        raise InputError(f"epochs={epochs!r} must be an integer >= 1")
+    if isinstance(source, SourceSpec):
+        source = [source]
+    dataset = open_mixture(source, split, mix=mix, seed=seed, storage_options=storage_options) \
+        if isinstance(source, (list, tuple)) else source
+    mixture = getattr(dataset, "mixture", None)
+    if mixture is None:
+        raise InputError("the dataset reads one whole folder: open it with several sources or a subset to report "
+                         "a mixture")
+    names = list(classes) if classes is not None else \
+        mixture_classes(mixture.specs, mix.class_map, storage_options=storage_options)
+    labels = row_labels(dataset) if exact_classes and names else None
+    return {"split": dataset.config.split, "seed": mixture.seed, "class_map": mix.class_map, "classes": names,
+            "epoch_size": mixture.epoch_size,
+            "epochs": [{"epoch": epoch + 1, "sources": epoch_composition(mixture, names, epoch, labels)}
+                       for epoch in range(int(epochs))]}
+
+
+def describe_amount(source: Mapping[str, Any]) -> str:
+    """How a source fills the epoch, as its spec says: ``weight 0.7``, ``repeat 2``, ``choose 100`` (also for a
+    run's recorded composition, so any value is shown as it is)."""
+    for name in ("weight", "choose", "repeat"):
+        value = source.get(name)
+        if value is not None:
+            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+            return f"{name} {value:g}" if numeric else f"{name} {value}"
+    return "repeat 1"
+
+
+def describe_subset(subset: Any) -> str:
+    """A source's subset in one line: ``classes a,b; where width >= 256; at most 100``, or ``all``."""
+    if not subset:
+        return "all"
+    if not isinstance(subset, Mapping):
+        return str(subset)
+    classes = subset.get("classes")
+    parts = []
+    if classes:
+        parts.append("classes " + (",".join(map(str, classes)) if isinstance(classes, list) else str(classes)))
+    for key, label in (("keys", "keys"), ("where", "where"), ("max_samples", "at most")):
+        if subset.get(key):
+            parts.append(f"{label} {subset[key]}")
+    return "; ".join(parts) or "all"
+
+
+def _class_lines(report: dict[str, Any], sources: list[dict[str, Any]]) -> list[str]:
+    # Only the classes drawn: a subset of a few classes out of a thousand lists those few.
+    classes = [c for c in report["classes"] if any(c in s.get("drawn_class_counts", {}) for s in sources)]
+    expected = [str(i + 1) for i, s in enumerate(sources) if s.get("drawn_class_counts_basis") == "expected"]
+    kind = "exact" if not expected else "expected" if len(expected) == len(sources) else \
+        f"exact; expected for source {', '.join(expected)}"
+    head = "".join(f"{f'source {i + 1}':>12}" for i in range(len(sources)))
+    width = max([len(c) for c in classes[:MAX_CLASS_LINES]] + [5])
+    lines = [f"    classes drawn ({kind}):", "    " + "class".ljust(width) + head + f"{'total':>12}"]
+    for name in classes[:MAX_CLASS_LINES]:
+        values = [s.get("drawn_class_counts", {}).get(name, 0) for s in sources]
+        lines.append("    " + name.ljust(width) + "".join(f"{v:>12g}" for v in values) + f"{sum(values):>12g}")
+    if len(classes) > MAX_CLASS_LINES:
+        lines.append(f"    ... {len(classes) - MAX_CLASS_LINES} more classes drawn, in the JSON")
+    return lines
+
+
+def format_mixture(report: dict[str, Any]) -> str:
+    """A human-readable table of ``mixture_report``'s result: the sources (the same every epoch), then each
+    epoch's classes drawn (an epoch drawing what the one before drew says so)."""
+    first = report["epochs"][0]["sources"]
+    lines = [f"mixture of {len(first)} source(s), split {report['split']}, class map {report['class_map']}, "
+             f"{report['epoch_size']} samples per epoch, seed {report['seed']}",
+             f"  {'source':<8}{'amount':<14}{'available':>10}{'drawn':>8}{'share':>8}{'passes':>8}{'shards':>8}"
+             "  path (subset)"]
+    for i, s in enumerate(first):
+        lines.append(f"  {i + 1:<8}{describe_amount(s):<14}{s['available']:>10}{s['drawn']:>8}"
+                     f"{100 * s['share']:>7.1f}%{s['passes']:>8.2f}{s['shards']:>8}  {s['path']} "
+                     f"({describe_subset(s.get('subset'))})")
+    if not report["classes"]:
+        return "\n".join(lines)
+    previous = None
+    for epoch in report["epochs"]:
+        counts = [s.get("drawn_class_counts") for s in epoch["sources"]]
+        if counts == previous:
+            lines.append(f"  epoch {epoch['epoch']}: the same classes drawn as epoch {epoch['epoch'] - 1}")
+            continue
+        lines.append(f"  epoch {epoch['epoch']}:")
+        lines += _class_lines(report, epoch["sources"])
+        previous = counts
+    if any(s.get("drawn_class_counts_basis") == "expected" for e in report["epochs"] for s in e["sources"]):
+        lines.append("  expected: selected counts times passes, for a source drawn a fraction of a pass (which of "
+                     "its shard runs fill it changes every epoch); exact_classes (--exact-classes) counts them")
+    return "\n".join(lines)

@@ -10,8 +10,9 @@ import sys
 import click
 
 from shards.cli.common import EXIT_FAILED, emit_json, handle_errors, quiet_option, s3_options
-from shards.check.inspect import batch_report, format_summary, save_grid, summarize
+from shards.check.inspect import batch_report, format_mixture, format_summary, mixture_report, save_grid, summarize
 from shards.check.verify import DEFAULT_SAMPLES_PER_SHARD, verify_dataset
+from shards.stream.mixture import CLASS_MAPS, MixOptions, SourceSpec, Subset
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -42,23 +43,68 @@ def verify_command(folder: str, full: bool, samples_per_shard: int, quiet: bool,
 
 
 @main.command("inspect")
-@click.argument("folder", type=click.Path(path_type=str))
+@click.argument("folder", type=click.Path(path_type=str), required=False)
 @click.option("--batch", "show_batch", is_flag=True,
               help="Load one batch with the eval transform; print shape, dtype, value range, labels.")
 @click.option("--batch-size", type=int, default=32, show_default=True)
-@click.option("--split", default=None, help="Split for --batch (default val) and --grid (default train).")
+@click.option("--split", default=None,
+              help="Split for --batch (default val), --grid and a mixture (default train).")
 @click.option("--image-size", type=int, default=224, show_default=True)
 @click.option("--grid", "grid_path", type=click.Path(path_type=str), default=None,
               help="Save a PNG grid of augmented training images here.")
 @click.option("--grid-count", type=int, default=16, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the grid's augmentations.")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed of the grid's augmentations, and of a mixture's epochs (training's --seed).")
+@click.option("--mix", "mix_sources", multiple=True, metavar="PATH[:WEIGHT]",
+              help="A source of a mixture, repeated for each: PATH, PATH:WEIGHT, PATH:repeat=R or PATH:choose=N. "
+                   "Replaces FOLDER.")
+@click.option("--classes", default=None, metavar="A,B", help="Subset: only these classes (comma-separated).")
+@click.option("--where", default=None, metavar="EXPR",
+              help="Subset: a filter on sample metadata, e.g. \"width >= 256\".")
+@click.option("--max-samples", type=int, default=None, help="Subset: at most this many samples per source.")
+@click.option("--class-map", type=click.Choice(CLASS_MAPS), default=None,
+              help="How sources' classes combine: the same lists (default), or the union of names.")
+@click.option("--epoch-size", type=int, default=None, help="Samples per epoch of weighted sources (default: "
+                                                            "their selected samples together).")
+@click.option("--epochs", type=int, default=None, help="Epochs of a mixture to describe (default 1).")
+@click.option("--exact-classes", is_flag=True,
+              help="Read every selected shard's labels (nothing decoded) so each epoch's class counts are exact; "
+                   "without it a source drawn a fraction of a pass reports the expected counts.")
 @s3_options
 @quiet_option
 @handle_errors
-def inspect_command(folder: str, show_batch: bool, batch_size: int, split: str | None, image_size: int,
-                    grid_path: str | None, grid_count: int, seed: int, quiet: bool, s3) -> None:
+def inspect_command(folder: str | None, show_batch: bool, batch_size: int, split: str | None, image_size: int,
+                    grid_path: str | None, grid_count: int, seed: int, mix_sources: tuple[str, ...],
+                    classes: str | None, where: str | None, max_samples: int | None, class_map: str | None,
+                    epoch_size: int | None, epochs: int | None, exact_classes: bool, quiet: bool, s3) -> None:
     """Classes with counts, shards and sizes; optionally one batch's statistics and an augmentation grid.
-    FOLDER may be s3://bucket/prefix."""
+    FOLDER may be s3://bucket/prefix.
+
+    With --mix sources (or FOLDER with --classes, --where or --max-samples), what each epoch of that mixture
+    holds, as training would read it: per source the samples available and drawn, share of the epoch, passes,
+    and the classes drawn (exact, or marked expected)."""
+    subset = _subset(classes, where, max_samples)
+    if mix_sources or not subset.empty:
+        if show_batch or grid_path is not None:
+            raise click.UsageError("--batch and --grid read one whole FOLDER; leave them out with --mix or a "
+                                   "subset (--classes, --where, --max-samples)")
+        specs = _sources(folder, mix_sources, subset)
+        result = mixture_report(specs, split or "train", mix=MixOptions(class_map=class_map or "same",
+                                                                       epoch_size=epoch_size),
+                                seed=seed, epochs=1 if epochs is None else epochs, exact_classes=exact_classes,
+                                storage_options=s3)
+        if not quiet:
+            click.echo(format_mixture(result), err=True)
+        emit_json(result)
+        return
+    if folder is None:
+        raise click.UsageError("give a FOLDER, or --mix sources")
+    mixture_only = {"--class-map": class_map, "--epoch-size": epoch_size, "--epochs": epochs,
+                    "--exact-classes": exact_classes or None}
+    given = [name for name, value in mixture_only.items() if value is not None]
+    if given:
+        raise click.UsageError(f"{', '.join(given)} describe a mixture: add --mix sources or a subset "
+                               "(--classes, --where, --max-samples)")
     result = summarize(folder, storage_options=s3)
     if not quiet:
         click.echo(format_summary(result), err=True)
@@ -75,6 +121,21 @@ def inspect_command(folder: str, show_batch: bool, batch_size: int, split: str |
         if not quiet:
             click.echo(f"  grid: {grid_path} ({result['grid']['images']} images)", err=True)
     emit_json(result)
+
+
+def _subset(classes: str | None, where: str | None, max_samples: int | None) -> Subset:
+    names = None if classes is None else [name.strip() for name in classes.split(",") if name.strip()]
+    if names is not None and not names:
+        raise click.BadParameter("name at least one class", param_hint="--classes")
+    return Subset(classes=names, where=where, max_samples=max_samples)
+
+
+def _sources(folder: str | None, mix_sources: tuple[str, ...], subset: Subset) -> list[SourceSpec]:
+    if folder is not None and mix_sources:
+        raise click.UsageError("give FOLDER or --mix sources, not both (FOLDER is one more --mix)")
+    if not mix_sources:
+        return [SourceSpec(folder, subset=subset)]  # type: ignore[arg-type]
+    return [SourceSpec.parse(text, subset=subset, option="--mix") for text in mix_sources]
 
 
 @main.command("report")

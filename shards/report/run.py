@@ -19,6 +19,7 @@ from shards.errors import InputError, ManifestError
 from shards.report import svg
 from shards.report.html import (Cell, Markup, Section, count, figure, fixed, image_data_uri, join, key_value_grid,
                                 note, num_cell, number, pct, rate, seconds, size, subsection, table, tag, tiles, void)
+from shards.report.mixture import mixture_part, recorded_sources
 from shards.report.stages import stage_breakdown
 
 CONFIG_FILE = "config.json"
@@ -289,7 +290,9 @@ def run_section(run: RunFiles, anchor: str, *, classes: Sequence[str] | None = N
             parts.append(_per_class(run.rows[-1], classes))
         parts.append(stage_breakdown(run.rows))
         parts.append(_cache(history, run.rows))
+    parts.append(mixture_part(run.config.get("mixture"), run.rows))
     parts.append(_checkpoints(run.folder, history))
-    config = sorted(run.config.items())
+    # The mixture has its own part above; as one JSON value in the grid it would be a wall of text.
+    config = sorted((k, v) for k, v in run.config.items() if not (k == "mixture" and recorded_sources(v)))
     parts.append(subsection("Config", key_value_grid(config) if config else note("No config.json.", "warn")))
     return Section(anchor, "run", path=str(run.folder), title=run.folder.name or str(run.folder), body=join(parts))

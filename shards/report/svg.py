@@ -1,4 +1,4 @@
-"""Hand-drawn inline SVG charts: bars, stacked columns, a share bar and a heat map.
+"""Hand-drawn inline SVG charts: bars, stacked columns, a share bar, a table cell's meter and a heat map.
 
 Drawn by hand rather than with matplotlib because these must stay cheap enough to redraw every epoch, scale with
 the page, and carry untrusted class names safely (escaped text, a ``<title>`` tooltip with the full name, a short
@@ -193,6 +193,12 @@ def share_bar(parts: Sequence[tuple[str, float, str]], fmt: Formatter, *, width:
     entries = [(f"{name} {fmt(value / total)}" if total > 0 else name, fill) for name, value, fill in parts]
     lg, lg_h = legend(entries, 1, 36, width - 2)
     return _svg(width, 40 + lg_h, join(out) + lg, title)
+
+
+def meter(share: float, *, width: int = 90, fill: str = PALETTE[0], title: str = "share") -> Markup:
+    """A small bar for a table cell: ``share`` (0..1) of a grey track filled."""
+    share = min(1.0, max(0.0, share))
+    return _svg(width, 10, _rect(0, 1, width, 8, GRID, rx="2") + _rect(0, 1, width * share, 8, fill, rx="2"), title)
 
 
 BLUES = ((247, 251, 255), (198, 219, 239), (107, 174, 214), (33, 113, 181), (8, 48, 107))

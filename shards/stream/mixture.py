@@ -110,8 +110,8 @@ class SourceSpec:
             raise InputError(f"source {self.path}: choose={self.choose!r} must be an integer >= 1")
 
     @classmethod
-    def parse(cls, text: str, subset: Subset | None = None) -> SourceSpec:
-        """``PATH``, ``PATH:WEIGHT``, ``PATH:repeat=R`` or ``PATH:choose=N`` (the ``--data`` option's form)."""
+    def parse(cls, text: str, subset: Subset | None = None, option: str = "--data") -> SourceSpec:
+        """``PATH``, ``PATH:WEIGHT``, ``PATH:repeat=R`` or ``PATH:choose=N`` (the form of ``option``'s values)."""
         path, _, tail = text.rpartition(":")
         subset = subset or Subset()
         if path and tail and not tail.startswith("//") and "/" not in tail:
@@ -124,8 +124,8 @@ class SourceSpec:
                 if name == "choose":
                     return cls(path, choose=int(value), subset=subset)
             except ValueError:
-                raise InputError(f"--data {text!r}: {tail!r} is not a weight, repeat=R or choose=N") from None
-            raise InputError(f"--data {text!r}: {tail!r} is not a weight, repeat=R or choose=N")
+                raise InputError(f"{option} {text!r}: {tail!r} is not a weight, repeat=R or choose=N") from None
+            raise InputError(f"{option} {text!r}: {tail!r} is not a weight, repeat=R or choose=N")
         return cls(text, subset=subset)
 
     def describe(self) -> dict[str, Any]:
