@@ -17,7 +17,7 @@ _LAZY = {
     "ShardLoader": "shards.stream.loader",
     "FeatureBatchLoader": "shards.stream.feature_stream",
     "ShardDataset": "shards.stream.dataset",
-    "ImageShardDataset": "shards.stream.dataset",
+    "ImageShardDataset": "shards.stream.image_dataset",
     "FeatureShardDataset": "shards.stream.feature_stream",
     "StreamConfig": "shards.stream.dataset",
     "Sampling": "shards.stream.options",

@@ -109,20 +109,18 @@ class ShardBatches(IterableDataset):
 
     def _read_batches(self, job: ShardJob, cached: str | None) -> Iterator[dict[str, Any]]:
         pending: list = []
+        storage = get_storage(self.storage)
         remote = job.path.startswith("s3://") and cached is None
-        stream = _HashingReader(job, self.storage_options) if remote and self.storage == "tar" else None
+        # A format that streams is read in one GET, hashed as it goes; one that seeks (HDF5) by ranges.
+        stream = _HashingReader(job, self.storage_options) if remote and storage.read_stream is not None else None
         if cached is not None:
-            samples = get_storage(self.storage).read(cached)
+            samples = storage.read(cached)
         elif stream is not None:
-            from shards.formats.tarseek import iter_tar_stream
-
-            samples = iter_tar_stream(io.BufferedReader(stream, 1 << 20), job.path)
+            samples = storage.read_stream(io.BufferedReader(stream, 1 << 20), job.path)
         elif remote:
-            from shards.formats.s3shards import iter_s3_hdf5_slice
-
-            samples = iter_s3_hdf5_slice(job.path, 0, job.samples, self.storage_options, job.bytes)
+            samples = storage.read_s3_slice(job.path, 0, job.samples, self.storage_options, size=job.bytes)
         else:
-            samples = get_storage(self.storage).read(job.path)
+            samples = storage.read(job.path)
         try:
             for sample in samples:
                 pending.append(sample)

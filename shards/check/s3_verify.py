@@ -10,7 +10,6 @@ cannot be reached, ``shards.check.freshness.staleness_or_warn``).
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 from shards.check.freshness import staleness_or_warn
@@ -27,11 +26,7 @@ from shards.manifest import DatasetManifest, FeatureManifest
 
 
 def _samples(storage: str, data: bytes, where: str):
-    if storage == "hdf5":
-        from shards.formats.hdf5 import iter_hdf5_shard
-
-        return iter_hdf5_shard(io.BytesIO(data))
-    return get_storage(storage).read_stream(io.BytesIO(data), where)
+    return get_storage(storage).read_bytes(data, where)
 
 
 def _check_index(location: str, shard: Any, data: bytes, options: S3Options, tally: _Tally) -> None:
@@ -65,7 +60,7 @@ def _verify_images(url: str, base: str, manifest: DatasetManifest, full: bool, s
             except ShardcacheError as exc:
                 tally.problems.append(f"{shard.path}: {exc.reason}")
                 continue
-            if getattr(shard, "index", None) is not None and manifest.storage == "tar":
+            if getattr(shard, "index", None) is not None and get_storage(manifest.storage).indexed:
                 _check_index(location, shard, data, options, tally)
             _check_samples(None, manifest.storage, split_name, shard, None if full else samples_per_shard, tally,
                            samples=_samples(manifest.storage, data, location))

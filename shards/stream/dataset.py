@@ -9,22 +9,19 @@ replace one object, not the loop, and no random state is shared between the read
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from shards.image.decode import ImageDecoder
 from shards.stream.cached_shards import CachedShards
+from shards.stream.error_tally import ErrorTally
 from shards.stream.elastic import Continuation, EpochSource, continuation, dataset_fingerprint, sampling_settings
 from shards.stream.resume import STREAM, LoaderState, Resume, SharedEpochState, stream_resume
-from shards.errors import CorruptDataError, InputError, MissingInputError
+from shards.errors import CorruptDataError, InputError
 from shards.manifest import SplitInfo
 from shards.stream.options import ErrorPolicy
 from shards.stream.plan import (
@@ -32,13 +29,8 @@ from shards.stream.plan import (
     indices_to_slices, plan_epoch, rng_for, shard_offsets, share_of, worker_range,
 )
 from shards.stream.mixture import Mixture
-from shards.formats.remote import is_remote, open_remote
-from shards.formats.s3 import is_s3
-from shards.formats.sample import RawSample
 from shards.stream.stages import Broken, shuffle_buffer, weighted_windows
 from shards.stream.stage_times import SharedStageTimes, StageTally, TimedCollate
-from shards.formats.storage import get_storage
-from shards.formats.tarindex import load_local_index
 
 log = logging.getLogger(__name__)
 
@@ -74,42 +66,6 @@ class StreamConfig:
             raise InputError("shuffle_buffer must be >= 0, weight_window and max_consecutive_errors >= 1")
         if self.class_weights is not None and (min(self.class_weights, default=0) < 0 or not any(self.class_weights)):
             raise InputError(f"class_weights must be non-negative and not all zero, got {self.class_weights}")
-
-
-@dataclass
-class _ErrorTally:
-    """``skip`` keeps the epoch length: a bad sample's slot is filled by repeating a good one, so DDP ranks stay
-    in step; every skip is logged with shard and key, counted, and a run of bad samples stops the epoch."""
-
-    config: StreamConfig
-    state: SharedEpochState
-    consecutive: int = 0
-    pending: int = 0
-    last_good: Any = field(default=None)
-
-    def failed(self, where: str, key: str | None, reason: str) -> None:
-        if self.config.on_error == "raise":
-            raise CorruptDataError(reason, path=where, key=key)
-        self.consecutive += 1
-        self.state.add_skipped()
-        log.warning("skipping unreadable sample: %s [sample %s]: %s", where, key, reason)
-        if self.consecutive >= self.config.max_consecutive_errors:
-            raise CorruptDataError(
-                f"{self.consecutive} consecutive unreadable samples (max_consecutive_errors="
-                f"{self.config.max_consecutive_errors}); last: {reason}", path=where, key=key)
-        self.pending += 1
-
-    def emit(self, output: Any) -> Iterator[Any]:
-        self.consecutive = 0
-        self.last_good = output
-        for _ in range(self.pending + 1):
-            yield output
-        self.pending = 0
-
-    def fill(self) -> Iterator[Any]:
-        if self.last_good is not None:
-            self.pending -= 1
-            yield self.last_good
 
 
 class ShardDataset(IterableDataset):
@@ -315,7 +271,7 @@ class ShardDataset(IterableDataset):
             if self.shard_cache is not None:
                 self.shard_cache.drop_prefetched()
 
-    def _planned_slices(self, plan: list[ShardSlice], policy: _ErrorTally) -> Iterator[tuple[str, Any]]:
+    def _planned_slices(self, plan: list[ShardSlice], policy: ErrorTally) -> Iterator[tuple[str, Any]]:
         """The plan's slices in order; with a node cache, the next slice's shard is fetched while this one is read."""
         for i, piece in enumerate(plan):
             if i + 1 < len(plan) and plan[i + 1].shard != piece.shard:
@@ -338,7 +294,7 @@ class ShardDataset(IterableDataset):
                         tally: StageTally | None = None) -> Iterator[Any]:
         c = self.config
         ids = (epoch, c.rank, worker)
-        policy = _ErrorTally(c, self._state)
+        policy = ErrorTally(c, self._state)
         items: Iterator = self._planned_slices(self.worker_plan(epoch, worker, num_workers), policy)
         if c.class_weights is not None:
             items = weighted_windows(items, c.class_weights, c.weight_window,
@@ -388,7 +344,7 @@ class ShardDataset(IterableDataset):
             return output, sample.label, sample.key
         return output, sample.label
 
-    def _guarded_slice(self, piece: ShardSlice, policy: _ErrorTally) -> Iterator[tuple[str, Any, int]]:
+    def _guarded_slice(self, piece: ShardSlice, policy: ErrorTally) -> Iterator[tuple[str, Any, int]]:
         """Read one slice as ``(where, sample, global row)``; check it really holds as many samples as the manifest
         says."""
         where = self.locations[piece.shard]
@@ -423,171 +379,10 @@ class ShardDataset(IterableDataset):
         return self.decode(sample, seed)
 
 
-def relabelled(samples: Iterator[Any], mapping: Any, where: str) -> Iterator[Any]:
-    """Samples with their source's label mapped onto a mixture's combined classes (``label_maps``)."""
-    for sample in samples:
-        if not 0 <= sample.label < len(mapping):
-            raise CorruptDataError(f"label {sample.label} is outside the source's {len(mapping)} classes",
-                                   path=where, key=sample.key)
-        yield sample._replace(label=int(mapping[sample.label]))
+def __getattr__(name: str) -> Any:
+    """``ImageShardDataset`` and the decoder adapters moved to ``shards.stream.image_dataset``; the old path works."""
+    if name in ("ImageShardDataset", "seeded_decoder", "relabelled"):
+        from shards.stream import image_dataset
 
-
-class _OneArgumentDecoder:
-    """A ``decoder(sample)`` of the older interface under the reader's ``decoder(sample, seed)``.
-
-    Such a decoder can only draw its randomness from torch's global generator (torchvision's random transforms
-    do), so it runs inside ``torch.random.fork_rng`` seeded with the sample's seed: its augmentations replay
-    exactly, and the caller's generator is left as it was. A class, not a lambda, so DataLoader workers can
-    carry it.
-    """
-
-    def __init__(self, decoder: Callable[[Any], Any]):
-        self.decoder = decoder
-
-    def __call__(self, sample: Any, seed: int) -> Any:
-        with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(seed)  # CPU only: torch.manual_seed would reseed CUDA, unrestored
-            return self.decoder(sample)
-
-
-def seeded_decoder(decoder: Callable) -> Callable[[Any, int], Any]:
-    """``decoder`` callable as ``decoder(sample, seed)``, adapting one that takes only the sample."""
-    try:
-        signature = inspect.signature(decoder)
-    except (TypeError, ValueError):  # no introspectable signature (some builtins): assume the current interface
-        return decoder
-    try:
-        signature.bind(None, 0)
-    except TypeError:
-        return _OneArgumentDecoder(decoder)
-    return decoder
-
-
-class ImageShardDataset(ShardDataset):
-    """Image shards (tar or HDF5, local, ``http(s)://`` or ``pipe:``) -> ``(image, label[, key])``.
-
-    ``verify_sha256 = True``: a slice that covers a whole local tar shard is hashed as it is read and checked
-    against the manifest after its last sample. Off by default: it costs about 1% of a decoding pipeline but 22% of
-    raw reading (``scripts/bench/loader.py --sha256-only``); ``shards verify`` checks every shard's sha256.
-
-    ``image_cache`` (``open_dataset(cache="memory")``, ``shards.stream.image_cache``): decoded samples kept in memory
-    shared by the workers, so epochs after the first skip decoding; ``close()`` lets go of it early.
-    """
-
-    verify_sha256 = False
-
-    def __init__(self, split: SplitInfo, locations: Sequence[str], config: StreamConfig, *, storage: str,
-                 decoder: Callable[[RawSample, int], Any] | Callable[[RawSample], Any] | None = None,
-                 num_classes: int | None = None, storage_options: Any = None,
-                 shard_cache: CachedShards | None = None, image_cache: Any = None):
-        super().__init__(split, locations, config, num_classes, shard_cache)
-        self.storage = get_storage(storage)
-        self.decoder = decoder if decoder is not None else ImageDecoder()
-        self.image_cache = image_cache
-        self.storage_options = storage_options  # for s3:// (an S3Options, picklable: each worker makes its client)
-        for location in self.locations:
-            if is_s3(location):
-                continue  # every format reads by byte range from object storage (shards.formats.s3shards)
-            if is_remote(location):
-                if self.storage.read_stream is None:
-                    raise InputError(f"{self.storage.name} shards must be local files; stream tar shards instead",
-                                     path=location)
-            elif not Path(location).is_file():
-                raise MissingInputError("shard listed in the manifest is missing", path=location)
-
-    @property
-    def decoder(self) -> Callable:
-        """The decoder as given (``FastDecoder`` offers ``normalizer()``); the reader calls it with the seed."""
-        return self._decoder
-
-    @decoder.setter
-    def decoder(self, decoder: Callable) -> None:
-        self._decoder = decoder
-        self._decode = seeded_decoder(decoder)
-
-    def decode(self, sample: RawSample, seed: int) -> Any:
-        return self._decode(sample, seed)
-
-    def decode_row(self, sample: RawSample, seed: int, row: int) -> Any:
-        if self.image_cache is None:
-            return self._decode(sample, seed)
-        return self.image_cache(sample, seed, row)
-
-    def decode_marker(self) -> Any:
-        if self.image_cache is not None:
-            return self.image_cache
-        return self._decoder  # ImageDecoder and FastDecoder set decoded_at; a user's decoder may too
-
-    def close(self) -> None:
-        """Release the image cache's memory in this process now (workers let go when they exit)."""
-        if self.image_cache is not None:
-            self.image_cache.close()
-
-    def read_slice(self, piece: ShardSlice) -> Iterator[RawSample]:
-        samples = self._read_source_slice(piece)
-        mapping = self.label_maps[piece.shard] if self.label_maps is not None else None
-        return samples if mapping is None else relabelled(samples, mapping, self.locations[piece.shard])
-
-    def _read_source_slice(self, piece: ShardSlice) -> Iterator[RawSample]:
-        location = self.locations[piece.shard]
-        lease = self._cached_copy(piece.shard)
-        if lease is not None:
-            return self._read_cached(lease, location, piece)
-        if is_s3(location):
-            return self._read_s3(location, piece)
-        if is_remote(location):
-            return self._read_remote(location, piece)
-        info = self.split_info.shards[piece.shard]
-        whole = self.verify_sha256 and piece.start == 0 and piece.stop >= info.samples
-        sha256 = info.sha256 if whole else None
-        if info.index is None or piece.start == 0 or not self.storage.indexed:
-            return self.storage.read_slice(location, piece.start, piece.stop, sha256=sha256)
-        return self.storage.read_slice(location, piece.start, piece.stop, sha256=sha256,
-                                       offsets=self._tar_offsets(piece.shard, location, info))
-
-    def _read_cached(self, lease: Any, location: str, piece: ShardSlice) -> Iterator[RawSample]:
-        """A slice of the node-local copy (checked against the manifest's sha256 when it was fetched), held
-        against eviction until the slice is read."""
-        try:
-            info = self.split_info.shards[piece.shard]
-            extra = {}
-            if info.index is not None and piece.start > 0 and self.storage.indexed \
-                    and (is_s3(location) or not is_remote(location)):  # no index over http(s): scan the local copy
-                extra["offsets"] = self._s3_offsets(piece.shard, location, info) if is_s3(location) \
-                    else self._tar_offsets(piece.shard, location, info)
-            yield from self.storage.read_slice(str(lease.path), piece.start, piece.stop, **extra)
-        finally:
-            lease.release()
-
-    def _s3_offsets(self, shard: int, location: str, info: Any) -> Any:
-        from shards.formats.s3 import S3Options
-        from shards.formats.s3shards import load_s3_index
-
-        cache = self.__dict__.setdefault("_s3_offsets_cache", {})
-        if shard not in cache:
-            cache[shard] = load_s3_index(location, info, S3Options.from_mapping(self.storage_options))
-        return cache[shard]
-
-    def _tar_offsets(self, shard: int, location: str, info: Any) -> Any:
-        """The shard's checked per-sample byte index, loaded once per worker (each holds its own copy)."""
-        cache = self.__dict__.setdefault("_offsets_cache", {})
-        if shard not in cache:
-            cache[shard] = load_local_index(location, info)
-        return cache[shard]
-
-    def _read_s3(self, location: str, piece: ShardSlice) -> Iterator[RawSample]:
-        """A slice from object storage: tar by its byte index (fetched once per worker) in one ranged GET, HDF5
-        through a block-cached file object; see ``shards.formats.s3shards``."""
-        from shards.formats.s3 import S3Options
-        from shards.formats.s3shards import iter_s3_hdf5_slice, iter_s3_tar_slice
-
-        options = S3Options.from_mapping(self.storage_options)
-        info = self.split_info.shards[piece.shard]
-        if self.storage.name == "hdf5":
-            return iter_s3_hdf5_slice(location, piece.start, piece.stop, options, info.bytes)
-        return iter_s3_tar_slice(location, piece.start, piece.stop, options,
-                                 self._s3_offsets(piece.shard, location, info))
-
-    def _read_remote(self, location: str, piece: ShardSlice) -> Iterator[RawSample]:
-        with open_remote(location) as stream:
-            yield from itertools.islice(self.storage.read_stream(stream, location), piece.start, piece.stop)
+        return getattr(image_dataset, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,7 +13,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from shards.stream.dataset import ImageShardDataset, ShardDataset, StreamConfig
+from shards.stream.dataset import ShardDataset, StreamConfig
+from shards.stream.image_dataset import ImageShardDataset
 from shards.stream.mixture import MixOptions, SourceSpec, Subset, as_specs
 from shards.stream.plan import ShardSlice
 from shards.stream.selection import LoadedSource, combine

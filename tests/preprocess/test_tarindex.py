@@ -113,7 +113,7 @@ def test_old_manifests_without_an_index_still_read(packed):
 
 
 def test_streaming_reader_seeks_with_the_sidecar(packed, monkeypatch):
-    from shards.stream import dataset as dataset_module
+    from shards.stream import image_dataset as dataset_module
     from shards.stream.dataset import StreamConfig
     from shards.stream.plan import ShardSlice
 

@@ -18,7 +18,7 @@ from shards.formats.features import FeatureShard, feature_shard_name, write_feat
 from shards.formats.sample import RawSample
 from shards.formats.storage import get_storage, shard_name
 from shards.manifest import DatasetManifest, FeatureManifest, ShardInfo, SourceInfo, SplitInfo
-from shards.stream.dataset import ImageShardDataset
+from shards.stream.image_dataset import ImageShardDataset
 from shards.stream.mixture import MixOptions, SourceSpec, Subset, draws, epoch_rows
 from shards.stream.where import Where
 from tests.helpers import class_image, write_image_folder

@@ -22,6 +22,8 @@ def test_round_trip_keeps_order_and_bytes(tmp_path, storage):
         for sample in SAMPLES:
             writer.write(sample)
     assert list(spec.read(path)) == SAMPLES
+    assert list(spec.read_bytes(path.read_bytes(), str(path))) == SAMPLES  # a fetched object, from memory
+    assert list(spec.read_slice(path, 2, 5)) == SAMPLES[2:5]
     assert writer.samples == len(SAMPLES)
     assert writer.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
     assert writer.bytes == path.stat().st_size

@@ -1,0 +1,196 @@
+"""The image-shard dataset: tar or HDF5 shards, local, behind the node cache, on ``s3://``, ``http(s)://`` or ``pipe:``,
+read into ``RawSample`` and decoded by a pluggable ``decoder(sample, seed)``.
+
+Everything about order, epochs, resume and errors lives in the base class (``shards.stream.dataset``); this module
+holds only how image bytes are reached and turned into outputs, and the adapters that keep older decoders (one
+argument) and mixed class lists (``relabelled``) working.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from shards.errors import CorruptDataError, InputError, MissingInputError
+from shards.formats.remote import is_remote, open_remote
+from shards.formats.s3 import is_s3
+from shards.formats.sample import RawSample
+from shards.formats.storage import get_storage
+from shards.formats.tarindex import load_local_index
+from shards.image.decode import ImageDecoder
+from shards.manifest import SplitInfo
+from shards.stream.cached_shards import CachedShards
+from shards.stream.dataset import ShardDataset, StreamConfig
+from shards.stream.plan import ShardSlice
+
+
+def relabelled(samples: Iterator[Any], mapping: Any, where: str) -> Iterator[Any]:
+    """Samples with their source's label mapped onto a mixture's combined classes (``label_maps``)."""
+    for sample in samples:
+        if not 0 <= sample.label < len(mapping):
+            raise CorruptDataError(f"label {sample.label} is outside the source's {len(mapping)} classes",
+                                   path=where, key=sample.key)
+        yield sample._replace(label=int(mapping[sample.label]))
+
+
+class _OneArgumentDecoder:
+    """A ``decoder(sample)`` of the older interface under the reader's ``decoder(sample, seed)``.
+
+    Such a decoder can only draw its randomness from torch's global generator (torchvision's random transforms
+    do), so it runs inside ``torch.random.fork_rng`` seeded with the sample's seed: its augmentations replay
+    exactly, and the caller's generator is left as it was. A class, not a lambda, so DataLoader workers can
+    carry it.
+    """
+
+    def __init__(self, decoder: Callable[[Any], Any]):
+        self.decoder = decoder
+
+    def __call__(self, sample: Any, seed: int) -> Any:
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)  # CPU only: torch.manual_seed would reseed CUDA, unrestored
+            return self.decoder(sample)
+
+
+def seeded_decoder(decoder: Callable) -> Callable[[Any, int], Any]:
+    """``decoder`` callable as ``decoder(sample, seed)``, adapting one that takes only the sample."""
+    try:
+        signature = inspect.signature(decoder)
+    except (TypeError, ValueError):  # no introspectable signature (some builtins): assume the current interface
+        return decoder
+    try:
+        signature.bind(None, 0)
+    except TypeError:
+        return _OneArgumentDecoder(decoder)
+    return decoder
+
+
+class ImageShardDataset(ShardDataset):
+    """Image shards (tar or HDF5, local, ``http(s)://`` or ``pipe:``) -> ``(image, label[, key])``.
+
+    ``verify_sha256 = True``: a slice that covers a whole local tar shard is hashed as it is read and checked
+    against the manifest after its last sample. Off by default: it costs about 1% of a decoding pipeline but 22% of
+    raw reading (``scripts/bench/loader.py --sha256-only``); ``shards verify`` checks every shard's sha256.
+
+    ``image_cache`` (``open_dataset(cache="memory")``, ``shards.stream.image_cache``): decoded samples kept in memory
+    shared by the workers, so epochs after the first skip decoding; ``close()`` lets go of it early.
+    """
+
+    verify_sha256 = False
+
+    def __init__(self, split: SplitInfo, locations: Sequence[str], config: StreamConfig, *, storage: str,
+                 decoder: Callable[[RawSample, int], Any] | Callable[[RawSample], Any] | None = None,
+                 num_classes: int | None = None, storage_options: Any = None,
+                 shard_cache: CachedShards | None = None, image_cache: Any = None):
+        super().__init__(split, locations, config, num_classes, shard_cache)
+        self.storage = get_storage(storage)
+        self.decoder = decoder if decoder is not None else ImageDecoder()
+        self.image_cache = image_cache
+        self.storage_options = storage_options  # for s3:// (an S3Options, picklable: each worker makes its client)
+        for location in self.locations:
+            if is_s3(location):
+                continue  # every format reads by byte range from object storage (shards.formats.s3shards)
+            if is_remote(location):
+                if self.storage.read_stream is None:
+                    raise InputError(f"{self.storage.name} shards must be local files; stream tar shards instead",
+                                     path=location)
+            elif not Path(location).is_file():
+                raise MissingInputError("shard listed in the manifest is missing", path=location)
+
+    @property
+    def decoder(self) -> Callable:
+        """The decoder as given (``FastDecoder`` offers ``normalizer()``); the reader calls it with the seed."""
+        return self._decoder
+
+    @decoder.setter
+    def decoder(self, decoder: Callable) -> None:
+        self._decoder = decoder
+        self._decode = seeded_decoder(decoder)
+
+    def decode(self, sample: RawSample, seed: int) -> Any:
+        return self._decode(sample, seed)
+
+    def decode_row(self, sample: RawSample, seed: int, row: int) -> Any:
+        if self.image_cache is None:
+            return self._decode(sample, seed)
+        return self.image_cache(sample, seed, row)
+
+    def decode_marker(self) -> Any:
+        if self.image_cache is not None:
+            return self.image_cache
+        return self._decoder  # ImageDecoder and FastDecoder set decoded_at; a user's decoder may too
+
+    def close(self) -> None:
+        """Release the image cache's memory in this process now (workers let go when they exit)."""
+        if self.image_cache is not None:
+            self.image_cache.close()
+
+    def read_slice(self, piece: ShardSlice) -> Iterator[RawSample]:
+        samples = self._read_source_slice(piece)
+        mapping = self.label_maps[piece.shard] if self.label_maps is not None else None
+        return samples if mapping is None else relabelled(samples, mapping, self.locations[piece.shard])
+
+    def _read_source_slice(self, piece: ShardSlice) -> Iterator[RawSample]:
+        location = self.locations[piece.shard]
+        lease = self._cached_copy(piece.shard)
+        if lease is not None:
+            return self._read_cached(lease, location, piece)
+        if is_s3(location):
+            return self._read_s3(location, piece)
+        if is_remote(location):
+            return self._read_remote(location, piece)
+        info = self.split_info.shards[piece.shard]
+        whole = self.verify_sha256 and piece.start == 0 and piece.stop >= info.samples
+        sha256 = info.sha256 if whole else None
+        if info.index is None or piece.start == 0 or not self.storage.indexed:
+            return self.storage.read_slice(location, piece.start, piece.stop, sha256=sha256)
+        return self.storage.read_slice(location, piece.start, piece.stop, sha256=sha256,
+                                       offsets=self._tar_offsets(piece.shard, location, info))
+
+    def _read_cached(self, lease: Any, location: str, piece: ShardSlice) -> Iterator[RawSample]:
+        """A slice of the node-local copy (checked against the manifest's sha256 when it was fetched), held
+        against eviction until the slice is read."""
+        try:
+            info = self.split_info.shards[piece.shard]
+            extra = {}
+            if info.index is not None and piece.start > 0 and self.storage.indexed \
+                    and (is_s3(location) or not is_remote(location)):  # no index over http(s): scan the local copy
+                extra["offsets"] = self._s3_offsets(piece.shard, location, info) if is_s3(location) \
+                    else self._tar_offsets(piece.shard, location, info)
+            yield from self.storage.read_slice(str(lease.path), piece.start, piece.stop, **extra)
+        finally:
+            lease.release()
+
+    def _s3_offsets(self, shard: int, location: str, info: Any) -> Any:
+        from shards.formats.s3 import S3Options
+        from shards.formats.s3shards import load_s3_index
+
+        cache = self.__dict__.setdefault("_s3_offsets_cache", {})
+        if shard not in cache:
+            cache[shard] = load_s3_index(location, info, S3Options.from_mapping(self.storage_options))
+        return cache[shard]
+
+    def _tar_offsets(self, shard: int, location: str, info: Any) -> Any:
+        """The shard's checked per-sample byte index, loaded once per worker (each holds its own copy)."""
+        cache = self.__dict__.setdefault("_offsets_cache", {})
+        if shard not in cache:
+            cache[shard] = load_local_index(location, info)
+        return cache[shard]
+
+    def _read_s3(self, location: str, piece: ShardSlice) -> Iterator[RawSample]:
+        """A slice from object storage: tar by its byte index (fetched once per worker) in one ranged GET, HDF5
+        through a block-cached file object; see ``shards.formats.s3shards``."""
+        from shards.formats.s3 import S3Options
+
+        options = S3Options.from_mapping(self.storage_options)
+        info = self.split_info.shards[piece.shard]
+        offsets = self._s3_offsets(piece.shard, location, info) if self.storage.indexed else None
+        return self.storage.read_s3_slice(location, piece.start, piece.stop, options, size=info.bytes,
+                                          offsets=offsets)
+
+    def _read_remote(self, location: str, piece: ShardSlice) -> Iterator[RawSample]:
+        with open_remote(location) as stream:
+            yield from itertools.islice(self.storage.read_stream(stream, location), piece.start, piece.stop)
