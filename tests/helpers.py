@@ -41,6 +41,13 @@ def write_image_folder(root: Path, classes: Sequence[str], per_class: int, size=
     return root
 
 
+def colour_shards(out: Path, size: tuple[int, int] = (32, 32)) -> Path:
+    """3 colour-coded classes of JPEGs in uneven tar shards (train 20/14/14, val 12): the tests' small image set."""
+    make_shard_dataset(out, classes=("red", "green", "blue"), shard_sizes={"train": [20, 14, 14], "val": [12]},
+                       size=size)
+    return out
+
+
 def make_shard_dataset(
     out: Path,
     *,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import make_shard_dataset
+from tests.helpers import colour_shards
 from tests.train.conftest import write_feature_folder
 
 CLASSES = ("ant", "bee", "cat", "dog")
@@ -17,10 +17,7 @@ CLASSES = ("ant", "bee", "cat", "dog")
 @pytest.fixture
 def dataset_dir(tmp_path: Path) -> Path:
     """3 colour-coded classes of real JPEGs in uneven tar shards."""
-    out = tmp_path / "images"
-    make_shard_dataset(out, classes=("red", "green", "blue"), shard_sizes={"train": [20, 14, 14], "val": [12]},
-                       size=(40, 32))
-    return out
+    return colour_shards(tmp_path / "images", size=(40, 32))
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from shards.manifest import (
     dataset_manifest_sha256,
 )
 from shards.formats.storage import shard_name
-from tests.helpers import make_shard_dataset
+from tests.helpers import colour_shards
 
 
 def write_feature_folder(root: Path, *, shard_sizes: dict[str, Sequence[int]], classes: Sequence[str],
@@ -74,8 +74,5 @@ def feature_folder(tmp_path: Path) -> Path:
 @pytest.fixture
 def image_folder(tmp_path: Path) -> Path:
     """3 colour-coded classes of 32x32 JPEGs in uneven tar shards."""
-    out = tmp_path / "images"
-    make_shard_dataset(out, classes=("red", "green", "blue"), shard_sizes={"train": [20, 14, 14], "val": [12]},
-                       size=(32, 32))
-    return out
+    return colour_shards(tmp_path / "images")
 

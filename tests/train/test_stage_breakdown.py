@@ -121,13 +121,19 @@ def check_rows(rows: list[dict], world_size: int = 1) -> None:
         assert total["step"] > 0
 
 
-def test_image_run_writes_stage_seconds_in_every_row(image_folder: Path, tmp_path: Path):
-    result = run_cli(image_folder, "--out", tmp_path / "run", "--epochs", "2", "--batch-size", "8", "--workers", "2",
-                     "--image-size", "32", "--pipeline", "fast", "--optimizer", "adamw")
+def two_checked_epochs(folder: Path, tmp_path: Path, *options: str):
+    """A two-epoch run of ``folder``: the CLI result and its metrics rows, each checked by ``check_rows``."""
+    result = run_cli(folder, "--out", tmp_path / "run", "--epochs", "2", *options)
     assert result.exit_code == 0, result.output
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert len(rows) == 2
     check_rows(rows)
+    return result, rows
+
+
+def test_image_run_writes_stage_seconds_in_every_row(image_folder: Path, tmp_path: Path):
+    result, rows = two_checked_epochs(image_folder, tmp_path, "--batch-size", "8", "--workers", "2",
+                                      "--image-size", "32", "--pipeline", "fast", "--optimizer", "adamw")
     for row in rows:
         seconds = row["stage_seconds"]
         assert all(seconds[name] > 0 for name in (*WORKER_STAGES, "to_device", "normalize")), seconds
@@ -135,11 +141,7 @@ def test_image_run_writes_stage_seconds_in_every_row(image_folder: Path, tmp_pat
 
 
 def test_feature_run_reports_read_and_no_decoding(feature_folder: Path, tmp_path: Path):
-    result = run_cli(feature_folder, "--out", tmp_path / "run", "--epochs", "2", "--batch-size", "16")
-    assert result.exit_code == 0, result.output
-    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    assert len(rows) == 2
-    check_rows(rows)
+    _, rows = two_checked_epochs(feature_folder, tmp_path, "--batch-size", "16")
     for row in rows:
         seconds = row["stage_seconds"]
         assert seconds["read"] > 0 and seconds["to_device"] > 0
