@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from dataclasses import dataclass
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -221,7 +222,7 @@ def open_dataset(path: str | os.PathLike | SourceSpec | Sequence[str | os.PathLi
         config = dataclasses.replace(config, class_weights=_resolve_weights(sampling.class_weights,
                                                                             split_info.class_counts))
     dataset = _build(manifest, split_info, locations, config, transform=transform, decode=decode, remote=remote,
-                     cache=cache, shard_cache=shard_cache, memory_limit=memory_limit, cache_side=cache_side)
+                     caches=_Caches(cache, shard_cache, memory_limit, cache_side))
     if combined is not None:
         dataset.use_mixture(combined.mixture, combined.label_maps)
     return dataset
@@ -241,27 +242,38 @@ def _load_source(spec: SourceSpec, split: str, remote: Remote, config: StreamCon
     def read_all(shard: int) -> Any:
         if not readers:  # a plain reader of this source, made only when a shard must be read to be filtered
             readers.append(_build(manifest, split_info, locations, plain, transform=None, decode=Decode(),
-                                  remote=remote, cache="none", shard_cache=shard_cache))
+                                  remote=remote, caches=_Caches("none", shard_cache)))
         return readers[0].read_slice(ShardSlice(shard, 0, split_info.shards[shard].samples))
 
     return LoadedSource(spec, manifest, split_info, locations, folder, read_all)
 
 
+@dataclass(frozen=True)
+class _Caches:
+    """What one dataset reads through: ``open_dataset``'s ``cache`` mode, the node-local shard cache (or None) and
+    the decoded-image cache's size options."""
+
+    mode: str = "auto"
+    shards: Any = None
+    memory_limit: Any = None
+    cache_side: int | None = None
+
+
 def _build(manifest: Manifest, split_info: Any, locations: list[str], config: StreamConfig, *, transform: Any,
-           decode: Decode, remote: Remote, cache: str, shard_cache: Any, memory_limit: Any = None,
-           cache_side: int | None = None) -> ShardDataset:
+           decode: Decode, remote: Remote, caches: _Caches) -> ShardDataset:
     """The streaming dataset of one (possibly combined) split."""
-    split = config.split
+    split, shard_cache = config.split, caches.shards
     if isinstance(manifest, FeatureManifest):
-        if transform is not None or decode.image_only or memory_limit is not None or cache_side is not None:
+        if transform is not None or decode.image_only or caches.memory_limit is not None \
+                or caches.cache_side is not None:
             raise InputError("transform, Decode.decoder, Decode.draft, memory_limit and cache_side apply to image "
                              "shards, not to feature shards")
         # A regression table has no classes (None: no label range to check) and yields its float targets.
-        return FeatureShardDataset(split_info, locations, config, cache=cache,
+        return FeatureShardDataset(split_info, locations, config, cache=caches.mode,
                                    num_classes=len(manifest.classes) or None, features_dim=manifest.features_dim,
                                    dtype=manifest.dtype, views=manifest.views, storage_options=remote.storage_options,
                                    shard_cache=shard_cache, task=target_task(manifest.config))
-    images = ImageCacheRequest(cache, memory_limit, cache_side, pipeline=decode.pipeline)
+    images = ImageCacheRequest(caches.mode, caches.memory_limit, caches.cache_side, pipeline=decode.pipeline)
     decoder = decode.decoder
     if decode.pipeline == "fast":
         spec = _fast_spec(transform)
