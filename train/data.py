@@ -89,7 +89,7 @@ class RunData:
         mixture = self.mixture
         if mixture is None:
             return None
-        return {"class_map": cfg.class_map, "epoch_size": mixture.epoch_size,
+        return {"class_map": cfg.class_map, "classes": self.classes, "epoch_size": mixture.epoch_size,
                 "sources": mixture.composition(self.classes)}
 
     def feature_config(self) -> dict[str, Any]:

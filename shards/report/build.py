@@ -134,17 +134,28 @@ class _Builder:
         from shards.report.run import read_run, run_section
 
         run = read_run(folder)
-        data_path = run.config.get("data_path")
         links, classes = Markup(""), None
-        if isinstance(data_path, str) and data_path:
+        for data_path in _trained_on(run.config):
             if is_remote(data_path):
-                links = note(f"Trained on {data_path}: remote, not included (a report reads local folders only).")
-            else:
-                # Relative to where training ran: where write_run_report runs, and usually where one runs the CLI.
-                links, manifest = self.follow(data_path, "Trained on")
-                if isinstance(manifest, (DatasetManifest, FeatureManifest)):
-                    classes = manifest.classes
+                links += note(f"Trained on {data_path}: remote, not included (a report reads local folders only).")
+                continue
+            # Relative to where training ran: where write_run_report runs, and usually where one runs the CLI.
+            link, manifest = self.follow(data_path, "Trained on")
+            links += link
+            if classes is None and isinstance(manifest, (DatasetManifest, FeatureManifest)):
+                classes = manifest.classes
+        mixture = run.config.get("mixture")
+        if isinstance(mixture, dict) and isinstance(mixture.get("classes"), list):
+            classes = tuple(str(c) for c in mixture["classes"])  # a union class map: the run's own class list
         return run_section(run, anchor, classes=classes, links=links)
+
+
+def _trained_on(config: dict) -> list[str]:
+    """The folders a run read: every source of a mixture, else its one ``data_path``."""
+    sources = config.get("sources")
+    paths = [s.get("path") for s in sources if isinstance(s, dict)] if isinstance(sources, list) and sources \
+        else [config.get("data_path")]
+    return [p for p in paths if isinstance(p, str) and p]
 
 
 def _grid_options(grid: bool | GridOptions) -> GridOptions | None:

@@ -91,3 +91,21 @@ def test_a_damaged_mixture_entry_is_named_and_untrusted_text_is_escaped(tmp_path
 def test_a_run_on_one_whole_folder_has_no_mixture_part(tmp_path: Path):
     run = write_run(tmp_path / "run", {}, [{k: v for k, v in epoch_row(1, []).items() if k != "mixture_drawn"}])
     assert "Data mixture" not in parse(build_report([run], grid=False)).text
+
+
+def test_a_mixed_run_links_every_source_and_labels_with_the_union_classes(tmp_path: Path):
+    from click.testing import CliRunner
+
+    from tests.train.conftest import write_feature_folder
+    from train.cli import train_command
+
+    one = write_feature_folder(tmp_path / "one", shard_sizes={"train": [40], "val": [12]}, classes=("ant", "bee"))
+    two = write_feature_folder(tmp_path / "two", shard_sizes={"train": [20], "val": [8]}, classes=("bee", "cat"))
+    result = CliRunner().invoke(train_command, ["--data", str(one), "--data", str(two), "--class-map", "union",
+                                                "--out", str(tmp_path / "run"), "--epochs", "1", "--batch-size", "8",
+                                                "--quiet", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    page = build_report(tmp_path / "run", grid=False)
+    assert str(one) in page and str(two) in page  # both sources are sections of the report
+    assert page.count('class="badge features"') >= 3  # the two feature sections, and their links from the run
+    assert ">cat<" in page and ">ant<" in page  # the confusion matrix is labelled with the union of class names
