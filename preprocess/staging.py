@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from shards.errors import InputError, OutputExistsError
-from shards.formats.features import is_feature_file
+from shards.formats.feature_names import is_feature_file
 from shards.formats.s3 import S3Options, is_s3, make_client
 from shards.formats.s3_upload import PublishSpec, check_out_url, default_stage_dir, list_prefix, publish_folder
 

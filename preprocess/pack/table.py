@@ -12,32 +12,45 @@ naming the file, the spreadsheet row (the header is row 1) and the column, unles
 cells to be filled. Statistics come from the train split only, so nothing about val leaks into the inputs. A
 regression target is stored as the feature format's ``targets`` (float32 [N]) beside all-zero placeholder labels,
 and ``config.target`` records its train mean and std (``train-from-shards --task regression`` standardises with them).
+
+The work is split by concern: ``preprocess.pack.table_read`` reads and checks the cells, columns, target and
+splits; ``preprocess.pack.table_encoding`` fits and applies the encoding; this module holds the config, the
+orchestration and the writing, and re-exports the public names of the other two.
 """
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import json
 import logging
 import math
 import random
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
 from preprocess.pack.parts import STATE_DIR
 from preprocess.pack.plan import split_order_key
+from preprocess.pack.table_encoding import ColumnEncoding, TableEncoding, fit_encoding
+from preprocess.pack.table_read import (DEFAULT_VAL_FRACTION, MAX_INFERRED_CLASSES, MISSING_CELLS, SPLIT_COLUMN,
+                                        UNKNOWN_CODE, Layout, Table, Target, assign_splits, parse_inputs,
+                                        parse_target, read_table, resolve_columns)
 from shards.atomic import check_local_output, remove_stale_tmp, sha256_file, tmp_target
-from shards.errors import InputError, MissingInputError, OutputExistsError, ShardcacheError
+from shards.errors import InputError, OutputExistsError, ShardcacheError
 from shards.lock import claim_output
 from shards.manifest import (DATASET_FILE, FEATURES_FILE, FeatureManifest, ShardInfo, SplitInfo,
                              load_feature_manifest)
-from shards.formats.features import is_feature_file
+from shards.formats.feature_names import is_feature_file
+
+# This module's public names and those it re-exports from table_read and table_encoding: callers import from here.
+__all__ = ["DEFAULT_VAL_FRACTION", "ENCODINGS", "FEATURE_DTYPE", "IMPUTE_STATISTICS", "MAX_INFERRED_CLASSES",
+           "MISSING_CELLS", "SPLIT_COLUMN", "TABLE_KIND", "TABLE_STORAGES", "TASKS", "UNKNOWN_CODE", "ColumnEncoding",
+           "Layout", "PreparedTable", "Table", "TableConfig", "TableEncoding", "TableResult", "Target",
+           "assign_splits", "check_table_output", "fit_encoding", "pack_table", "parse_inputs", "parse_target",
+           "prepare_table", "read_table", "resolve_columns"]
 
 log = logging.getLogger("shardcache.pack")
 
@@ -47,15 +60,6 @@ IMPUTE_STATISTICS = ("mean", "median", "zero")
 TABLE_STORAGES = ("pt", "hdf5")
 TABLE_KIND = "table"  # features.json config["kind"]: tells freshness checks there is no dataset.json behind it
 FEATURE_DTYPE = "float32"
-SPLIT_COLUMN = "split"
-DEFAULT_VAL_FRACTION = 0.2
-MAX_INFERRED_CLASSES = 20  # integer targets with more distinct values are inferred to be regression
-UNKNOWN_CODE = -1  # a category the train split never had (or a missing one, with --impute)
-# Read as missing, compared case-insensitively after stripping spaces ("None" stays a category name).
-MISSING_CELLS = frozenset({"", "na", "n/a", "#n/a", "nan", "null", "?"})
-_NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")  # float() would also take inf, nan and 1_000
-_INTEGER = re.compile(r"^[+-]?\d+$")
-_SPLIT_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 
 
 @dataclass(frozen=True)
@@ -95,336 +99,6 @@ class TableConfig:
             twice = sorted({c for c in names if names.count(c) > 1})
             if twice:
                 raise InputError(f"--{name} names {twice[0]!r} twice")
-
-
-@dataclass(frozen=True)
-class Table:
-    """A CSV file's stripped cells by column, and each record's spreadsheet row number (the header is row 1)."""
-
-    path: str
-    sha256: str
-    header: tuple[str, ...]
-    row_numbers: tuple[int, ...]
-    cells: Mapping[str, tuple[str, ...]]
-
-    def __len__(self) -> int:
-        return len(self.row_numbers)
-
-    def error(self, index: int, column: str, message: str) -> InputError:
-        return InputError(f"row {self.row_numbers[index]}, column {column!r}: {message}", path=self.path)
-
-
-def read_table(path: str) -> Table:
-    """Read a CSV file whose first row names unique columns and whose every record has as many cells."""
-    source = Path(path)
-    if not source.exists():
-        raise MissingInputError("no such file", path=path)
-    if not source.is_file():
-        raise InputError("is not a file; --table reads one CSV file", path=path)
-    numbers: list[int] = []
-    records: list[list[str]] = []
-    start = 1
-    try:
-        with open(source, newline="", encoding="utf-8-sig") as handle:
-            reader = csv.reader(handle)
-            header = [name.strip() for name in next(reader, [])]
-            _check_header(header, path)
-            start = reader.line_num + 1
-            for record in reader:
-                if any(cell.strip() for cell in record):  # blank lines are skipped, but still counted
-                    if len(record) != len(header):
-                        raise InputError(f"row {start}: {len(record)} cells, the header has {len(header)}", path=path)
-                    numbers.append(start)
-                    records.append(record)
-                start = reader.line_num + 1
-    except UnicodeDecodeError as exc:
-        raise InputError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", path=path) from None
-    except csv.Error as exc:
-        raise InputError(f"row {start}: not valid CSV ({exc})", path=path) from None
-    if not records:
-        raise InputError("no data rows below the header", path=path)
-    cells = {name: tuple(record[i].strip() for record in records) for i, name in enumerate(header)}
-    return Table(path, sha256_file(source), tuple(header), tuple(numbers), cells)
-
-
-def _check_header(header: Sequence[str], path: str) -> None:
-    if not header:
-        raise InputError("empty file (expected a header row naming the columns)", path=path)
-    for position, name in enumerate(header, 1):
-        if not name:
-            raise InputError(f"row 1: column {position} of the header has no name", path=path)
-        if header.count(name) > 1:
-            raise InputError(f"row 1: column {name!r} appears twice in the header", path=path)
-
-
-def _is_missing(cell: str) -> bool:
-    return cell.lower() in MISSING_CELLS
-
-
-class Layout(NamedTuple):
-    inputs: tuple[str, ...]
-    categorical: frozenset[str]
-    split_column: str | None
-
-
-def resolve_columns(table: Table, cfg: TableConfig) -> Layout:
-    """Which columns are inputs, which of them categorical, and whether a ``split`` column assigns the splits."""
-    for option, wanted in (("--target", (cfg.target,)), ("--columns", cfg.columns or ()),
-                           ("--categorical", cfg.categorical)):
-        unknown = [name for name in wanted if name not in table.cells]
-        if unknown:
-            raise InputError(f"{option}: no column {unknown[0]!r}; the header has {', '.join(table.header)}",
-                             path=table.path)
-    chosen = cfg.columns or ()
-    split_column = SPLIT_COLUMN if SPLIT_COLUMN in table.cells and SPLIT_COLUMN not in (cfg.target, *chosen) else None
-    inputs = chosen or tuple(name for name in table.header if name not in (cfg.target, split_column))
-    if cfg.target in inputs:
-        raise InputError(f"--columns includes the target {cfg.target!r}", path=table.path)
-    outside = [name for name in cfg.categorical if name not in inputs]
-    if outside:
-        raise InputError(f"--categorical {outside[0]!r} is not an input column", path=table.path)
-    if not inputs:
-        raise InputError("no input columns besides the target", path=table.path)
-    return Layout(tuple(inputs), frozenset(cfg.categorical), split_column)
-
-
-class Target(NamedTuple):
-    task: str
-    classes: tuple[str, ...]  # sorted (numerically for integer labels); () for regression
-    labels: np.ndarray  # int64 [N]; all 0 for regression
-    values: np.ndarray | None  # float64 [N] for regression
-
-
-def parse_target(table: Table, cfg: TableConfig) -> Target:
-    """Classification for strings and for integers with few distinct values, regression otherwise (``--task``)."""
-    cells = table.cells[cfg.target]
-    for i, cell in enumerate(cells):
-        if _is_missing(cell):
-            raise table.error(i, cfg.target, "the target is missing; remove the rows that have none")
-    integer = all(_INTEGER.match(cell) for cell in cells)
-    task = cfg.task
-    if task == "auto":
-        numeric = all(_NUMBER.match(cell) for cell in cells)
-        few = integer and len({int(cell) for cell in cells}) <= MAX_INFERRED_CLASSES
-        task = "classification" if few or not numeric else "regression"
-        log.info("target %r: %s (inferred; --task overrides)", cfg.target, task)
-    if task == "regression":
-        bad = next((i for i, cell in enumerate(cells) if not _NUMBER.match(cell)), None)
-        if bad is not None:
-            raise table.error(bad, cfg.target, f"{cells[bad]!r} is not a number (a regression target)")
-        values = np.array([float(cell) for cell in cells])
-        if values.min() == values.max():
-            raise InputError(f"target {cfg.target!r} is {values[0]:g} in every row; nothing to learn",
-                             path=table.path)
-        return Target(task, (), np.zeros(len(cells), np.int64), values)
-    # Integer labels sort as numbers, so labels 0..K-1 keep their index as the class index.
-    names = [str(int(cell)) for cell in cells] if integer else list(cells)
-    classes = tuple(sorted(set(names), key=int if integer else None))
-    if len(classes) < 2:
-        raise InputError(f"target {cfg.target!r} has one class ({classes[0]!r}); nothing to learn", path=table.path)
-    index = {name: i for i, name in enumerate(classes)}
-    return Target(task, classes, np.array([index[name] for name in names], np.int64), None)
-
-
-def assign_splits(table: Table, layout: Layout, target: Target, cfg: TableConfig) -> tuple[np.ndarray, float]:
-    """Each row's split: the split column's (as in image lists), else train with a seeded val carved out."""
-    if layout.split_column is not None:
-        names = table.cells[layout.split_column]
-        for i, name in enumerate(names):
-            if _is_missing(name):
-                raise table.error(i, layout.split_column, "no split name; give every row one (train, val...)")
-            if not _SPLIT_NAME.match(name):
-                raise table.error(i, layout.split_column, f"split {name!r} is not a plain name (letters, digits, _)")
-        split_of = np.array(names)
-        fraction = cfg.val_fraction or 0.0
-        if fraction and "val" in names:
-            raise InputError(f"--val-fraction {fraction} given, but the split column already names val rows",
-                             path=table.path)
-    else:
-        split_of = np.array(["train"] * len(table), dtype="<U5")
-        fraction = DEFAULT_VAL_FRACTION if cfg.val_fraction is None else cfg.val_fraction
-    if fraction:
-        split_of = split_of.astype(f"<U{max(split_of.itemsize // 4, 3)}")
-        split_of[_carve_val(np.flatnonzero(split_of == "train"), target, fraction, cfg.seed)] = "val"
-    if not (split_of == "train").any():
-        raise InputError("no train rows: the statistics that scale every split are fitted on the train split",
-                         path=table.path)
-    return split_of, fraction
-
-
-def _carve_val(train_rows: np.ndarray, target: Target, fraction: float, seed: int) -> list[int]:
-    """The same fraction of every class (of all rows, for regression), chosen from the seed and the class name as
-    image packing does, so the choice within one class does not depend on the others."""
-    groups = {"": train_rows}
-    if target.task == "classification":
-        groups = {name: train_rows[target.labels[train_rows] == k] for k, name in enumerate(target.classes)}
-    chosen: list[int] = []
-    for name, rows in groups.items():
-        members = rows.tolist()
-        n_val = min(max(round(fraction * len(members)), 1), len(members) - 1) if len(members) >= 2 else 0
-        random.Random(f"{seed}/val/{name}").shuffle(members)
-        chosen.extend(members[:n_val])
-    return sorted(chosen)
-
-
-def parse_inputs(table: Table, inputs: Sequence[str], categorical: frozenset[str], impute: bool) -> dict[str, Any]:
-    """Numeric columns as float64 (NaN where missing), categorical ones as strings (None where missing).
-
-    Every cell is checked before anything is raised, so the error names the first bad cell (by row, then column)
-    and how many there are: one run tells the whole story of a dirty file."""
-    parsed: dict[str, Any] = {}
-    problems: list[tuple[int, int, str, str]] = []
-    for position, name in enumerate(inputs):
-        cells = table.cells[name]
-        missing = [_is_missing(cell) for cell in cells]
-        if name in categorical:
-            parsed[name] = [None if gone else cell for cell, gone in zip(cells, missing)]
-            if not impute:
-                problems.extend((i, position, name, "missing category; pass --impute to encode it as unknown "
-                                 f"(all-zero one-hot, code {UNKNOWN_CODE})") for i, gone in enumerate(missing) if gone)
-            continue
-        values = np.full(len(cells), np.nan)
-        for i, (cell, gone) in enumerate(zip(cells, missing)):
-            if gone:
-                if not impute:
-                    problems.append((i, position, name, "missing value; pass --impute mean|median|zero to fill it "
-                                     "from the train split"))
-            elif _NUMBER.match(cell) and math.isfinite(float(cell)):
-                values[i] = float(cell)
-            else:
-                problems.append((i, position, name, f"{cell!r} is not a number; name the column in --categorical, "
-                                 "or leave it out with --columns"))
-        parsed[name] = values
-    if problems:
-        row, _, name, message = min(problems)
-        more = f" ({len(problems)} bad cells in all)" if len(problems) > 1 else ""
-        raise table.error(row, name, message + more)
-    return parsed
-
-
-@dataclass(frozen=True)
-class ColumnEncoding:
-    """How one input column becomes features: ``(x - mean) / std`` for a number, one-hot or a code for a category."""
-
-    name: str
-    kind: str  # "numeric" or "categorical"
-    mean: float = 0.0
-    std: float = 1.0
-    fill: float | None = None  # what a missing number becomes before scaling (--impute); None: an error
-    categories: tuple[str, ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        if self.kind == "numeric":
-            return {"name": self.name, "kind": self.kind, "mean": self.mean, "std": self.std, "fill": self.fill}
-        return {"name": self.name, "kind": self.kind, "categories": list(self.categories)}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ColumnEncoding":
-        if data["kind"] == "numeric":
-            fill = data.get("fill")
-            return cls(str(data["name"]), "numeric", float(data["mean"]), float(data["std"]),
-                       None if fill is None else float(fill))
-        return cls(str(data["name"]), "categorical", categories=tuple(str(c) for c in data["categories"]))
-
-
-@dataclass(frozen=True)
-class TableEncoding:
-    """The recipe from cells to a float32 feature row, fitted on the train split and recorded in ``features.json``
-    (``to_config``), so rows seen later (val, or new rows to predict) are scaled as the training rows were."""
-
-    columns: tuple[ColumnEncoding, ...]
-    encode: str  # categorical columns: "onehot" or "codes"
-    impute: str | None
-
-    @property
-    def feature_names(self) -> list[str]:
-        names = []
-        for column in self.columns:
-            if column.kind == "categorical" and self.encode == "onehot":
-                names.extend(f"{column.name}={category}" for category in column.categories)
-            else:
-                names.append(column.name)
-        return names
-
-    def to_config(self) -> dict[str, Any]:
-        unknown = "all-zero one-hot" if self.encode == "onehot" else UNKNOWN_CODE
-        return {"columns": [c.to_dict() for c in self.columns], "encode": self.encode, "impute": self.impute,
-                "unknown_category": unknown, "feature_names": self.feature_names}
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> "TableEncoding":
-        return cls(tuple(ColumnEncoding.from_dict(c) for c in config["columns"]), str(config["encode"]),
-                   config.get("impute"))
-
-    def encode_parsed(self, parsed: Mapping[str, Any]) -> np.ndarray:
-        blocks = []
-        for column in self.columns:
-            values = parsed[column.name]
-            if column.kind == "numeric":
-                filled = values if column.fill is None else np.where(np.isnan(values), column.fill, values)
-                blocks.append(((filled - column.mean) / column.std)[:, None])
-                continue
-            index = {category: i for i, category in enumerate(column.categories)}
-            codes = np.array([index.get(value, UNKNOWN_CODE) for value in values], np.int64)
-            if self.encode == "codes":
-                blocks.append(codes[:, None].astype(np.float64))
-            else:
-                onehot = np.zeros((len(codes), len(column.categories)))
-                known = np.flatnonzero(codes >= 0)
-                onehot[known, codes[known]] = 1.0
-                blocks.append(onehot)
-        return np.concatenate(blocks, axis=1).astype(np.float32)
-
-    def encode_rows(self, rows: Sequence[Mapping[str, str]], where: str = "rows") -> np.ndarray:
-        """New rows ({column: cell text}) -> float32 [N, features_dim], with the same parsing and policy as packing
-        (a bad cell is an ``InputError`` naming its row, counted from 1, and column)."""
-        names = tuple(column.name for column in self.columns)
-        cells = {name: tuple(str(row.get(name, "")).strip() for row in rows) for name in names}
-        table = Table(where, "", names, tuple(range(1, len(rows) + 1)), cells)
-        categorical = frozenset(c.name for c in self.columns if c.kind == "categorical")
-        return self.encode_parsed(parse_inputs(table, names, categorical, self.impute is not None))
-
-
-def fit_encoding(table: Table, parsed: Mapping[str, Any], layout: Layout, train: np.ndarray,
-                 cfg: TableConfig) -> tuple[TableEncoding, list[dict[str, str]]]:
-    """Fill values, means, stds and categories from the train rows only; columns with one value there are dropped
-    (they carry nothing to learn, and their std would be 0), with a warning and a record."""
-    columns, dropped = [], []
-    for name in layout.inputs:
-        values = parsed[name]
-        if name in layout.categorical:
-            seen = sorted({value for value, is_train in zip(values, train) if is_train and value is not None})
-            if len(seen) >= 2:
-                columns.append(ColumnEncoding(name, "categorical", categories=tuple(seen)))
-            else:
-                dropped.append(_drop(name, f"one category in the train split ({seen[0]!r})" if seen
-                                     else "no values in the train split"))
-            continue
-        train_values = values[train]
-        present = train_values[~np.isnan(train_values)]
-        if not len(present):
-            dropped.append(_drop(name, "no values in the train split"))
-            continue
-        fill = None if cfg.impute is None else _statistic(present, cfg.impute)
-        filled = train_values if fill is None else np.where(np.isnan(train_values), fill, train_values)
-        if filled.min() == filled.max():
-            dropped.append(_drop(name, f"constant in the train split ({filled[0]:g})"))
-            continue
-        columns.append(ColumnEncoding(name, "numeric", float(filled.mean()), float(filled.std()), fill))
-    if not columns:
-        raise InputError("every input column is constant or empty in the train split; nothing to learn from",
-                         path=table.path)
-    return TableEncoding(tuple(columns), cfg.encode, cfg.impute), dropped
-
-
-def _statistic(values: np.ndarray, name: str) -> float:
-    return {"mean": lambda: float(values.mean()), "median": lambda: float(np.median(values)),
-            "zero": lambda: 0.0}[name]()
-
-
-def _drop(name: str, reason: str) -> dict[str, str]:
-    log.warning("column %r dropped: %s", name, reason)
-    return {"column": name, "reason": reason}
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,9 @@ before an entry existed load with it as None.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -21,26 +20,8 @@ import torch
 from shards.atomic import atomic_output, sha256_file
 from shards.errors import ChecksumError, CorruptDataError, InputError
 
-FEATURE_SUFFIXES = {"pt": ".pt", "hdf5": ".h5"}
-
-
-def is_feature_file(name: str) -> bool:
-    """Whether a file name is one shardcache writes for a feature shard (``<split>-NNNNNN.pt|.h5``): what an
-    ``--overwrite`` or an upload may treat as its own."""
-    return bool(_FEATURE_FILE.match(name))
-
-
-_FEATURE_FILE = re.compile(r"^[A-Za-z0-9_]+-\d{6}\.(pt|h5)$")
-
-
-def target_task(config: Mapping[str, Any]) -> str:
-    """What a feature folder's rows are for, from its ``features.json`` config: "regression" when every shard
-    promises a float target per row (a table packed with a regression target, ``config.target``), else
-    "classification" (the labels are what to predict)."""
-    target = config.get("target")
-    if isinstance(target, Mapping) and target.get("task") == "regression" and target.get("stored_as") == "targets":
-        return "regression"
-    return "classification"
+# The names and the task rule need no torch (``pack-shards`` imports them); they live in feature_names.
+from shards.formats.feature_names import FEATURE_SUFFIXES, is_feature_file, target_task  # noqa: E402,F401
 
 
 @dataclass(frozen=True)

@@ -119,3 +119,13 @@ def test_slurm_array_variables_pick_the_task_and_merge_finishes(tmp_path):
 def test_source_and_out_are_required_without_merge(tmp_path):
     result = run(["--quiet"])
     assert result.exit_code == 2 and "--out" in error_lines(result)[0]
+
+
+def test_the_pack_command_starts_without_importing_torch():
+    # pack-shards runs on storage and login nodes; importing torch there costs seconds and gigabytes of pages.
+    import subprocess
+    import sys
+
+    code = "import sys, preprocess.pack.cli; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -1,0 +1,31 @@
+"""What a feature folder's files are called and what its rows are for: plain names and rules, no torch.
+
+``pack-shards`` (tables, ``--out s3://`` publishing) needs them to tell its own files from a user's, and must start
+without importing torch; ``shards.formats.features`` (the files themselves) re-exports them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping
+
+FEATURE_SUFFIXES = {"pt": ".pt", "hdf5": ".h5"}
+
+
+def is_feature_file(name: str) -> bool:
+    """Whether a file name is one shardcache writes for a feature shard (``<split>-NNNNNN.pt|.h5``): what an
+    ``--overwrite`` or an upload may treat as its own."""
+    return bool(_FEATURE_FILE.match(name))
+
+
+_FEATURE_FILE = re.compile(r"^[A-Za-z0-9_]+-\d{6}\.(pt|h5)$")
+
+
+def target_task(config: Mapping[str, Any]) -> str:
+    """What a feature folder's rows are for, from its ``features.json`` config: "regression" when every shard
+    promises a float target per row (a table packed with a regression target, ``config.target``), else
+    "classification" (the labels are what to predict)."""
+    target = config.get("target")
+    if isinstance(target, Mapping) and target.get("task") == "regression" and target.get("stored_as") == "targets":
+        return "regression"
+    return "classification"
