@@ -1,4 +1,4 @@
-"""Object storage (``s3://bucket/prefix``): the client, ranged reads with retries, and the typed errors.
+"""Object storage (``s3://bucket/prefix``): the options, the client, URLs, the counters and the typed errors.
 
 Everything S3 goes through botocore (``pip install 'shardcache[s3]'``): signing, the AWS configuration chain
 (environment, ``~/.aws/config`` and ``credentials``, profiles, ``AWS_ENDPOINT_URL`` for MinIO, Ceph, R2 or
@@ -8,13 +8,10 @@ SeaweedFS) and connection pooling. This module adds what a shard reader needs on
   holds credentials, so it can be logged, pickled to DataLoader workers and recorded in a config.
 - ``make_client``: one client per process and options. Clients are not fork-safe, so the cache is keyed by the
   process id: a DataLoader worker builds its own after fork.
-- ``open_range``: a readable stream of exactly the bytes ``[start, stop)`` of an object, fetched by ranged GETs of
-  up to ``RANGE_CHUNK`` bytes. 5xx, throttling (503 SlowDown), timeouts and connection resets are retried with
-  exponential backoff and full jitter (``random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt))``: the
-  jitter is not seeded on purpose, it only spreads clients apart and never changes what is read); a body that
-  breaks mid-read is re-requested from the byte where it stopped. After ``max_attempts`` a ``CorruptDataError``
-  names the URL and the last cause. 403 (``S3AccessDenied``, an ``InputError``) and 404 (``MissingInputError``) are
-  final at once.
+- ``open_range``, ``head_object``, ``read_object``, ``iter_chunks``: ranged reads, retried with exponential backoff
+  and full jitter (``random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt))``) and resumed mid-body;
+  they live in ``shards.formats.s3_ranges`` and are importable from here too. 403 (``S3AccessDenied``, an
+  ``InputError``) and 404 (``MissingInputError``) are final at once (``_final_error``, shared with uploads).
 - ``FETCH_STATS``: bytes and requests of this process (``share_stats()`` makes DataLoader workers add to the same
   counters), for the benchmark and the tests.
 
@@ -24,17 +21,18 @@ responses carry only a code and a message.
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import random
 import re
 import threading
-import time
 from dataclasses import dataclass, fields
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from shards.errors import CorruptDataError, InputError, MissingInputError
+
+if TYPE_CHECKING:
+    from shards.formats.s3_ranges import RangeReader, head_object, iter_chunks, open_range, read_object  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -288,172 +286,16 @@ def _backoff(attempt: int) -> float:
     return random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** attempt))
 
 
-# -- reads ------------------------------------------------------------------------------------------------------------
-class RangeReader(io.RawIOBase):
-    """Bytes ``[start, stop)`` of one object (``stop=None``: to its end), fetched lazily by ranged GETs.
-
-    ``read(n)`` returns ``n`` bytes unless the range ends first. A failed request or a body that breaks is retried
-    from the current byte (see the module docstring); ``where`` names the shard in errors when the URL alone does
-    not. An object shorter than ``stop`` is a ``CorruptDataError``.
-    """
-
-    def __init__(self, url: str, start: int = 0, stop: int | None = None, options: S3Options | None = None):
-        super().__init__()
-        self.url = url
-        self.bucket, self.key = parse_s3_url(url)
-        self.options = options if options is not None else S3Options()
-        self.client = make_client(self.options)
-        self.position = start
-        self.stop = stop
-        self.size: int | None = None  # the object's size, once a response said it
-        self._body: Any = None
-        self._body_stop = start  # the body in flight covers [position, _body_stop)
-        self._retryable = _retryable_types()
-
-    def readable(self) -> bool:
-        return True
-
-    def _end(self) -> int | None:
-        return self.stop if self.stop is not None else self.size
-
-    def _request(self) -> None:
-        """One GET for ``[position, min(end, position + RANGE_CHUNK))``."""
-        end = self._end()
-        chunk_stop = self.position + RANGE_CHUNK if end is None else min(end, self.position + RANGE_CHUNK)
-        FETCH_STATS.add(requests=1)
-        try:
-            response = self.client.get_object(Bucket=self.bucket, Key=self.key,
-                                              Range=f"bytes={self.position}-{chunk_stop - 1}")
-        except _botocore()[1].exceptions.ClientError as exc:
-            if end is None and _status_and_code(exc)[0] == 416:  # reading to the end, and already there
-                self.size, self._body_stop = self.position, self.position
-                return
-            raise
-        total = str(response.get("ContentRange", "")).rpartition("/")[2]
-        if total.isdigit():
-            self.size = int(total)
-        length = int(response.get("ContentLength", 0))
-        if self.stop is not None and self.size is not None and self.size < self.stop:
-            response["Body"].close()
-            raise CorruptDataError(f"object is {self.size} bytes, expected at least {self.stop} (truncated or "
-                                   "replaced)", path=self.url)
-        self._body = response["Body"]
-        self._body_stop = self.position + length
-
-    def _close_body(self) -> None:
-        if self._body is not None:
-            try:
-                self._body.close()
-            except Exception:  # noqa: BLE001 (a broken connection may fail to close; it is dropped either way)
-                pass
-            self._body = None
-
-    def _read_some(self, size: int) -> bytes:
-        """Up to ``size`` bytes from the body in flight, opening the next GET when one is needed."""
-        if self._body is None or self.position >= self._body_stop:
-            self._close_body()
-            self._request()
-            if self._body_stop <= self.position:  # an empty object, or the end was reached
-                return b""
-        wanted = min(size, self._body_stop - self.position)
-        # read1 on the urllib3 response returns what has arrived, so a body that breaks keeps every byte received
-        # and the retry asks for the rest from exactly there; StreamingBody.read would drop a partial read.
-        raw = getattr(self._body, "_raw_stream", None)
-        read1 = getattr(raw, "read1", None)
-        data = read1(wanted) if read1 is not None else self._body.read(min(wanted, 1 << 18))
-        if not data:
-            raise ConnectionResetError(f"body ended at byte {self.position}, expected up to {self._body_stop}")
-        return data
-
-    def read(self, size: int = -1) -> bytes:
-        end = self._end()
-        if size is None or size < 0:
-            parts = []
-            while chunk := self.read(RANGE_CHUNK):
-                parts.append(chunk)
-            return b"".join(parts)
-        if end is not None:
-            size = min(size, end - self.position)
-        parts, wanted = [], size
-        attempt = 0
-        while wanted > 0:
-            try:
-                data = self._read_some(wanted)
-            except self._retryable as exc:
-                self._close_body()
-                final = _final_error(exc, self.url)
-                if final is not None:
-                    raise final from None
-                attempt += 1
-                if attempt >= self.options.max_attempts:
-                    raise CorruptDataError(f"gave up after {attempt} attempts at byte {self.position}; last cause: "
-                                           f"{type(exc).__name__}: {_one_line(exc)}", path=self.url) from None
-                delay = _backoff(attempt - 1)
-                log.debug("S3 read of %s failed at byte %d (%s); retry %d in %.2fs", self.url, self.position,
-                          type(exc).__name__, attempt, delay)
-                time.sleep(delay)
-                continue
-            if not data:
-                break
-            attempt = 0  # progress: a later failure gets a fresh set of attempts
-            FETCH_STATS.add(nbytes=len(data))
-            self.position += len(data)
-            wanted -= len(data)
-            parts.append(data)
-            end = self._end()
-            if end is not None and self.position >= end:
-                break
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
-
-    def close(self) -> None:
-        self._close_body()
-        super().close()
+# -- the ranged reads, importable from here ------------------------------------------------------------------------
+# They live in shards.formats.s3_ranges, which builds on this module; loading them on first use (PEP 562) keeps
+# ``from shards.formats.s3 import open_range`` working without an import cycle, whichever module is imported first.
+_RANGED_READS = frozenset({"RangeReader", "open_range", "head_object", "read_object", "iter_chunks",
+                           "_with_retries"})
 
 
-def open_range(url: str, start: int = 0, stop: int | None = None, options: S3Options | None = None) -> RangeReader:
-    """A stream of bytes ``[start, stop)`` of ``url`` (``stop=None``: to the end); see ``RangeReader``."""
-    return RangeReader(url, start, stop, options)
+def __getattr__(name: str) -> Any:
+    if name in _RANGED_READS:
+        from shards.formats import s3_ranges
 
-
-def _with_retries(url: str, options: S3Options, call: Any) -> Any:
-    retryable = _retryable_types()
-    for attempt in range(options.max_attempts):
-        try:
-            FETCH_STATS.add(requests=1)
-            return call()
-        except retryable as exc:
-            final = _final_error(exc, url)
-            if final is not None:
-                raise final from None
-            if attempt + 1 >= options.max_attempts:
-                raise CorruptDataError(f"gave up after {attempt + 1} attempts; last cause: {type(exc).__name__}: "
-                                       f"{_one_line(exc)}", path=url) from None
-            time.sleep(_backoff(attempt))
-    raise AssertionError("unreachable")
-
-
-def head_object(url: str, options: S3Options | None = None) -> tuple[int, dict[str, str]]:
-    """``(size, user metadata)`` of an object."""
-    options = options if options is not None else S3Options()
-    bucket, key = parse_s3_url(url)
-    client = make_client(options)
-    response = _with_retries(url, options, lambda: client.head_object(Bucket=bucket, Key=key))
-    return int(response["ContentLength"]), dict(response.get("Metadata", {}))
-
-
-def read_object(url: str, options: S3Options | None = None) -> bytes:
-    """The whole object (ranged GETs, retried and resumed like ``open_range``)."""
-    with open_range(url, 0, None, options) as stream:
-        return stream.read()
-
-
-def iter_chunks(url: str, options: S3Options | None = None, chunk: int = 1 << 20) -> Iterator[bytes]:
-    """The object in pieces of ``chunk`` bytes (streaming a whole shard: hashing, verifying)."""
-    with open_range(url, 0, None, options) as stream:
-        while data := stream.read(chunk):
-            yield data
+        return getattr(s3_ranges, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

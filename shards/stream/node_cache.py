@@ -28,7 +28,8 @@ a fifth of the raw read speed, so bit rot that keeps size and mtime is not seen 
 rehashes every entry (run it from a health check, or after a crash of the node).
 
 Leftover temp files and reservations of killed processes are removed when a cache opens; lock and lease files stay
-(removing a lock file someone waits on would let two holders in).
+(removing a lock file someone waits on would let two holders in). This module fetches, checks and leases copies;
+the room, eviction and leftovers are ``shards.stream.cache_index``'s.
 """
 
 from __future__ import annotations
@@ -40,33 +41,24 @@ import hashlib
 import io
 import json
 import logging
-import multiprocessing
 import os
 import re
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing import context as mp_context
-from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from shards.atomic import _host_tag, unique_tmp_path, write_json_atomic
+from shards.atomic import unique_tmp_path, write_json_atomic
 from shards.errors import ChecksumError, InputError, ShardcacheError
+# The folder's layout, locks, room and counters live in cache_index; re-exported here, where callers import them.
+from shards.stream.cache_index import (  # noqa: F401
+    _ENTRY, _SHA256, _TMP, LAYOUT, STALE_TMP_S, STAMP_SUFFIX, STAT_NAMES, CacheIndex, CacheStats, _locked,
+    _open_locked, _pid_alive, _stamp_path, _unlink)
 from shards.units import human_bytes
 
 log = logging.getLogger("shardcache.cache")
 
-LAYOUT = "v1"
-STAMP_SUFFIX = ".ok"
-STALE_TMP_S = 3600.0  # a temp file this old is a leftover even when its writer's pid cannot be checked
-STAT_NAMES = ("hits", "misses", "fetched_bytes", "served_bytes", "refetches", "evictions", "bypasses")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _SUFFIX = re.compile(r"^\.[a-z0-9]{1,8}$")
-_ENTRY = re.compile(r"^(?P<sha>[0-9a-f]{64})\.[a-z0-9]{1,8}$")
-# Temp files of a shard and of its stamp: ``<final>.<host>.<pid>.<token>.tmp`` (``shards.atomic.unique_tmp_path``).
-_TMP = re.compile(r"^(?P<sha>[0-9a-f]{64})\.[a-z0-9]{1,8}(\.ok)?\.(?P<host>[A-Za-z0-9-]{1,32})\.(?P<pid>\d+)"
-                  r"\.[0-9a-f]{8}\.tmp$")
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP)
 _OK, _MISSING, _BAD = "ok", "missing", "bad"
@@ -97,50 +89,6 @@ class CacheSettings:
         if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int)
                                        or self.limit <= 0):
             raise InputError(f"cache limit must be a positive number of bytes or None, got {self.limit!r}")
-
-
-class CacheStats:
-    """Cache counters of a process and its DataLoader workers: one block of shared integers, so the counts of
-    workers (forked or spawned) reach the main process, which reports them.
-
-    ``context``: the multiprocessing context of the workers when it is not the default one. A lock made in the
-    ``fork`` context (Linux's default before Python 3.14) cannot be handed to a ``spawn`` or ``forkserver``
-    worker, so a DataLoader with ``multiprocessing_context="spawn"`` needs ``CacheStats(get_context("spawn"))``.
-    """
-
-    def __init__(self, context: BaseContext | None = None) -> None:
-        self._array = (context or multiprocessing).Array("q", len(STAT_NAMES))
-
-    def add(self, **counts: int) -> None:
-        unknown = sorted(set(counts) - set(STAT_NAMES))
-        if unknown:
-            raise TypeError(f"unknown cache counter(s) {unknown}; known: {list(STAT_NAMES)}")
-        with self._array.get_lock():
-            for name, count in counts.items():
-                self._array[STAT_NAMES.index(name)] += int(count)
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._array.get_lock():
-            values = dict(zip(STAT_NAMES, (int(v) for v in self._array[:]), strict=True))
-        lookups = values["hits"] + values["misses"]
-        return {**values, "hit_rate": values["hits"] / lookups if lookups else None}
-
-    def reset(self) -> None:
-        with self._array.get_lock():
-            self._array[:] = [0] * len(STAT_NAMES)
-
-    def __getstate__(self) -> dict:
-        if mp_context.get_spawning_popen() is not None:
-            return {"array": self._array}
-        # Pickled outside process start-up (a copy, a checkpoint): carry the values, not the shared block.
-        return {"values": list(self._array[:])}
-
-    def __setstate__(self, state: dict) -> None:
-        if "array" in state:
-            self._array = state["array"]
-            return
-        self._array = multiprocessing.Array("q", len(STAT_NAMES))
-        self._array[:] = state["values"]
 
 
 class Lease:
@@ -198,41 +146,6 @@ class _HashingWriter(io.RawIOBase):
         return self._digest.hexdigest()
 
 
-def _open_locked(path: Path, flags: int) -> int | None:
-    """An open descriptor holding ``flock(flags)`` on ``path``; None when ``LOCK_NB`` was given and it is held."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-    try:
-        fcntl.flock(fd, flags)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-@contextlib.contextmanager
-def _locked(path: Path, flags: int = fcntl.LOCK_EX) -> Iterator[bool]:
-    """Hold ``flock(flags)`` for the block; yields whether it was taken (False only with ``LOCK_NB``)."""
-    fd = _open_locked(path, flags)
-    try:
-        yield fd is not None
-    finally:
-        if fd is not None:
-            os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _check_key(sha256: str, suffix: str) -> None:
     if not isinstance(sha256, str) or not _SHA256.match(sha256):
         raise InputError(f"a cache key is a sha256 of 64 lowercase hex digits, got {sha256!r}")
@@ -241,50 +154,31 @@ def _check_key(sha256: str, suffix: str) -> None:
                          f"got {suffix!r}")
 
 
-def _stamp_path(path: Path) -> Path:
-    return path.with_name(path.name + STAMP_SUFFIX)
-
-
-def _unlink(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
-
-
 class NodeCache:
-    """The node's shard cache (see the module docstring). Cheap to open; pickles to DataLoader workers."""
+    """The node's shard cache (see the module docstring). Cheap to open; pickles to DataLoader workers.
+
+    Fetching, checking and leasing copies happen here; the folder's room, eviction and leftovers are kept by a
+    ``CacheIndex`` (``shards.stream.cache_index``)."""
 
     def __init__(self, settings: CacheSettings, stats: CacheStats | None = None):
         self.settings = settings
         self.stats = stats if stats is not None else CacheStats()
         self.root = Path(settings.dir) / LAYOUT
-        # Copies this process has checked against their stamps: path -> (size, mtime_ns, inode) at that check.
-        self._verified: dict[str, tuple[int, int, int]] = {}
+        self._index = CacheIndex(self.root, settings.limit, self.stats)
         self._warned_full = False
         try:
             for folder in ("locks", "leases", "reserve"):
                 (self.root / folder).mkdir(parents=True, exist_ok=True)
-            with _locked(self.root / "evict.lock"):
+            with _locked(self._index.evict_lock):
                 pass
         except OSError as exc:
             hint = " (the cache needs a local disk with flock)" if exc.errno in _NO_FLOCK else ""
             raise InputError(f"cannot use the cache folder: {exc.strerror or exc}{hint}", path=settings.dir) from exc
         self.clean_stale()
 
-    # -- paths ---------------------------------------------------------------------------------------------------
     def entry_path(self, sha256: str, suffix: str) -> Path:
         _check_key(sha256, suffix)
         return self.root / sha256[:2] / f"{sha256}{suffix}"
-
-    def _key_lock(self, sha256: str) -> Path:
-        return self.root / "locks" / f"{sha256}.lock"
-
-    def _lease_file(self, sha256: str) -> Path:
-        return self.root / "leases" / f"{sha256}.lease"
-
-    def _entry_dirs(self) -> Iterator[os.DirEntry]:
-        for folder in os.scandir(self.root):
-            if len(folder.name) == 2 and folder.is_dir(follow_symlinks=False):
-                yield folder
 
     # -- the public operations -----------------------------------------------------------------------------------
     def check_limit(self, largest_shard_bytes: int, where: str) -> None:
@@ -304,13 +198,13 @@ class NodeCache:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise InputError(f"a shard size is a non-negative number of bytes, got {size!r}", path=source)
         # The lease comes first: once it is held, a copy found below cannot be evicted before the reader opens it.
-        lease_fd = _open_locked(self._lease_file(sha256), fcntl.LOCK_SH)
+        lease_fd = _open_locked(self._index.lease_file(sha256), fcntl.LOCK_SH)
         assert lease_fd is not None
         try:
             if self._check_copy(path, sha256, size) == _OK:
                 self._hit(path, size)
                 return Lease(path, lease_fd)
-            with _locked(self._key_lock(sha256)):
+            with _locked(self._index.key_lock(sha256)):
                 state = self._check_copy(path, sha256, size)
                 if state == _OK:  # another process finished it while this one waited
                     self._hit(path, size)
@@ -334,13 +228,13 @@ class NodeCache:
         """Rehash every entry, as the per-use stamp check does not; remove those whose bytes do not match their
         key or stamp. Entries being fetched right now are skipped."""
         counts = {"checked": 0, "removed": 0, "skipped": 0}
-        for folder in self._entry_dirs():
+        for folder in self._index.entry_dirs():
             for entry in os.scandir(folder.path):
                 match = _ENTRY.match(entry.name)
                 if not match:
                     continue
                 path = Path(entry.path)
-                with _locked(self._key_lock(match["sha"]), fcntl.LOCK_EX | fcntl.LOCK_NB) as taken:
+                with _locked(self._index.key_lock(match["sha"]), fcntl.LOCK_EX | fcntl.LOCK_NB) as taken:
                     if not taken:
                         counts["skipped"] += 1
                         continue
@@ -352,33 +246,8 @@ class NodeCache:
         return counts
 
     def clean_stale(self) -> dict[str, int]:
-        """Remove temp files and reservations left by killed processes. A temp file counts as left over when its
-        writer's pid is dead on this host or it is older than ``STALE_TMP_S``, and in both cases only while no one
-        holds its key's fetch lock (so a slow live download is never cut)."""
-        host, now = _host_tag(), time.time()
-        removed = {"temp_files": 0, "reservations": 0}
-        for folder in self._entry_dirs():
-            for entry in os.scandir(folder.path):
-                match = _TMP.match(entry.name)
-                if not match:
-                    continue
-                dead = match["host"] == host and not _pid_alive(int(match["pid"]))
-                try:
-                    old = now - entry.stat().st_mtime > STALE_TMP_S
-                except FileNotFoundError:
-                    continue
-                if not (dead or old):
-                    continue
-                with _locked(self._key_lock(match["sha"]), fcntl.LOCK_EX | fcntl.LOCK_NB) as taken:
-                    if taken:
-                        _unlink(Path(entry.path))
-                        removed["temp_files"] += 1
-        with _locked(self.root / "evict.lock"):
-            removed["reservations"] = self._scan_reservations()[1]
-        if any(removed.values()):
-            log.info("%s: removed %d temp file(s) and %d reservation(s) left by killed processes", self.root,
-                     removed["temp_files"], removed["reservations"])
-        return removed
+        """Remove temp files and reservations left by killed processes (``CacheIndex.clean_stale``)."""
+        return self._index.clean_stale()
 
     # -- checking a copy -----------------------------------------------------------------------------------------
     def _check_copy(self, path: Path, sha256: str, size: int) -> str:
@@ -387,7 +256,7 @@ class NodeCache:
         except FileNotFoundError:
             return _MISSING
         signature = (info.st_size, info.st_mtime_ns, info.st_ino)
-        if self._verified.get(str(path)) == signature and info.st_size == size:
+        if self._index.verified.get(str(path)) == signature and info.st_size == size:
             return _OK
         try:
             stamp = json.loads(_stamp_path(path).read_text(encoding="utf-8"))
@@ -397,7 +266,7 @@ class NodeCache:
             return _BAD
         if recorded != signature or stamped_sha != sha256 or info.st_size != size:
             return _BAD
-        self._verified[str(path)] = signature
+        self._index.verified[str(path)] = signature
         return _OK
 
     def _rehash_matches(self, path: Path, sha256: str) -> bool:
@@ -420,17 +289,14 @@ class NodeCache:
         self.stats.add(hits=1, served_bytes=size)
 
     def _remove_entry(self, path: Path) -> None:
-        """Stamp first: a copy without its stamp is never used, whatever happens between the two unlinks."""
-        self._verified.pop(str(path), None)
-        _unlink(_stamp_path(path))
-        _unlink(path)
+        self._index.remove_entry(path)
 
     # -- fetching ------------------------------------------------------------------------------------------------
     def _fetch(self, path: Path, sha256: str, size: int, fetch: Callable[[BinaryIO], None], source: str) -> int | None:
         """Write the shard under its final name (caller holds its fetch lock); bytes written, or None to bypass."""
         limited = self.settings.limit is not None
         try:
-            if limited and not self._reserve(sha256, size):
+            if limited and not self._index.reserve(sha256, size):
                 log.debug("%s: no room in the node cache (everything else is being read); reading %s directly",
                           self.root, source)
                 return None
@@ -449,8 +315,7 @@ class NodeCache:
             return None
         finally:
             if limited:
-                with _locked(self.root / "evict.lock"):
-                    _unlink(self.root / "reserve" / sha256)
+                self._index.release(sha256)
 
     def _download(self, path: Path, sha256: str, size: int, fetch: Callable[[BinaryIO], None], source: str) -> int:
         path.parent.mkdir(exist_ok=True)
@@ -476,74 +341,5 @@ class NodeCache:
             if placed:
                 self._remove_entry(path)
             raise
-        self._verified[str(path)] = (info.st_size, info.st_mtime_ns, info.st_ino)
+        self._index.verified[str(path)] = (info.st_size, info.st_mtime_ns, info.st_ino)
         return writer.size
-
-    # -- room ----------------------------------------------------------------------------------------------------
-    def _reserve(self, sha256: str, size: int) -> bool:
-        """Make room for ``size`` more bytes and claim it; False when it cannot be made without waiting."""
-        limit = self.settings.limit
-        assert limit is not None
-        if size > limit:
-            return False
-        with _locked(self.root / "evict.lock"):
-            entries, used = self._entries(), self._scan_reservations()[0]
-            used += sum(entry_size for _, entry_size, _ in entries)
-            for _, entry_size, entry in sorted(entries):
-                if used + size <= limit:
-                    break
-                if self._evict(entry):
-                    used -= entry_size
-            if used + size > limit:
-                return False
-            record = {"size": size, "host": _host_tag(), "pid": os.getpid()}
-            (self.root / "reserve" / sha256).write_text(json.dumps(record), encoding="utf-8")
-        return True
-
-    def _entries(self) -> list[tuple[float, int, Path]]:
-        """(last use, size, path) of every copy under its final name; a copy without a stamp sorts first."""
-        entries = []
-        for folder in self._entry_dirs():
-            for entry in os.scandir(folder.path):
-                if not _ENTRY.match(entry.name):
-                    continue
-                with contextlib.suppress(FileNotFoundError):
-                    size = entry.stat().st_size
-                    try:
-                        last_use = os.stat(entry.path + STAMP_SUFFIX).st_mtime
-                    except FileNotFoundError:
-                        last_use = 0.0
-                    entries.append((last_use, size, Path(entry.path)))
-        return entries
-
-    def _scan_reservations(self) -> tuple[int, int]:
-        """Bytes claimed by fetches in flight, and how many reservations were left over (caller holds
-        ``evict.lock``). A reservation whose fetch lock is free belongs to a killed process and is removed."""
-        total = removed = 0
-        for entry in os.scandir(self.root / "reserve"):
-            if not _SHA256.match(entry.name):
-                continue
-            with _locked(self._key_lock(entry.name), fcntl.LOCK_EX | fcntl.LOCK_NB) as taken:
-                if taken:
-                    _unlink(Path(entry.path))
-                    removed += 1
-                    continue
-            try:
-                total += int(json.loads(Path(entry.path).read_text(encoding="utf-8"))["size"])
-            except FileNotFoundError:
-                continue
-            except (OSError, ValueError, KeyError, TypeError):
-                # Cut short by a full disk: its writer is about to remove it, and wrote no shard bytes either.
-                continue
-        return total, removed
-
-    def _evict(self, path: Path) -> bool:
-        match = _ENTRY.match(path.name)
-        assert match is not None
-        with _locked(self._lease_file(match["sha"]), fcntl.LOCK_EX | fcntl.LOCK_NB) as unleased:
-            if not unleased:
-                return False
-            self._remove_entry(path)
-        self.stats.add(evictions=1)
-        log.debug("%s: evicted (least recently used)", path)
-        return True
