@@ -35,7 +35,6 @@ from shards.stream.stages import systematic_resample
 from shards.stream.stage_times import zero_stages
 
 CACHE_MODES = ("auto", "memory", "none")
-TASKS = ("classification", "regression")
 AUTO_CACHE_BYTES = 4 << 30
 
 
@@ -51,17 +50,15 @@ class FeatureShardDataset(ShardDataset):
 
     decode_timed = False  # a row is already the model input: its seconds are read, decode and transform stay 0
 
-    def __init__(self, split: SplitInfo, locations: Sequence[str], config: StreamConfig, *, cache: str = "auto",
-                 num_classes: int | None = None, features_dim: int | None = None, dtype: str | None = None,
-                 views: int = 0, storage_options: Any = None, shard_cache: CachedShards | None = None,
-                 task: str = "classification"):
-        super().__init__(split, locations, config, num_classes, shard_cache)
-        if task not in TASKS:
-            raise InputError(f"task must be one of {list(TASKS)}, got {task!r}")
-        self.task = task
+    def __init__(self, split: SplitInfo, locations: Sequence[str], config: StreamConfig, *,
+                 spec: FeatureSpec = FeatureSpec(None), cache: str = "auto", storage_options: Any = None,
+                 shard_cache: CachedShards | None = None):
+        """``spec``: what ``features.json`` promises (dim, dtype, classes, views; ``targets``: a regression
+        table); ``features_dim=None`` (a caller without the manifest) takes each file's own."""
+        super().__init__(split, locations, config, spec.num_classes, shard_cache)
+        self.task = "regression" if spec.targets else "classification"
         self.storage_options = storage_options  # for s3:// feature folders
-        # What features.json promises; features_dim None (a caller without the manifest): taken from each file.
-        self.features_dim, self.dtype, self.views = features_dim, dtype, views
+        self.features_dim, self.dtype, self.views = spec.features_dim, spec.dtype, spec.views
         if cache not in CACHE_MODES:
             raise InputError(f"cache must be one of {list(CACHE_MODES)}, got {cache!r}")
         for location in self.locations:
