@@ -94,7 +94,8 @@ def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...],
                   stop_after_steps: int | None, no_report: bool, cache_images: bool, memory_limit: int | None,
                   quiet: bool, s3, cache) -> None:
     """Train a classifier from image shards (dataset.json) or cached features (features.json) in PATH, or a
-    regression head on a table's float target (pack-shards --table).
+    regression head on a table's float target (pack-shards --table). Several --data sources mix into one epoch
+    (by weight, repeat or choose); --classes, --keys, --where and --max-samples train on a subset; no repacking.
 
     Prints one JSON line with val_top1 (val_r2, val_mse and val_mae for regression), data_wait_share and run_dir.
     Under torchrun, every process runs this command; rank 0 writes the run folder.
