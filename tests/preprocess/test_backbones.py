@@ -77,7 +77,8 @@ def _saved_resnet18(path, *, wrap=None, prefix=""):
     return model
 
 
-@pytest.mark.parametrize("wrap,prefix", [(None, ""), ("state_dict", ""), ("model", "module.")])
+@pytest.mark.parametrize("wrap,prefix", [(None, ""), pytest.param("state_dict", "", marks=pytest.mark.slow),
+                                         pytest.param("model", "module.", marks=pytest.mark.slow)])
 def test_local_weights_file_is_loaded_strictly(tmp_path, wrap, prefix):
     path = tmp_path / "r18.pt"
     model = _saved_resnet18(path, wrap=wrap, prefix=prefix)

@@ -58,7 +58,7 @@ def _reference(data_dir: Path) -> dict[str, tuple[torch.Tensor, int]]:
     return out
 
 
-@pytest.mark.parametrize("storage,fmt", [("tar", "pt"), ("hdf5", "hdf5")])
+@pytest.mark.parametrize("storage,fmt", [("tar", "pt"), pytest.param("hdf5", "hdf5", marks=pytest.mark.slow)])
 def test_features_equal_direct_computation_and_align_with_shards(datasets, tmp_path, storage, fmt):
     data_dir, dataset = datasets[storage]
     manifest = precompute_features(_config(data_dir, tmp_path / "feat", storage=fmt))
@@ -91,6 +91,7 @@ def test_float32_keeps_full_precision_and_pt_files_load_mmapped(datasets, tmp_pa
     assert torch.allclose(data["features"], expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_resume_after_a_kill_gives_the_files_of_an_uninterrupted_run(datasets, tmp_path):
     data_dir, _ = datasets["tar"]
     precompute_features(_config(data_dir, tmp_path / "whole"))
@@ -172,7 +173,8 @@ def test_augmented_views_are_seeded_per_key_not_per_worker(datasets, tmp_path):
     assert verify_feature_folder(tmp_path / "one", full=True) == []
 
 
-@pytest.mark.parametrize("decode, recorded", [("gpu", "decode_jpeg:cpu"), ("fast", "fast")])
+@pytest.mark.parametrize("decode, recorded", [("gpu", "decode_jpeg:cpu"),
+                                              pytest.param("fast", "fast", marks=pytest.mark.slow)])
 def test_other_decode_paths_match_the_pil_reference_closely(datasets, tmp_path, decode, recorded):
     """``--decode gpu`` run on the CPU (tensor resize instead of PIL's) and ``--decode fast`` (crop-then-resize)
     give nearly the reference features, views included."""
@@ -209,7 +211,9 @@ def _junk(tmp: Path) -> Path:
     return tmp / "junk.pth"
 
 
-@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow)  # builds a resnet34 state dict
+                                  if case == "weights for another architecture" else case
+                                  for case in sorted(BAD_INPUTS)])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(datasets, tmp_path, case):
     make_args, expected = BAD_INPUTS[case]
     data_dir, _ = datasets["tar"]

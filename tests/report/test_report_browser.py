@@ -41,6 +41,7 @@ def open_in_browser(browser: str, page: Path, screenshot: Path, profile: Path) -
     return done.stdout, console
 
 
+@pytest.mark.slow
 def test_report_renders_in_chromium_without_errors(browser: str, trained_root: Path, dataset_dir: Path,
                                                    tmp_path: Path):
     page = write_report([trained_root / "run", dataset_dir], tmp_path / "report.html")
@@ -56,6 +57,7 @@ def test_report_renders_in_chromium_without_errors(browser: str, trained_root: P
     assert max(header)[1] == (29, 39, 51)  # the style sheet applied: the dark header band
 
 
+@pytest.mark.slow
 def test_the_browser_check_catches_errors_and_external_requests(browser: str, trained_root: Path, tmp_path: Path):
     """The control: the same check on a page with a script error and an external image must complain."""
     page = write_report([trained_root / "run"], tmp_path / "report.html", grid=False)

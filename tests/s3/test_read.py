@@ -58,6 +58,7 @@ def drop_index(bucket, url: str) -> None:
 
 
 @pytest.mark.parametrize("case", ["tar-indexed", "tar-no-index", "hdf5"])
+@pytest.mark.slow
 def test_open_dataset_over_s3_yields_the_local_samples_in_order(bucket, tmp_path, case):
     local = packed(tmp_path / "data", "hdf5" if case == "hdf5" else "tar")
     url = bucket.upload(local, "data")
@@ -69,6 +70,7 @@ def test_open_dataset_over_s3_yields_the_local_samples_in_order(bucket, tmp_path
         assert samples(url + "/", split) == expected
 
 
+@pytest.mark.slow
 def test_two_workers_read_the_same_samples(bucket, tmp_path):
     local = packed(tmp_path / "data")
     url = bucket.upload(local, "data")
@@ -82,6 +84,7 @@ def test_two_workers_read_the_same_samples(bucket, tmp_path):
     assert epoch(url) == epoch(local)
 
 
+@pytest.mark.slow
 def test_a_slice_fetches_only_its_bytes_and_the_index(bucket, tmp_path):
     local = packed(tmp_path / "data")
     url = bucket.upload(local, "data")
@@ -101,6 +104,7 @@ def test_a_slice_fetches_only_its_bytes_and_the_index(bucket, tmp_path):
     assert s3.FETCH_STATS.bytes == int(offsets[2]) and s3.FETCH_STATS.requests == 1
 
 
+@pytest.mark.slow
 def test_feature_folder_round_trip(bucket, tmp_path):
     local = tmp_path / "features"
     write_feature_dataset(local, [5, 3, 6])
@@ -115,6 +119,7 @@ def test_feature_folder_round_trip(bucket, tmp_path):
         assert torch.equal(f1, f2) and torch.equal(l1, l2)
 
 
+@pytest.mark.slow
 def test_a_replaced_feature_shard_is_refused(bucket, tmp_path):
     local = tmp_path / "features"
     write_feature_dataset(local, [5])
@@ -124,6 +129,7 @@ def test_a_replaced_feature_shard_is_refused(bucket, tmp_path):
         list(shards.open_dataset(url, "train", rank=0, world_size=1))
 
 
+@pytest.mark.slow
 def test_faults_are_retried_and_resumed_to_the_same_samples(bucket, tmp_path, s3_env):
     local = packed(tmp_path / "data")
     url = bucket.upload(local, "data")
@@ -150,6 +156,7 @@ def test_faults_are_retried_and_resumed_to_the_same_samples(bucket, tmp_path, s3
         assert proxy.resets
 
 
+@pytest.mark.slow
 def test_too_many_failures_name_the_url_and_the_last_cause(bucket, tmp_path, s3_env):
     url = bucket.put("blob.bin", b"x" * 5000)
     with FaultProxy(s3_env.endpoint_url, Faults(slow_down_first=100)) as proxy:
@@ -161,6 +168,7 @@ def test_too_many_failures_name_the_url_and_the_last_cause(bucket, tmp_path, s3_
     assert url in message and "3 attempts" in message and "SlowDown" in message and "\n" not in message
 
 
+@pytest.mark.slow
 def test_missing_object_is_404_and_not_retried(bucket, s3_env):
     with FaultProxy(s3_env.endpoint_url) as proxy:
         options = shards.Remote(storage_options={"endpoint_url": proxy.endpoint_url})
@@ -169,6 +177,7 @@ def test_missing_object_is_404_and_not_retried(bucket, s3_env):
         assert len(proxy.gets()) == 2  # dataset.json, then features.json: once each
 
 
+@pytest.mark.slow
 def test_wrong_keys_are_a_one_line_403_exit_2(bucket, tmp_path, monkeypatch):
     from click.testing import CliRunner
 
@@ -185,6 +194,7 @@ def test_wrong_keys_are_a_one_line_403_exit_2(bucket, tmp_path, monkeypatch):
         assert "not-the-secret-key" not in result.output and SECRET_KEY not in result.output
 
 
+@pytest.mark.slow
 def test_unsigned_requests_are_refused_by_a_private_bucket(bucket, tmp_path):
     url = bucket.upload(packed(tmp_path / "data"), "data")
     with pytest.raises(s3.S3AccessDenied, match="403"):
@@ -199,6 +209,7 @@ def test_storage_options_refuse_credentials_and_unknown_fields():
 
 
 @pytest.mark.parametrize("storage", ["tar", "hdf5"])
+@pytest.mark.slow
 def test_shards_verify_and_inspect_read_s3(bucket, tmp_path, storage):
     from click.testing import CliRunner
 
@@ -217,6 +228,7 @@ def test_shards_verify_and_inspect_read_s3(bucket, tmp_path, storage):
     assert result.exit_code == 1 and "train-000001" in result.output
 
 
+@pytest.mark.slow
 def test_shards_verify_reads_an_s3_feature_folder(bucket, tmp_path):
     from click.testing import CliRunner
 
@@ -229,6 +241,7 @@ def test_shards_verify_reads_an_s3_feature_folder(bucket, tmp_path):
     assert result.exit_code == 0, result.output
 
 
+@pytest.mark.slow
 def test_train_from_shards_dry_run_reads_s3(bucket, tmp_path):
     from click.testing import CliRunner
 

@@ -11,7 +11,7 @@ import shards
 from shards.formats import s3
 from tests.s3.test_read import packed
 
-pytestmark = pytest.mark.s3
+pytestmark = [pytest.mark.s3, pytest.mark.slow]  # slow: starting and stopping SeaweedFS takes seconds
 
 
 def keys(dataset, epoch: int) -> list[str]:

@@ -18,7 +18,7 @@ from shards.manifest import load_feature_manifest
 from tests.helpers import make_shard_dataset
 from train.cli import train_command
 
-pytestmark = pytest.mark.s3
+pytestmark = [pytest.mark.s3, pytest.mark.slow]  # slow: starting and stopping SeaweedFS takes seconds
 SHARDS = {"train": [5, 3, 4], "val": [4]}
 SMALL = ["--backbone", "resnet18", "--weights", "none", "--resize", "40", "--crop", "32", "--batch-size", "4",
          "--workers", "0", "--device", "cpu", "--quiet"]

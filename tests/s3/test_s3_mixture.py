@@ -11,7 +11,7 @@ import shards
 from shards.stream.mixture import MixOptions, SourceSpec, Subset
 from tests.shards.test_mixture import write_images, zero
 
-pytestmark = pytest.mark.s3
+pytestmark = [pytest.mark.s3, pytest.mark.slow]  # slow: starting and stopping SeaweedFS takes seconds
 
 
 def keys(dataset) -> list[str]:

@@ -49,6 +49,7 @@ def body(bucket, name: str) -> bytes:
 
 # -- multipart uploads ------------------------------------------------------------------------------------------------
 @pytest.mark.s3
+@pytest.mark.slow
 def test_shards_at_the_threshold_go_up_in_parts_and_smaller_files_in_one_put(bucket, tmp_path, monkeypatch, s3_env):
     local = tmp_path / "data"
     manifest = make_shard_dataset(local, shard_sizes={"train": [4, 6], "val": [3]})
@@ -78,6 +79,7 @@ def test_shards_at_the_threshold_go_up_in_parts_and_smaller_files_in_one_put(buc
 
 
 @pytest.mark.s3
+@pytest.mark.slow
 def test_a_shard_of_several_parts_is_reassembled_in_order_and_reads_back(bucket, tmp_path, monkeypatch, s3_env):
     local = tmp_path / "features"
     manifest = write_feature_dataset(local, [5600, 7], dim=1024)  # float16: an 11 MiB shard, then a small one
@@ -105,6 +107,7 @@ def test_a_shard_of_several_parts_is_reassembled_in_order_and_reads_back(bucket,
 
 
 @pytest.mark.s3
+@pytest.mark.slow
 def test_pack_shards_to_s3_uploads_in_parts_above_the_patched_threshold(bucket, tmp_path, monkeypatch, s3_env):
     from preprocess.pack.cli import pack_shards_command
 
@@ -186,6 +189,7 @@ def keyed_samples(url, **options):
 
 
 @pytest.mark.s3
+@pytest.mark.slow
 def test_a_named_profile_supplies_the_endpoint_and_the_keys(bucket, tmp_path, profiles):
     from shards.cli.main import main
 
@@ -198,6 +202,7 @@ def test_a_named_profile_supplies_the_endpoint_and_the_keys(bucket, tmp_path, pr
 
 
 @pytest.mark.s3
+@pytest.mark.slow
 def test_a_profile_with_wrong_keys_is_a_one_line_403_without_the_secret(bucket, tmp_path, profiles):
     from shards.cli.main import main
 

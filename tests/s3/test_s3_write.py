@@ -14,7 +14,7 @@ import shards.formats.s3_upload as s3_upload
 from preprocess.pack.cli import pack_shards_command
 from tests.helpers import write_image_folder
 
-pytestmark = pytest.mark.s3
+pytestmark = [pytest.mark.s3, pytest.mark.slow]  # slow: starting and stopping SeaweedFS takes seconds
 
 
 @pytest.fixture

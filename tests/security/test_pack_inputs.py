@@ -47,7 +47,8 @@ def fifo_tree(tmp_path):
     return src
 
 
-@pytest.mark.parametrize("options", [[], ["--verify", "header"], ["--workers", "2", "--max-samples", "2"]])
+@pytest.mark.parametrize("options", [[], ["--verify", "header"],
+                                     pytest.param(["--workers", "2", "--max-samples", "2"], marks=pytest.mark.slow)])
 def test_fifo_named_like_an_image_is_skipped_not_read(fifo_tree, tmp_path, options):
     out = tmp_path / "out"
     result = cli("pack-shards", fifo_tree, "--out", out, "--quiet", *options)
@@ -140,7 +141,9 @@ def test_csv_and_jsonl_saved_with_a_byte_order_mark_are_read(tmp_path):
     assert manifest.splits["train"].samples == 2
 
 
-@pytest.mark.parametrize("url", ["S3://bucket/x", "gs://b/x", "file:///tmp/x", "pipe:cat > x"])
+@pytest.mark.parametrize("url", ["S3://bucket/x", pytest.param("gs://b/x", marks=pytest.mark.slow),
+                                 pytest.param("file:///tmp/x", marks=pytest.mark.slow),
+                                 pytest.param("pipe:cat > x", marks=pytest.mark.slow)])
 def test_url_as_pack_output_is_refused_with_one_line(tmp_path, url):
     write_image_folder(tmp_path / "src", ["a"], 1, size=(24, 16))
     result = cli("pack-shards", tmp_path / "src", "--out", url, cwd=tmp_path)
@@ -176,6 +179,7 @@ def test_s3_output_without_credentials_is_refused_before_any_work(tmp_path, no_a
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
+@pytest.mark.slow
 def test_url_as_feature_output_is_refused_with_one_line(tmp_path, no_aws):
     result = cli("precompute-features", tmp_path / "data", "--out", "s3://bucket/feat", "--weights", "none",
                  "--backbone", "resnet18", cwd=tmp_path)

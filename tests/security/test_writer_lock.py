@@ -68,7 +68,8 @@ def test_second_pack_into_a_locked_folder_exits_2_and_writes_nothing(src, tmp_pa
     assert not (out / "dataset.json").exists() and not list(out.glob("*.tar"))
 
 
-@pytest.mark.parametrize("extra", [[], ["--append"], ["--overwrite"]])
+@pytest.mark.parametrize("extra", [[], pytest.param(["--append"], marks=pytest.mark.slow),
+                                   pytest.param(["--overwrite"], marks=pytest.mark.slow)])
 def test_pack_append_and_overwrite_are_refused_while_an_append_holds_the_folder(src, tmp_path, extra):
     out = tmp_path / "out"
     pack_shards(PackConfig(str(src), str(out), max_samples=5, quiet=True))
@@ -81,6 +82,7 @@ def test_pack_append_and_overwrite_are_refused_while_an_append_holds_the_folder(
     assert listing(out) == before
 
 
+@pytest.mark.slow
 def test_merge_and_append_refuse_while_a_task_is_packing(src, tmp_path):
     out = tmp_path / "out"
     pack_shards(PackConfig(str(src), str(out), max_samples=5, quiet=True))
@@ -92,6 +94,7 @@ def test_merge_and_append_refuse_while_a_task_is_packing(src, tmp_path):
     assert listing(out) == before
 
 
+@pytest.mark.slow
 def test_two_concurrent_packs_never_crash_and_leave_one_good_dataset(src, tmp_path):
     out = tmp_path / "out"
     runs = [pack_cli(src, "--out", out, "--quiet", "--max-samples", "2") for _ in range(2)]
@@ -108,6 +111,7 @@ def test_two_concurrent_packs_never_crash_and_leave_one_good_dataset(src, tmp_pa
     assert not list(out.glob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_task_array_processes_still_pack_one_folder_together(src, tmp_path):
     out = tmp_path / "out"
     tasks = [pack_cli(src, "--out", out, "--quiet", "--max-samples", "2", "--task-index", i, "--num-tasks", 3)
@@ -119,6 +123,7 @@ def test_task_array_processes_still_pack_one_folder_together(src, tmp_path):
     assert len(manifest.splits["train"].shards) == 9
 
 
+@pytest.mark.slow
 def test_a_killed_holder_leaves_no_stale_lock(src, tmp_path):
     out = tmp_path / "out"
     holder = subprocess.Popen([sys.executable, "-c", (

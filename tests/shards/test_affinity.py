@@ -212,7 +212,13 @@ def resumed_run(folder, state, *, world, nodes, workers=1, **options):
     return per_rank
 
 
-@pytest.mark.parametrize("world,nodes,workers", [(2, None, 1), (3, 1, 1), (6, 2, 1), (4, None, 2), (4, 4, 2)])
+@pytest.mark.parametrize("world,nodes,workers", [
+    (2, None, 1),
+    pytest.param(3, 1, 1, marks=pytest.mark.slow),
+    pytest.param(6, 2, 1, marks=pytest.mark.slow),
+    pytest.param(4, None, 2, marks=pytest.mark.slow),
+    pytest.param(4, 4, 2, marks=pytest.mark.slow),
+])
 def test_a_state_saved_on_two_nodes_resumes_on_another_layout_with_exactly_the_rest(folder, world, nodes, workers):
     head, state = interrupted_run(folder, 2, world=4, nodes=2)
     assert state["nodes"] == 2

@@ -214,6 +214,7 @@ class KilledRun:
         self.process.stdout.close()
 
 
+@pytest.mark.slow
 def test_no_file_is_left_after_sigkill(folder: Path, tmp_path: Path):
     run = KilledRun(folder, tmp_path)
     try:

@@ -24,7 +24,7 @@ def keys_of(loader):
     return [k for batch in loader for k in batch[2]]
 
 
-@pytest.mark.parametrize("storage", ["tar", "hdf5"])
+@pytest.mark.parametrize("storage", ["tar", pytest.param("hdf5", marks=pytest.mark.slow)])
 def test_any_worker_count_yields_the_same_multiset(tmp_path, storage):
     make_shard_dataset(tmp_path, shard_sizes=SIZES, storage=storage, size=(16, 16))
     results = {}
@@ -99,6 +99,7 @@ def _guarded_worker(guard) -> None:
     time.sleep(30)  # a worker waiting for work that will never come
 
 
+@pytest.mark.slow
 def test_a_worker_whose_loader_process_is_gone_exits_on_its_own():
     # torch's watchdog takes the parent a worker sees when its loop starts; a worker that starts after the loader's
     # process died sees pid 1 and would wait forever. The guard compares with the pid recorded before the fork.

@@ -28,7 +28,8 @@ def key_batches(iterable):
     return [list(batch[2]) for batch in iterable]
 
 
-@pytest.mark.parametrize("workers", [0, 1, 2, 3])
+@pytest.mark.parametrize("workers", [0, pytest.param(1, marks=pytest.mark.slow),
+                                     pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
 def test_resume_yields_exactly_the_rest(folder, workers):
     reference = build(folder, workers)
     reference.set_epoch(2)

@@ -161,6 +161,7 @@ def test_feature_loaders_report_read_only(tmp_path: Path):
     assert seconds["decode"] == seconds["transform"] == 0.0
 
 
+@pytest.mark.slow
 def test_shared_block_reaches_a_spawned_process_and_a_copy_keeps_values():
     shared = SharedStageTimes()
     shared.add(0, [1.0, 2.0, 0.0, 0.5])

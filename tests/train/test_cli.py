@@ -93,6 +93,7 @@ def test_bad_options_are_refused(feature_folder: Path, tmp_path: Path, args, fra
     assert_one_line_error(run_cli(feature_folder, "--out", tmp_path / "run", *args), fragment)
 
 
+@pytest.mark.slow
 def test_run_folder_is_protected(feature_folder: Path, tmp_path: Path):
     run = tmp_path / "run"
     base = [feature_folder, "--out", run, "--epochs", "1", "--batch-size", "16"]
@@ -108,6 +109,7 @@ def test_run_folder_is_protected(feature_folder: Path, tmp_path: Path):
     assert (foreign / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_the_run_folder_gets_a_report_unless_asked_not_to(feature_folder: Path, tmp_path: Path):
     result = run_cli(feature_folder, "--out", tmp_path / "run", "--epochs", "2", "--batch-size", "16")
     assert result.exit_code == 0, result.output

@@ -205,6 +205,7 @@ def test_tally_matches_sklearn_metrics_summed_over_batches():
     assert result["val_samples"] == 50
 
 
+@pytest.mark.slow
 def test_killed_mid_epoch_and_resumed_equals_uninterrupted(diabetes, tmp_path: Path):
     from train.loop import train as train_run
     from train.run_dir import read_metrics

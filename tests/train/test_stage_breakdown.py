@@ -131,6 +131,7 @@ def two_checked_epochs(folder: Path, tmp_path: Path, *options: str):
     return result, rows
 
 
+@pytest.mark.slow
 def test_image_run_writes_stage_seconds_in_every_row(image_folder: Path, tmp_path: Path):
     result, rows = two_checked_epochs(image_folder, tmp_path, "--batch-size", "8", "--workers", "2",
                                       "--image-size", "32", "--pipeline", "fast", "--optimizer", "adamw")
@@ -140,6 +141,7 @@ def test_image_run_writes_stage_seconds_in_every_row(image_folder: Path, tmp_pat
     assert json.loads(result.stdout)["stage_seconds"] == rows[-1]["stage_seconds"]
 
 
+@pytest.mark.slow
 def test_feature_run_reports_read_and_no_decoding(feature_folder: Path, tmp_path: Path):
     _, rows = two_checked_epochs(feature_folder, tmp_path, "--batch-size", "16")
     for row in rows:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -17,6 +18,7 @@ from train.distributed import DistContext
 from train.run_dir import read_metrics
 
 
+@pytest.mark.slow
 def test_metrics_count_fetches_and_hits_per_epoch(image_folder: Path, tmp_path: Path):
     result = CliRunner().invoke(train_command, [
         str(image_folder), "--out", str(tmp_path / "run"), "--model", "resnet18", "--image-size", "32",

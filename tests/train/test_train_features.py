@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from PIL import Image
 
@@ -68,6 +69,7 @@ def test_run_folder_holds_everything_and_loads_without_pickle(feature_folder: Pa
     assert best["train_state"]["best_val_top1"] == max(r["val_top1"] for r in rows)
 
 
+@pytest.mark.slow
 def test_top5_and_mlp_head_with_many_classes(tmp_path: Path):
     classes = tuple(f"c{i}" for i in range(8))
     folder = write_feature_folder(tmp_path / "cache", shard_sizes={"train": [64, 64], "val": [40]}, classes=classes,
@@ -81,6 +83,7 @@ def strip_timing(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in row.items() if k not in TIMING_FIELDS} for row in rows]
 
 
+@pytest.mark.slow
 def test_killed_mid_epoch_and_resumed_equals_uninterrupted_bitwise(feature_folder: Path, tmp_path: Path):
     # An MLP with dropout, so the restored RNG state matters as much as the weights and the loader position.
     options = dict(head="mlp", hidden_dim=32, dropout=0.3, warmup_epochs=1, checkpoint_every=3, label_smoothing=0.1)
@@ -101,6 +104,7 @@ def test_killed_mid_epoch_and_resumed_equals_uninterrupted_bitwise(feature_folde
         read_metrics(tmp_path / "whole" / "metrics.jsonl"))
 
 
+@pytest.mark.slow
 def test_resume_after_the_last_epoch_changes_nothing(feature_folder: Path, tmp_path: Path):
     run = tmp_path / "run"
     first = train(config(feature_folder, run, epochs=2))
@@ -110,6 +114,7 @@ def test_resume_after_the_last_epoch_changes_nothing(feature_folder: Path, tmp_p
     assert (run / "metrics.jsonl").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_balanced_sampler_and_class_weighted_loss_train(tmp_path: Path):
     folder = write_feature_folder(tmp_path / "cache", shard_sizes={"train": [60, 40], "val": [40]},
                                   classes=("a", "b"))

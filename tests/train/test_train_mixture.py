@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -74,6 +75,7 @@ def test_the_older_data_kind_option_still_works(tmp_path: Path):
     assert refused.exit_code == 2 and "--data features" in refused.stderr
 
 
+@pytest.mark.slow
 def test_a_mixture_killed_mid_epoch_resumes_bitwise(tmp_path: Path):
     from tests.train.test_train_features import strip_timing
     from train.checkpoint import load_checkpoint
