@@ -182,6 +182,13 @@ def profiles(s3_env, monkeypatch, tmp_path):
     s3.forget_clients()
 
 
+def uploaded(bucket, tmp_path):
+    """A small dataset, locally and as uploaded to the bucket."""
+    local = tmp_path / "data"
+    make_shard_dataset(local, shard_sizes={"train": [4, 3]})
+    return local, bucket.upload(local, "data")
+
+
 def keyed_samples(url, **options):
     dataset = shards.open_dataset(url, "train", shuffle=False, return_keys=True, rank=0, world_size=1,
                                   decode=shards.Decode(decoder=raw), **options)
@@ -193,9 +200,7 @@ def keyed_samples(url, **options):
 def test_a_named_profile_supplies_the_endpoint_and_the_keys(bucket, tmp_path, profiles):
     from shards.cli.main import main
 
-    local = tmp_path / "data"
-    make_shard_dataset(local, shard_sizes={"train": [4, 3]})
-    url = bucket.upload(local, "data")
+    local, url = uploaded(bucket, tmp_path)
     assert keyed_samples(url, remote=shards.Remote(storage_options={"profile": "shardtest"})) == keyed_samples(local)
     result = CliRunner().invoke(main, ["verify", url, "--s3-profile", "shardtest"])
     assert result.exit_code == 0, result.output
@@ -206,9 +211,7 @@ def test_a_named_profile_supplies_the_endpoint_and_the_keys(bucket, tmp_path, pr
 def test_a_profile_with_wrong_keys_is_a_one_line_403_without_the_secret(bucket, tmp_path, profiles):
     from shards.cli.main import main
 
-    local = tmp_path / "data"
-    make_shard_dataset(local, shard_sizes={"train": [4, 3]})
-    url = bucket.upload(local, "data")
+    local, url = uploaded(bucket, tmp_path)
     with pytest.raises(s3.S3AccessDenied) as failure:
         shards.open_dataset(url, "train", remote=shards.Remote(storage_options={"profile": "badkeys"}))
     message = str(failure.value)
