@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.report.page import parse
 from train.config import TrainConfig
 from train.loop import train
 from train.run_dir import read_metrics
@@ -47,6 +48,10 @@ def test_two_rank_gloo_run_matches_single_process_and_resumes_exactly(feature_fo
     rows = read_metrics(tmp_path / "ddp" / "metrics.jsonl")
     assert [r["epoch"] for r in rows] == [1, 2, 3]
     assert rows[-1]["val_samples"] == 62  # both ranks' shares summed: 61 val samples padded to 2 x 31
+    assert len(rows[-1]["stage_seconds_by_rank"]) == 2
+    page = (tmp_path / "ddp" / "report.html").read_text(encoding="utf-8")  # written by rank 0 as epochs end
+    assert "per rank (2 ranks)" in page
+    assert [row[0] for row in parse(page).table("rank")] == ["0", "1"]  # a real torchrun run's two ranks
 
     # Killed in epoch 2 (after its checkpoint at step 12), then resumed: every rank continues from rank 0's state.
     assert torchrun(feature_folder, tmp_path / "resumed", "--stop-after-steps", "14")["stopped"]
