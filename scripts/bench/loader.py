@@ -77,25 +77,27 @@ NOT_FLOAT = ("fast_tar_uint8", "io_imagefolder", "io_webdataset", "io_shardcache
 
 
 # -- corpus --------------------------------------------------------------------------------------------------------
-def make_jpeg(rng: np.random.Generator) -> bytes:
+def make_jpeg(rng: np.random.Generator, width: int = 500, height: int = 375) -> bytes:
     """Smooth colour fields plus grain: compresses like a photo (~100 KB at 500x375, quality 90)."""
-    small = Image.fromarray(rng.integers(0, 256, (24, 32, 3), dtype=np.uint8)).resize((500, 375), Image.BICUBIC)
-    pixels = np.asarray(small, dtype=np.float32) + rng.normal(0, 16, (375, 500, 3)).astype(np.float32)
+    small = Image.fromarray(rng.integers(0, 256, (24, 32, 3), dtype=np.uint8)).resize((width, height), Image.BICUBIC)
+    pixels = np.asarray(small, dtype=np.float32) + rng.normal(0, 16, (height, width, 3)).astype(np.float32)
     buffer = io.BytesIO()
     Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(buffer, "JPEG", quality=90)
     return buffer.getvalue()
 
 
-def build_corpus(folder: Path, count: int) -> list[Path]:
+def build_corpus(folder: Path, count: int, *, classes: list[str] = CLASSES,
+                 size: tuple[int, int] = (500, 375)) -> list[Path]:
+    """``count`` JPEGs in an ImageFolder tree, round robin over ``classes``; kept between runs by a marker."""
     marker = folder / f".complete-{count}"
-    files = [folder / CLASSES[i % len(CLASSES)] / f"img_{i:06d}.jpg" for i in range(count)]
+    files = [folder / classes[i % len(classes)] / f"img_{i:06d}.jpg" for i in range(count)]
     if marker.exists():
         return files
     rng = np.random.default_rng(0)
-    for name in CLASSES:
+    for name in classes:
         (folder / name).mkdir(parents=True, exist_ok=True)
     for path in files:
-        path.write_bytes(make_jpeg(rng))
+        path.write_bytes(make_jpeg(rng, *size))
     marker.touch()
     return files
 

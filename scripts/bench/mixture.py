@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import io
 import json
 import logging
 import os
@@ -53,10 +52,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import loader as bench  # noqa: E402  (scripts/bench/loader.py: the corpus and page-cache dropping)
 
 import shards  # noqa: E402
 from preprocess.pack.packer import PackConfig, pack_shards  # noqa: E402
@@ -72,29 +73,11 @@ COUNTED_AGAINST = ("plain", *COUNTED)
 
 
 # -- corpus --------------------------------------------------------------------------------------------------------
-def make_jpeg(rng: np.random.Generator, width: int = 400, height: int = 300) -> bytes:
-    """Smooth colour fields plus grain: compresses like a photo (~60 KB at 400x300, quality 90)."""
-    small = Image.fromarray(rng.integers(0, 256, (24, 32, 3), dtype=np.uint8)).resize((width, height), Image.BICUBIC)
-    pixels = np.asarray(small, dtype=np.float32) + rng.normal(0, 16, (height, width, 3)).astype(np.float32)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(buffer, "JPEG", quality=90)
-    return buffer.getvalue()
-
-
 def build_tree(folder: Path, count: int) -> dict[str, list[Path]]:
-    """An ImageFolder tree of ``count`` JPEGs, round robin over the classes; kept between runs by a marker."""
+    """The loader benchmark's corpus generator at 400x300 (~60 KB), grouped by class."""
     files_by_class: dict[str, list[Path]] = {name: [] for name in CLASSES}
-    for i in range(count):
-        name = CLASSES[i % len(CLASSES)]
-        files_by_class[name].append(folder / name / f"img_{i:06d}.jpg")
-    marker = folder / f".complete-{count}"
-    if not marker.exists():
-        rng = np.random.default_rng(0)
-        for name in CLASSES:
-            (folder / name).mkdir(parents=True, exist_ok=True)
-        for i in range(count):
-            files_by_class[CLASSES[i % len(CLASSES)]][i // len(CLASSES)].write_bytes(make_jpeg(rng))
-        marker.touch()
+    for path in bench.build_corpus(folder, count, classes=CLASSES, size=(400, 300)):
+        files_by_class[path.parent.name].append(path)
     return files_by_class
 
 
@@ -139,15 +122,8 @@ def without_source_index(folder: Path, out: Path) -> Path:
 
 
 def drop_cache(folders: list[Path]) -> None:
-    """Every file of the folders leaves the page cache (``posix_fadvise(DONTNEED)``), manifests and indexes too."""
-    for folder in folders:
-        for path in folder.iterdir():
-            if path.is_file():
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
+    """Every file of the folders leaves the page cache, manifests and indexes too."""
+    bench.drop_cache(path for folder in folders for path in folder.iterdir() if path.is_file())
 
 
 # -- passes --------------------------------------------------------------------------------------------------------
