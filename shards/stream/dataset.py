@@ -172,7 +172,7 @@ class ShardDataset(IterableDataset):
         c = self.config
         return LoaderState(kind, self.epoch, batches, batch_size=batch_size, num_workers=num_workers,
                            drop_last=drop_last, seed=c.seed, world_size=c.world_size, split_batch=split_batch,
-                           dataset=self.mixture.fingerprint() if self.mixture is not None
+                           dataset=self.mixture.fingerprint if self.mixture is not None
                            else dataset_fingerprint(self.split_info.shard_sizes),
                            sampling=sampling_settings(c), prior=prior, nodes=c.nodes)
 

@@ -18,6 +18,7 @@ the loader's state so a resume with other sources or weights is refused.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from dataclasses import dataclass, field
@@ -184,7 +185,7 @@ class Mixture:
     shuffle: bool
     class_counts: tuple[int, ...] = ()
     per_source_counts: list[list[int]] = field(default_factory=list)  # per source, selected samples per class
-    _cache: dict = field(default_factory=dict, repr=False)
+    _cache: dict = field(default_factory=dict, repr=False)  # the last epoch's rows
 
     @property
     def available(self) -> list[int]:
@@ -202,8 +203,10 @@ class Mixture:
                                                             shuffle=self.shuffle))
         return self._cache["rows"]
 
+    @functools.cached_property
     def fingerprint(self) -> str:
-        """What decides the epochs besides the seed: a saved state resumes only on the same mixture."""
+        """What decides the epochs besides the seed: a saved state resumes only on the same mixture. Computed once
+        (every checkpoint's loader state asks for it, and the runs never change)."""
         digest = hashlib.sha256()
         for runs, draw in zip(self.runs, self.draw):
             digest.update(np.int64(draw).tobytes())
