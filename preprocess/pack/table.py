@@ -43,7 +43,7 @@ from shards.errors import InputError, OutputExistsError, ShardcacheError
 from shards.lock import claim_output
 from shards.manifest import (DATASET_FILE, FEATURES_FILE, FeatureManifest, ShardInfo, SplitInfo,
                              load_feature_manifest)
-from shards.formats.feature_names import is_feature_file
+from shards.formats.feature_names import TABLE_KIND, from_table, is_feature_file
 
 # This module's public names and those it re-exports from table_read and table_encoding: callers import from here.
 __all__ = ["DEFAULT_VAL_FRACTION", "ENCODINGS", "FEATURE_DTYPE", "IMPUTE_STATISTICS", "MAX_INFERRED_CLASSES",
@@ -58,7 +58,6 @@ TASKS = ("auto", "classification", "regression")
 ENCODINGS = ("onehot", "codes")
 IMPUTE_STATISTICS = ("mean", "median", "zero")
 TABLE_STORAGES = ("pt", "hdf5")
-TABLE_KIND = "table"  # features.json config["kind"]: tells freshness checks there is no dataset.json behind it
 FEATURE_DTYPE = "float32"
 
 
@@ -185,7 +184,7 @@ def _existing_hash(out: Path) -> str | None:
         manifest = load_feature_manifest(out)
     except ShardcacheError:
         return ""
-    return manifest.config_hash if manifest.config.get("kind") == TABLE_KIND else ""
+    return manifest.config_hash if from_table(manifest.config) else ""
 
 
 def check_table_output(out: Path, digest: str, overwrite: bool) -> bool:

@@ -18,6 +18,7 @@ from shards.check.freshness import feature_staleness
 from shards.errors import ShardcacheError
 from shards.formats.features import (FeatureShard, FeatureSpec, feature_shard_problems, load_feature_shard,
                                      target_task)
+from shards.formats.feature_names import from_table
 from shards.formats.locations import dataset_folder as _recorded_dataset_folder, local_shard_path
 from shards.manifest import (DATASET_FILE, DatasetManifest, FeatureManifest, ShardInfo,
                              load_dataset_manifest, load_feature_manifest)
@@ -48,8 +49,8 @@ def verify_feature_folder(folder: str | os.PathLike, *, full: bool = False) -> l
             problems.extend(content)
             if shard is not None:
                 readable.append(info)
-    if manifest.config.get("kind") == "table":
-        return problems  # packed from a CSV (preprocess/pack/table.py): no image dataset to be stale against
+    if from_table(manifest.config):
+        return problems
     if manifest.dataset_dir.startswith("s3://"):  # not followed from a local features.json (DESIGN: untrusted input)
         from shards.check.freshness import staleness_or_warn
 

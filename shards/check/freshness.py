@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from shards.errors import ManifestError, ShardcacheError, StaleCacheError
+from shards.formats.feature_names import from_table
 from shards.formats.locations import dataset_location
 from shards.manifest import (DATASET_FILE, FEATURES_FILE, DatasetManifest, FeatureManifest, ShardInfo,
                              dataset_manifest_sha256, load_dataset_manifest)
@@ -120,7 +121,7 @@ def check_features_fresh(folder: str | Path, manifest: FeatureManifest, *, stora
     ``dataset_dir``: the caller's own location of the source dataset (else the recorded one, see
     ``dataset_location``); ``storage_options``: how to reach ``s3://`` ones. A dataset that is gone or cannot be
     reached is a warning, not an error."""
-    if manifest.config.get("kind") == "table":  # packed from a table (pack-shards --table): no dataset.json behind it
+    if from_table(manifest.config):
         return
     location, why_not = dataset_location(folder, manifest.dataset_dir, dataset_dir)
     if location is None:
@@ -147,6 +148,8 @@ def staleness_or_warn(folder: str | Path, manifest: FeatureManifest, *, storage_
                       dataset_dir: str | os.PathLike | None = None) -> list[str]:
     """``feature_staleness`` (deep) against the dataset ``dataset_location`` follows, for ``shards verify`` of a
     feature folder on ``s3://``: [] with a warning when that dataset is not followed or cannot be reached."""
+    if from_table(manifest.config):
+        return []
     location, why_not = dataset_location(folder, manifest.dataset_dir, dataset_dir)
     if location is None:
         log.warning("%s: cannot check staleness: %s", folder, why_not)

@@ -10,6 +10,13 @@ import re
 from typing import Any, Mapping
 
 FEATURE_SUFFIXES = {"pt": ".pt", "hdf5": ".h5"}
+TABLE_KIND = "table"  # ``config.kind`` of a feature folder packed from a CSV (``pack-shards --table``)
+
+
+def from_table(config: Mapping[str, Any]) -> bool:
+    """Whether a feature folder was packed from a table: then no ``dataset.json`` stands behind it, and there is
+    nothing for it to be stale against."""
+    return config.get("kind") == TABLE_KIND
 
 
 def is_feature_file(name: str) -> bool:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from shards.errors import ShardcacheError
+from shards.formats.feature_names import from_table
 from shards.manifest import DATASET_FILE, FeatureManifest
 from shards.report.html import (Markup, Section, count, join, key_values, note, num_cell, size, subsection, table,
                                 tag, tiles)
@@ -29,6 +30,9 @@ def freshness(folder: Path, manifest: FeatureManifest) -> Freshness:
     from shards.check.freshness import feature_staleness
     from shards.formats.locations import dataset_location
 
+    if from_table(manifest.config):
+        return Freshness("fresh", ("packed from a table (pack-shards --table): no dataset to be stale against",),
+                         None)
     location, why_not = dataset_location(folder, manifest.dataset_dir)
     if location is None:
         return Freshness("unknown", (str(why_not),), None)
@@ -63,6 +67,8 @@ def _weights(config: Mapping[str, Any]) -> str:
 
 
 def _freshness_note(state: Freshness) -> Markup:
+    if state.state == "fresh" and state.dataset_dir is None:
+        return note(f"Fresh: {state.reasons[0]}.", "good")
     if state.state == "fresh":
         return note(f"Fresh: computed from the current {DATASET_FILE} at {state.dataset_dir} and every image shard "
                     "it names.", "good")

@@ -57,3 +57,20 @@ def test_a_missing_dataset_leaves_freshness_unknown(feature_dir):
     assert tiles(html)["cache"] == "unknown"
     text = parse(html).text
     assert "Freshness unknown" in text and "is gone" in text
+
+
+def test_a_table_packed_cache_is_fresh_with_no_dataset_behind_it(tmp_path):
+    import csv
+
+    from preprocess.pack.table import TableConfig, pack_table
+
+    source = tmp_path / "t.csv"
+    with open(source, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["x", "label"])
+        writer.writerows([[str(i), str(i % 2)] for i in range(20)])
+    pack_table(TableConfig(str(source), str(tmp_path / "feat"), target="label"))
+    html = build_report([tmp_path / "feat"])
+    assert tiles(html)["cache"] == "fresh"
+    text = parse(html).text
+    assert "packed from a table" in text and "Freshness unknown" not in text
