@@ -129,8 +129,11 @@ def prepare_table(cfg: TableConfig) -> PreparedTable:
         splits[name] = np.array(rows, np.int64)
     target_info: dict[str, Any] = {"column": cfg.target, "task": target.task, "inferred": cfg.task == "auto"}
     if target.values is not None:
-        target_info.update(mean=float(target.values[train].mean()), std=float(target.values[train].std()),
-                           stored_as="targets")
+        std = float(target.values[train].std())
+        if not std > 0:  # the statistics come from train: a target constant there cannot be standardised
+            raise InputError(f"target {cfg.target!r} is {target.values[train][0]:g} in every train row; nothing to "
+                             "learn", path=table.path)
+        target_info.update(mean=float(target.values[train].mean()), std=std, stored_as="targets")
     config = {"kind": TABLE_KIND, "source_sha256": table.sha256, "target": target_info,
               "split": {"column": layout.split_column, "val_fraction": fraction, "seed": cfg.seed,
                         "shuffle": cfg.shuffle},

@@ -402,3 +402,13 @@ def test_shards_verify_accepts_a_table_folder(toy_csv: Path, tmp_path: Path):
     shard = sorted((tmp_path / "out").glob("*.pt"))[0]
     shard.write_bytes(shard.read_bytes()[:-10])  # still checked like any feature folder
     assert any(shard.name in problem for problem in verify_feature_folder(tmp_path / "out"))
+
+
+def test_a_regression_target_constant_in_the_train_split_is_refused(tmp_path: Path):
+    # The target's statistics come from train: varying only in val, it still cannot be standardised.
+    rows = [[str(i), "2.5" if i < 16 else str(i + 0.5), "train" if i < 16 else "val"] for i in range(20)]
+    result = run(write_csv(tmp_path / "t.csv", ["x", "y", "split"], rows), "--table", "--target", "y",
+                 "--task", "regression", "--out", tmp_path / "feat")
+    assert result.exit_code == 2, result.output
+    assert "every train row" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "feat" / "features.json").exists()
