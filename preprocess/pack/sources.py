@@ -12,7 +12,6 @@ The packer checks again when it opens the file (``validate.read_file``), since a
 
 from __future__ import annotations
 
-import csv
 import errno
 import hashlib
 import json
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, NamedTuple
 
+from preprocess.pack.csv_records import SPLIT_NAME, read_csv_records
 from shards.errors import InputError, MissingInputError
 from shards.formats.sample import IMAGE_EXTENSIONS
 
@@ -31,7 +31,6 @@ log = logging.getLogger("shardcache.sources")
 
 SPLIT_DIRS = ("train", "val", "test")
 LIST_COLUMNS = ("path", "label", "split")
-SPLIT_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 KEY_SLUG_CHARS = 64
 KEY_HASH_CHARS = 12
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
@@ -178,36 +177,28 @@ def scan_image_folder(root: Path, *, allow_empty_classes: bool = False) -> Sourc
 
 
 def _list_rows_csv(path: Path) -> Iterable[tuple[int, dict[str, str]]]:
-    # utf-8-sig: Excel's "CSV UTF-8" starts with a byte order mark, which must not become part of a column name.
-    with open(path, newline="", encoding="utf-8-sig") as handle:
-        reader = csv.reader(handle)
-        header = next(reader, None)
-        if header is None:
-            raise InputError("empty list file (expected a header row path,label[,split])", path=str(path))
-        header = [h.strip() for h in header]
-        _check_columns(header, path, 1)
-        for row in reader:
-            if not any(cell.strip() for cell in row):
-                continue
-            if len(row) != len(header):
-                raise InputError(f"line {reader.line_num}: {len(row)} fields, header has {len(header)}",
-                                 path=str(path))
-            yield reader.line_num, dict(zip(header, (cell.strip() for cell in row)))
+    header, records = read_csv_records(path, "path,label[,split]")
+    _check_columns(header, path, 1)
+    for line_num, cells in records:
+        yield line_num, dict(zip(header, cells))
 
 
 def _list_rows_jsonl(path: Path) -> Iterable[tuple[int, dict[str, str]]]:
-    with open(path, encoding="utf-8-sig") as handle:
-        for line_num, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InputError(f"line {line_num}: not valid JSON ({exc.msg})", path=str(path)) from None
-            if not isinstance(row, dict):
-                raise InputError(f"line {line_num}: expected a JSON object", path=str(path))
-            _check_columns(list(row), path, line_num)
-            yield line_num, {k: "" if v is None else str(v).strip() for k, v in row.items()}
+    try:
+        lines = path.read_text(encoding="utf-8-sig").splitlines()
+    except UnicodeDecodeError as exc:
+        raise InputError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", path=str(path)) from None
+    for line_num, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"line {line_num}: not valid JSON ({exc.msg})", path=str(path)) from None
+        if not isinstance(row, dict):
+            raise InputError(f"line {line_num}: expected a JSON object", path=str(path))
+        _check_columns(list(row), path, line_num)
+        yield line_num, {k: "" if v is None else str(v).strip() for k, v in row.items()}
 
 
 def _check_columns(columns: list[str], path: Path, line_num: int) -> None:

@@ -8,7 +8,6 @@ header is row 1) and the column; nothing here guesses a value.
 
 from __future__ import annotations
 
-import csv
 import logging
 import math
 import random
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from shards.atomic import sha256_file
+from preprocess.pack.csv_records import SPLIT_NAME, read_csv_records
 from shards.errors import InputError, MissingInputError
 
 if TYPE_CHECKING:  # annotations only: preprocess.pack.table imports this module
@@ -35,7 +35,6 @@ UNKNOWN_CODE = -1  # a category the train split never had (or a missing one, wit
 MISSING_CELLS = frozenset({"", "na", "n/a", "#n/a", "nan", "null", "?"})
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")  # float() would also take inf, nan and 1_000
 _INTEGER = re.compile(r"^[+-]?\d+$")
-_SPLIT_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 
 
 @dataclass(frozen=True)
@@ -62,35 +61,15 @@ def read_table(path: str) -> Table:
         raise MissingInputError("no such file", path=path)
     if not source.is_file():
         raise InputError("is not a file; --table reads one CSV file", path=path)
-    numbers: list[int] = []
-    records: list[list[str]] = []
-    start = 1
-    try:
-        with open(source, newline="", encoding="utf-8-sig") as handle:
-            reader = csv.reader(handle)
-            header = [name.strip() for name in next(reader, [])]
-            _check_header(header, path)
-            start = reader.line_num + 1
-            for record in reader:
-                if any(cell.strip() for cell in record):  # blank lines are skipped, but still counted
-                    if len(record) != len(header):
-                        raise InputError(f"row {start}: {len(record)} cells, the header has {len(header)}", path=path)
-                    numbers.append(start)
-                    records.append(record)
-                start = reader.line_num + 1
-    except UnicodeDecodeError as exc:
-        raise InputError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", path=path) from None
-    except csv.Error as exc:
-        raise InputError(f"row {start}: not valid CSV ({exc})", path=path) from None
+    header, records = read_csv_records(source, "naming the columns")
+    _check_header(header, path)
     if not records:
         raise InputError("no data rows below the header", path=path)
-    cells = {name: tuple(record[i].strip() for record in records) for i, name in enumerate(header)}
-    return Table(path, sha256_file(source), tuple(header), tuple(numbers), cells)
+    cells = {name: tuple(record[i] for _, record in records) for i, name in enumerate(header)}
+    return Table(path, sha256_file(source), tuple(header), tuple(number for number, _ in records), cells)
 
 
 def _check_header(header: Sequence[str], path: str) -> None:
-    if not header:
-        raise InputError("empty file (expected a header row naming the columns)", path=path)
     for position, name in enumerate(header, 1):
         if not name:
             raise InputError(f"row 1: column {position} of the header has no name", path=path)
@@ -174,7 +153,7 @@ def assign_splits(table: Table, layout: Layout, target: Target, cfg: TableConfig
         for i, name in enumerate(names):
             if _is_missing(name):
                 raise table.error(i, layout.split_column, "no split name; give every row one (train, val...)")
-            if not _SPLIT_NAME.match(name):
+            if not SPLIT_NAME.match(name):
                 raise table.error(i, layout.split_column, f"split {name!r} is not a plain name (letters, digits, _)")
         split_of = np.array(names)
         fraction = cfg.val_fraction or 0.0

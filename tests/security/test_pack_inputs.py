@@ -187,3 +187,17 @@ def test_url_as_feature_output_is_refused_with_one_line(tmp_path, no_aws):
     lines = error_lines(result.stderr)
     assert len(lines) == 1 and "s3://bucket/feat" in lines[0]
     assert [p.name for p in tmp_path.iterdir()] == []
+
+
+@pytest.mark.parametrize("name", ["list.csv", "list.jsonl"])
+def test_a_list_file_that_is_not_utf8_is_one_line_not_a_traceback(tmp_path, name):
+    # A list saved as Latin-1 by an old spreadsheet: a careless user, not an attacker, but the same promise.
+    write_image_folder(tmp_path / "imgs", ["a"], 1, size=(24, 16))
+    text = "path,label\nimgs/a/img_0000.jpg,caf\xe9\n" if name.endswith(".csv") else \
+        '{"path": "imgs/a/img_0000.jpg", "label": "caf\xe9"}\n'
+    (tmp_path / name).write_bytes(text.encode("latin-1"))
+    result = cli("pack-shards", tmp_path / name, "--out", tmp_path / "out", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "not UTF-8" in lines[0] and name in lines[0]
+    assert not (tmp_path / "out" / "dataset.json").exists()
