@@ -6,7 +6,7 @@ import os
 
 import click
 
-from shards.cli.common import ByteSize, cache_options, emit_json, handle_errors, quiet_option, s3_options
+from shards.cli.common import ByteSize, class_names, cache_options, emit_json, handle_errors, quiet_option, s3_options
 from shards.stream.options import PIPELINES
 from train.config import CLASS_MAPS, DATA_KINDS, DEFAULT_PIPELINE, DEVICES, HEADS, LOSSES, OPTIMIZERS, TASKS, TrainConfig
 
@@ -104,7 +104,7 @@ def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...],
 
     data, sources = data_sources(path, data_options)
     path = sources[0]["path"]
-    subset = {"classes": [c for c in subset_classes.split(",") if c] if subset_classes else None,
+    subset = {"classes": class_names(subset_classes),
               "keys": os.path.abspath(subset_keys) if subset_keys else None, "where": subset_where,
               "max_samples": subset_max}
     cfg = TrainConfig(

@@ -99,6 +99,16 @@ def task_options(func: Callable) -> Callable:
     return wrapper
 
 
+def class_names(text: str | None, option: str = "--classes") -> list[str] | None:
+    """``"cat, dog"`` -> ``["cat", "dog"]`` (None when the option was not given); an empty list is a usage error."""
+    if text is None:
+        return None
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise click.BadParameter("name at least one class", param_hint=option)
+    return names
+
+
 def emit_json(result: Any) -> None:
     """The machine-readable result: one JSON line on stdout."""
     click.echo(json.dumps(result, sort_keys=True, default=str))

@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from shards.cli.common import EXIT_FAILED, emit_json, handle_errors, quiet_option, s3_options
+from shards.cli.common import EXIT_FAILED, class_names, emit_json, handle_errors, quiet_option, s3_options
 from shards.check.inspect import batch_report, format_mixture, format_summary, mixture_report, save_grid, summarize
 from shards.check.verify import DEFAULT_SAMPLES_PER_SHARD, verify_dataset
 from shards.stream.mixture import CLASS_MAPS, MixOptions, SourceSpec, Subset
@@ -124,10 +124,7 @@ def inspect_command(folder: str | None, show_batch: bool, batch_size: int, split
 
 
 def _subset(classes: str | None, where: str | None, max_samples: int | None) -> Subset:
-    names = None if classes is None else [name.strip() for name in classes.split(",") if name.strip()]
-    if names is not None and not names:
-        raise click.BadParameter("name at least one class", param_hint="--classes")
-    return Subset(classes=names, where=where, max_samples=max_samples)
+    return Subset(classes=class_names(classes), where=where, max_samples=max_samples)
 
 
 def _sources(folder: str | None, mix_sources: tuple[str, ...], subset: Subset) -> list[SourceSpec]:
