@@ -87,7 +87,7 @@ class TrainConfig:
     cache_limit: int | None = None
     cache_fallback: bool = False
     cache_local: bool = False
-    report: bool = True  # report.html in the run folder (shards.report), rewritten as epochs end
+    report: bool = True  # report.html in the run folder (shards.report), redrawn as epochs end (at most every 30 s) and at the end
     # Decoded images kept in memory after the first epoch (shards.stream.image_cache). Part of the run: train views
     # are then cropped from images bounded to size / 0.875, so a resume may not switch it. memory_limit (bytes;
     # None: half of what the job has left, shared by the node's ranks) only decides how much is kept: steering.

@@ -260,7 +260,8 @@ class Run:
         self.save_last(mid_epoch=False)
         if improved:
             copy_checkpoint(self.plan.path(rd.LAST_FILE), self.plan.path(rd.BEST_FILE))
-        self.refresh_views(final=False)
+        if self.state.epoch < self.cfg.epochs:  # after the last epoch, finish() draws them once
+            self.refresh_views(final=False)
 
     def refresh_views(self, *, final: bool) -> None:
         """``curves.png`` and ``report.html`` for someone watching the run. Drawing them takes about a second, so

@@ -1,4 +1,4 @@
-"""``curves.png`` in a run folder, redrawn after every epoch so a run in progress can be judged from its folder.
+"""``curves.png`` in a run folder, redrawn as epochs end (at most every 30 s, and at the end) so a run in progress can be judged from its folder.
 
 The drawing lives in ``shards.report.curves``; it is imported on the first call, so importing the training loop does
 not pay for matplotlib.

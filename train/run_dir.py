@@ -23,7 +23,7 @@ CURVES_FILE = "curves.png"
 LAST_FILE = "last.pt"
 BEST_FILE = "best.pt"
 MODEL_FILE = "model.pt"
-REPORT_FILE = "report.html"  # shards.report.build.write_run_report, rewritten at the end of every epoch
+REPORT_FILE = "report.html"  # shards.report.build.write_run_report, redrawn as epochs end (at most every 30 s) and at the end
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, CURVES_FILE, LAST_FILE, BEST_FILE, MODEL_FILE, REPORT_FILE)
 
 

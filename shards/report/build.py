@@ -196,7 +196,7 @@ def default_out(paths: Iterable[str | os.PathLike]) -> Path:
 
 
 def write_run_report(run_dir: str | os.PathLike, *, grid: bool | GridOptions = True) -> Path:
-    """``run_dir/report.html``, written atomically: what ``train-from-shards`` calls at the end of every epoch.
+    """``run_dir/report.html``, written atomically: what ``train-from-shards`` calls as epochs end (at most every 30 s) and at the end.
 
     The data the run was trained on is included when local; its sample grid is decoded once per process and
     reused while that dataset is unchanged, so later epochs pay only for reading the manifests and metrics."""

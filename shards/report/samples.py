@@ -24,7 +24,7 @@ DRAFT_PX = (2 * THUMB_PX, 2 * THUMB_PX)
 
 @dataclass(frozen=True)
 class GridOptions:
-    """How much to show and how long to look: the report is redrawn every epoch, so the scan is bounded."""
+    """How much to show and how long to look: a training run redraws its report as epochs end, so the scan is bounded."""
 
     per_class: int = 4
     max_classes: int = 40
@@ -73,7 +73,7 @@ def _cache_key(folder: Path, split: str, options: GridOptions) -> tuple:
 
 def collect_thumbs(folder: Path, manifest: DatasetManifest, split: str, options: GridOptions) -> list[Thumb]:
     """Up to ``per_class`` thumbnails for each of the first ``max_classes`` classes, in manifest order; remembered
-    per process, so a training run redrawing its report every epoch decodes them once."""
+    per process, so a training run redrawing its report decodes them once."""
     key = _cache_key(folder, split, options)
     if key not in _CACHE:
         thumbs = _read_thumbs(folder, manifest, split, options)

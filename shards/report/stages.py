@@ -47,7 +47,7 @@ def by_rank(row: Mapping[str, Any]) -> list[dict[str, float]] | None:
 
 
 def stage_seconds(row: Mapping[str, Any]) -> dict[str, float] | None:
-    """The row's stage seconds; from per-rank rows alone, their mean over ranks."""
+    """The row's stage seconds, summed over ranks (as training writes them); from per-rank rows alone, their sum."""
     own = _seconds_map(row.get("stage_seconds"))
     if own is not None:
         return own
@@ -55,7 +55,7 @@ def stage_seconds(row: Mapping[str, Any]) -> dict[str, float] | None:
     if ranks is None:
         return None
     names = {name for rank in ranks for name in rank}
-    return {name: sum(rank.get(name, 0.0) for rank in ranks) / len(ranks) for name in names}
+    return {name: sum(rank.get(name, 0.0) for rank in ranks) for name in names}
 
 
 MAX_EXTRA_STAGES = 8
