@@ -50,7 +50,8 @@ class OrphanGuard:
     worker still starting up when its parent is killed (seen with ``kill -9`` right after the first batch: one
     worker of two had not reached its loop) takes its new parent, pid 1, for the old one and waits forever, holding
     whatever it mapped (the decoded-image cache's memory). This guard compares against the pid recorded before the
-    fork, from a daemon thread, once a second; ``worker_init_fn`` given by the caller still runs.
+    fork (whether it is still alive, not whether it is the parent: under forkserver it never is), from a daemon
+    thread, once a second; ``worker_init_fn`` given by the caller still runs.
     """
 
     INTERVAL_S = 1.0
@@ -65,9 +66,21 @@ class OrphanGuard:
             self.then(worker_id)
 
     def _watch(self) -> None:
-        while os.getppid() == self.owner:
+        while _alive(self.owner):  # not getppid(): a forkserver or spawn helper may be the worker's parent
             time.sleep(self.INTERVAL_S)
         os._exit(1)  # the loader's process is gone: nobody will read what this worker makes
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False  # kill() would address a process group, not a process
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else (a reused pid): treat as alive rather than kill a worker
+    return True
 
 
 class ShardLoader:

@@ -107,8 +107,11 @@ def test_a_worker_whose_loader_process_is_gone_exits_on_its_own():
 
     from shards.stream.loader import OrphanGuard
 
+    gone = multiprocessing.get_context("fork").Process(target=int)
+    gone.start()
+    gone.join()
     guard = OrphanGuard()
-    guard.owner = -1  # as if the loader's process had gone: this child's parent is not the owner
+    guard.owner = gone.pid  # as if the loader's process had gone: a pid that has exited
     child = multiprocessing.get_context("fork").Process(target=_guarded_worker, args=(guard,))
     child.start()
     child.join(timeout=10)
@@ -120,3 +123,37 @@ def test_a_worker_whose_loader_process_is_gone_exits_on_its_own():
     assert child.is_alive()
     child.kill()
     child.join()
+
+
+FORKSERVER_RUN = """
+import multiprocessing, sys
+sys.path.insert(0, sys.argv[2])
+import shards
+
+def no_decode(sample, seed):
+    return 0
+
+if __name__ == "__main__":
+    multiprocessing.set_start_method("forkserver")  # what Python 3.14 makes the default on Linux
+    dataset = shards.open_dataset(sys.argv[1], "train", return_keys=True, decode=shards.Decode(decoder=no_decode))
+    loader = shards.make_loader(dataset, batch_size=4, num_workers=2, drop_last=False, persistent_workers=False)
+    print(sorted(k for batch in loader for k in batch[2]))
+"""
+
+
+@pytest.mark.slow
+def test_forkserver_workers_are_not_taken_for_orphans(tmp_path):
+    # Under forkserver a worker's parent is the fork server, never the loader's process: the orphan guard must
+    # ask whether that process lives, not whether it is the parent (else every worker exits at once).
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    make_shard_dataset(tmp_path / "data", shard_sizes={"train": [6, 5]}, size=(8, 8))
+    script = tmp_path / "run.py"
+    script.write_text(FORKSERVER_RUN)
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "data"), str(root)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == str([f"train_{i:05d}" for i in range(11)])
