@@ -12,6 +12,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+
+import numpy as np
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -25,8 +27,8 @@ from shards.errors import CorruptDataError, InputError
 from shards.manifest import SplitInfo
 from shards.stream.options import ErrorPolicy
 from shards.stream.plan import (
-    STREAM_CLASS_WEIGHTS, STREAM_SHUFFLE_BUFFER, STREAM_TRANSFORM, ShardSlice, check_nodes, epoch_sizes,
-    indices_to_slices, plan_epoch, rng_for, shard_offsets, share_of, worker_range,
+    STREAM_CLASS_WEIGHTS, STREAM_SHUFFLE_BUFFER, STREAM_TRANSFORM, ShardSlice, check_nodes, covering_reads,
+    epoch_sizes, indices_to_slices, plan_epoch, rng_for, shard_offsets, share_of, worker_range,
 )
 from shards.stream.mixture import Mixture
 from shards.stream.stages import Broken, shuffle_buffer, weighted_windows
@@ -272,11 +274,17 @@ class ShardDataset(IterableDataset):
                 self.shard_cache.drop_prefetched()
 
     def _planned_slices(self, plan: list[ShardSlice], policy: ErrorTally) -> Iterator[tuple[str, Any]]:
-        """The plan's slices in order; with a node cache, the next slice's shard is fetched while this one is read."""
-        for i, piece in enumerate(plan):
-            if i + 1 < len(plan) and plan[i + 1].shard != piece.shard:
-                self._prefetch(plan[i + 1].shard)
-            yield from self._guarded_slice(piece, policy)
+        """The plan's slices in order, scattered rows of one shard in one read (``plan.covering_reads``); with a node
+        cache, the next read's shard is fetched while this one is read."""
+        reads = covering_reads(plan, self.merge_gap)
+        for i, (piece, keep) in enumerate(reads):
+            if i + 1 < len(reads) and reads[i + 1][0].shard != piece.shard:
+                self._prefetch(reads[i + 1][0].shard)
+            yield from self._guarded_slice(piece, policy, keep)
+
+    def merge_gap(self, shard: int) -> int | None:
+        """How many unwanted rows one read of ``shard`` may pass over to reach the next wanted ones (None: any)."""
+        return None
 
     def _prefetch(self, shard: int) -> None:
         location, info = self.locations[shard], self.split_info.shards[shard]
@@ -344,15 +352,21 @@ class ShardDataset(IterableDataset):
             return output, sample.label, sample.key
         return output, sample.label
 
-    def _guarded_slice(self, piece: ShardSlice, policy: ErrorTally) -> Iterator[tuple[str, Any, int]]:
-        """Read one slice as ``(where, sample, global row)``; check it really holds as many samples as the manifest
-        says."""
+    def _guarded_slice(self, piece: ShardSlice, policy: ErrorTally,
+                       keep: np.ndarray | None = None) -> Iterator[tuple[str, Any, int]]:
+        """Read one slice as ``(where, sample, global row)``, only the positions ``keep`` names (None: all); check
+        it really holds as many samples as the manifest says."""
         where = self.locations[piece.shard]
         first = self._first_rows[piece.shard] + piece.start
+        wanted = None
+        if keep is not None:
+            wanted = np.zeros(piece.size, dtype=bool)
+            wanted[keep] = True
         count = 0
         try:
             for sample in self.read_slice(piece):
-                yield where, sample, first + count
+                if wanted is None or wanted[count]:
+                    yield where, sample, first + count
                 count += 1
             if count < piece.size:
                 raise CorruptDataError(f"shard ended after sample {piece.start + count}, the manifest says "
@@ -363,7 +377,8 @@ class ShardDataset(IterableDataset):
             if count == piece.size:  # found after the last sample (a checksum): nothing left to skip
                 log.warning("samples already used from a damaged shard: %s", exc)
             for offset in range(count, piece.size):
-                yield where, Broken(exc.key, -1, str(exc)), first + offset
+                if wanted is None or wanted[offset]:
+                    yield where, Broken(exc.key, -1, str(exc)), first + offset
 
     # -- what subclasses provide -----------------------------------------------------------------------------
     def read_slice(self, piece: ShardSlice) -> Iterator[Any]:

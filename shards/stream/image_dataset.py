@@ -68,6 +68,9 @@ def seeded_decoder(decoder: Callable) -> Callable[[Any, int], Any]:
     return decoder
 
 
+MERGE_GAP = 32  # unwanted rows a read may pass over (shards.stream.plan.covering_reads)
+
+
 class ImageShardDataset(ShardDataset):
     """Image shards (tar or HDF5, local, ``http(s)://`` or ``pipe:``) -> ``(image, label[, key])``.
 
@@ -127,6 +130,14 @@ class ImageShardDataset(ShardDataset):
         """Release the image cache's memory in this process now (workers let go when they exit)."""
         if self.image_cache is not None:
             self.image_cache.close()
+
+    def merge_gap(self, shard: int) -> int | None:
+        """A tar shard without its byte index is walked from its first header on every read: one read for all its
+        wanted rows, however far apart. Otherwise a read may pass over ``MERGE_GAP`` rows, about what one more
+        seek, file open or ranged GET costs in reading time."""
+        if self.storage.indexed and self.split_info.shards[shard].index is None:
+            return None
+        return MERGE_GAP
 
     def read_slice(self, piece: ShardSlice) -> Iterator[RawSample]:
         samples = self._read_source_slice(piece)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -334,6 +334,31 @@ def indices_to_slices(indices: np.ndarray, offsets: np.ndarray) -> list[ShardSli
     local = indices - offsets[shards]
     return [ShardSlice(int(shards[a]), int(local[a]), int(local[b - 1]) + 1)
             for a, b in zip(starts.tolist(), stops.tolist())]
+
+
+def covering_reads(plan: Sequence[ShardSlice], max_gap: Callable[[int], int | None]
+                   ) -> list[tuple[ShardSlice, np.ndarray | None]]:
+    """The plan as reads: consecutive slices of one shard, each starting after the last one ended, become one read
+    of the range that covers them, with the positions to keep (None: all of it).
+
+    A subset or a mixture's partial pass selects scattered rows, and one read per run of neighbours costs a file
+    open, a ranged GET or, in a tar shard without an index, a walk of the headers from the start. ``max_gap(shard)``
+    bounds the rows a merged read may pass over (None: no bound, for shards whose every read starts from byte 0).
+    Rows come out in the same order either way, so epochs, resume and augmentation seeds are unchanged.
+    """
+    reads: list[tuple[ShardSlice, list[np.ndarray] | None]] = []
+    for piece in plan:
+        if reads:
+            last, kept = reads[-1]
+            gap = piece.start - last.stop
+            limit = max_gap(piece.shard)
+            if piece.shard == last.shard and gap >= 0 and (limit is None or gap <= limit):
+                kept = kept if kept is not None else [np.arange(last.start, last.stop)]
+                kept.append(np.arange(piece.start, piece.stop))
+                reads[-1] = (ShardSlice(last.shard, last.start, piece.stop), kept)
+                continue
+        reads.append((piece, None))
+    return [(piece, None if kept is None else np.concatenate(kept) - piece.start) for piece, kept in reads]
 
 
 def round_robin_consumed(batches_per_worker: Sequence[int], consumed: int) -> tuple[list[int], int]:

@@ -215,6 +215,8 @@ def test_a_class_subset_yields_that_class_and_never_opens_other_shards(tmp_path,
     assert sorted(k for _, _, k in got) == ["d-00000", "d-00001", "d-00002", "d-00005", "d-00007"]
     assert {label for _, label, _ in got} == {0}
     assert "train-000001.tar" not in read_log
+    # Streaming read the mixed shard's two scattered rows in one read (plan.covering_reads), not one per row.
+    assert read_log.count("train-000002.tar") == 2 and read_log.count("train-000000.tar") == 1
 
 
 def test_an_old_manifest_without_class_counts_still_subsets_by_reading(tmp_path, read_log):

@@ -7,7 +7,7 @@ import pytest
 
 from shards.errors import InputError
 from shards.stream.plan import (
-    epoch_sizes, epoch_stream, indices_to_slices, plan_epoch, round_robin_consumed, shard_offsets, share_of,
+    ShardSlice, covering_reads, epoch_sizes, epoch_stream, indices_to_slices, plan_epoch, round_robin_consumed, shard_offsets, share_of,
     slices_to_indices, worker_sample_counts,
 )
 from shards.stream.resume import worker_batches
@@ -175,3 +175,16 @@ def test_share_of_the_epoch_stream_is_the_plan(sizes, world, workers):
                                  drop_last=drop_last, batch_size=2)
                 assert share.tolist() == slices_to_indices(plan, offsets).tolist()
                 assert indices_to_slices(share, offsets) == [p for p in plan if p.size]
+
+
+def test_covering_reads_merge_scattered_rows_of_one_shard_in_order():
+    plan = [ShardSlice(0, 2, 4), ShardSlice(0, 6, 7), ShardSlice(1, 0, 3), ShardSlice(0, 9, 10), ShardSlice(0, 3, 5)]
+    reads = covering_reads(plan, lambda shard: None)
+    assert [(piece, None if keep is None else keep.tolist()) for piece, keep in reads] == [
+        (ShardSlice(0, 2, 7), [0, 1, 4]),  # rows 2, 3, 6 of shard 0
+        (ShardSlice(1, 0, 3), None),
+        (ShardSlice(0, 9, 10), None),
+        (ShardSlice(0, 3, 5), None),  # starts before the last read ended: a read of its own, order kept
+    ]
+    bounded = covering_reads(plan, lambda shard: 1)  # a gap of 2 rows is more than 1 may pass over
+    assert [piece for piece, _ in bounded][:2] == [ShardSlice(0, 2, 4), ShardSlice(0, 6, 7)]
