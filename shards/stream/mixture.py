@@ -55,6 +55,8 @@ class Subset:
                 raise InputError("Subset.classes is empty: name at least one class")
         if self.max_samples is not None and (isinstance(self.max_samples, bool) or int(self.max_samples) < 1):
             raise InputError(f"Subset.max_samples={self.max_samples!r} must be an integer >= 1")
+        if self.keys is not None and not isinstance(self.keys, (str, os.PathLike)):
+            object.__setattr__(self, "keys", frozenset(str(k) for k in self.keys))  # an iterator is read once
         if self.where is not None and not callable(self.where):
             from shards.stream.where import Where
 
@@ -74,14 +76,14 @@ class Subset:
                     return frozenset(line.strip() for line in handle if line.strip())
             except OSError as exc:
                 raise InputError(f"cannot read the keys file ({exc.strerror or exc})", path=str(self.keys)) from None
-        return frozenset(str(k) for k in self.keys)
+        return self.keys
 
     def describe(self) -> dict[str, Any]:
         """What the run's config records (a callable filter is recorded by name)."""
         where = self.where
         where = getattr(where, "expression", None) or (None if where is None else getattr(where, "__name__", "callable"))
         keys = None if self.keys is None else (str(self.keys) if isinstance(self.keys, (str, os.PathLike))
-                                               else f"{len(list(self.keys))} keys")
+                                               else f"{len(self.keys)} keys")
         return {"classes": None if self.classes is None else list(self.classes), "keys": keys, "where": where,
                 "max_samples": self.max_samples}
 

@@ -9,12 +9,12 @@ object of bounded size, and a source index that does not match its checksum is r
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from shards.atomic import sha256_file
 from shards.errors import CorruptDataError
 
 log = logging.getLogger(__name__)
@@ -50,17 +50,28 @@ def index_rows(folder: str | None, manifest: Any) -> dict[str, list[dict[str, An
     path = Path(folder) / name
     if not path.is_file():
         return None
-    if entry.get("sha256") and sha256_file(path) != entry["sha256"]:
+    data = path.read_bytes()  # read once: hashed, then parsed
+    if entry.get("sha256") and hashlib.sha256(data).hexdigest() != entry["sha256"]:
         raise CorruptDataError("source index does not match the checksum in dataset.json", path=str(path))
     by_shard: dict[str, list[dict[str, Any]]] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
+    try:
+        lines = data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise CorruptDataError(f"source index is not UTF-8 ({exc.reason})", path=str(path)) from None
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        row = json.loads(line)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise CorruptDataError(f"source index line {number} is not JSON ({exc.msg})", path=str(path)) from None
         if not isinstance(row, dict) or not row.get("shard") or row.get("skipped"):
             continue
         if not isinstance(row.get("row"), int):
             return None  # packed before rows recorded their position: read the shards instead
+        if not isinstance(row.get("key"), str) or not isinstance(row.get("label"), int):
+            raise CorruptDataError(f"source index line {number} has no string key and integer label",
+                                   path=str(path))
         by_shard.setdefault(str(row["shard"]), []).append(row)
     for rows in by_shard.values():
         rows.sort(key=lambda r: r["row"])

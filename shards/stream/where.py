@@ -61,8 +61,11 @@ class Where:
         if isinstance(node, ast.BoolOp):
             for value in node.values:
                 self._check(value)
-        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.Not, ast.USub)):
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
             self._check(node.operand)
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) \
+                and isinstance(node.operand, ast.Constant) and type(node.operand.value) in (int, float):
+            pass  # a negative number
         elif isinstance(node, ast.Compare):
             if any(type(op) not in _COMPARE for op in node.ops):
                 raise InputError(f"where={self.expression!r}: only ==, !=, <, <=, >, >=, in, not in compare")
@@ -105,17 +108,8 @@ class Where:
             return tuple(element.value for element in node.elts)
         if isinstance(node, ast.Constant):
             return node.value
-        if node.id in ("True", "False", "None"):
-            return {"True": True, "False": False, "None": None}[node.id]
         name = _FIELD_OF.get(node.id, node.id)
         if name not in fields:
             raise InputError(f"where={self.expression!r}: sample {fields.get('key')!r} has no field {name!r} "
                              f"(it has {', '.join(sorted(fields))})")
         return fields[name]
-
-
-def compile_filter(where: str | Callable[[Mapping[str, Any]], bool] | None) -> Callable | None:
-    """A string becomes a ``Where``; a callable (from Python) is used as it is; None filters nothing."""
-    if where is None or callable(where):
-        return where
-    return Where(where)

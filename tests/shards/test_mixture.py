@@ -233,6 +233,11 @@ def test_keys_where_and_max_samples(tmp_path):
     by_keys = shards.open_dataset(tmp_path / "d", "train", return_keys=True, decode=shards.Decode(decoder=zero),
                                   subset=Subset(keys=tmp_path / "keys.txt"))
     assert sorted(k for _, _, k in by_keys) == ["d-00001", "d-00004", "d-00006"]
+    once = Subset(keys=iter(["d-00002", "d-00003"]))  # an iterator from Python: read once, usable again
+    for _ in range(2):  # (train and validation open the same subset)
+        again = shards.open_dataset(tmp_path / "d", "train", return_keys=True, subset=once,
+                                    decode=shards.Decode(decoder=zero))
+        assert sorted(k for _, _, k in again) == ["d-00002", "d-00003"]
     wide = shards.open_dataset(tmp_path / "d", "train", return_keys=True, decode=shards.Decode(decoder=zero),
                                subset=Subset(where="width >= 256 and class != 'c'"))
     assert sorted(k for _, _, k in wide) == ["d-00001", "d-00004", "d-00007"]
@@ -253,6 +258,9 @@ def test_where_is_parsed_not_evaluated():
             Where(bad)
     with pytest.raises(InputError, match="has no field 'width'"):
         Where("width > 3")({"key": "k1", "height": 2})
+    assert Where("width > -1 and -2.5 < height")({"width": 0, "height": 0})
+    with pytest.raises(InputError, match="not allowed"):
+        Where("-key == 1")  # minus applies to numbers only: refused when built, not a TypeError while filtering
 
 
 def test_no_matching_sample_is_a_clear_error(tmp_path):
@@ -369,3 +377,21 @@ def test_a_mixture_reads_through_the_node_cache_once_per_shard(image_sources, tm
     assert len(read) > 1 and counts["misses"] == len(read)  # each shard the two epochs read, fetched once
     assert counts["fetched_bytes"] == sum(cached.split_info.shards[int(i)].bytes for i in read)
     assert counts["hits"] > 0 and counts["refetches"] == 0
+
+
+def test_a_malformed_source_index_is_a_corrupt_data_error_naming_the_line(tmp_path):
+    import hashlib
+
+    from shards.errors import CorruptDataError
+
+    tree = write_image_folder(tmp_path / "src", ["cat", "dog"], per_class=3, size=(20, 16))
+    pack_shards(PackConfig(str(tree), str(tmp_path / "out"), seed=1, quiet=True))
+    index = tmp_path / "out" / "source-index.jsonl"
+    lines = index.read_text(encoding="utf-8").splitlines()
+    index.write_text("\n".join([lines[0], '{"shard": "train-000000.tar", "row": 1, "key": 7}', *lines[2:]]) + "\n")
+    manifest = json.loads((tmp_path / "out" / "dataset.json").read_text())
+    manifest["source_index"]["sha256"] = hashlib.sha256(index.read_bytes()).hexdigest()  # as an attacker would
+    (tmp_path / "out" / "dataset.json").write_text(json.dumps(manifest))
+    with pytest.raises(CorruptDataError, match="line 2 has no string key") as failure:
+        shards.open_dataset(tmp_path / "out", "train", subset=Subset(where="width > 0"))
+    assert "source-index.jsonl" in str(failure.value) and "\n" not in str(failure.value)
