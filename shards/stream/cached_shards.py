@@ -25,7 +25,7 @@ from typing import Any, BinaryIO, Callable
 from shards.errors import InputError
 from shards.formats.remote import is_remote, open_remote
 from shards.formats.s3 import is_s3
-from shards.stream.node_cache import CacheSettings, CacheStats, Lease, NodeCache
+from shards.stream.node_cache import CacheSettings, CacheStats, Lease, NodeCache, check_limit
 from shards.units import human_bytes, parse_size
 
 log = logging.getLogger("shardcache.cache")
@@ -104,7 +104,7 @@ class CachedShards:
         self._lock = threading.Lock()
 
     def check_limit(self, largest_shard_bytes: int, where: str) -> None:
-        NodeCache(self.request.settings(), self.stats).check_limit(largest_shard_bytes, where)
+        check_limit(self.request.settings(), largest_shard_bytes, where)
 
     def cached(self, location: str) -> bool:
         """Whether reads of ``location`` go through the cache."""

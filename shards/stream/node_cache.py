@@ -154,6 +154,16 @@ def _check_key(sha256: str, suffix: str) -> None:
                          f"got {suffix!r}")
 
 
+def check_limit(settings: Any, largest_shard_bytes: int, where: str) -> None:
+    """Refuse up front a limit no shard of the dataset fits in: otherwise every read of the largest shards would
+    silently bypass the cache. Needs only the settings, so a dataset checks it without opening the cache folder."""
+    limit = settings.limit
+    if limit is not None and largest_shard_bytes > limit:
+        raise InputError(f"the node cache limit {human_bytes(limit)} is smaller than the largest shard of {where} "
+                         f"({human_bytes(largest_shard_bytes)}); raise --cache-limit to at least "
+                         f"{human_bytes(largest_shard_bytes)} or cache elsewhere", path=settings.dir)
+
+
 class NodeCache:
     """The node's shard cache (see the module docstring). Cheap to open; pickles to DataLoader workers.
 
@@ -182,13 +192,7 @@ class NodeCache:
 
     # -- the public operations -----------------------------------------------------------------------------------
     def check_limit(self, largest_shard_bytes: int, where: str) -> None:
-        """Refuse up front a limit no shard of the dataset fits in: otherwise every read of the largest shards
-        would silently bypass the cache."""
-        limit = self.settings.limit
-        if limit is not None and largest_shard_bytes > limit:
-            raise InputError(f"the node cache limit {human_bytes(limit)} is smaller than the largest shard of {where} "
-                             f"({human_bytes(largest_shard_bytes)}); raise --cache-limit to at least "
-                             f"{human_bytes(largest_shard_bytes)} or cache elsewhere", path=self.settings.dir)
+        check_limit(self.settings, largest_shard_bytes, where)
 
     def acquire(self, sha256: str, size: int, suffix: str, fetch: Callable[[BinaryIO], None],
                 source: str) -> Lease | None:
