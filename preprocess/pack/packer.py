@@ -105,7 +105,9 @@ class ShardJob(NamedTuple):
     plan_sha256: str
 
 
-def _pack_sample(job: ShardJob, sample, skipped: list[dict], index: list[dict]) -> RawSample | None:
+def _pack_sample(job: ShardJob, sample, skipped: list[dict], index: list[dict], position: int) -> RawSample | None:
+    """The sample to write at ``position`` of the shard (its row in the source index says so: a subset selects
+    rows by it without reading the shard), or None when it is skipped."""
     row = {"key": sample.key, "path": sample.rel_path, "size": sample.size, "mtime_ns": sample.mtime_ns,
            "label": sample.label, "split": job.shard.split, "shard": None}
     try:
@@ -119,7 +121,7 @@ def _pack_sample(job: ShardJob, sample, skipped: list[dict], index: list[dict]) 
     meta = sample_meta(sample.rel_path, job.classes[sample.label], image)
     # The ``<key>.json`` member's fields (width, height...) in the index too, so a reader can filter on them
     # without opening a shard; parsed back from the member's bytes, so the two never disagree.
-    index.append({**row, "shard": job.shard.name, "meta": json.loads(meta)})
+    index.append({**row, "shard": job.shard.name, "row": position, "meta": json.loads(meta)})
     return RawSample(sample.key, image.data, image.ext, sample.label, meta)
 
 
@@ -132,12 +134,11 @@ def pack_shard(job: ShardJob, on_file: Callable[[int], None] | None = None) -> d
     writer = None
     with ExitStack() as stack:
         for sample in job.shard.samples:
-            raw = _pack_sample(job, sample, skipped, index)
+            raw = _pack_sample(job, sample, skipped, index, writer.samples if writer is not None else 0)
             if raw is not None:
                 if writer is None:
                     spec = STORAGES[job.storage]
                     writer = stack.enter_context(spec.writer(out / job.shard.name, classes=job.classes))
-                index[-1]["row"] = writer.samples  # its position in the shard: a subset selects rows unread
                 writer.write(raw)
                 counts[raw.label] += 1
             if on_file is not None:

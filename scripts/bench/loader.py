@@ -109,19 +109,20 @@ def pack(files: list[Path], out: Path, storage: str, per_shard: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     order = np.random.default_rng(1).permutation(len(files))
     writer_type = get_storage(storage).writer
-    infos, counts = [], [0] * len(CLASSES)
+    classes = sorted({path.parent.name for path in files})  # the corpus's own classes (build_corpus(classes=))
+    infos, counts = [], [0] * len(classes)
     for index, first in enumerate(range(0, len(files), per_shard)):
         name = shard_name("train", index, storage)
-        with writer_type(out / name, classes=CLASSES) as writer:
+        with writer_type(out / name, classes=classes) as writer:
             for i in order[first:first + per_shard]:
                 path = files[i]
-                label = CLASSES.index(path.parent.name)
+                label = classes.index(path.parent.name)
                 meta = json.dumps({"path": f"{path.parent.name}/{path.name}", "class": path.parent.name}).encode()
                 writer.write(RawSample(f"{path.parent.name}_{path.stem}", path.read_bytes(), "jpg", label, meta))
                 counts[label] += 1
         infos.append(ShardInfo(name, writer.samples, writer.bytes, writer.sha256))
     split = SplitInfo(len(files), tuple(counts), tuple(infos))
-    DatasetManifest(storage=storage, classes=tuple(CLASSES), splits={"train": split},
+    DatasetManifest(storage=storage, classes=tuple(classes), splits={"train": split},
                     source=SourceInfo("imagefolder", str(files[0].parents[1]), len(files)),
                     packing={"seed": 1, "max_samples": per_shard}).save(out)
 

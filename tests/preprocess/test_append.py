@@ -171,3 +171,22 @@ def test_overwrite_removes_the_index_files_appends_wrote(tmp_path):
     assert not list(out.glob("source-index-*.jsonl"))
     assert (out / "notes.txt").read_text() == "mine"
     assert _total(out) == 6 * 3 + 3
+
+
+def test_after_append_and_prune_every_index_row_names_its_sample_position(tmp_path):
+    # Subsets select rows by the source index's (shard, row) without reading shards: after a prune rewrote shards,
+    # each row must still point at the sample with its key.
+    cfg = _packed(tmp_path)
+    out = Path(cfg.out)
+    _add(tmp_path, 1, range(3))
+    (tmp_path / "src" / "a" / "img_0001.jpg").unlink()
+    append(cfg, prune=True)
+    manifest = load_dataset_manifest(out)
+    index_path = out / manifest.extra["source_index"]["path"]
+    rows = [json.loads(line) for line in index_path.read_text().splitlines() if line.strip()]
+    packed = [row for row in rows if row.get("shard")]
+    assert len(packed) == sum(split.samples for split in manifest.splits.values()) == 20
+    storage = get_storage(manifest.storage)
+    keys_of = {info.path: [s.key for s in storage.read(out / info.path)]
+               for split in manifest.splits.values() for info in split.shards}
+    assert all(keys_of[row["shard"]][row["row"]] == row["key"] for row in packed)
