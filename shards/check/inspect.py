@@ -23,7 +23,7 @@ from shards.atomic import atomic_output
 from shards.errors import CorruptDataError, InputError
 from shards.manifest import DatasetManifest, load_dataset_manifest, load_manifest
 
-if TYPE_CHECKING:  # numpy and the reader load only when a mixture is inspected: the CLI stays light
+if TYPE_CHECKING:  # the reader (torch) loads only when a mixture is inspected: the CLI stays light
     import numpy as np
 
     from shards.stream.mixture import MixOptions, Mixture, SourceSpec
@@ -206,16 +206,6 @@ def save_grid(folder: str | os.PathLike, out_path: str | os.PathLike, *, split: 
 MAX_CLASS_LINES = 40  # classes listed per epoch in the text table; the JSON has them all
 
 
-def mixture_classes(specs: Sequence[SourceSpec], class_map: str = "same", *,
-                    storage_options: Any = None) -> list[str]:
-    """The combined class names, as ``shards.stream.selection`` forms them: the first source's (``same``; a
-    source with other classes is refused when the mixture is opened) or the sorted union (``union``)."""
-    manifests = [_manifest(spec.path, storage_options) for spec in specs]
-    if class_map == "union":
-        return sorted({name for manifest in manifests for name in manifest.classes})
-    return list(manifests[0].classes)
-
-
 def open_mixture(specs: Sequence[SourceSpec], split: str = "train", *, mix: MixOptions | None = None,
                  seed: int = 0, storage_options: Any = None):
     """The dataset training would stream from ``specs`` (one process, no transform: nothing is decoded)."""
@@ -302,8 +292,7 @@ def mixture_report(source: Any, split: str = "train", *, mix: MixOptions | None 
     if mixture is None:
         raise InputError("the dataset reads one whole folder: open it with several sources or a subset to report "
                          "a mixture")
-    names = list(classes) if classes is not None else \
-        mixture_classes(mixture.specs, mix.class_map, storage_options=storage_options)
+    names = list(classes) if classes is not None else list(mixture.classes)
     labels = row_labels(dataset) if exact_classes and names else None
     return {"split": dataset.config.split, "seed": mixture.seed, "class_map": mix.class_map, "classes": names,
             "epoch_size": mixture.epoch_size,

@@ -187,6 +187,7 @@ class Mixture:
     shuffle: bool
     class_counts: tuple[int, ...] = ()
     per_source_counts: list[list[int]] = field(default_factory=list)  # per source, selected samples per class
+    classes: tuple[str, ...] = ()  # the combined class names the labels index (the union under class_map="union")
     _cache: dict = field(default_factory=dict, repr=False)  # the last epoch's rows
 
     @property
@@ -217,8 +218,10 @@ class Mixture:
                 digest.update(np.ascontiguousarray(rows, dtype=np.int64).tobytes())
         return "mix-" + digest.hexdigest()[:16]
 
-    def composition(self, classes: Sequence[str] = ()) -> list[dict[str, Any]]:
-        """Per source, what one epoch holds: samples selected and drawn, its share of the epoch, whole passes."""
+    def composition(self, classes: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """Per source, what one epoch holds: samples selected and drawn, its share of the epoch, whole passes
+        (and its selected samples per class, named by ``classes``, default the mixture's own)."""
+        classes = self.classes if classes is None else classes
         total = max(1, self.epoch_size)
         out = []
         for i, (spec, available, draw) in enumerate(zip(self.specs, self.available, self.draw)):

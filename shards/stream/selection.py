@@ -78,7 +78,8 @@ def combine(sources: Sequence[LoadedSource], split: str, options: MixOptions, *,
     available = [int(sum(len(r) for r in source_runs)) for source_runs in runs]
     draw = draws(specs, available, options.epoch_size)
     totals = np.sum(per_source_counts, axis=0) if per_source_counts else np.zeros(len(classes))
-    mixture = Mixture(specs, runs, draw, seed, shuffle, tuple(int(n) for n in totals), per_source_counts)
+    mixture = Mixture(specs, runs, draw, seed, shuffle, tuple(int(n) for n in totals), per_source_counts,
+                      tuple(classes))
     combined = SplitInfo(sum(s.samples for s in shards), mixture.class_counts, tuple(shards))
     manifest = first.replace(classes=tuple(classes), splits={split: combined})
     return Combined(manifest, combined, locations, label_maps, mixture)
