@@ -16,8 +16,7 @@ from pathlib import Path
 from shards.atomic import sha256_file
 from shards.check.freshness import feature_staleness
 from shards.errors import ShardcacheError
-from shards.formats.features import (FeatureShard, FeatureSpec, feature_shard_problems, load_feature_shard,
-                                     target_task)
+from shards.formats.features import FeatureShard, FeatureSpec, feature_shard_problems, load_feature_shard
 from shards.formats.feature_names import from_table
 from shards.formats.locations import dataset_folder as _recorded_dataset_folder, local_shard_path
 from shards.manifest import (DATASET_FILE, DatasetManifest, FeatureManifest, ShardInfo,
@@ -104,9 +103,7 @@ def _check_content(folder: Path, info: ShardInfo, manifest: FeatureManifest) -> 
         shard = load_feature_shard(path)
     except ShardcacheError as exc:
         return [str(exc)], None
-    # A regression table has no classes: its labels are placeholders, only classification labels have a range.
-    spec = FeatureSpec(manifest.features_dim, manifest.dtype, len(manifest.classes) or None, manifest.views,
-                       target_task(manifest.config) == "regression")
+    spec = FeatureSpec.of(manifest)
     problems = [f"{path}: {problem}" for problem in feature_shard_problems(shard, info.samples, spec)]
     seen: set[str] = set()
     for row, key in enumerate(shard.keys):

@@ -17,7 +17,7 @@ from shards.check.verify import (
     DEFAULT_SAMPLES_PER_SHARD, VerifyReport, _check_samples, _Tally, check_split_totals,
 )
 from shards.errors import InputError, ShardcacheError
-from shards.formats.features import FeatureSpec, feature_shard_problems, load_feature_bytes, target_task
+from shards.formats.features import FeatureSpec, feature_shard_problems, load_feature_bytes
 from shards.formats.locations import shard_location
 from shards.formats.s3 import S3Options
 from shards.formats.s3shards import fetch_checked, load_s3_index
@@ -70,8 +70,7 @@ def _verify_images(url: str, base: str, manifest: DatasetManifest, full: bool, s
 
 def _verify_features(url: str, base: str, manifest: FeatureManifest, options: S3Options) -> VerifyReport:
     problems: list[str] = []
-    spec = FeatureSpec(manifest.features_dim, manifest.dtype, len(manifest.classes) or None, manifest.views,
-                       target_task(manifest.config) == "regression")
+    spec = FeatureSpec.of(manifest)
     count = 0
     for split in manifest.splits.values():
         for info in split.shards:

@@ -156,6 +156,13 @@ class FeatureSpec:
     views: int = 0
     targets: bool = False  # a float32 [N] ``targets`` entry (target_task(config) == "regression")
 
+    @classmethod
+    def of(cls, manifest: Any) -> "FeatureSpec":
+        """What a ``FeatureManifest`` promises; a regression table has no classes (its labels are placeholders,
+        with no range to check)."""
+        return cls(manifest.features_dim, manifest.dtype, len(manifest.classes) or None, manifest.views,
+                   target_task(manifest.config) == "regression")
+
 
 def feature_shard_problems(shard: FeatureShard, samples: int, spec: FeatureSpec) -> list[str]:
     """Every way ``shard`` breaks what the manifest promises: shapes, dtypes, label range, targets, key types.

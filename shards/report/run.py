@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 
 from shards.errors import InputError, ManifestError
 from shards.report import svg
+from shards.report.curves import find_best_epoch
 from shards.report.html import (Cell, Markup, Section, count, figure, fixed, image_data_uri, join, key_value_grid,
                                 note, num_cell, number, pct, rate, seconds, size, subsection, table, tag, tiles, void)
 from shards.report.mixture import mixture_part, recorded_sources
@@ -100,16 +101,6 @@ def is_regression(history: Sequence[Mapping[str, float]]) -> bool:
     return any("val_mse" in row for row in history) and not any("val_top1" in row for row in history)
 
 
-def best_epoch(history: Sequence[Mapping[str, float]]) -> int | None:
-    """The first epoch with the highest val top-1 (regression: the lowest val MSE): training copies best.pt only on
-    a strict gain."""
-    if is_regression(history):
-        scored = [(-row["val_mse"], -row["epoch"]) for row in history if "val_mse" in row]
-    else:
-        scored = [(row["val_top1"], -row["epoch"]) for row in history if "val_top1" in row]
-    return -max(scored)[1] if scored else None
-
-
 def _scores(history: Sequence[Mapping[str, float]], best: int | None) -> list[tuple[str, str, str | None]]:
     """The overview's first tiles: the last and the best epoch's score."""
     last = history[-1]
@@ -130,7 +121,7 @@ def _overview(run: RunFiles, history: Sequence[Mapping[str, float]]) -> Markup:
     last = history[-1]
     planned = number(run.config.get("epochs"))
     wait = last.get("data_wait_share")
-    items = [*_scores(history, best_epoch(history)),
+    items = [*_scores(history, find_best_epoch(history)),
              ("epochs", f"{len(history)}" + (f" / {planned:.0f}" if planned else ""), None),
              ("val loss", fixed(last.get("val_loss")), None),
              ("samples/s", count(last.get("samples_per_s")), None),
@@ -257,7 +248,7 @@ def _mtime(path: Path) -> str:
 def _checkpoints(folder: Path, history: Sequence[Mapping[str, float]]) -> Markup:
     last = history[-1]["epoch"] if history else None
     epochs = {"last.pt": f"after epoch {last}" if last else "n/a",
-              "best.pt": f"epoch {best_epoch(history)}" if best_epoch(history) else "n/a",
+              "best.pt": f"epoch {best}" if (best := find_best_epoch(history)) else "n/a",
               "model.pt": f"final, after epoch {last}" if last else "n/a"}
     rows = []
     for name, meaning in CHECKPOINTS:

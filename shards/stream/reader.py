@@ -24,7 +24,7 @@ from shards.errors import InputError
 from shards.image.fast import FastDecoder
 from shards.stream.feature_stream import FeatureShardDataset
 from shards.stream.image_cache import ImageCacheRequest
-from shards.formats.features import FeatureSpec, target_task
+from shards.formats.features import FeatureSpec
 from shards.manifest import DATASET_FILE, FEATURES_FILE, DatasetManifest, FeatureManifest, Manifest, load_manifest
 from shards.formats.locations import shard_location, url_origin
 from shards.formats.remote import is_remote, read_remote_json
@@ -269,9 +269,7 @@ def _build(manifest: Manifest, split_info: Any, locations: list[str], config: St
             raise InputError("transform, Decode.decoder, Decode.draft, memory_limit and cache_side apply to image "
                              "shards, not to feature shards")
         # A regression table has no classes (None: no label range to check) and yields its float targets.
-        spec = FeatureSpec(manifest.features_dim, manifest.dtype, len(manifest.classes) or None, manifest.views,
-                           targets=target_task(manifest.config) == "regression")
-        return FeatureShardDataset(split_info, locations, config, spec=spec, cache=caches.mode,
+        return FeatureShardDataset(split_info, locations, config, spec=FeatureSpec.of(manifest), cache=caches.mode,
                                    storage_options=remote.storage_options, shard_cache=shard_cache)
     images = ImageCacheRequest(caches.mode, caches.memory_limit, caches.cache_side, pipeline=decode.pipeline)
     decoder = decode.decoder
