@@ -159,7 +159,7 @@ class ImageShardDataset(ShardDataset):
         if info.index is None or piece.start == 0 or not self.storage.indexed:
             return self.storage.read_slice(location, piece.start, piece.stop, sha256=sha256)
         return self.storage.read_slice(location, piece.start, piece.stop, sha256=sha256,
-                                       offsets=self._tar_offsets(piece.shard, location, info))
+                                       offsets=self._offsets(piece.shard))
 
     def _read_cached(self, lease: Any, location: str, piece: ShardSlice) -> Iterator[RawSample]:
         """A slice of the node-local copy (checked against the manifest's sha256 when it was fetched), held
@@ -169,37 +169,39 @@ class ImageShardDataset(ShardDataset):
             extra = {}
             if info.index is not None and piece.start > 0 and self.storage.indexed \
                     and (is_s3(location) or not is_remote(location)):  # no index over http(s): scan the local copy
-                extra["offsets"] = self._s3_offsets(piece.shard, location, info) if is_s3(location) \
-                    else self._tar_offsets(piece.shard, location, info)
+                extra["offsets"] = self._offsets(piece.shard)
             yield from self.storage.read_slice(str(lease.path), piece.start, piece.stop, **extra)
         finally:
             lease.release()
 
-    def _s3_offsets(self, shard: int, location: str, info: Any) -> Any:
-        from shards.formats.s3 import S3Options
-        from shards.formats.s3shards import load_s3_index
-
-        cache = self.__dict__.setdefault("_s3_offsets_cache", {})
-        if shard not in cache:
-            cache[shard] = load_s3_index(location, info, S3Options.from_mapping(self.storage_options))
-        return cache[shard]
-
-    def _tar_offsets(self, shard: int, location: str, info: Any) -> Any:
-        """The shard's checked per-sample byte index, loaded once per worker (each holds its own copy)."""
+    def _offsets(self, shard: int) -> Any:
+        """The shard's checked per-sample byte index (beside it, on disk or on ``s3://``), loaded once per worker
+        (each holds its own copy); None when the manifest records none."""
         cache = self.__dict__.setdefault("_offsets_cache", {})
         if shard not in cache:
-            cache[shard] = load_local_index(location, info)
+            location, info = self.locations[shard], self.split_info.shards[shard]
+            if is_s3(location):
+                from shards.formats.s3shards import load_s3_index
+
+                cache[shard] = load_s3_index(location, info, self._s3_options())
+            else:
+                cache[shard] = load_local_index(location, info)
         return cache[shard]
+
+    def _s3_options(self) -> Any:
+        """The ``S3Options`` in effect, made once per process copy."""
+        if "_s3_options_value" not in self.__dict__:
+            from shards.formats.s3 import S3Options
+
+            self.__dict__["_s3_options_value"] = S3Options.from_mapping(self.storage_options)
+        return self.__dict__["_s3_options_value"]
 
     def _read_s3(self, location: str, piece: ShardSlice) -> Iterator[RawSample]:
         """A slice from object storage: tar by its byte index (fetched once per worker) in one ranged GET, HDF5
         through a block-cached file object; see ``shards.formats.s3shards``."""
-        from shards.formats.s3 import S3Options
-
-        options = S3Options.from_mapping(self.storage_options)
         info = self.split_info.shards[piece.shard]
-        offsets = self._s3_offsets(piece.shard, location, info) if self.storage.indexed else None
-        return self.storage.read_s3_slice(location, piece.start, piece.stop, options, size=info.bytes,
+        offsets = self._offsets(piece.shard) if self.storage.indexed else None
+        return self.storage.read_s3_slice(location, piece.start, piece.stop, self._s3_options(), size=info.bytes,
                                           offsets=offsets)
 
     def _read_remote(self, location: str, piece: ShardSlice) -> Iterator[RawSample]:
