@@ -107,15 +107,21 @@ def pack_tree(source: Path, out: Path, per_shard: int, shuffle: bool = True) -> 
     return out
 
 
-def without_source_index(folder: Path, out: Path) -> Path:
-    """A copy of ``folder`` (its files hard-linked) whose manifest names no source index, so a filter reads shards."""
+def without_source_index(folder: Path, out: Path, *, byte_index: bool = True) -> Path:
+    """A copy of ``folder`` (its files hard-linked) whose manifest names no source index, so a filter reads shards;
+    ``byte_index=False`` drops the tar shards' byte indexes too, as a dataset packed before them (reads scan)."""
     if (out / "dataset.json").is_file():
         return out
     out.mkdir(parents=True, exist_ok=True)
     manifest = json.loads((folder / "dataset.json").read_text())
     index_name = manifest.pop("source_index")["path"]  # an unknown top-level key, kept in the manifest's extra
+    if not byte_index:
+        for split in manifest["splits"].values():
+            for shard in split["shards"]:
+                shard.pop("index", None)
+                shard.pop("index_sha256", None)
     for path in folder.iterdir():
-        if path.is_file() and path.name not in ("dataset.json", index_name):
+        if path.is_file() and path.name not in ("dataset.json", index_name) and (byte_index or path.suffix != ".idx"):
             os.link(path, out / path.name)  # the reader refuses a shard symlinked out of its folder
     (out / "dataset.json").write_text(json.dumps(manifest))
     return out
@@ -151,6 +157,10 @@ def pass_specs(folders: dict[str, Path], sizes: tuple[int, int], spec: shards.Tr
         for name in COUNTED_AGAINST:
             source, options, read = sources[name]
             passes[f"{prefix}{name}"] = (source, {**options, "decode": shards.Decode(decoder=no_decode)}, read)
+    # Half the classes of a shuffled pack without byte indexes: scattered rows, every read a header walk from the
+    # shard's start unless one read covers a shard's rows (plan.covering_reads). Reads less: reported, not counted.
+    passes["io0_classes_bare"] = (str(folders["A_bare"]), {"subset": half, "decode": shards.Decode(
+        decoder=no_decode)}, [folders["A_bare"]])
     return passes
 
 
@@ -306,6 +316,7 @@ def corpus(args, workdir: Path) -> tuple[dict[str, Path], tuple[int, int]]:
                "A2": pack_tree(workdir / "images_a2", workdir / "A2", args.per_shard),
                "A_sorted": pack_tree(workdir / "images", workdir / "A_sorted", args.per_shard, shuffle=False)}
     folders["A_noindex"] = without_source_index(folders["A"], workdir / "A_noindex")
+    folders["A_bare"] = without_source_index(folders["A"], workdir / "A_bare", byte_index=False)
     os.sync()
     return folders, sizes
 
