@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import logging
 import os
 import re
@@ -25,6 +24,7 @@ from typing import Iterable, NamedTuple
 
 from preprocess.pack.csv_records import SPLIT_NAME, read_csv_records
 from shards.errors import InputError, MissingInputError
+from shards.jsonlines import json_lines
 from shards.formats.sample import IMAGE_EXTENSIONS
 
 log = logging.getLogger("shardcache.sources")
@@ -185,16 +185,12 @@ def _list_rows_csv(path: Path) -> Iterable[tuple[int, dict[str, str]]]:
 
 def _list_rows_jsonl(path: Path) -> Iterable[tuple[int, dict[str, str]]]:
     try:
-        lines = path.read_text(encoding="utf-8-sig").splitlines()
+        text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
         raise InputError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", path=str(path)) from None
-    for line_num, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"line {line_num}: not valid JSON ({exc.msg})", path=str(path)) from None
+    for line_num, row, bad in json_lines(text):
+        if bad is not None:
+            raise InputError(f"line {line_num}: not valid JSON ({bad})", path=str(path))
         if not isinstance(row, dict):
             raise InputError(f"line {line_num}: expected a JSON object", path=str(path))
         _check_columns(list(row), path, line_num)

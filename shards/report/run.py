@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from shards.errors import InputError, ManifestError
+from shards.jsonlines import json_lines
 from shards.report import svg
 from shards.report.curves import find_best_epoch
 from shards.report.html import (Cell, Markup, Section, count, figure, fixed, image_data_uri, join, key_value_grid,
@@ -68,16 +69,10 @@ def read_run(folder: Path) -> RunFiles:
     metrics = folder / METRICS_FILE
     if metrics.is_file():
         try:
-            lines = metrics.read_text(encoding="utf-8").splitlines()
+            text = metrics.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise InputError(f"cannot read ({exc})", path=str(metrics)) from exc
-        for number_, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError:
-                row = None
+        for number_, row, _ in json_lines(text):
             if isinstance(row, dict):
                 rows.append(row)
             else:

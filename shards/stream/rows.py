@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from shards.errors import CorruptDataError
+from shards.jsonlines import json_lines
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +56,12 @@ def index_rows(folder: str | None, manifest: Any) -> dict[str, list[dict[str, An
         raise CorruptDataError("source index does not match the checksum in dataset.json", path=str(path))
     by_shard: dict[str, list[dict[str, Any]]] = {}
     try:
-        lines = data.decode("utf-8").splitlines()
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CorruptDataError(f"source index is not UTF-8 ({exc.reason})", path=str(path)) from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise CorruptDataError(f"source index line {number} is not JSON ({exc.msg})", path=str(path)) from None
+    for number, row, bad in json_lines(text):
+        if bad is not None:
+            raise CorruptDataError(f"source index line {number} is not JSON ({bad})", path=str(path))
         if not isinstance(row, dict) or not row.get("shard") or row.get("skipped"):
             continue
         if not isinstance(row.get("row"), int):
