@@ -17,10 +17,12 @@ from shards.atomic import sha256_file
 from shards.image.decode import decode_image
 from shards.errors import CorruptDataError, ManifestError
 from shards.formats.locations import local_shard_path
+from shards.formats.sample import label_problem
 from shards.manifest import DatasetManifest, ShardInfo, load_manifest
 from shards.formats.storage import get_storage
 from shards.formats.tarindex import load_local_index
 from shards.formats.tarseek import tar_sample_offsets
+from shards.stream.rows import source_index_path
 
 DEFAULT_SAMPLES_PER_SHARD = 4
 
@@ -114,9 +116,11 @@ def _check_samples(folder: Path, storage: str, split: str, shard: ShardInfo, dec
             if sample.key in tally.keys:
                 tally.problems.append(f"{where}: key also in {tally.keys[sample.key]}")
             tally.keys[sample.key] = shard.path
-            if not 0 <= sample.label < tally.n_classes:
-                tally.problems.append(f"{where}: label {sample.label} outside 0..{tally.n_classes - 1}")
-            else:
+            # The range only: the shard's recorded class counts are compared whole below (one line, not one a sample).
+            problem = label_problem(sample.label, tally.n_classes)
+            if problem is not None:
+                tally.problems.append(f"{where}: {problem}")
+            if 0 <= sample.label < tally.n_classes:
                 counts[sample.label] += 1
                 own[sample.label] += 1
             if positions is None or position in positions:
@@ -134,6 +138,22 @@ def _check_samples(folder: Path, storage: str, split: str, shard: ShardInfo, dec
     elif shard.class_counts is not None and list(shard.class_counts) != own:
         tally.problems.append(f"{shard.path}: class counts {own} differ from the manifest's per-shard "
                               f"{list(shard.class_counts)}")
+
+
+def _check_source_index(folder: Path, manifest: DatasetManifest, tally: _Tally) -> None:
+    """The source index the manifest names (what subsets filter by): inside the folder, present, its sha256."""
+    try:
+        path = source_index_path(folder, manifest)
+    except ManifestError as exc:  # a name or symlink out of the folder: reported, never read
+        tally.problems.append(str(exc))
+        return
+    if path is None:
+        return
+    recorded = manifest.extra["source_index"].get("sha256")
+    if not path.is_file():
+        tally.problems.append(f"{path.name}: missing (the manifest names it as the source index)")
+    elif recorded and sha256_file(path) != recorded:
+        tally.problems.append(f"{path.name}: source index does not match the checksum in dataset.json")
 
 
 def check_split_totals(split_name: str, split: Any, tally: _Tally) -> None:
@@ -157,6 +177,7 @@ def _verify_images(folder: Path, manifest: DatasetManifest, full: bool, samples_
                 _check_samples(folder, manifest.storage, split_name, shard, None if full else samples_per_shard,
                                tally)
         check_split_totals(split_name, split, tally)
+    _check_source_index(folder, manifest, tally)
     return VerifyReport(str(folder), "images", tuple(tally.problems), shards_checked, tally.read, tally.decoded)
 
 

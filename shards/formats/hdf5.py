@@ -87,13 +87,16 @@ class Hdf5ShardWriter:
         self._rows = []
 
 
-def iter_hdf5_shard(path: str | os.PathLike, start: int = 0, stop: int | None = None) -> Iterator[RawSample]:
+def iter_hdf5_shard(path: str | os.PathLike, start: int = 0, stop: int | None = None, *,
+                    resync: bool = False) -> Iterator[RawSample | CorruptDataError]:
     """Yield samples ``start:stop`` of one HDF5 shard, reading their bytes in one contiguous slice.
 
-    The file is untrusted: anything h5py cannot read, and any layout that does not hold together (offsets not
-    increasing or past the data, columns of other lengths, more data than the file could store uncompressed, which
-    is how the writer stores it) is a ``CorruptDataError`` naming the shard. ``path`` may also be a seekable binary
-    file object (``shards.formats.s3shards.S3File``: a shard on object storage).
+    The file is untrusted: anything h5py cannot read, and any layout that does not hold together (columns of other
+    lengths, more data than the file could store uncompressed, which is how the writer stores it) is a
+    ``CorruptDataError`` naming the shard. A sample whose bytes the offsets do not locate (``_unlocated``) costs
+    that sample: with ``resync`` it is yielded as its ``CorruptDataError`` and reading goes on, otherwise it
+    raises. ``path`` may also be a seekable binary file object (``shards.formats.s3shards.S3File``: a shard on
+    object storage).
     """
     h5py = _h5py()
     where = _where(path)
@@ -107,35 +110,64 @@ def iter_hdf5_shard(path: str | os.PathLike, start: int = 0, stop: int | None = 
             stop = n if stop is None else min(stop, n)
             if start >= stop:
                 return
+            data_bytes = int(data.shape[0])
+            unlocated = _unlocated(offsets, data_bytes)[start:stop]
             labels = f["labels"][start:stop]
             keys = f["keys"].asstr()[start:stop]
             exts = f["exts"].asstr()[start:stop]
             meta = f["meta"].asstr()[start:stop]
-            base = int(offsets[start])
-            blob = data[base : int(offsets[stop])].tobytes()
+            located = np.flatnonzero(~unlocated) + start
+            base = int(offsets[located].min()) if len(located) else 0
+            blob = data[base : int(offsets[located + 1].max())].tobytes() if len(located) else b""
     except (FileNotFoundError, CorruptDataError):
         raise
     except Exception as exc:  # h5py raises OSError, KeyError, ValueError, TypeError, ... for a damaged file
         raise CorruptDataError(f"unreadable HDF5 shard ({type(exc).__name__}: {exc})", path=where) from exc
     for i in range(stop - start):
-        lo = int(offsets[start + i]) - base
-        hi = int(offsets[start + i + 1]) - base
-        yield RawSample(str(keys[i]), blob[lo:hi], str(exts[i]), int(labels[i]), str(meta[i]).encode("utf-8"))
+        lo = int(offsets[start + i])
+        hi = int(offsets[start + i + 1])
+        if unlocated[i]:
+            error = CorruptDataError(f"corrupt HDF5 shard: offsets {lo}, {hi} of sample {start + i} do not locate "
+                                     f"its bytes in the {data_bytes}-byte data", path=where, key=str(keys[i]))
+            if not resync:
+                raise error
+            yield error
+            continue
+        yield RawSample(str(keys[i]), blob[lo - base:hi - base], str(exts[i]), int(labels[i]),
+                        str(meta[i]).encode("utf-8"))
+
+
+def _unlocated(offsets: np.ndarray, data_bytes: int) -> np.ndarray:
+    """Per sample, whether the offsets fail to locate its bytes: an offset outside the data (the first must be 0),
+    or one on either side of a step backwards. Of such a pair only the odd one out is blamed when removing it alone
+    mends the order, so one bad offset costs the two samples it bounds, not its neighbours too."""
+    n = len(offsets) - 1
+    suspect = (offsets < 0) | (offsets > data_bytes)
+    suspect[0] |= offsets[0] != 0
+    for j in np.flatnonzero(offsets[1:] < offsets[:-1]).tolist():
+        before = offsets[j - 1] if j > 0 else 0
+        after = offsets[j + 2] if j + 2 <= n else data_bytes
+        without_left = before <= offsets[j + 1]  # dropping offsets[j] mends the order
+        without_right = offsets[j] <= after
+        suspect[j] |= without_left or not without_right
+        suspect[j + 1] |= without_right or not without_left
+    return suspect[:-1] | suspect[1:]
 
 
 HDF5_WINDOW = 256  # samples per read when streaming a slice: bounded memory, still one contiguous read per window
 
 
 def iter_hdf5_slice(path: str | os.PathLike, start: int = 0, stop: int | None = None, *,
-                    sha256: str | None = None) -> Iterator[RawSample]:
+                    sha256: str | None = None, resync: bool = False) -> Iterator[RawSample | CorruptDataError]:
     """Samples ``start:stop`` read in windows of ``HDF5_WINDOW`` (the streaming reader's access pattern).
 
     ``sha256`` is accepted for a uniform reader signature and not checked: HDF5 reads are not sequential over the
-    file's bytes, so hashing would cost a second read (``shards verify`` checks it)."""
+    file's bytes, so hashing would cost a second read (``shards verify`` checks it). ``resync`` as in
+    ``iter_hdf5_shard``."""
     if stop is None:
         stop = shard_length(path)
     for lo in range(start, stop, HDF5_WINDOW):
-        yield from iter_hdf5_shard(path, lo, min(stop, lo + HDF5_WINDOW))
+        yield from iter_hdf5_shard(path, lo, min(stop, lo + HDF5_WINDOW), resync=resync)
 
 
 def shard_length(path: str | os.PathLike) -> int:
@@ -167,8 +199,6 @@ def _check_layout(f, offsets: np.ndarray, data_shape: tuple, file_bytes: int, wh
         problem = "offsets or data are not 1-D integer arrays"
     elif data_shape[0] > file_bytes:
         problem = f"data claims {data_shape[0]} bytes, more than the {file_bytes}-byte file holds"
-    elif offsets[0] != 0 or offsets[-1] > data_shape[0] or (np.diff(offsets) < 0).any():
-        problem = "offsets are not increasing from 0 within the data"
     else:
         lengths = {name: f[name].shape for name in ("labels", "keys", "exts", "meta")}
         if any(shape != (n,) for shape in lengths.values()):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import os
 from collections import OrderedDict
 from typing import Any, Iterator
@@ -52,23 +53,23 @@ def load_s3_index(location: str, info: Any, options: S3Options) -> np.ndarray | 
     return read_index(data, where, info.samples, info.bytes)
 
 
-def iter_s3_tar_slice(location: str, start: int, stop: int, options: S3Options,
-                      offsets: np.ndarray | None) -> Iterator[RawSample]:
-    """Samples ``start:stop`` of a tar shard on S3: one ranged GET with ``offsets``, else a stream from byte 0."""
+def iter_s3_tar_slice(location: str, start: int, stop: int, options: S3Options, offsets: np.ndarray | None, *,
+                      resync: bool = False) -> Iterator[RawSample | CorruptDataError]:
+    """Samples ``start:stop`` of a tar shard on S3: one ranged GET with ``offsets``, else a stream from byte 0.
+    ``resync``: damaged samples in place, as ``shards.formats.tarseek.iter_tar_slice`` yields them."""
     if offsets is None:
         with open_range(location, 0, None, options) as stream:
-            for position, sample in enumerate(iter_tar_stream(io.BufferedReader(stream, 1 << 20), location)):
-                if position >= stop:
-                    return
-                if position >= start:
-                    yield sample
+            samples = iter_tar_stream(io.BufferedReader(stream, 1 << 20), location, resync=resync)
+            yield from itertools.islice(samples, start, stop)
         return
     stop = min(stop, len(offsets) - 1)
     if start >= stop:
         return
     with open_range(location, int(offsets[start]), int(offsets[stop]), options) as stream:
         # The range ends where sample ``stop`` starts: the parser meets the end of the bytes after the last sample.
-        yield from iter_tar_stream(io.BufferedReader(stream, 1 << 20), location)
+        samples = iter_tar_stream(io.BufferedReader(stream, 1 << 20), location, resync=resync, offsets=offsets,
+                                  first=start)
+        yield from itertools.islice(samples, stop - start)
 
 
 # -- HDF5 -----------------------------------------------------------------------------------------------------------
@@ -130,12 +131,13 @@ class S3File(io.RawIOBase):
         return done
 
 
-def iter_s3_hdf5_slice(location: str, start: int, stop: int, options: S3Options, size: int) -> Iterator[RawSample]:
+def iter_s3_hdf5_slice(location: str, start: int, stop: int, options: S3Options, size: int, *,
+                       resync: bool = False) -> Iterator[RawSample | CorruptDataError]:
     """Samples ``start:stop`` of an HDF5 shard on S3 (the local reader over an ``S3File``)."""
     from shards.formats.hdf5 import iter_hdf5_slice
 
     with S3File(location, options, size=size) as handle:
-        yield from iter_hdf5_slice(handle, start, stop)
+        yield from iter_hdf5_slice(handle, start, stop, resync=resync)
 
 
 # -- whole objects --------------------------------------------------------------------------------------------------

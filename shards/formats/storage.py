@@ -25,6 +25,8 @@ class Storage:
     suffix: str
     writer: type
     read: Callable[..., Iterator[RawSample]]  # (path) -> every sample
+    # The three streaming reads take ``resync=True``: a damaged sample is yielded as its ``CorruptDataError`` and
+    # reading goes on with the next (``shards.formats.tarseek``); by default the first one raises.
     read_slice: Callable[..., Iterator[RawSample]]  # (path, start, stop, *, sha256=None) -> samples start:stop
     read_stream: Callable[..., Iterator[RawSample]] | None  # (binary stream, where) -> every sample
     # (s3 URL, start, stop, S3Options, *, size, offsets) -> samples start:stop of a shard on object storage
@@ -34,17 +36,17 @@ class Storage:
 
 
 def _tar_s3_slice(location: str, start: int, stop: int, options: Any, *, size: int,
-                  offsets: Any = None) -> Iterator[RawSample]:
+                  offsets: Any = None, resync: bool = False) -> Iterator[RawSample]:
     from shards.formats.s3shards import iter_s3_tar_slice  # object storage only when asked for
 
-    return iter_s3_tar_slice(location, start, stop, options, offsets)
+    return iter_s3_tar_slice(location, start, stop, options, offsets, resync=resync)
 
 
 def _hdf5_s3_slice(location: str, start: int, stop: int, options: Any, *, size: int,
-                   offsets: Any = None) -> Iterator[RawSample]:
+                   offsets: Any = None, resync: bool = False) -> Iterator[RawSample]:
     from shards.formats.s3shards import iter_s3_hdf5_slice
 
-    return iter_s3_hdf5_slice(location, start, stop, options, size)
+    return iter_s3_hdf5_slice(location, start, stop, options, size, resync=resync)
 
 
 def _tar_bytes(data: bytes, where: str) -> Iterator[RawSample]:

@@ -5,7 +5,8 @@ Members per sample are ``<key>.<ext>`` (the encoded image), ``<key>.cls`` (the l
 reads them. The writer fixes mtime, uid, gid, owner names and mode, so the same samples in the same order give
 byte-identical tars. Beside each shard the writer leaves its per-sample byte index ``<shard>.idx``
 (``shards.formats.tarindex``), written before the shard is renamed into place, so a finished shard always has it.
-Reading (strict header parsing, seeking, checksums) lives in ``shards.formats.tarseek``.
+Reading lives in ``shards.formats.tarseek`` (seeking, grouping, resync after damage) over ``shards.formats.tarheader``
+(strict header parsing).
 """
 
 from __future__ import annotations

@@ -1,41 +1,29 @@
-"""The tar shard reader: parses headers itself, strictly, and seeks past the samples before a slice.
+"""The tar shard reader: members grouped into samples, seeking past the samples before a slice, and resyncing
+after damage so one bad header costs one sample.
 
-``tarfile`` costs tens of microseconds per member, must read every byte to skip a member in stream mode, raises
-raw ``ValueError``s on damaged headers and silently ends the archive at a bad header after the first. This reader
-parses the 512-byte headers directly, seeks over the members of samples before ``start`` and stops after ``stop``.
-It handles what tar writers produce for plain files: ustar names with a prefix, GNU long names, pax headers and
-GNU base-256 sizes. Shard bytes are untrusted: every malformed header (bad checksum, non-octal field, size past the
-end of the file, name that is not UTF-8, malformed pax record) or truncated member is a ``CorruptDataError`` naming
-the shard and the sample key, or the byte offset of the header when no key can be read. A member's size is checked
-against the bytes left in the file before anything is read, so a forged size never allocates memory; streams of
-unknown length are read in bounded chunks. Members are grouped into samples with webdataset's rule (the key is the
-name before the first dot of its last path component).
+Headers are parsed strictly by ``shards.formats.tarheader``; this module seeks over the members of samples before
+``start``, stops after ``stop``, and groups members into samples with webdataset's rule (the key is the name before
+the first dot of its last path component).
+
+Resync (``resync=True``, what the streaming reader asks for): a damaged sample is yielded as its
+``CorruptDataError`` in its place, and reading goes on with the next sample, so rows stay aligned with the
+manifest. With the per-sample byte index the damage is charged to the sample whose bytes hold it and the reader
+jumps to the next sample's offset. Without one (an http stream, an older dataset) it scans forward block by block
+to the next header whose checksum is right; the damage is charged to the sample in progress when the header names
+it or the next member continues it (or it lacks its image or label), else to the sample that follows. Without
+``resync`` the first damaged sample raises, after the good samples before it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
+from bisect import bisect_left, bisect_right
 from typing import BinaryIO, Iterator, Sequence
 
-from shards.errors import ChecksumError, CorruptDataError
+from shards.errors import CorruptDataError
 from shards.formats.sample import IMAGE_EXTENSIONS, RawSample
-
-BLOCK = 512
-ZERO_BLOCK = bytes(BLOCK)
-REGULAR = (b"0", b"\0", b"7")
-READ_BUFFER = 1 << 20
-READ_CHUNK = 1 << 24  # largest single read from a stream of unknown length
-MAX_EXTENDED_HEADER = 1 << 20  # pax and GNU long-name payloads: a name, not data
-
-
-def _split_member_name(name: str) -> tuple[str, str]:
-    # webdataset's rule: the key is everything before the first dot of the last path component.
-    slash = name.rfind("/")
-    dot = name.find(".", slash + 1)
-    if dot < 0:
-        return name, ""
-    return name[:dot], name[dot + 1 :]
+from shards.formats.tarheader import (BLOCK, READ_BUFFER, REGULAR, ByteSource, header_name, is_header, read_member,
+                                      split_member_name)
 
 
 def _assemble(key: str, parts: dict[str, bytes], where: str) -> RawSample:
@@ -49,214 +37,172 @@ def _assemble(key: str, parts: dict[str, bytes], where: str) -> RawSample:
     raise CorruptDataError(f"no image member (found {sorted(parts)})", path=where, key=key)
 
 
-# -- header fields --------------------------------------------------------------------------------------------------
-def _octal(field: bytes, what: str) -> int:
-    if field[:1] in (b"\x80", b"\xff"):  # GNU base-256 (0xff: negative)
-        value = int.from_bytes(field[1:], "big")
-        if field[0] == 0xFF:
-            raise ValueError(f"negative {what} field")
-        return value
-    digits = field.split(b"\0", 1)[0].strip(b" ")
-    if digits.strip(b"01234567"):
-        raise ValueError(f"{what} field {bytes(field)!r} is not octal")
-    return int(digits or b"0", 8)
-
-
-def _checksum_ok(header: bytes) -> bool:
-    stored = _octal(header[148:156], "checksum")
-    return stored == sum(header[:148]) + 8 * 32 + sum(header[156:])
-
-
-def _text(field: bytes, what: str) -> str:
-    try:
-        return field.split(b"\0", 1)[0].decode("utf-8")
-    except UnicodeDecodeError:
-        raise ValueError(f"{what} is not UTF-8: {bytes(field[:60])!r}") from None
-
-
-def _header_name(header: bytes) -> str:
-    name = _text(header[:100], "member name")
-    if header[257:262] == b"ustar":
-        prefix = _text(header[345:500], "member name prefix")
-        if prefix:
-            name = f"{prefix}/{name}"
-    return name
-
-
-def _guess_key(header: bytes) -> str | None:
-    """The key a damaged header names, when its name field still reads as text (for the error message only)."""
-    try:
-        name = _header_name(header)
-    except ValueError:
-        return None
-    return _split_member_name(name)[0] if name.isprintable() and name.strip() else None
-
-
-def _pax_path(payload: bytes) -> str | None:
-    """The ``path`` record of a pax extended header (``"<len> <key>=<value>\\n"`` records), if any."""
-    path, pos = None, 0
-    while pos < len(payload) and payload[pos]:  # NUL padding may follow the last record
-        space = payload.find(b" ", pos, pos + 21)
-        if space < 0 or not payload[pos:space].isdigit():
-            raise ValueError(f"malformed pax record at payload byte {pos}")
-        end = pos + int(payload[pos:space])
-        if end <= space + 1 or end > len(payload) or payload[end - 1] != 0x0A or b"=" not in payload[space:end]:
-            raise ValueError(f"malformed pax record at payload byte {pos}")
-        keyword, _, value = payload[space + 1 : end - 1].partition(b"=")
-        if keyword == b"path":
-            path = _text(value, "pax path")
-        pos = end
-    return path
-
-
-# -- the byte source ------------------------------------------------------------------------------------------------
-class _Source:
-    """A forward-only tar byte stream: tracks the offset, seeks over bytes it may skip, hashes when asked."""
-
-    def __init__(self, handle: BinaryIO, where: str, *, total: int | None, hashing: bool):
-        self.handle = handle
-        self.where = where
-        self.total = total  # file size, None for a stream of unknown length
-        self.offset = 0
-        self.member_start = 0
-        self.digest = hashlib.sha256() if hashing else None
-        self.can_seek = total is not None and not hashing
-
-    def read(self, size: int, key: str | None = None) -> bytes:
-        if size <= READ_CHUNK:
-            data = self.handle.read(size)
-        else:  # bounded by what the stream really holds, not by a size field
-            chunks, left = [], size
-            while left and (chunk := self.handle.read(min(left, READ_CHUNK))):
-                chunks.append(chunk)
-                left -= len(chunk)
-            data = b"".join(chunks)
-        if self.digest is not None:
-            self.digest.update(data)
-        self.offset += len(data)
-        if len(data) < size and key is not None:
-            raise CorruptDataError(f"truncated tar member at byte {self.offset} ({len(data)} of {size} bytes)",
-                                   path=self.where, key=key)
-        return data
-
-    def skip(self, size: int) -> None:
-        if self.can_seek:
-            self.handle.seek(size, os.SEEK_CUR)
-            self.offset += size
+# -- resync ---------------------------------------------------------------------------------------------------------
+def _scan(source: ByteSource) -> None:
+    """Move to the next block that reads as a header, or to the end: where reading resumes after damage when no
+    index says where the next sample starts. Block by block, so a forged size cannot carry it past good samples."""
+    source.padding = 0
+    while len(block := source.read(BLOCK)) == BLOCK:
+        if is_header(block):
+            source.unread(block)
             return
-        while size > 0:
-            size -= len(self.read(min(size, READ_BUFFER))) or size
-
-    def check(self, expected: str) -> None:
-        """Read to the end of the file and compare the sha256 of every byte with ``expected``."""
-        while self.read(READ_BUFFER):
-            pass
-        if self.digest is not None and self.digest.hexdigest() != expected:
-            raise ChecksumError("sha256 of the shard does not match the manifest (corrupt or replaced)",
-                                path=self.where)
 
 
-def _members(source: _Source) -> Iterator[tuple[str, int]]:
-    """Yield ``(name, size)`` of each regular member, leaving the source at its data. ``source.member_start`` is
-    where the member's first header (a pax or GNU long-name header, if any) starts."""
-    long_name: str | None = None
-    while True:
-        offset = source.offset
-        if long_name is None:
-            source.member_start = offset
-        header = source.read(BLOCK)
-        if len(header) < BLOCK or header == ZERO_BLOCK:
-            if len(header) and header != ZERO_BLOCK:
-                raise CorruptDataError(f"truncated tar header at byte {offset}", path=source.where)
-            return
-        try:
-            if not _checksum_ok(header):
-                raise ValueError("checksum mismatch")
-            size = _octal(header[124:136], "size")
-            kind = header[156:157]
-            name = None if long_name is not None or kind not in REGULAR else _header_name(header)
-        except ValueError as exc:
-            raise CorruptDataError(f"bad tar header at byte {offset} ({exc})", path=source.where,
-                                   key=_guess_key(header)) from None
-        key = _split_member_name(long_name if name is None else name)[0] if kind in REGULAR else None
-        left = None if source.total is None else source.total - source.offset
-        if left is not None and size > left:
-            raise CorruptDataError(f"tar header at byte {offset} gives a member size of {size} bytes, only {left} "
-                                   "are left in the file", path=source.where, key=key)
-        padded = (size + BLOCK - 1) // BLOCK * BLOCK
-        if kind in (b"L", b"x"):
-            if size > MAX_EXTENDED_HEADER:
-                raise CorruptDataError(f"bad tar header at byte {offset} (extended header of {size} bytes)",
-                                       path=source.where)
-            payload = source.read(padded)[:size]
+def _key_before(source: ByteSource, limit: int) -> str | None:
+    """The key named by the first header that reads as one between here and ``limit`` (the rest of a damaged
+    sample, with an index): a damaged header's own name field cannot be trusted."""
+    while source.offset + BLOCK <= limit and len(block := source.read(BLOCK)) == BLOCK:
+        if is_header(block) and block[156:157] in REGULAR:
             try:
-                long_name = _text(payload, "GNU long name") if kind == b"L" else _pax_path(payload)
-            except ValueError as exc:
-                raise CorruptDataError(f"bad tar header at byte {offset} ({exc})", path=source.where) from None
-            continue
-        if kind not in REGULAR:
-            source.skip(padded)
-            long_name = None
-            continue
-        if long_name is not None:
-            name, long_name = long_name, None
-        yield name, size
-        source.skip(padded - size)
+                return split_member_name(header_name(block))[0]
+            except ValueError:
+                continue
+    return None
 
 
-def _samples(source: _Source, start: int, stop: int | None) -> Iterator[RawSample]:
-    where = source.where
-    index = -1
-    key = None
-    parts: dict[str, bytes] = {}
-    members = _members(source)
-    while True:
+def _complete(exts: set[str]) -> bool:
+    return "cls" in exts and any(ext in exts for ext in IMAGE_EXTENSIONS)
+
+
+# -- grouping members into samples ----------------------------------------------------------------------------------
+class _SampleReader:
+    """One pass over a source: members grouped into samples ``start:stop`` (counted from the sample the source
+    starts at, number ``first`` of the shard), each damaged sample a ``CorruptDataError`` in its place."""
+
+    def __init__(self, source: ByteSource, start: int, stop: int | None, offsets: Sequence[int] | None, first: int):
+        self.source, self.start, self.stop = source, start, stop
+        self.offsets, self.first = offsets, first
+        self.index = -1  # the current sample's position
+        self.key: str | None = None  # the current sample's key (None: between samples)
+        self.parts: dict[str, bytes] = {}
+        self.exts: set[str] = set()
+        self.damage: CorruptDataError | None = None  # damage charged to the current sample
+        self.unplaced: CorruptDataError | None = None  # damage charged to the sample of the next member
+
+    def _error(self, damage: CorruptDataError, key: str | None) -> CorruptDataError:
+        return CorruptDataError(damage.reason, path=self.source.where, key=key)
+
+    def _close(self) -> Iterator[RawSample | CorruptDataError]:
+        """The current sample (if in ``start:stop``), then none."""
+        key, self.key = self.key, None
+        if key is None or self.index < self.start:
+            return
+        if self.damage is not None:
+            yield self._error(self.damage, key)
+            return
         try:
-            name, size = next(members)
-        except StopIteration:
-            break
+            yield _assemble(key, self.parts, self.source.where)
         except CorruptDataError as exc:
-            # A damaged header after a complete sample belongs to the next one: the sample read so far is good.
-            if key is not None and index >= start and exc.key is not None and exc.key != key:
-                yield _assemble(key, parts, where)
-            raise
-        member_key, ext = _split_member_name(name)
-        if member_key != key:
-            if index >= start and key is not None:
-                yield _assemble(key, parts, where)
-            parts = {}
-            key = member_key
-            index += 1
-            if stop is not None and index >= stop:
-                return
-        if index < start:
-            source.skip(size)
-            continue
-        parts[ext.lower()] = source.read(size, key=member_key)
-    if key is not None and index >= start:
-        yield _assemble(key, parts, where)
+            yield exc
+
+    def _next_position(self) -> bool:
+        """Count one more sample; False when it is past ``stop``."""
+        self.index += 1
+        return self.stop is None or self.index < self.stop
+
+    def _charge(self, damage: CorruptDataError) -> None:
+        """Without an index: charge damage to the sample in progress when it is named or cannot be whole without
+        it, else to the sample of the next member (decided when the scan finds it)."""
+        if self.key is not None and (damage.key == self.key or not _complete(self.exts)):
+            self.damage = self.damage or damage
+        else:
+            self.unplaced = self.unplaced or damage
+
+    def _jump(self, damage: CorruptDataError) -> Iterator[RawSample | CorruptDataError]:
+        """With an index: charge damage to the sample whose bytes hold it and every sample read into, then seek to
+        the next sample's offset. Returns False when reading should end."""
+        offsets, samples = self.offsets, len(self.offsets) - 1
+        hit = bisect_right(offsets, self.source.header_start) - 1
+        resume = max(hit + 1, bisect_left(offsets, self.source.offset))
+        if self.key is not None and self.first + self.index >= hit:
+            self.damage = self.damage or damage
+        yield from self._close()
+        for number in range(self.first + self.index + 1, min(resume, samples)):
+            if not self._next_position():
+                return False
+            if self.index >= self.start:
+                key = _key_before(self.source, int(offsets[number + 1])) if number == hit else None
+                yield self._error(damage, key) if key is not None else CorruptDataError(
+                    f"{damage.reason}; sample {number} of the shard", path=self.source.where)
+        if resume > samples:
+            return False
+        self.source.padding = 0
+        self.source.skip(int(offsets[resume]) - self.source.offset)
+        return True
+
+    def samples(self) -> Iterator[RawSample | CorruptDataError]:
+        source = self.source
+        while True:
+            try:
+                member = read_member(source)
+            except CorruptDataError as damage:
+                if self.offsets is None:
+                    self._charge(damage)
+                    _scan(source)
+                elif not (yield from self._jump(damage)):
+                    return
+                continue
+            if member is None:
+                break
+            name, size = member
+            member_key, ext = split_member_name(name)
+            if member_key != self.key:
+                yield from self._close()
+                if not self._next_position():
+                    return
+                self.key, self.parts, self.exts = member_key, {}, set()
+                self.damage, self.unplaced = self.unplaced, None
+            elif self.unplaced is not None:  # the damage lay inside this sample
+                self.damage, self.unplaced = self.damage or self.unplaced, None
+            self.exts.add(ext.lower())
+            if self.index < self.start:
+                source.skip(size)
+                continue
+            try:
+                self.parts[ext.lower()] = source.read(size, key=member_key)
+            except CorruptDataError as damage:  # cut short: the end of the bytes follows
+                self.damage = self.damage or damage
+        yield from self._close()
+        if self.unplaced is not None and self._next_position() and self.index >= self.start:
+            yield self._error(self.unplaced, self.unplaced.key)  # damage after the last whole sample
+
+
+def _first_error_raises(items: Iterator[RawSample | CorruptDataError]) -> Iterator[RawSample]:
+    for item in items:
+        if isinstance(item, CorruptDataError):
+            raise item
+        yield item
 
 
 def iter_tar_slice(path: str | os.PathLike, start: int = 0, stop: int | None = None, *,
-                   sha256: str | None = None, offsets: Sequence[int] | None = None) -> Iterator[RawSample]:
+                   sha256: str | None = None, offsets: Sequence[int] | None = None,
+                   resync: bool = False) -> Iterator[RawSample | CorruptDataError]:
     """Samples ``start:stop`` of a local tar shard; earlier samples are skipped by seeking, not read.
 
     ``offsets``: the shard's per-sample byte index (``shards.formats.tarindex.read_index``, already checked against
-    the manifest): one seek to sample ``start`` instead of walking the headers before it.
-    With ``sha256`` (a whole-shard read: ``start`` 0 and ``stop`` the shard's sample count or None), every byte is
-    read and hashed on the way, and a ``ChecksumError`` follows the last sample when the digest differs.
+    the manifest): one seek to sample ``start`` instead of walking the headers before it, and the place to resume
+    after a damaged sample. With ``sha256`` (a whole-shard read: ``start`` 0 and ``stop`` the shard's sample count
+    or None), every byte is read and hashed on the way, and a ``ChecksumError`` follows the last sample when the
+    digest differs. ``resync``: each damaged sample is yielded as its ``CorruptDataError`` and reading goes on;
+    otherwise the first one raises.
     """
+    items = _read_tar_slice(path, start, stop, sha256, offsets)
+    return items if resync else _first_error_raises(items)
+
+
+def _read_tar_slice(path: str | os.PathLike, start: int, stop: int | None, sha256: str | None,
+                    offsets: Sequence[int] | None) -> Iterator[RawSample | CorruptDataError]:
     hashing = sha256 is not None and start == 0
     with open(path, "rb", buffering=READ_BUFFER) as handle:
-        source = _Source(handle, str(path), total=os.fstat(handle.fileno()).st_size, hashing=hashing)
+        source = ByteSource(handle, str(path), total=os.fstat(handle.fileno()).st_size, hashing=hashing)
+        first = 0
         if offsets is not None and start > 0 and not hashing:
             if start >= len(offsets) - 1:
                 return
             handle.seek(int(offsets[start]))
             source.offset = int(offsets[start])
-            stop = None if stop is None else stop - start
-            start = 0
-        yield from _samples(source, start, stop)
+            first, start, stop = start, 0, None if stop is None else stop - start
+        yield from _SampleReader(source, start, stop, offsets, first).samples()
         if hashing:
             source.check(sha256)
 
@@ -266,18 +212,27 @@ def tar_sample_offsets(path: str | os.PathLike) -> list[int]:
     every header: where each sample's first header starts, then where the last sample's data ends."""
     offsets: list[int] = []
     with open(path, "rb", buffering=READ_BUFFER) as handle:
-        source = _Source(handle, str(path), total=os.fstat(handle.fileno()).st_size, hashing=False)
+        source = ByteSource(handle, str(path), total=os.fstat(handle.fileno()).st_size, hashing=False)
         key = None
-        for name, size in _members(source):
-            member_key = _split_member_name(name)[0]
+        while (member := read_member(source)) is not None:
+            member_key = split_member_name(member[0])[0]
             if member_key != key:
                 offsets.append(source.member_start)
                 key = member_key
-            source.skip(size)
+            source.skip(member[1])
         offsets.append(source.member_start)
     return offsets
 
 
-def iter_tar_stream(stream: BinaryIO, where: str) -> Iterator[RawSample]:
-    """Every sample of a tar stream (a file or a network response), in order, without seeking."""
-    yield from _samples(_Source(stream, where, total=None, hashing=False), 0, None)
+def iter_tar_stream(stream: BinaryIO, where: str, *, resync: bool = False, offsets: Sequence[int] | None = None,
+                    first: int = 0) -> Iterator[RawSample | CorruptDataError]:
+    """Every sample of a tar stream (a file or a network response), in order, without seeking.
+
+    A ranged read of samples ``first:`` of a shard with its byte index passes ``offsets`` and ``first``: byte
+    offsets then name the shard's bytes, and a damaged sample is passed over to the next indexed offset.
+    ``resync`` as in ``iter_tar_slice``.
+    """
+    start_at = 0 if offsets is None else int(offsets[first])
+    source = ByteSource(stream, where, total=None, hashing=False, offset=start_at)
+    items = _SampleReader(source, 0, None, offsets, first).samples()
+    return items if resync else _first_error_raises(items)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 from torch.utils.data import IterableDataset, get_worker_info
 
 from shards.stream.cached_shards import CachedShards
-from shards.stream.error_tally import ErrorTally
+from shards.stream.error_tally import ErrorTally, reason_of
 from shards.stream.elastic import Continuation, EpochSource, continuation, dataset_fingerprint, sampling_settings
 from shards.stream.resume import STREAM, LoaderState, Resume, SharedEpochState, stream_resume
 from shards.errors import CorruptDataError, InputError
@@ -315,20 +315,16 @@ class ShardDataset(IterableDataset):
             if position < skip:
                 continue
             if isinstance(sample, Broken):
-                policy.failed(where, sample.key, sample.reason)
-                yield from policy.fill()
+                yield from policy.skipped(where, sample.key, sample.reason)
                 continue
             try:
                 output = self.decode_row(sample, seed, row) if tally is None \
                     else self._timed_decode(sample, seed, row, tally)
             except CorruptDataError as exc:
-                policy.failed(where, sample.key, str(exc))
-                yield from policy.fill()
+                yield from policy.skipped(where, sample.key, reason_of(exc, where))
                 continue
             yield from policy.emit(self._pack(output, sample))
-        if policy.pending:
-            raise CorruptDataError(f"no readable sample left to stand in for {policy.pending} unreadable one(s)",
-                                   path=self.config.split)
+        yield from policy.finish(self.config.split)
 
     def _timed_decode(self, sample: Any, seed: int, row: int, tally: StageTally) -> Any:
         """``decode_row``, its seconds split into decode and transform where the decoder marks the boundary."""
@@ -355,7 +351,10 @@ class ShardDataset(IterableDataset):
     def _guarded_slice(self, piece: ShardSlice, policy: ErrorTally,
                        keep: np.ndarray | None = None) -> Iterator[tuple[str, Any, int]]:
         """Read one slice as ``(where, sample, global row)``, only the positions ``keep`` names (None: all); check
-        it really holds as many samples as the manifest says."""
+        it really holds as many samples as the manifest says.
+
+        A damaged sample the reader passed over (``read_resync``) is a ``Broken`` marker in its row; an error that
+        ends the slice marks every row left (the first with the error's key)."""
         where = self.locations[piece.shard]
         first = self._first_rows[piece.shard] + piece.start
         wanted = None
@@ -364,7 +363,11 @@ class ShardDataset(IterableDataset):
             wanted[keep] = True
         count = 0
         try:
-            for sample in self.read_slice(piece):
+            for sample in self.read_resync(piece):
+                if isinstance(sample, CorruptDataError):
+                    if self.config.on_error == "raise":
+                        raise sample
+                    sample = Broken(sample.key, -1, reason_of(sample, where))
                 if wanted is None or wanted[count]:
                     yield where, sample, first + count
                 count += 1
@@ -378,11 +381,19 @@ class ShardDataset(IterableDataset):
                 log.warning("samples already used from a damaged shard: %s", exc)
             for offset in range(count, piece.size):
                 if wanted is None or wanted[offset]:
-                    yield where, Broken(exc.key, -1, str(exc)), first + offset
+                    key = exc.key if offset == count else None
+                    yield where, Broken(key, -1, reason_of(exc, where)), first + offset
 
     # -- what subclasses provide -----------------------------------------------------------------------------
     def read_slice(self, piece: ShardSlice) -> Iterator[Any]:
+        """The slice's samples, in order; the first damaged one raises its ``CorruptDataError``."""
         raise NotImplementedError
+
+    def read_resync(self, piece: ShardSlice) -> Iterator[Any]:
+        """What the stream reads: ``read_slice``, but each damaged sample is its ``CorruptDataError`` in its place
+        and reading goes on with the next, so one bad sample costs that sample only. By default the first error
+        ends the slice (a feature shard is checked whole when it is loaded)."""
+        return self.read_slice(piece)
 
     def decode(self, sample: Any, seed: int) -> Any:
         """``sample`` -> output; ``seed`` is the sample's augmentation seed (``sample_seeds``), the only source of
@@ -396,7 +407,7 @@ class ShardDataset(IterableDataset):
 
 def __getattr__(name: str) -> Any:
     """``ImageShardDataset`` and the decoder adapters moved to ``shards.stream.image_dataset``; the old path works."""
-    if name in ("ImageShardDataset", "seeded_decoder", "relabelled"):
+    if name in ("ImageShardDataset", "seeded_decoder"):
         from shards.stream import image_dataset
 
         return getattr(image_dataset, name)

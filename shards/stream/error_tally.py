@@ -1,19 +1,30 @@
 """The ``skip`` error policy's bookkeeping, per worker stream: what a bad sample costs and when to give up.
 
-``skip`` keeps the epoch length: a bad sample's slot is filled by repeating a good one, so DDP ranks stay in step;
-every skip is logged with shard and key and counted in the shared epoch state, and a run of bad samples stops the
-epoch (a shard that is wholly unreadable is a problem to report, not to paper over).
+``skip`` keeps the epoch length: a bad sample's slot is filled by a good one, so DDP ranks stay in step. The
+stand-ins are spread: a run of skipped slots takes the good samples just before it, most recent first (up to
+``STAND_INS`` different ones), and slots skipped before any good sample take the good samples that follow, one
+each. Every skip is logged once, naming shard and key, and counted in the shared epoch state; a run of bad samples
+stops the epoch (a shard that is wholly unreadable is a problem to report, not to paper over).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from shards.errors import CorruptDataError
 
 log = logging.getLogger("shards.stream.dataset")
+
+STAND_INS = 8  # recent good outputs kept per worker stream: enough to spread a run of skips, few to hold in memory
+
+
+def reason_of(exc: CorruptDataError, where: str) -> str:
+    """An error's message without the shard and key a log line or ``Broken`` marker already names (the file it
+    names is kept when it is another: an index sidecar, a node-local copy)."""
+    return exc.reason if exc.path in (None, where) else f"{exc.path}: {exc.reason}"
 
 
 @dataclass
@@ -24,29 +35,42 @@ class ErrorTally:
     config: Any
     state: Any
     consecutive: int = 0
-    pending: int = 0
-    last_good: Any = field(default=None)
+    pending: int = 0  # skipped slots not yet filled: those before the stream's first good sample
+    recent: deque = field(default_factory=lambda: deque(maxlen=STAND_INS))
 
-    def failed(self, where: str, key: str | None, reason: str) -> None:
+    def skipped(self, where: str, key: str | None, reason: str) -> Iterator[Any]:
+        """Count and log one bad sample (``reason`` without shard and key), then fill its slot if a good sample
+        came before it. Raises with ``on_error="raise"`` and after ``max_consecutive_errors`` bad ones in a row."""
         if self.config.on_error == "raise":
             raise CorruptDataError(reason, path=where, key=key)
         self.consecutive += 1
         self.state.add_skipped()
-        log.warning("skipping unreadable sample: %s [sample %s]: %s", where, key, reason)
+        log.warning("skipping unreadable sample: %s: %s", where if key is None else f"{where} [sample {key}]",
+                    reason)
         if self.consecutive >= self.config.max_consecutive_errors:
             raise CorruptDataError(
                 f"{self.consecutive} consecutive unreadable samples (max_consecutive_errors="
                 f"{self.config.max_consecutive_errors}); last: {reason}", path=where, key=key)
-        self.pending += 1
+        if self.recent:
+            yield self.recent[-1 - (self.consecutive - 1) % len(self.recent)]
+        else:
+            self.pending += 1
 
     def emit(self, output: Any) -> Iterator[Any]:
+        """A good sample, and once more for the oldest slot still unfilled."""
         self.consecutive = 0
-        self.last_good = output
-        for _ in range(self.pending + 1):
-            yield output
-        self.pending = 0
-
-    def fill(self) -> Iterator[Any]:
-        if self.last_good is not None:
+        if self.config.on_error == "skip":
+            self.recent.append(output)
+        yield output
+        if self.pending:
             self.pending -= 1
-            yield self.last_good
+            yield output
+
+    def finish(self, where: str) -> Iterator[Any]:
+        """At the end of the stream: the slots still unfilled, from the last good samples."""
+        if self.pending and not self.recent:
+            raise CorruptDataError(f"no readable sample left to stand in for {self.pending} unreadable one(s)",
+                                   path=where)
+        for turn in range(self.pending):
+            yield self.recent[-1 - turn % len(self.recent)]
+        self.pending = 0

@@ -59,9 +59,9 @@ def test_hdf5_slices_read_only_their_samples(tmp_path, monkeypatch):
     calls = []
     original = hdf5_module.iter_hdf5_shard
 
-    def spy(path, start=0, stop=None):
+    def spy(path, start=0, stop=None, **options):
         calls.append((start, stop))
-        return original(path, start, stop)
+        return original(path, start, stop, **options)
 
     monkeypatch.setattr(hdf5_module, "iter_hdf5_shard", spy)
     monkeypatch.setattr(hdf5_module, "HDF5_WINDOW", 8)

@@ -196,9 +196,9 @@ def read_log(monkeypatch):
     opened: list[str] = []
     original = ImageShardDataset._read_source_slice
 
-    def logged(self, piece):
+    def logged(self, piece, *args):
         opened.append(Path(self.locations[piece.shard]).name)
-        return original(self, piece)
+        return original(self, piece, *args)
 
     monkeypatch.setattr(ImageShardDataset, "_read_source_slice", logged)
     return opened

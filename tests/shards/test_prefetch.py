@@ -2,8 +2,9 @@
 fetched on the ``shardcache-prefetch`` thread, so its copy is in the cache before its first sample is read; a
 stream that stops early lets go of what it prefetched.
 
-Observed without timing: ``NodeCache.acquire`` and ``read_slice`` are wrapped to record which thread fetched each
-shard and what the cache held when each shard's read began; every wait is bounded and on an event.
+Observed without timing: ``NodeCache.acquire`` and ``read_resync`` (what the stream reads) are wrapped to record
+which thread fetched each shard and what the cache held when each shard's read began; every wait is bounded and on
+an event.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class Observer:
         self.previous_was_being_read: dict[int, bool] = {}
         self.copy_ready_at_read: dict[int, bool] = {}
         self.misses_at_read: dict[int, int] = {}
-        real_acquire, real_read = NodeCache.acquire, dataset.read_slice
+        real_acquire, real_read = NodeCache.acquire, dataset.read_resync
         observer = self
 
         def acquire(cache, sha256, size, suffix, fetch, source):
@@ -81,7 +82,7 @@ class Observer:
             finally:
                 observer.acquired[shard].set()
 
-        def read_slice(piece):
+        def read_resync(piece):
             shard = piece.shard
             if shard != observer.order[0]:
                 observer.copy_ready_at_read[shard] = (observer.acquired[shard].wait(WAIT_S)
@@ -93,7 +94,7 @@ class Observer:
                 yield sample
 
         monkeypatch.setattr(NodeCache, "acquire", acquire)
-        monkeypatch.setattr(dataset, "read_slice", read_slice)
+        monkeypatch.setattr(dataset, "read_resync", read_resync)
 
 
 @pytest.mark.parametrize("shuffle", [False, True])

@@ -82,7 +82,7 @@ def test_wrong_sample_count_and_bad_label_are_reported(tmp_path):
     shard = ShardInfo(split.shards[0].path, 4, writer.bytes, writer.sha256)
     manifest.replace(splits={"train": split.__class__(4, split.class_counts, (shard,))}).save(tmp_path)
     problems = verify_dataset(tmp_path).problems
-    assert "train-000000.tar [sample extra]: label 7 outside 0..2" in problems
+    assert "train-000000.tar [sample extra]: label 7 is outside [0, 3)" in problems
     assert "train-000000.tar: holds 5 samples, manifest says 4" in problems
 
 
