@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import json
+import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Mapping
 
-from shards.atomic import sha256_file, write_json_atomic
+from shards.atomic import write_json_atomic
+from shards.bounded_read import read_json_file, read_regular_file
 from shards.errors import ManifestError, MissingInputError
 from shards.formats.locations import check_dataset_dir, check_shard_path
 
@@ -307,23 +308,14 @@ class FeatureManifest(_ManifestBase):
 Manifest = DatasetManifest | FeatureManifest
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise MissingInputError("no such file", path=str(path)) from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ManifestError(f"not valid JSON ({exc})", path=str(path)) from exc
-
-
 def load_dataset_manifest(folder: str | os.PathLike, *, url_origins: Iterable[str] = ()) -> DatasetManifest:
     path = Path(folder) / DATASET_FILE
-    return DatasetManifest.from_dict(_read_json(path), where=str(path), url_origins=url_origins)
+    return DatasetManifest.from_dict(read_json_file(path), where=str(path), url_origins=url_origins)
 
 
 def load_feature_manifest(folder: str | os.PathLike) -> FeatureManifest:
     path = Path(folder) / FEATURES_FILE
-    return FeatureManifest.from_dict(_read_json(path), where=str(path))
+    return FeatureManifest.from_dict(read_json_file(path), where=str(path))
 
 
 def load_manifest(folder: str | os.PathLike, *, url_origins: Iterable[str] = ()) -> Manifest:
@@ -346,5 +338,6 @@ def load_manifest(folder: str | os.PathLike, *, url_origins: Iterable[str] = ())
 
 
 def dataset_manifest_sha256(folder: str | os.PathLike) -> str:
-    """Digest of ``dataset.json`` as bytes: the identity a feature cache is tied to."""
-    return sha256_file(Path(folder) / DATASET_FILE)
+    """Digest of ``dataset.json`` as bytes: the identity a feature cache is tied to (read like the manifest itself:
+    a regular file within ``MAX_FILE_BYTES``, else a ``ManifestError``)."""
+    return hashlib.sha256(read_regular_file(Path(folder) / DATASET_FILE, error=ManifestError)).hexdigest()

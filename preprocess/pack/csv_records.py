@@ -3,15 +3,17 @@
 One reader so both inputs agree: Excel's "CSV UTF-8" byte order mark is dropped (``utf-8-sig``), cells are
 stripped, blank records are skipped but still counted, every record must have as many cells as the header, and a
 record is named by the line it starts on. A file that is not UTF-8 or not valid CSV is a one-line ``InputError``
-naming the file, never a traceback.
+naming the file, never a traceback; so is a FIFO or device, refused before it is opened (``open_regular_file``).
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import re
 from pathlib import Path
 
+from shards.bounded_read import open_regular_file
 from shards.errors import InputError
 
 SPLIT_NAME = re.compile(r"^[A-Za-z0-9_]+$")  # what a split column's values may be (also shard name prefixes)
@@ -24,7 +26,7 @@ def read_csv_records(path: str | Path, expected: str) -> tuple[list[str], list[t
     records: list[tuple[int, list[str]]] = []
     start = 1
     try:
-        with open(path, newline="", encoding="utf-8-sig") as handle:
+        with io.TextIOWrapper(open_regular_file(path), encoding="utf-8-sig", newline="") as handle:
             reader = csv.reader(handle)
             header = [name.strip() for name in next(reader, [])]
             if not header:

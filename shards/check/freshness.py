@@ -16,12 +16,12 @@ with the caller's storage options and hashed as bytes; nothing else of it is rea
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from shards.bounded_read import JSONError, parse_json
 from shards.errors import ManifestError, ShardcacheError, StaleCacheError
 from shards.formats.feature_names import from_table
 from shards.formats.locations import dataset_location
@@ -59,9 +59,9 @@ def read_s3_dataset(url: str, storage_options: Any = None) -> tuple[DatasetManif
     where = _join(url, DATASET_FILE)
     payload = read_object(where, S3Options.from_mapping(storage_options))
     try:
-        data = json.loads(payload.decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ManifestError(f"not valid JSON ({exc})", path=where) from exc
+        data = parse_json(payload)
+    except JSONError as exc:
+        raise ManifestError(str(exc), path=where) from None
     return DatasetManifest.from_dict(data, where=where), hashlib.sha256(payload).hexdigest()
 
 

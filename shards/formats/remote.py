@@ -1,23 +1,65 @@
 """Shard locations that are not local files: ``http(s)://`` and ``s3://`` URLs, and ``pipe:`` shell commands.
 
-HTTP goes through ``urllib`` (no ``curl`` needed); ``pipe:`` uses webdataset's opener, which runs the command and
-reads its stdout, so any tool (``gsutil cat``) can feed shards. ``s3://`` goes through ``shards.formats.s3``
-(ranged GETs, retried and resumed). A remote tar is a stream: reaching sample ``start`` reads through the samples
-before it (on S3, a tar with a byte index reads only the slice: ``shards.formats.s3shards``).
+HTTP goes through ``urllib`` (no ``curl`` needed), following a redirect only to an allowed origin (the requested
+URL's own, plus any the caller names), at most ``MAX_REDIRECTS`` hops: a server on an allowed origin cannot hand
+the reader to another host (``shards.formats.locations.check_redirect``). ``pipe:`` uses webdataset's opener,
+which runs the command and reads its stdout, so any tool (``gsutil cat``) can feed shards. ``s3://`` goes through
+``shards.formats.s3`` (ranged GETs, retried and resumed). A remote tar is a stream: reaching sample ``start``
+reads through the samples before it (on S3, a tar with a byte index reads only the slice:
+``shards.formats.s3shards``).
 """
 
 from __future__ import annotations
 
-import json
 import urllib.error
+import urllib.parse
 import urllib.request
 from contextlib import contextmanager
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterable, Iterator
 
+from shards.bounded_read import JSONError, parse_json, read_capped
 from shards.errors import CorruptDataError, ManifestError, MissingInputError
-from shards.formats.locations import REMOTE_SCHEMES, is_remote, shard_location  # noqa: F401 (re-exported)
+from shards.formats.locations import (REMOTE_SCHEMES, check_redirect, is_remote, shard_location,  # noqa: F401
+                                      url_origin)
 
 TIMEOUT_S = 60.0
+MAX_REDIRECTS = 5
+
+
+class _OriginRedirects(urllib.request.HTTPRedirectHandler):
+    """urllib's redirect handling, with every hop checked against the allowed origins before it is requested (so a
+    foreign server never sees a request) and at most ``MAX_REDIRECTS`` hops. The target is checked as the server
+    sent it (before urllib's own scheme check, so ``file:`` gets the same error) and as urllib will request it."""
+
+    max_redirections = MAX_REDIRECTS
+
+    def __init__(self, location: str, origins: Iterable[str]):
+        super().__init__()
+        self.location, self.origins = location, tuple(origins)
+
+    def _check(self, fp: Any, target: str) -> None:
+        try:
+            check_redirect(self.location, target, self.origins)
+        except ManifestError:
+            fp.close()
+            raise
+
+    def http_error_302(self, req, fp, code, msg, headers):  # noqa: ANN001 - urllib's signature
+        target = headers.get("location") or headers.get("uri")
+        if target:
+            self._check(fp, urllib.parse.urljoin(req.full_url, target))
+        return super().http_error_302(req, fp, code, msg, headers)
+
+    http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001 - urllib's signature
+        self._check(fp, newurl)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def _open_url(location: str, origins: Iterable[str]) -> BinaryIO:
+    allowed = (*filter(None, [url_origin(location)]), *origins)
+    return urllib.request.build_opener(_OriginRedirects(location, allowed)).open(location, timeout=TIMEOUT_S)
 
 
 def join_location(base: str, relative: str) -> str:
@@ -26,9 +68,11 @@ def join_location(base: str, relative: str) -> str:
 
 
 @contextmanager
-def open_remote(location: str, storage_options: Any = None) -> Iterator[BinaryIO]:
+def open_remote(location: str, storage_options: Any = None, *, origins: Iterable[str] = ()) -> Iterator[BinaryIO]:
     """Open a remote shard for sequential reading; errors name the location. ``storage_options``: for ``s3://``
-    (``shards.formats.s3.S3Options`` or a mapping of its fields)."""
+    (``shards.formats.s3.S3Options`` or a mapping of its fields). ``origins``: for ``http(s)``, where redirects may
+    lead besides the location's own origin (a dataset's ``shards.formats.locations.request_origins``: its
+    manifest's own and the caller's ``Remote(url_origins=...)``); any other target is a ``ManifestError``."""
     if location.startswith("s3://"):
         import io
 
@@ -41,10 +85,14 @@ def open_remote(location: str, storage_options: Any = None) -> Iterator[BinaryIO
         stream = gopen_pipe(location, "rb", bufsize=1 << 20)
     else:
         try:
-            stream = urllib.request.urlopen(location, timeout=TIMEOUT_S)
+            stream = _open_url(location, origins)
         except urllib.error.HTTPError as exc:
             if exc.code == 404:
                 raise MissingInputError("not found (HTTP 404)", path=location) from exc
+            if 300 <= exc.code < 400:  # urllib's message for a redirect loop spans lines: keep its first
+                first = (str(exc.reason).splitlines() or [""])[0]
+                raise CorruptDataError(f"HTTP {exc.code}: redirect not followed ({first}; at most {MAX_REDIRECTS} "
+                                       "hops are followed)", path=location) from exc
             raise CorruptDataError(f"HTTP {exc.code} {exc.reason}", path=location) from exc
         except (urllib.error.URLError, OSError) as exc:
             raise CorruptDataError(f"cannot open ({exc})", path=location) from exc
@@ -54,10 +102,10 @@ def open_remote(location: str, storage_options: Any = None) -> Iterator[BinaryIO
         stream.close()
 
 
-def read_remote_json(location: str, storage_options: Any = None) -> Any:
-    with open_remote(location, storage_options) as stream:
-        payload = stream.read()
+def read_remote_json(location: str, storage_options: Any = None, *, origins: Iterable[str] = ()) -> Any:
+    with open_remote(location, storage_options, origins=origins) as stream:
+        payload = read_capped(stream, location)
     try:
-        return json.loads(payload.decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ManifestError(f"not valid JSON ({exc})", path=location) from exc
+        return parse_json(payload)
+    except JSONError as exc:
+        raise ManifestError(str(exc), path=location) from None

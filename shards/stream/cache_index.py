@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from shards.atomic import _host_tag
+from shards.bounded_read import read_json_file
 
 log = logging.getLogger("shardcache.cache")
 
@@ -222,7 +223,7 @@ class CacheIndex:
                     removed += 1
                     continue
             try:
-                total += int(json.loads(Path(entry.path).read_text(encoding="utf-8"))["size"])
+                total += int(read_json_file(entry.path)["size"])
             except FileNotFoundError:
                 continue
             except (OSError, ValueError, KeyError, TypeError):

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from shards.bounded_read import read_regular_file
 from shards.errors import InputError
 from shards.stream.plan import STREAM_MIX_DRAW, STREAM_MIX_ORDER, rng_for
 
@@ -71,11 +73,13 @@ class Subset:
         if self.keys is None:
             return None
         if isinstance(self.keys, (str, os.PathLike)):
+            # Regular files only and at most MAX_FILE_BYTES: a FIFO or /dev/zero here would hang or fill memory.
             try:
-                with open(self.keys, encoding="utf-8-sig") as handle:
-                    return frozenset(line.strip() for line in handle if line.strip())
-            except OSError as exc:
-                raise InputError(f"cannot read the keys file ({exc.strerror or exc})", path=str(self.keys)) from None
+                text = read_regular_file(self.keys).decode("utf-8-sig")
+            except UnicodeDecodeError as exc:
+                raise InputError(f"the keys file is not UTF-8 text ({exc.reason} at byte {exc.start})",
+                                 path=str(self.keys)) from None
+            return frozenset(key for key in map(str.strip, io.StringIO(text, newline=None)) if key)
         return self.keys
 
     def describe(self) -> dict[str, Any]:

@@ -22,10 +22,14 @@ dies, so a killed worker never wedges the node):
 
 A copy is written to a unique temp name, hashed while it is written, checked against the manifest's size and
 sha256, fsynced and renamed; then a stamp ``<name>.ok`` records its size, mtime_ns, inode and sha256. Before a
-process first uses a copy it compares the file with its stamp; a missing stamp, a partial file or one rewritten
-since (size or mtime changed) is deleted and fetched again. The trade-off: rehashing on every use would cost about
-a fifth of the raw read speed, so bit rot that keeps size and mtime is not seen on use; ``NodeCache.verify_all``
-rehashes every entry (run it from a health check, or after a crash of the node).
+process first uses a copy it compares the file with its stamp (a missing stamp, a partial file or one rewritten
+since, size or mtime changed, is deleted and fetched again), then rehashes the whole copy against the manifest's
+sha256: a copy changed in place with its size and mtime kept (bit rot, or a hand on the node's disk) is dropped
+with a warning naming the shard, and fetched again. The hash runs once per process per copy, remembered by (path,
+size, mtime_ns, inode), before the lease is handed out: a reader takes slices by seeking, so a check while
+streaming would cover only whole-shard reads, and checking first means no byte of a bad copy is ever served. It
+costs one read of the copy, which also warms the page cache for the reads that follow (``scripts/bench/cache.py
+--verify-cost``); ``NodeCache.verify_all`` rehashes every entry at once (a health check, or after a node crash).
 
 Leftover temp files and reservations of killed processes are removed when a cache opens; lock and lease files stay
 (removing a lock file someone waits on would let two holders in). This module fetches, checks and leases copies;
@@ -39,7 +43,6 @@ import errno
 import fcntl
 import hashlib
 import io
-import json
 import logging
 import os
 import re
@@ -48,7 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from shards.atomic import unique_tmp_path, write_json_atomic
+from shards.atomic import sha256_file, unique_tmp_path, write_json_atomic
+from shards.bounded_read import read_json_file
 from shards.errors import ChecksumError, InputError, ShardcacheError
 # The folder's layout, locks, room and counters live in cache_index; re-exported here, where callers import them.
 from shards.stream.cache_index import (  # noqa: F401
@@ -61,7 +65,7 @@ log = logging.getLogger("shardcache.cache")
 _SUFFIX = re.compile(r"^\.[a-z0-9]{1,8}$")
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP)
-_OK, _MISSING, _BAD = "ok", "missing", "bad"
+_OK, _MISSING, _BAD, _CORRUPT = "ok", "missing", "bad", "corrupt"
 
 
 class CacheFullError(ShardcacheError, OSError):
@@ -216,6 +220,10 @@ class NodeCache:
                 if state == _BAD:
                     log.info("%s: cached copy of %s is partial or was changed; fetching it again", path, source)
                     self.stats.add(refetches=1)
+                elif state == _CORRUPT:
+                    log.warning("%s: the node cache's copy of this shard (%s) does not match its sha256 (changed in "
+                                "place on the node's disk); removed, fetching it again", source, path)
+                    self.stats.add(refetches=1)
                 self._remove_entry(path)
                 written = self._fetch(path, sha256, size, fetch, source)
             if written is None:
@@ -229,8 +237,8 @@ class NodeCache:
             raise
 
     def verify_all(self) -> dict[str, int]:
-        """Rehash every entry, as the per-use stamp check does not; remove those whose bytes do not match their
-        key or stamp. Entries being fetched right now are skipped."""
+        """Rehash every entry now (a process rehashes a copy only when it first uses it); remove those whose bytes
+        do not match their key or stamp. Entries being fetched right now are skipped."""
         counts = {"checked": 0, "removed": 0, "skipped": 0}
         for folder in self._index.entry_dirs():
             for entry in os.scandir(folder.path):
@@ -255,6 +263,9 @@ class NodeCache:
 
     # -- checking a copy -----------------------------------------------------------------------------------------
     def _check_copy(self, path: Path, sha256: str, size: int) -> str:
+        """``_OK`` once this process has checked the copy (stamp, then sha256 of its bytes) and it is unchanged
+        since; ``_MISSING``; ``_BAD`` when the stamp does not vouch for it; ``_CORRUPT`` when its bytes are not the
+        shard's."""
         try:
             info = os.stat(path)
         except FileNotFoundError:
@@ -263,27 +274,30 @@ class NodeCache:
         if self._index.verified.get(str(path)) == signature and info.st_size == size:
             return _OK
         try:
-            stamp = json.loads(_stamp_path(path).read_text(encoding="utf-8"))
+            stamp = read_json_file(_stamp_path(path))
             recorded = (stamp["size"], stamp["mtime_ns"], stamp["inode"])
             stamped_sha = stamp["sha256"]
         except (OSError, ValueError, KeyError, TypeError):
             return _BAD
         if recorded != signature or stamped_sha != sha256 or info.st_size != size:
             return _BAD
+        try:
+            # The stamp vouches only for size and mtime, which an in-place change can keep: hash once per process.
+            if sha256_file(path) != sha256:
+                return _CORRUPT
+        except FileNotFoundError:
+            return _MISSING
         self._index.verified[str(path)] = signature
         return _OK
 
     def _rehash_matches(self, path: Path, sha256: str) -> bool:
         try:
-            stamp = json.loads(_stamp_path(path).read_text(encoding="utf-8"))
+            stamp = read_json_file(_stamp_path(path))
             info = os.stat(path)
-            digest = hashlib.sha256()
-            with open(path, "rb") as handle:
-                while block := handle.read(1 << 22):
-                    digest.update(block)
+            digest = sha256_file(path)
         except (OSError, ValueError):
             return False
-        return (isinstance(stamp, dict) and stamp.get("sha256") == sha256 == digest.hexdigest()
+        return (isinstance(stamp, dict) and stamp.get("sha256") == sha256 == digest
                 and (stamp.get("size"), stamp.get("mtime_ns"), stamp.get("inode"))
                 == (info.st_size, info.st_mtime_ns, info.st_ino))
 

@@ -4,19 +4,23 @@ From the pack-time source index (``source-index.jsonl``, named and checksummed i
 carry their position in the shard (``row``) and cover the shard exactly: one small file read instead of the shards.
 Otherwise (an older dataset, a feature folder, object storage) by reading the shard through the caller's reader,
 so the same location rules, checks and caches apply. Both are untrusted input: a row's metadata must be a JSON
-object of bounded size, and a source index that does not match its checksum is refused.
+object of bounded size, a source index that does not match its checksum is refused, and one whose name or
+symlink leads outside the dataset folder is refused like such a shard (``local_shard_path``), never read.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from shards.bounded_read import JSONError, parse_json
 from shards.errors import CorruptDataError
+from shards.formats.locations import local_shard_path
 from shards.jsonlines import json_lines
+from shards.manifest import DATASET_FILE
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +33,9 @@ def sample_fields(key: str, label: int, classes: Sequence[str], meta: Any, where
         if len(meta) > MAX_META_BYTES:
             raise CorruptDataError(f"metadata of {len(meta)} bytes (at most {MAX_META_BYTES})", path=where, key=key)
         try:
-            meta = json.loads(meta) if meta else {}
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CorruptDataError(f"metadata is not JSON ({exc})", path=where, key=key) from None
+            meta = parse_json(meta) if meta else {}
+        except JSONError as exc:
+            raise CorruptDataError(f"metadata: {exc}", path=where, key=key) from None
     if meta is None:
         meta = {}
     if not isinstance(meta, dict):
@@ -40,17 +44,21 @@ def sample_fields(key: str, label: int, classes: Sequence[str], meta: Any, where
     return {**meta, "key": key, "label": label, "class": name}
 
 
+def source_index_path(folder: str | os.PathLike, manifest: Any) -> Path | None:
+    """Where the source index ``dataset.json`` names lies in the local ``folder`` (None when it names none):
+    confined like a shard, so a name or symlink leading outside is a ``ManifestError`` before anything is read."""
+    entry = manifest.extra.get("source_index") if manifest.kind == "images" else None
+    if not isinstance(entry, Mapping) or entry.get("path") is None:
+        return None
+    return local_shard_path(folder, entry["path"], where=str(Path(folder) / DATASET_FILE), what="source index")
+
+
 def index_rows(folder: str | None, manifest: Any) -> dict[str, list[dict[str, Any]]] | None:
     """Per shard name, the rows of a local dataset's source index in shard order; None when it cannot tell."""
-    entry = manifest.extra.get("source_index") if manifest.kind == "images" else None
-    if folder is None or not isinstance(entry, Mapping) or not isinstance(entry.get("path"), str):
+    path = None if folder is None else source_index_path(folder, manifest)
+    if path is None or not path.is_file():
         return None
-    name = entry["path"]
-    if "/" in name or "\\" in name or name.startswith("."):
-        return None  # an index outside the dataset folder is never read
-    path = Path(folder) / name
-    if not path.is_file():
-        return None
+    entry = manifest.extra["source_index"]
     data = path.read_bytes()  # read once: hashed, then parsed
     if entry.get("sha256") and hashlib.sha256(data).hexdigest() != entry["sha256"]:
         raise CorruptDataError("source index does not match the checksum in dataset.json", path=str(path))

@@ -7,6 +7,11 @@ filter is built, with a one-line error naming what is not allowed. A sample's fi
 packed images: path, class, width, height, mode, format) plus ``key``, ``label`` (the class index in the source's
 own manifest) and ``class`` (its name). A field a sample lacks is an error naming the field and the sample, since
 a silent "no match" would quietly shrink the training set.
+
+The expression is bounded before it is walked: at most ``MAX_WHERE_CHARS`` characters and ``MAX_WHERE_DEPTH`` levels
+of syntax tree (measured without recursion). Both the checker and the evaluator below recurse once or twice per
+level, and Python's parser itself fails with ``RecursionError`` or ``MemoryError`` on a few thousand nested
+``not``; a real filter is a few comparisons joined by ``and``/``or`` (a long list of keys belongs in ``keys=``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ _COMPARE: dict[type, Callable[[Any, Any], bool]] = {
     ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b,
 }
 _LITERALS = (int, float, str, bool, type(None))
+MAX_WHERE_CHARS = 8192
+MAX_WHERE_DEPTH = 32
 # Field names that are Python keywords ("class"), renamed before parsing and back when looked up.
 _KEYWORD_FIELDS = {"class": "class_"}
 _FIELD_OF = {renamed: name for name, renamed in _KEYWORD_FIELDS.items()}
@@ -40,6 +47,22 @@ def _keyword_fields(expression: str) -> str:
     return tokenize.untokenize(out)
 
 
+def _shortened(expression: str, keep: int = 60) -> str:
+    """The expression for an error line: a deep one is thousands of characters of ``not not ...``."""
+    return repr(expression) if len(expression) <= keep else repr(expression[:keep]) + f"... ({len(expression):,} chars)"
+
+
+def _depth_exceeds(tree: ast.AST, limit: int) -> bool:
+    """Whether the syntax tree is more than ``limit`` nodes deep; level by level, so no recursion."""
+    level, depth = [tree], 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return True
+        level = [child for node in level for child in ast.iter_child_nodes(node)]
+    return False
+
+
 class Where:
     """A compiled filter: ``Where("width >= 256")(fields) -> bool``. Picklable (it keeps only its text and tree)."""
 
@@ -47,10 +70,18 @@ class Where:
         if not isinstance(expression, str) or not expression.strip():
             raise InputError(f"where={expression!r}: give a filter such as \"width >= 256\"")
         self.expression = expression
+        if len(expression) > MAX_WHERE_CHARS:
+            raise InputError(f"where={_shortened(expression)} is longer than {MAX_WHERE_CHARS:,} characters; "
+                             "select many keys with keys= instead")
+        too_deep = f"where={_shortened(expression)} nests deeper than {MAX_WHERE_DEPTH} levels"
         try:
             tree = ast.parse(_keyword_fields(expression.strip()), mode="eval")
         except SyntaxError as exc:
             raise InputError(f"where={expression!r} is not a valid filter ({exc.msg})") from None
+        except (RecursionError, MemoryError):  # the parser's own guards against deep nesting
+            raise InputError(too_deep) from None
+        if _depth_exceeds(tree, MAX_WHERE_DEPTH):
+            raise InputError(too_deep)
         self._tree = tree.body
         self._check(self._tree)
 

@@ -1,0 +1,150 @@
+"""Untrusted files and JSON text read whole, within bounds: regular files only, a size cap, a nesting cap.
+
+Manifests, run configs, ``metrics.jsonl``, key lists and JSON Lines rows may come from anyone, so reading one must
+neither hang nor take unbounded memory nor end in a raw ``RecursionError``:
+
+- ``open`` on a FIFO blocks until a writer appears and ``/dev/zero`` never ends: a file is ``stat``-ed first and
+  refused unless regular, then opened non-blocking (a file swapped for a FIFO after the check cannot block either)
+  and checked again on its descriptor.
+- At most ``MAX_FILE_BYTES`` are read, checked on the size ``stat`` reports and again while reading (a file may
+  grow). 1 GiB is generous: a ``dataset.json`` costs about 15 bytes per (shard, class) pair for its per-shard
+  class counts, so 10,000 shards of a 7,000-class dataset still fit, and a key list of 10 million of the longest
+  keys ``pack-shards`` makes (77 characters) is 780 MB.
+- CPython's parser recurses once per nesting level and gives up near the interpreter's recursion limit, and any
+  code walking the value recurses too: JSON nested deeper than ``MAX_JSON_DEPTH`` is refused. Nothing shardcache
+  writes nests beyond a handful of levels; the check is an iterative walk of the parsed value (only when the text
+  holds more brackets than the limit), so it is linear in time and takes no stack.
+
+``parse_json`` and the JSON Lines reader (``shards.jsonlines``) are the one way untrusted JSON text becomes a
+value; ``read_json_file`` and ``read_regular_file`` the one way such a file is read whole, and
+``open_regular_file`` the way one is opened to be streamed (a CSV list).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from typing import Any, BinaryIO
+
+from shards.errors import InputError, ManifestError, MissingInputError
+from shards.units import human_bytes
+
+MAX_JSON_DEPTH = 64
+MAX_FILE_BYTES = 1 << 30
+
+_FILE_KINDS = ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+               (stat.S_ISBLK, "block device"), (stat.S_ISDIR, "directory"))
+
+
+class JSONError(ValueError):
+    """Text that is not JSON shardcache will read: malformed, not UTF-8, or nested deeper than ``MAX_JSON_DEPTH``.
+
+    ``str()`` is the whole reason (``not valid JSON (Expecting value: line 1 column 9 (char 8))``); ``msg`` the
+    reason alone (``Expecting value``), for a JSON Lines caller that names the line itself."""
+
+    def __init__(self, message: str, msg: str | None = None):
+        super().__init__(message)
+        self.msg = msg or message
+
+
+def not_regular_reason(mode: int) -> str | None:
+    """Why a file of this ``st_mode`` is not read (``"not a regular file (FIFO)"``), or None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    kind = next((name for test, name in _FILE_KINDS if test(mode)), "special file")
+    return f"not a regular file ({kind})"
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests more than ``limit`` containers deep; level by level, so no recursion."""
+    level, depth = [value], 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return True
+        children: list[Any] = []
+        for node in level:
+            members = node.values() if type(node) is dict else node
+            children += [m for m in members if type(m) is dict or type(m) is list]
+        level = children
+    return False
+
+
+def parse_json(text: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """The value of JSON ``text`` (bytes must be UTF-8); ``JSONError`` when malformed, not UTF-8 or too deep."""
+    if isinstance(text, (bytes, bytearray)):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise JSONError(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    try:
+        value = json.loads(text)
+        # A text with no more brackets than the limit cannot nest deeper: most JSON Lines rows skip the walk.
+        too_deep = text.count("[") + text.count("{") > max_depth and _deeper_than(value, max_depth)
+    except json.JSONDecodeError as exc:
+        raise JSONError(f"not valid JSON ({exc})", exc.msg) from None
+    except RecursionError:  # deeper than the interpreter's limit, so deeper than ours
+        too_deep = True
+    if too_deep:
+        raise JSONError(f"nested deeper than {max_depth} levels")
+    return value
+
+
+def open_regular_file(path: str | os.PathLike, *, error: type[InputError] = InputError) -> BinaryIO:
+    """``path`` opened for reading in binary if it is a regular file; else ``error`` naming it
+    (``MissingInputError`` when it does not exist). ``stat`` first, so a FIFO or device is never opened; the open
+    is non-blocking and the descriptor checked again, so one swapped in after the check cannot block either."""
+    where = str(path)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise MissingInputError("no such file", path=where) from None
+    except OSError as exc:
+        raise error(f"cannot read ({exc.strerror or exc})", path=where) from None
+    reason = not_regular_reason(mode)
+    if reason is None:
+        try:
+            handle = os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb")
+        except OSError as exc:
+            raise error(f"cannot read ({exc.strerror or exc})", path=where) from None
+        reason = not_regular_reason(os.fstat(handle.fileno()).st_mode)
+        if reason is None:
+            return handle
+        handle.close()
+    raise error(reason, path=where)
+
+
+def read_regular_file(path: str | os.PathLike, *, limit: int = MAX_FILE_BYTES,
+                      error: type[InputError] = InputError) -> bytes:
+    """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes (checked on its size before
+    reading, and while reading); else ``error`` naming the file (``MissingInputError`` when it does not exist)."""
+    where = str(path)
+    with open_regular_file(path, error=error) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size > limit:
+            raise error(f"{human_bytes(size)}: larger than the {human_bytes(limit)} shardcache reads whole",
+                        path=where)
+        try:
+            return read_capped(handle, where, limit=limit, error=error)
+        except OSError as exc:
+            raise error(f"cannot read ({exc.strerror or exc})", path=where) from None
+
+
+def read_capped(stream: BinaryIO, where: str, *, limit: int = MAX_FILE_BYTES,
+                error: type[InputError] = ManifestError) -> bytes:
+    """All of ``stream`` (a file grown since its ``stat``, an HTTP body), or ``error`` once it passes ``limit``."""
+    data = stream.read(limit + 1)
+    if len(data) > limit:
+        raise error(f"more than the {human_bytes(limit)} shardcache reads whole", path=where)
+    return data
+
+
+def read_json_file(path: str | os.PathLike, *, limit: int = MAX_FILE_BYTES) -> Any:
+    """The JSON value in file ``path`` (a manifest, a run config, a record); every problem is a ``ManifestError``
+    naming the file, a missing file a ``MissingInputError``."""
+    data = read_regular_file(path, limit=limit, error=ManifestError)
+    try:
+        return parse_json(data)
+    except JSONError as exc:
+        raise ManifestError(str(exc), path=str(path)) from None
