@@ -13,6 +13,12 @@ bytes, and the cache's counters; then the ratios the goals name (bytes fetched w
 
     python scripts/bench/cache.py            # 3000 images (~300 MB), 2 rounds, ~3 minutes on 2 cores
 
+``--verify-cost`` measures instead (no S3 server) what the cache's first-use rehash of a copy costs: sha256 MB/s
+of the cached copies, and one process's epoch from a warm cache that rehashes every copy (its first) against the
+next (copies already checked), for raw reading and for the fast pipeline.
+
+    python scripts/bench/cache.py --verify-cost --images 1000
+
 stdout: one JSON line; the table: stderr.
 """
 
@@ -27,6 +33,7 @@ import multiprocessing
 import os
 import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -38,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import loader as bench  # noqa: E402  (scripts/bench/loader.py: corpus, packing, page-cache dropping)
 import s3 as s3bench  # noqa: E402  (scripts/bench/s3.py: index recording and upload)
 import shards  # noqa: E402
+from shards.atomic import sha256_file  # noqa: E402
 from shards.formats import s3  # noqa: E402
 from shards.progress import setup_logging  # noqa: E402
 
@@ -133,9 +141,67 @@ def main() -> None:
     parser.add_argument("--slow-mb-s", type=float, default=100.0,
                         help="bandwidth of the throttled HTTP source (a busy shared file system), all readers together")
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--verify-cost", action="store_true",
+                        help="measure only the first-use sha256 check of cached copies (no S3 server)")
     args = parser.parse_args()
     setup_logging(quiet=args.quiet)
+    if args.verify_cost:
+        verify_cost(args)
+        return
     s3bench.with_server(run, args, "cache")
+
+
+def _epoch_seconds(dataset) -> float:
+    began = time.perf_counter()
+    for _ in dataset:
+        pass
+    return time.perf_counter() - began
+
+
+def verify_cost(args) -> None:
+    """The node cache rehashes a copy the first time a process uses it (``shards.stream.node_cache``). Measured in
+    one process with the page cache warm (the cost is then all sha256 CPU): the hash rate alone, and per pipeline
+    the median over ``--repeat`` fresh datasets of the first epoch (every copy rehashed) against the second."""
+    workdir = Path(tempfile.mkdtemp(prefix="shardcache-bench-verify-"))
+    try:
+        files = bench.build_corpus(workdir / "images", args.images)
+        folder = workdir / "tar"
+        bench.pack(files, folder, "tar", args.per_shard)
+        options = dict(seed=0, cache_dir=str(workdir / "node-cache"), remote=shards.Remote(cache_local=True))
+        pipelines = {"io_only": dict(decode=shards.Decode(decoder=bench.ByteCount())),
+                     "fast": dict(transform=bench.SPEC, decode=shards.Decode("fast"))}
+        _epoch_seconds(shards.open_dataset(folder, **pipelines["io_only"], **options))  # fills the cache
+        copies = sorted((workdir / "node-cache").glob("v1/??/*.tar"))
+        dataset_bytes = sum(p.stat().st_size for p in copies)
+        hash_s = min(_timed_hash(copies) for _ in range(3))
+        results: dict[str, dict] = {}
+        for name, pipeline in pipelines.items():
+            firsts, seconds = [], []
+            for _ in range(args.repeat):
+                dataset = shards.open_dataset(folder, **pipeline, **options)  # a new job: no copy checked yet
+                firsts.append(_epoch_seconds(dataset))
+                seconds.append(_epoch_seconds(dataset))
+            first, second = sorted(firsts)[len(firsts) // 2], sorted(seconds)[len(seconds) // 2]
+            results[name] = {"first_epoch_s": round(first, 3), "next_epoch_s": round(second, 3),
+                             "measured_overhead": round(first / second - 1, 3),
+                             "hash_share_of_epoch": round(hash_s / second, 3)}
+            log.info("%-8s first epoch (rehashes every copy) %.2f s, next %.2f s: %+.1f%%; hashing alone is %.1f%% "
+                     "of an epoch", name, first, second, 100 * (first / second - 1), 100 * hash_s / second)
+        rate = dataset_bytes / hash_s / 1e6
+        log.info("sha256 of %d cached copies (%.0f MB): %.2f s, %.0f MB/s on one core", len(copies),
+                 dataset_bytes / 1e6, hash_s, rate)
+        print(json.dumps({"images": len(files), "shards": len(copies), "dataset_bytes": dataset_bytes,
+                          "repeat": args.repeat, "sha256_mb_s": round(rate, 1), "hash_s": round(hash_s, 3),
+                          "results": results}))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _timed_hash(paths: list[Path]) -> float:
+    began = time.perf_counter()
+    for path in paths:
+        sha256_file(path)
+    return time.perf_counter() - began
 
 
 def run(args, workdir: Path, server) -> None:

@@ -10,9 +10,15 @@ to ``open_dataset``. Three checks, at three moments:
   any the caller names explicitly.
 - ``shard_location`` when the reader turns names into locations: joins them to the base (URL-quoted for an
   ``http(s)`` base, as an object key under an ``s3://bucket/prefix`` base; never onto a ``pipe:`` command).
-- ``local_shard_path`` whenever a shard file is opened by path: the resolved file (symlinks followed) must lie
-  inside the resolved folder. A symlink pointing outside is refused; a symlinked dataset *folder* is fine, as are
-  links that stay inside it. The fix is to copy or hard-link the file into the folder.
+- ``local_shard_path`` whenever a shard file, or any other file its manifest names or implies (a tar index
+  sidecar, the source index), is opened by path: the resolved file (symlinks followed) must lie inside the resolved
+  folder. A symlink pointing outside is refused; a symlinked dataset *folder* is fine, as are links that stay
+  inside it. The fix is to copy or hard-link the file into the folder.
+
+``check_redirect`` holds the origin rule for every hop of an ``http(s)`` request: a server on an allowed origin
+cannot send the reader to another host by answering with a redirect. ``request_origins`` says which origins those
+are for a dataset (its remote manifest's own, plus the caller's ``url_origins``); the reader hands them to every
+request it makes for the dataset: the manifest, each shard, each node-cache fetch.
 
 ``dataset_folder`` reads a feature manifest's ``dataset_dir``: the local folder of the image dataset the features
 came from. It is trusted only as far as this: the folder's ``dataset.json`` is read (and checked like any
@@ -58,14 +64,16 @@ def _shown(name: str) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def check_shard_path(name: object, *, where: str | None = None, url_origins: Iterable[str] = ()) -> str:
+def check_shard_path(name: object, *, where: str | None = None, url_origins: Iterable[str] = (),
+                     what: str = "shard") -> str:
     """``name`` if it is a safe shard path, else ``ManifestError`` naming the manifest (``where``) and the path.
 
     Safe: a relative POSIX name (no leading ``/``, no ``\\``, no empty, ``.`` or ``..`` parts, no control
-    characters, no scheme), or an ``http(s)://`` URL on one of ``url_origins``.
+    characters, no scheme), or an ``http(s)://`` URL on one of ``url_origins``. ``what`` names the kind of file
+    in the message (``"source index"``): every file a manifest names is held to the shards' rule.
     """
     def refuse(why: str) -> ManifestError:
-        return ManifestError(f"shard path {_shown(str(name))} {why}", path=where)
+        return ManifestError(f"{what} path {_shown(str(name))} {why}", path=where)
 
     if not isinstance(name, str):
         raise refuse("is not a string")
@@ -153,17 +161,39 @@ def _bucket(url: str) -> str:
     return url[len("s3://"):].split("/", 1)[0]
 
 
-def local_shard_path(folder: str | os.PathLike, name: str, *, where: str | None = None) -> Path:
-    """``folder / name``, refused unless the file it resolves to (symlinks followed) lies inside ``folder``."""
-    path = Path(folder) / check_shard_path(name, where=where if where is not None else str(folder))
+def local_shard_path(folder: str | os.PathLike, name: str, *, where: str | None = None,
+                     what: str = "shard") -> Path:
+    """``folder / name``, refused unless the file it resolves to (symlinks followed) lies inside ``folder``.
+
+    The one confinement rule for every file a manifest names or implies: shards, tar index sidecars, the source
+    index (``what`` names which in the message)."""
+    path = Path(folder) / check_shard_path(name, where=where if where is not None else str(folder), what=what)
     root = os.path.realpath(folder)
     target = os.path.realpath(path)
     if os.path.commonpath([root, target]) != root:
         raise ManifestError(
-            f"shard {_shown(name)} resolves to {target}, outside the dataset folder {root} (a symlink?); "
+            f"{what} {_shown(name)} resolves to {target}, outside the dataset folder {root} (a symlink?); "
             "copy or hard-link the file into the folder (a symlinked dataset folder is fine)",
             path=where if where is not None else str(path))
     return path
+
+
+def check_redirect(url: str, target: str, origins: Iterable[str]) -> None:
+    """Refuse (``ManifestError`` naming ``url`` and ``target``) a redirect from ``url`` to a ``target`` that is not
+    on one of ``origins``: the origin rule holds for every hop, not only for the URL a manifest names."""
+    allowed = sorted({o.lower() for o in origins})
+    if url_origin(target) not in allowed:
+        raise ManifestError(
+            f"redirected to {_shown(target)}, not on an allowed origin ({', '.join(allowed)}); dataset URLs are "
+            "followed only on the manifest's own origin or those in Remote(url_origins=...)", path=url)
+
+
+def request_origins(manifests: Iterable[str | os.PathLike], url_origins: Iterable[str] = ()) -> tuple[str, ...]:
+    """The origins every hop of a dataset's ``http(s)`` requests may reach: the own origin of each manifest in
+    ``manifests`` that is an ``http(s)`` URL (the sources of one ``open_dataset`` call), then the caller's
+    ``url_origins``; lower-cased, each once. A request's own URL's origin is allowed besides (``open_remote``)."""
+    found = [url_origin(str(m)) for m in manifests] + [str(o).lower() for o in url_origins]
+    return tuple(dict.fromkeys(o for o in found if o))
 
 
 def shard_location(base: str, name: str, *, where: str | None = None) -> str:

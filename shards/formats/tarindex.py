@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Sequence
 
 import numpy as np
@@ -79,14 +79,13 @@ def read_index(data: bytes, where: str, samples: int, shard_bytes: int) -> np.nd
     return offsets
 
 
-
-
 def load_local_index(location: str | os.PathLike, info: Any) -> np.ndarray | None:
     """The checked offsets of the local shard at ``location`` (``info``: its ``ShardInfo``), or None when the
     manifest records no index (older datasets) or the sidecar file is gone: the caller then scans the headers.
 
-    The sidecar must be named ``<shard>.idx``, lie in the shard's folder (symlinks followed), have the size its
-    sample count implies and the manifest's ``index_sha256``; else ``CorruptDataError``/``ChecksumError``.
+    The sidecar must be named ``<shard>.idx`` and lie inside the dataset folder after symlinks are followed (the
+    shards' rule, ``local_shard_path``: else ``ManifestError``), have the size its sample count implies and the
+    manifest's ``index_sha256``; else ``CorruptDataError``/``ChecksumError``.
     """
     if getattr(info, "index", None) is None:
         return None
@@ -94,8 +93,7 @@ def load_local_index(location: str | os.PathLike, info: Any) -> np.ndarray | Non
     if info.index != index_name(info.path):
         raise CorruptDataError(f"the manifest names index {info.index!r} for shard {info.path!r}; expected "
                                f"{index_name(info.path)!r}", path=where)
-    shard = Path(location)
-    path = local_shard_path(shard.parent, shard.name + INDEX_SUFFIX, where=where)
+    path = local_shard_path(_names_root(Path(location), info.path), info.index, where=where, what="tar index")
     expected = _HEADER + (info.samples + 1) * _OFFSET.itemsize
     try:
         size = path.stat().st_size
@@ -109,6 +107,13 @@ def load_local_index(location: str | os.PathLike, info: Any) -> np.ndarray | Non
     if info.index_sha256 is not None and hashlib.sha256(data).hexdigest() != info.index_sha256:
         raise ChecksumError("sha256 of the tar index does not match the manifest", path=where)
     return read_index(data, where, info.samples, info.bytes)
+
+
+def _names_root(shard: Path, name: str) -> Path:
+    """The folder the manifest's names are relative to: ``shard`` is ``folder / name`` as ``shard_location`` made
+    it (a location the caller chose otherwise: its own folder)."""
+    parts = PurePosixPath(name).parts
+    return shard.parents[len(parts) - 1] if shard.parts[-len(parts):] == parts else shard.parent
 
 
 __all__ = ["INDEX_SUFFIX", "MAGIC", "index_bytes", "index_name", "load_local_index", "read_index"]

@@ -20,7 +20,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, Sequence
 
 from shards.errors import InputError
 from shards.formats.remote import is_remote, open_remote
@@ -85,9 +85,10 @@ class CachedShards:
     """The node cache as a shard reader uses it: ``lease(location, sha256, size)`` -> a local copy (or None: read
     the source), ``prefetch`` of the next shard on a background thread, and the shared counters."""
 
-    def __init__(self, request: CacheRequest, storage_options: Any = None):
+    def __init__(self, request: CacheRequest, storage_options: Any = None, url_origins: Sequence[str] = ()):
         self.request = request
         self.storage_options = storage_options
+        self.url_origins = tuple(url_origins)  # where http(s) redirects may lead (locations.request_origins)
         self.stats = CacheStats()
         self._network: dict[str, bool] = {}
         self._process: tuple[int, NodeCache, ThreadPoolExecutor] | None = None
@@ -172,7 +173,7 @@ class CachedShards:
             return fetch_s3
         if is_remote(location):
             def fetch_url(out: BinaryIO) -> None:
-                with open_remote(location) as stream:
+                with open_remote(location, origins=self.url_origins) as stream:
                     shutil.copyfileobj(stream, out, COPY_CHUNK)
             return fetch_url
 

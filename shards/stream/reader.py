@@ -26,7 +26,7 @@ from shards.stream.feature_stream import FeatureShardDataset
 from shards.stream.image_cache import ImageCacheRequest
 from shards.formats.features import FeatureSpec
 from shards.manifest import DATASET_FILE, FEATURES_FILE, DatasetManifest, FeatureManifest, Manifest, load_manifest
-from shards.formats.locations import shard_location, url_origin
+from shards.formats.locations import request_origins, shard_location
 from shards.formats.remote import is_remote, read_remote_json
 from shards.stream.options import Decode, ErrorPolicy, Remote, Sampling
 from shards.stream.stages import class_weights_from_counts
@@ -45,7 +45,8 @@ def distributed_rank_world() -> tuple[int, int]:
 def _load(path: str | os.PathLike, url_origins: Sequence[str] = (), storage_options: Any = None
           ) -> tuple[Manifest, str]:
     """The manifest and the base its shard paths are relative to. Shard URLs in it are followed only on a remote
-    manifest's own origin and on ``url_origins`` (the caller's explicit opt-in); see ``shards.formats.locations``.
+    manifest's own origin and on ``url_origins`` (the caller's explicit opt-in), and so is every redirect the
+    manifest's request meets; see ``shards.formats.locations``.
     Under ``s3://bucket/prefix`` the manifest (``dataset.json``, else ``features.json``) may name only relative
     shard names: an ``s3:`` URL has no origin, so ``check_shard_path`` refuses it."""
     text = str(path)
@@ -53,8 +54,9 @@ def _load(path: str | os.PathLike, url_origins: Sequence[str] = (), storage_opti
         return load_s3_manifest(text, url_origins, storage_options)
     if is_remote(text):
         url = text if text.endswith(".json") else text.rstrip("/") + "/" + DATASET_FILE
-        origins = (*url_origins, *filter(None, [url_origin(url)]))
-        return DatasetManifest.from_dict(read_remote_json(url), where=url, url_origins=origins), url.rsplit("/", 1)[0]
+        origins = request_origins([url], url_origins)
+        return (DatasetManifest.from_dict(read_remote_json(url, origins=origins), where=url, url_origins=origins),
+                url.rsplit("/", 1)[0])
     manifest = load_manifest(path, url_origins=url_origins)
     folder = Path(path)
     return manifest, str(folder.parent if folder.is_file() else folder)
@@ -207,7 +209,9 @@ def open_dataset(path: str | os.PathLike | SourceSpec | Sequence[str | os.PathLi
         weight_window=sampling.weight_window, on_error=errors.on_error,
         max_consecutive_errors=errors.max_consecutive_errors, return_keys=return_keys,
         nodes=1 if affinity_nodes is None else affinity_nodes, rotate_every=rotate_every)
-    shard_cache = _shard_cache(cache_dir, cache_limit, remote)
+    # Every hop of an http(s) request for this dataset stays on a source manifest's own origin or the caller's.
+    origins = request_origins([path] if specs is None else [spec.path for spec in specs], remote.url_origins)
+    shard_cache = _shard_cache(cache_dir, cache_limit, remote, origins)
     combined = None
     if specs is None:
         manifest, base = _load(path, remote.url_origins, remote.storage_options)
@@ -222,7 +226,7 @@ def open_dataset(path: str | os.PathLike | SourceSpec | Sequence[str | os.PathLi
         config = dataclasses.replace(config, class_weights=_resolve_weights(sampling.class_weights,
                                                                             split_info.class_counts))
     dataset = _build(manifest, split_info, locations, config, transform=transform, decode=decode, remote=remote,
-                     caches=_Caches(cache, shard_cache, memory_limit, cache_side))
+                     origins=origins, caches=_Caches(cache, shard_cache, memory_limit, cache_side))
     if combined is not None:
         dataset.use_mixture(combined.mixture, combined.label_maps)
     return dataset
@@ -242,7 +246,8 @@ def _load_source(spec: SourceSpec, split: str, remote: Remote, config: StreamCon
     def read_all(shard: int) -> Any:
         if not readers:  # a plain reader of this source, made only when a shard must be read to be filtered
             readers.append(_build(manifest, split_info, locations, plain, transform=None, decode=Decode(),
-                                  remote=remote, caches=_Caches("none", shard_cache)))
+                                  remote=remote, origins=request_origins([spec.path], remote.url_origins),
+                                  caches=_Caches("none", shard_cache)))
         return readers[0].read_slice(ShardSlice(shard, 0, split_info.shards[shard].samples))
 
     return LoadedSource(spec, manifest, split_info, locations, folder, read_all)
@@ -260,8 +265,9 @@ class _Caches:
 
 
 def _build(manifest: Manifest, split_info: Any, locations: list[str], config: StreamConfig, *, transform: Any,
-           decode: Decode, remote: Remote, caches: _Caches) -> ShardDataset:
-    """The streaming dataset of one (possibly combined) split."""
+           decode: Decode, remote: Remote, origins: Sequence[str], caches: _Caches) -> ShardDataset:
+    """The streaming dataset of one (possibly combined) split; ``origins``: where its http(s) reads may be
+    redirected (``request_origins``)."""
     split, shard_cache = config.split, caches.shards
     if isinstance(manifest, FeatureManifest):
         if transform is not None or decode.image_only or caches.memory_limit is not None \
@@ -283,10 +289,12 @@ def _build(manifest: Manifest, split_info: Any, locations: list[str], config: St
         raise InputError("give either Decode.decoder or a transform, not both")
     return ImageShardDataset(split_info, locations, config, storage=manifest.storage, decoder=decoder,
                              num_classes=len(manifest.classes), storage_options=remote.storage_options,
-                             shard_cache=shard_cache, image_cache=images.open(decoder, split_info.samples, split))
+                             url_origins=origins, shard_cache=shard_cache,
+                             image_cache=images.open(decoder, split_info.samples, split))
 
 
-def _shard_cache(cache_dir: str | os.PathLike | None, cache_limit: int | str | None, remote: Remote):
+def _shard_cache(cache_dir: str | os.PathLike | None, cache_limit: int | str | None, remote: Remote,
+                 origins: Sequence[str] = ()):
     """The node-local shard cache asked for, or None (``$SHARDCACHE_CACHE_DIR`` when no folder is given)."""
     from shards.stream.cached_shards import CacheRequest, CachedShards
 
@@ -296,4 +304,4 @@ def _shard_cache(cache_dir: str | os.PathLike | None, cache_limit: int | str | N
             raise InputError("cache_limit needs a cache_dir (or $SHARDCACHE_CACHE_DIR)")
         return None
     request = CacheRequest(str(folder), cache_limit, fallback=remote.cache_fallback, local=remote.cache_local)
-    return CachedShards(request, remote.storage_options)
+    return CachedShards(request, remote.storage_options, origins)
