@@ -37,6 +37,7 @@ from shards.manifest import load_dataset_manifest
 from shards.stream.mixture import Subset
 from shards.stream.plan import ShardSlice
 from tests.helpers import make_shard_dataset, write_image_folder
+from tests.security.test_manifest_locations import one_line_error
 from train.cli import train_command
 
 SHARD = "/train-000000.tar"
@@ -270,15 +271,6 @@ def set_source_index(folder: Path, **fields) -> None:
     manifest = json.loads((folder / "dataset.json").read_text())
     manifest["source_index"].update(fields)
     (folder / "dataset.json").write_text(json.dumps(manifest))
-
-
-def one_line_error(result, exit_code: int, *fragments: str) -> str:
-    assert result.exit_code == exit_code, result.output
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
 
 
 def test_a_source_index_symlinked_outside_is_refused_not_read(packed: Path, tmp_path: Path):
