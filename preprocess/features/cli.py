@@ -61,6 +61,9 @@ def _triple(name: str, value: str | None) -> tuple[float, ...] | None:
               help="With --out s3://...: the local folder features are computed in before upload (default: "
                    "$SHARDCACHE_STAGE_DIR or ~/.cache/shardcache/stage, one folder per URL; required with "
                    "--num-tasks > 1, on a shared file system).")
+@click.option("--break-lease", is_flag=True,
+              help="With --out s3://...: take over the prefix's writer lease even while another run holds it "
+                   "(a lease left by a killed run expires by itself 10 minutes after its last renewal).")
 @task_options
 @s3_options
 @cache_options
@@ -71,8 +74,8 @@ def precompute_features_command(data_dir: str | None, out_dir: Path | None, back
                                 interpolation: str | None, views: int, augment: bool, dtype: str, storage: str,
                                 device: str, amp: str, decode: str, batch_size: int, workers: int,
                                 splits: tuple[str, ...], overwrite: bool, merge_dir: Path | None,
-                                stage_dir: str | None, task_index: int, num_tasks: int, quiet: bool,
-                                s3: S3Options, cache) -> None:
+                                stage_dir: str | None, break_lease: bool, task_index: int, num_tasks: int,
+                                quiet: bool, s3: S3Options, cache) -> None:
     """Cache a frozen backbone's penultimate features of every image shard in DATA_DIR under --out.
 
     DATA_DIR and --out may be s3://bucket/prefix (the --s3-* options apply to both).
@@ -92,9 +95,10 @@ def precompute_features_command(data_dir: str | None, out_dir: Path | None, back
     staged = None
     if is_s3(out_dir):
         staged = resolve_stage(out_dir, stage_dir, stage_root(), num_tasks=num_tasks, options=s3,
-                               overwrite=overwrite)
-    elif stage_dir is not None:
-        raise InputError("--stage-dir works only with --out s3://...")
+                               overwrite=overwrite, break_lease=break_lease)
+    elif stage_dir is not None or break_lease:
+        raise InputError(f"{'--stage-dir' if stage_dir is not None else '--break-lease'} works only with --out "
+                         "s3://...")
     cfg = FeatureConfig(
         data_dir=data_dir, out_dir=out_dir if staged is None else str(staged.stage_dir),
         backbone=backbone, weights=weights, seed=seed,

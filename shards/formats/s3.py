@@ -11,7 +11,9 @@ SeaweedFS) and connection pooling. This module adds what a shard reader needs on
 - ``open_range``, ``head_object``, ``read_object``, ``iter_chunks``: ranged reads, retried with exponential backoff
   and full jitter (``random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt))``) and resumed mid-body;
   they live in ``shards.formats.s3_ranges`` and are importable from here too. 403 (``S3AccessDenied``, an
-  ``InputError``) and 404 (``MissingInputError``) are final at once (``_final_error``, shared with uploads).
+  ``InputError``) and 404 (``MissingInputError``) are final at once (``_final_error``), and so is 412
+  (``S3PreconditionFailed``: a conditional write lost). ``client_call`` makes one unretried request (uploads,
+  listings, the writer's lease) with the same typed errors.
 - ``FETCH_STATS``: bytes and requests of this process (``share_stats()`` makes DataLoader workers add to the same
   counters), for the benchmark and the tests.
 
@@ -27,7 +29,7 @@ import random
 import re
 import threading
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from shards.errors import CorruptDataError, InputError, MissingInputError
 
@@ -51,6 +53,12 @@ _CREDENTIAL_WORDS = ("key", "secret", "token", "password", "credential")
 
 class S3AccessDenied(InputError, PermissionError):
     """403: the credentials (or their absence) do not allow the request. Not retried."""
+
+
+class S3PreconditionFailed(CorruptDataError):
+    """412 (or AWS's 409 ``ConditionalRequestConflict``): a conditional write or delete (``If-Match``,
+    ``If-None-Match: *``) found the object in another state than the writer last saw. Not retried: the caller
+    reads the object again and decides (``shards.formats.s3_lease``, the manifest write in ``s3_upload``)."""
 
 
 @dataclass(frozen=True)
@@ -264,6 +272,9 @@ def _final_error(exc: BaseException, url: str) -> Exception | None:
                                   "and endpoint, or --s3-unsigned for a public bucket", path=url)
         if code in _MISSING or status == 404:
             return MissingInputError(f"not found (HTTP 404 {code or 'NotFound'})", path=url)
+        if status == 412 or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+            return S3PreconditionFailed(f"precondition failed (HTTP {status} {code}): the object changed since it "
+                                        "was read", path=url)
         if status == 416 or code == "InvalidRange":
             return CorruptDataError("the object is shorter than the manifest says (HTTP 416)", path=url)
         if status is not None and status < 500 and status not in (408, 429) and code not in (
@@ -273,6 +284,18 @@ def _final_error(exc: BaseException, url: str) -> Exception | None:
     if isinstance(exc, (botocore.exceptions.ParamValidationError, botocore.exceptions.NoRegionError)):
         return InputError(f"bad S3 request: {_one_line(exc)}", path=url)
     return None
+
+
+def client_call(url: str, call: Callable[[], Any]) -> Any:
+    """One S3 request, not retried (writes and listings; reads retry in ``s3_ranges``): a failure becomes the
+    typed error ``_final_error`` gives it, else a ``CorruptDataError`` naming the URL and the cause."""
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001 (botocore raises many types; each is mapped or wrapped below)
+        final = _final_error(exc, url)
+        if final is not None:
+            raise final from None
+        raise CorruptDataError(f"S3 request failed: {type(exc).__name__}: {_one_line(exc)}", path=url) from None
 
 
 def _retryable_types() -> tuple[type[BaseException], ...]:

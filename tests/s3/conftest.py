@@ -13,10 +13,14 @@ import pytest
 from tests.s3.server import ACCESS_KEY, SECRET_KEY, start_server
 
 _prefixes = itertools.count()
+_running: list = []  # the one server of this test process, also for modules elsewhere that import these fixtures
 
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
+    if _running:
+        yield _running[0]
+        return
     try:
         import boto3  # noqa: F401
 
@@ -26,9 +30,11 @@ def s3_server(tmp_path_factory):
         if os.environ.get("SHARDCACHE_REQUIRE_S3") == "1":
             pytest.fail(reason)
         pytest.skip(reason)
+    _running.append(server)
     try:
         yield server
     finally:
+        _running.clear()
         server.stop()
 
 
