@@ -37,8 +37,8 @@ def check_local_output(out: str | os.PathLike, option: str = "--out") -> None:
     text = os.fspath(out)
     if _URL.match(text) or text.startswith("pipe:"):
         scheme = text.split(":", 1)[0] + ":"
-        raise InputError(f"{option} {text!r}: writing to {scheme} locations is not supported (yet); give a local or "
-                         "mounted folder")
+        raise InputError(f"{option} {text!r}: writing to {scheme} locations is not supported (yet); write to a local "
+                         "or mounted folder, then copy the result there")
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

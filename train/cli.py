@@ -14,7 +14,8 @@ from train.config import CLASS_MAPS, DATA_KINDS, DEFAULT_PIPELINE, DEVICES, HEAD
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.argument("path", type=click.Path(file_okay=False), required=False)
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
-              help="Run folder: config.json, metrics.jsonl, curves.png, last.pt, best.pt, model.pt.")
+              help="Run folder, local (copy it elsewhere afterwards): config.json, metrics.jsonl, curves.png, "
+                   "last.pt, best.pt, model.pt.")
 @click.option("--data", "data_options", multiple=True, metavar="PATH[:WEIGHT]",
               help="A source to mix (repeat the option): PATH, PATH:WEIGHT (a share of each epoch), PATH:repeat=R "
                    "or PATH:choose=N; sources draw whole shard runs from the seed. The values auto, images and "
@@ -110,7 +111,7 @@ def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...],
     cfg = TrainConfig(
         data_path=path, sources=sources if len(sources) > 1 or len(sources[0]) > 1 else [], class_map=class_map,
         epoch_size=epoch_size, subset=subset if any(v is not None for v in subset.values()) else None,
-        out_dir=os.path.abspath(out_dir), data=data, task=task, loss=loss,
+        out_dir=out_dir, data=data, task=task, loss=loss,
         head=head, hidden_dim=hidden_dim, dropout=dropout, model=model, weights=weights,
         image_size=image_size, pipeline=pipeline, fast_decode=fast_decode,
         epochs=epochs, batch_size=batch_size, optimizer=optimizer, lr=lr, momentum=momentum,

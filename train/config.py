@@ -7,9 +7,11 @@ and ``--resume`` can refuse to continue a run with different settings.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from shards.atomic import check_local_output
 from shards.errors import InputError
 from shards.stream.options import check_pipeline
 
@@ -102,6 +104,10 @@ class TrainConfig:
     epoch_size: int | None = None
 
     def __post_init__(self) -> None:
+        # A run folder is local: checked on the string as given (a path would turn s3://b/p into ./s3:/b/p), then
+        # made absolute so config.json names the same folder from any working directory.
+        check_local_output(self.out_dir)
+        object.__setattr__(self, "out_dir", os.path.abspath(self.out_dir))
         _choice("data", self.data, DATA_KINDS)
         _choice("class_map", self.class_map, CLASS_MAPS)
         object.__setattr__(self, "sources", [dict(s) for s in self.sources])  # lists: equal after a JSON round trip

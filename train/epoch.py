@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shards.progress import progress
-from train.meter import WAIT_WARNING_SHARE, DataWaitMeter, dominant_worker_stage
+from shards.report.advice import WAIT_WARNING_SHARE, dominant_worker_stage
+from train.meter import DataWaitMeter
 from train.metrics import ClassificationTally
 from train.models import logits_of
 

@@ -19,13 +19,14 @@ from torch import nn
 from train import run_dir as rd
 from train.checkpoint import capture_rng_state, copy_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
 from train.config import TrainConfig
-from train.data import CACHE_COUNTERS, RunData, build_data, describe_batch, prepare_manifest
+from train.data import CACHE_COUNTERS, RunData, build_data, describe_batch, prepare_manifest, source_paths
 from train.distributed import DistContext, setup_distributed, wrap_model
 from train.epoch import StepContext, TrainState, evaluate, run_train_epoch
-from train.meter import gather_stage_seconds, sum_stage_seconds, wait_advice
+from train.meter import gather_stage_seconds, sum_stage_seconds
 from train.models import build_head, build_image_model, check_image_model
 from train.optim import build_optimizer, build_scheduler
 from train.plot import plot_curves
+from shards.report import advice
 from shards.units import human_bytes
 from train.prefetch import ThreadPrefetcher
 from train.regression import RegressionLoss, TargetScale, evaluate_regression
@@ -74,6 +75,12 @@ def dry_run(cfg: TrainConfig, data: RunData) -> dict[str, Any]:
              report["min"], report["max"], *(("targets in", report["target_range"]) if "target_range" in report
                                              else ("labels", report["label_counts"])))
     return report
+
+
+def reads_over_network(cfg: TrainConfig, kind: str) -> bool:
+    """Whether every epoch reads image shards over the network uncached (``shards.report.advice``, the rule the run
+    report applies to the same config)."""
+    return advice.reads_over_network(kind, source_paths(cfg), cache_images=cfg.cache_images, cache_dir=cfg.cache_dir)
 
 
 def build_model(cfg: TrainConfig, data: RunData) -> nn.Module:
@@ -295,10 +302,11 @@ class Run:
             log.info("node cache: hit rate %s, fetched %s, served %s from the cache",
                      "n/a" if rate is None else f"{rate:.0%}", human_bytes(row["fetched_bytes"]),
                      human_bytes(row["cache"]["served_bytes"]))
-        advice = wait_advice(row["data_wait_share"], data_kind=self.data.kind, workers=self.data.workers,
-                             stages=row.get("stage_seconds"), pipeline=self.cfg.pipeline)
-        if advice:
-            log.warning(advice)
+        tip = advice.wait_advice(row["data_wait_share"], row["data_wait_share"] * row["epoch_time_s"],
+                                 data_kind=self.data.kind, workers=self.data.workers, stages=row.get("stage_seconds"),
+                                 pipeline=self.cfg.pipeline, network_reads=reads_over_network(self.cfg, self.data.kind))
+        if tip:
+            log.warning(tip)
 
     def finish(self) -> None:
         """``model.pt``: what using the model needs, and nothing that needs this package to load."""

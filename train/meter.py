@@ -2,25 +2,23 @@
 the time went, stage by stage.
 
 This is the built-in answer to "is my data pipeline the bottleneck?": the share of wall time spent inside
-``next(iterator)``. Above 20% the GPU (or CPU) is starving and the advice says what usually fixes it, naming the
-stage the workers spend most of their time in (``shards.stream.stage_times``: read, decode, transform, collate).
-The loop's own stages (wait, to_device, normalize, step) are wall seconds of this process, laps of one clock.
+``next(iterator)``, and the seconds per stage (``shards.stream.stage_times``: read, decode, transform, collate in
+the workers; wait, to_device, normalize, step in the loop, wall seconds of this process, laps of one clock).
+Whether those numbers make a bottleneck, and what to change, is ``shards.report.advice``: the same rule the run
+report applies to ``metrics.jsonl``.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from shards.stream.stage_times import LOOP_STAGES, STAGES, WORKER_STAGES, stage_delta, zero_stages
+from shards.stream.stage_times import LOOP_STAGES, STAGES, stage_delta, zero_stages
 
 T = TypeVar("T")
-WAIT_WARNING_SHARE = 0.20
-# Copying batches to the device above this share of the loop's time is worth a tip of its own.
-TO_DEVICE_WARNING_SHARE = 0.10
 
 
 class DataWaitMeter:
@@ -136,65 +134,3 @@ def gather_stage_seconds(seconds: dict[str, float], device: torch.device | str =
 
 def sum_stage_seconds(by_rank: Sequence[dict[str, float]]) -> dict[str, float]:
     return {name: sum(rank.get(name, 0.0) for rank in by_rank) for name in STAGES}
-
-
-def dominant_worker_stage(stages: dict[str, float] | None) -> tuple[str, float] | None:
-    """The worker stage with the most seconds and its share of all worker seconds; None without worker time."""
-    if not stages:
-        return None
-    total = sum(stages.get(name, 0.0) for name in WORKER_STAGES)
-    if total <= 0:
-        return None
-    name = max(WORKER_STAGES, key=lambda stage: stages.get(stage, 0.0))
-    return name, stages[name] / total
-
-
-def _stage_tip(stage: str, *, workers: int, pipeline: str | None) -> str:
-    more_workers = f"add workers (--workers, now {workers})"
-    if stage == "read":
-        return "the shards come slowly: use --cache-dir on node-local disk, or copy the shards to a local disk"
-    if stage == "collate":
-        fewer_bytes = "" if pipeline == "fast" else "use --pipeline fast (uint8 batches, a quarter of the bytes), "
-        return f"batches are slow to assemble: {fewer_bytes}{more_workers} or a smaller --batch-size"
-    fast = "" if pipeline == "fast" else ", use --pipeline fast"  # decode or transform: more hands, less work
-    return f"{more_workers}{fast}, or train on cached features (precompute-features, then --data features)"
-
-
-def stage_advice(stages: dict[str, Any], *, workers: int, pipeline: str | None = None) -> list[str]:
-    """The stage-specific tips: the largest worker stage with its share, and copying to the device when large."""
-    tips = []
-    dominant = dominant_worker_stage(stages)
-    if dominant is not None:
-        name, share = dominant
-        tips.append(f"{name} is {share:.0%} of worker time: {_stage_tip(name, workers=workers, pipeline=pipeline)}")
-    loop_total = sum(stages.get(name, 0.0) for name in LOOP_STAGES)
-    if loop_total > 0 and stages.get("to_device", 0.0) / loop_total > TO_DEVICE_WARNING_SHARE:
-        tips.append(f"to_device is {stages['to_device'] / loop_total:.0%} of the loop's time: use pin_memory / a GPU "
-                    "node")
-    return tips
-
-
-def wait_advice(share: float, *, data_kind: str, workers: int, stages: dict[str, Any] | None = None,
-                pipeline: str | None = None) -> str | None:
-    """What to change when the loop starves; ``None`` when the data pipeline keeps up.
-
-    With ``stages`` (an epoch's ``stage_seconds``) the advice names the stage the workers spend most time in; without
-    worker seconds it falls back to the tips that usually help.
-    """
-    if share <= WAIT_WARNING_SHARE:
-        return None
-    tips = stage_advice(stages, workers=workers, pipeline=pipeline) if stages else []
-    if tips and dominant_worker_stage(stages) is not None:
-        if data_kind == "features":
-            tips.append("a larger --batch-size (per-batch overhead dominates a small head)")
-        return (f"the training loop waited for data {share:.0%} of the epoch (over {WAIT_WARNING_SHARE:.0%}): "
-                f"the data pipeline is the bottleneck: " + "; ".join(tips))
-    if data_kind == "images":
-        tips.append(f"more --workers (now {workers})")
-        tips.append("train on precomputed features instead of images (precompute-features, then --data features)")
-        tips.append("fast JPEG decode at reduced size, or repack with smaller images")
-    tips.append("copy the shards to a local disk (not a network filesystem)")
-    if data_kind == "features":
-        tips.append("a larger --batch-size (per-batch overhead dominates a small head)")
-    return (f"the training loop waited for data {share:.0%} of the epoch (over {WAIT_WARNING_SHARE:.0%}): "
-            f"the data pipeline is the bottleneck; try: " + "; ".join(tips))

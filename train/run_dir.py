@@ -1,20 +1,24 @@
 """The run folder: what it holds, and whether a new run may start in it, continue it, or must refuse.
 
 ``RUN_DIR`` holds ``config.json``, ``metrics.jsonl``, ``curves.png``, ``last.pt``, ``best.pt``, ``model.pt``. A folder
-that holds a different run, or anything that is not a run, is never touched without ``--overwrite``. The same
-decision is computed on every rank (read-only), so an error stops all ranks alike instead of leaving some waiting.
+that holds a different run, or anything that is not a run, is never touched without ``--overwrite``, which then
+removes only the files of the run it replaces (none in a folder that holds no run) and refuses to write over a
+file with one of a run's names that no run there wrote (``shards.owned``). The same decision is computed on every
+rank (read-only), so an error stops all ranks alike instead of leaving some waiting.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from shards.atomic import atomic_output, remove_stale_tmp, write_json_atomic
+from shards.atomic import atomic_output, write_json_atomic
+from shards.bounded_read import read_json_file
 from shards.errors import ManifestError, OutputExistsError
+from shards.owned import refuse_clobber, remove_owned
+from shards.report.run import is_run_folder
 from train.config import TrainConfig
 
 CONFIG_FILE = "config.json"
@@ -29,11 +33,11 @@ RUN_FILES = (CONFIG_FILE, METRICS_FILE, CURVES_FILE, LAST_FILE, BEST_FILE, MODEL
 
 @dataclass(frozen=True)
 class RunPlan:
-    """What to do with the folder: start fresh (clearing our own files when overwriting) or resume."""
+    """What to do with the folder: start fresh (clearing the replaced run's files when overwriting) or resume."""
 
     folder: Path
     resume_from: Path | None
-    clear: bool
+    clear: tuple[str, ...] = ()  # the files of the run that --overwrite replaces
 
     def path(self, name: str) -> Path:
         return self.folder / name
@@ -41,17 +45,21 @@ class RunPlan:
 
 def _read_config(path: Path) -> TrainConfig:
     try:
-        return TrainConfig.from_dict(json.loads(path.read_text(encoding="utf-8")))
+        return TrainConfig.from_dict(read_json_file(path))
     except (ValueError, TypeError) as exc:
-        raise ManifestError(f"not a readable run config ({exc}); use --overwrite to replace the run",
-                            path=str(path)) from exc
+        raise ManifestError(f"not a readable run config ({getattr(exc, 'reason', exc)}); use --overwrite to replace "
+                            "the run", path=str(path)) from exc
 
 
 def plan_run(cfg: TrainConfig) -> RunPlan:
     """Decide, without writing, how this config may use ``cfg.out_dir``."""
     folder = Path(cfg.out_dir)
-    if cfg.overwrite or not folder.exists() or not any(folder.iterdir()):
-        return RunPlan(folder, None, clear=cfg.overwrite)
+    if not folder.exists() or not any(folder.iterdir()):
+        return RunPlan(folder, None)
+    if cfg.overwrite:
+        owned = RUN_FILES if is_run_folder(folder) else ()
+        refuse_clobber(folder, owned, RUN_FILES, writer="train-from-shards")
+        return RunPlan(folder, None, clear=owned)
     config_path = folder / CONFIG_FILE
     if not config_path.exists():
         raise OutputExistsError("is not empty and holds no training run; choose another --out or pass --overwrite",
@@ -64,7 +72,7 @@ def plan_run(cfg: TrainConfig) -> RunPlan:
         raise OutputExistsError("holds a run of this config; pass --resume to continue it or --overwrite to "
                                 "start again", path=str(folder))
     last = folder / LAST_FILE
-    return RunPlan(folder, last if last.exists() else None, clear=False)
+    return RunPlan(folder, last if last.exists() else None)
 
 
 def start_run(plan: RunPlan, cfg: TrainConfig, mixture: Mapping[str, Any] | None = None) -> None:
@@ -72,10 +80,7 @@ def start_run(plan: RunPlan, cfg: TrainConfig, mixture: Mapping[str, Any] | None
     which ``shards report`` shows; a resumed run reads back only the config's own fields)."""
     plan.folder.mkdir(parents=True, exist_ok=True)
     if plan.clear:
-        for name in RUN_FILES:
-            with contextlib.suppress(FileNotFoundError):
-                plan.path(name).unlink()
-        remove_stale_tmp(plan.folder, {plan.path(name).name for name in RUN_FILES})
+        remove_owned(plan.folder, plan.clear)
     record = cfg.to_dict()
     if mixture is not None:
         record["mixture"] = dict(mixture)

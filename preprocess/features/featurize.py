@@ -35,7 +35,7 @@ from shards.lock import claim_output
 from shards.formats.features import FEATURE_SUFFIXES, FeatureShard, write_feature_shard
 from shards.formats.s3 import is_s3
 from shards.check.freshness import read_s3_dataset
-from shards.manifest import (DatasetManifest, FeatureManifest, ShardInfo, dataset_manifest_sha256,
+from shards.manifest import (FEATURES_FILE, DatasetManifest, FeatureManifest, ShardInfo, dataset_manifest_sha256,
                              load_dataset_manifest)
 from shards.progress import progress
 
@@ -266,10 +266,13 @@ def run_precompute(cfg: FeatureConfig) -> tuple[FeatureManifest | None, dict[str
         if not is_s3(job.path) and not Path(job.path).is_file():  # on S3 a missing object is a 404 when read
             raise MissingInputError("image shard listed in dataset.json is missing", path=job.path)
     record = _run_record(cfg, backbone, spec, device, sorted({job.split for job in jobs}))
-    check_output(cfg.out_dir, record, overwrite=cfg.overwrite)  # refuse before creating even a lock file
+    # Every file of the finished folder, whichever task writes it: what --overwrite may not write over unless the
+    # old output names it.
+    writes = {feature_path(cfg.out_dir, job, cfg.storage).name for job in jobs} | {FEATURES_FILE}
+    check_output(cfg.out_dir, record, overwrite=cfg.overwrite, writes=writes)  # refuse before even a lock file
     with claim_output(cfg.out_dir, STATE_DIR, what="precompute-features", task=(cfg.task_index, cfg.num_tasks),
                       prepare=lambda lock: prepare_output(cfg.out_dir, record, overwrite=cfg.overwrite,
-                                                          folder_lock=lock)):
+                                                          writes=writes, folder_lock=lock)):
         return _precompute_claimed(cfg, dataset, backbone, spec, device, jobs, mine, record, dataset_sha256)
 
 

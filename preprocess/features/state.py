@@ -6,7 +6,9 @@ file's ``ShardInfo``. A shard counts as finished only when its record, the confi
 checksum and the feature file's own checksum all agree, so a killed run (a ``.tmp`` left, a record missing) is
 simply completed by the next run, and parallel tasks never write the same file. ``features.json`` is assembled
 from the records last, atomically, and only when every shard has one. The writer locks live in
-``FEAT_DIR/.precompute/lock*`` (``shards.lock``) and survive ``--overwrite``.
+``FEAT_DIR/.precompute/lock*`` (``shards.lock``) and survive ``--overwrite``, which deletes only what the old
+``features.json`` and the records name (``recorded_names``, ``shards.owned``), never a file that merely looks like
+a feature shard.
 """
 
 from __future__ import annotations
@@ -16,15 +18,18 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 from preprocess.features.loader import ShardJob
-from shards.atomic import TMP_SUFFIX, sha256_file, write_json_atomic, write_json_shared
+from shards.atomic import sha256_file, write_json_atomic, write_json_shared
+from shards.bounded_read import read_json_file
 from shards.check.freshness import shard_staleness
-from shards.errors import OutputExistsError
-from shards.lock import FolderLock, is_lock_file, merge_lock
+from shards.errors import OutputExistsError, ShardcacheError
+from shards.lock import FolderLock, merge_lock
 from shards.formats.features import feature_shard_name
-from shards.manifest import FEATURES_FILE, DatasetManifest, FeatureManifest, ShardInfo, SplitInfo
+from shards.manifest import (FEATURES_FILE, DatasetManifest, FeatureManifest, ShardInfo, SplitInfo,
+                             load_feature_manifest)
+from shards.owned import plain_names, refuse_clobber, remove_owned
 
 log = logging.getLogger(__name__)
 
@@ -42,20 +47,24 @@ def read_config_record(out_dir: Path) -> dict[str, Any] | None:
     path = out_dir / STATE_DIR / CONFIG_RECORD
     if not path.is_file():
         return None
-    return json.loads(path.read_text(encoding="utf-8"))
+    return read_json_file(path)
 
 
-def check_output(out_dir: Path, record: Mapping[str, Any], *, overwrite: bool) -> str | None:
+def check_output(out_dir: Path, record: Mapping[str, Any], *, overwrite: bool,
+                 writes: Collection[str]) -> str | None:
     """Refuse to mix configs or datasets in one folder unless ``overwrite`` (writes nothing); returns the conflict
-    that ``prepare_output`` must clear first, or None."""
+    that ``prepare_output`` must clear first, or None. Even with ``overwrite``, a file this run ``writes`` that the
+    old output does not name is refused (``shards.owned.refuse_clobber``)."""
     conflict = _conflict(out_dir, read_config_record(out_dir), record)
     if conflict and not overwrite:
         raise OutputExistsError(f"{conflict}; choose another --out or pass --overwrite to replace it",
                                 path=str(out_dir))
+    if conflict:
+        refuse_clobber(out_dir, recorded_names(out_dir), writes, writer="precompute-features")
     return conflict
 
 
-def prepare_output(out_dir: Path, record: Mapping[str, Any], *, overwrite: bool,
+def prepare_output(out_dir: Path, record: Mapping[str, Any], *, overwrite: bool, writes: Collection[str],
                    folder_lock: FolderLock | None = None) -> None:
     """``check_output``, clear an old run when ``overwrite`` says so, then record this run's config.
 
@@ -63,11 +72,11 @@ def prepare_output(out_dir: Path, record: Mapping[str, Any], *, overwrite: bool,
     so features another run is still writing are never deleted under it.
     """
     existing = read_config_record(out_dir)
-    if check_output(out_dir, record, overwrite=overwrite):
+    if check_output(out_dir, record, overwrite=overwrite, writes=writes):
         if folder_lock is not None:
             folder_lock.exclusive()
         log.warning("--overwrite: replacing the features in %s", out_dir)
-        _clear(out_dir, existing)
+        remove_owned(out_dir, recorded_names(out_dir), STATE_DIR)
     if existing != dict(record):
         write_json_shared(out_dir / STATE_DIR / CONFIG_RECORD, dict(record))
 
@@ -90,21 +99,30 @@ def _conflict(out_dir: Path, existing: Mapping[str, Any] | None, record: Mapping
     return None
 
 
-def _clear(out_dir: Path, existing: Mapping[str, Any] | None) -> None:
-    """Remove what an earlier run wrote here (feature files named by its records, records, features.json)."""
+def recorded_names(out_dir: Path) -> set[str]:
+    """The files at the top of FEAT_DIR that what is there names as its own: ``features.json`` (itself and its
+    feature files) and the shard records in ``.precompute/`` (the files of a run killed before its
+    ``features.json``). Whatever they do not name is not ours."""
+    names: list[Any] = []
     state = out_dir / STATE_DIR
-    if state.is_dir():
-        for record_file in state.glob("*.json"):
-            if record_file.name != CONFIG_RECORD:
-                shard = json.loads(record_file.read_text(encoding="utf-8")).get("shard", {})
-                if shard.get("path"):
-                    (out_dir / shard["path"]).unlink(missing_ok=True)
-        for state_file in state.iterdir():  # the lock files stay: this run holds them
-            if state_file.is_file() and not is_lock_file(state_file.name):
-                state_file.unlink()
-    (out_dir / FEATURES_FILE).unlink(missing_ok=True)
-    for leftover in out_dir.glob(f"*{TMP_SUFFIX}"):
-        leftover.unlink()
+    for record_file in state.glob("*.json") if state.is_dir() else ():
+        if record_file.name == CONFIG_RECORD:
+            continue
+        try:
+            shard = read_json_file(record_file).get("shard")
+        except (OSError, ValueError, AttributeError):
+            continue  # an unreadable record names nothing
+        if isinstance(shard, Mapping):
+            names.append(shard.get("path"))
+    if (out_dir / FEATURES_FILE).is_file():
+        names.append(FEATURES_FILE)
+        try:
+            manifest = load_feature_manifest(out_dir)
+        except (ShardcacheError, OSError, ValueError):
+            manifest = None  # unreadable: it is replaced, what it may have named stays
+        if manifest is not None:
+            names += [s.path for split in manifest.splits.values() for s in split.shards]
+    return plain_names(names)
 
 
 def feature_path(out_dir: Path, job: ShardJob, storage: str) -> Path:
@@ -125,7 +143,7 @@ def finished_shard(out_dir: Path, job: ShardJob, storage: str, digest: str) -> S
     path = _record_path(out_dir, job, storage)
     if not path.is_file():
         return None
-    record = json.loads(path.read_text(encoding="utf-8"))
+    record = read_json_file(path)
     info = ShardInfo.from_dict(record["shard"])
     feature_file = out_dir / info.path
     if record.get("config_hash") != digest or not feature_file.is_file():

@@ -24,14 +24,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from preprocess.pack.packer import PackConfig, ShardJob, _Meter, _run_jobs, check_strict, pack
+from preprocess.pack.packer import PackConfig, ShardJob, _Meter, _run_jobs, check_strict, log_skipped, pack
 from preprocess.pack.parts import PLAN_FILE, STATE_DIR
 from preprocess.pack.plan import PlannedShard, assign_splits, cut_shards, split_order_key
 from preprocess.pack.sources import SourceSample, SourceScan, scan_source
 from shards.atomic import sha256_file, write_bytes_atomic
+from shards.bounded_read import read_json_file
 from shards.errors import CorruptDataError, InputError, ManifestError
+from shards.jsonlines import json_lines
 from shards.manifest import (DATASET_FILE, DatasetManifest, ShardInfo, SkippedFile, SourceInfo, SplitInfo,
                              load_dataset_manifest, utc_now)
+from shards.formats.locations import local_shard_path
 from shards.formats.storage import get_storage, shard_name
 from shards.formats.tarindex import index_name
 from shards.lock import claim_output
@@ -62,13 +65,17 @@ def read_index(out: Path, manifest: DatasetManifest) -> dict[str, dict[str, Any]
     if not isinstance(entry, Mapping) or "path" not in entry:
         raise ManifestError("records no source index, so --append cannot tell what is packed; repack it",
                             path=str(out / DATASET_FILE))
-    path = out / str(entry["path"])
+    path = local_shard_path(out, entry["path"], where=str(out / DATASET_FILE), what="source index")
     if not path.is_file():
         raise ManifestError(f"source index {entry['path']} is missing", path=str(out))
     if entry.get("sha256") and sha256_file(path) != entry["sha256"]:
         raise CorruptDataError("source index does not match the checksum in dataset.json", path=str(path))
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return {row["path"]: row for row in rows}
+    index: dict[str, dict[str, Any]] = {}
+    for number, row, bad in json_lines(path.read_text(encoding="utf-8")):
+        if bad is not None:
+            raise CorruptDataError(f"source index line {number} is not JSON ({bad})", path=str(path))
+        index[row["path"]] = row
+    return index
 
 
 def recorded_config(cfg: PackConfig, manifest: DatasetManifest) -> PackConfig:
@@ -114,7 +121,7 @@ def _next_indices(out: Path, manifest: DatasetManifest) -> dict[str, int]:
     names = [(split, s.path) for split, info in manifest.splits.items() for s in info.shards]
     plan_file = out / STATE_DIR / PLAN_FILE
     if plan_file.is_file():
-        names += [(s["split"], s["name"]) for s in json.loads(plan_file.read_text(encoding="utf-8"))["shards"]]
+        names += [(s["split"], s["name"]) for s in read_json_file(plan_file)["shards"]]
     nxt: dict[str, int] = {}
     for split, name in names:
         match = _SHARD_INDEX.search(name)
@@ -268,6 +275,9 @@ def _append_claimed(cfg: PackConfig, out: Path, prune: bool, started: float) -> 
     updated = build_manifest(manifest, rows, replaced, new_infos, scan.files_seen, record, scan_skipped)
     updated = updated.replace(extra={**manifest.extra, "source_index": _write_index(out, rows, batch)})
     updated.save(out)
+    log_skipped([(s.path, s.reason) for s in scan_skipped]
+                + [(s["path"], s["reason"]) for part in parts for s in part["skipped"]],
+                len(to_pack) + len(scan_skipped))
     _remove_superseded(out, manifest, replaced)
     return AppendResult(updated, _summary(cfg, updated, diff, [i.path for _, i in new_infos], replaced, started, drop))
 

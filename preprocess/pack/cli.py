@@ -59,6 +59,9 @@ log = logging.getLogger("shardcache.pack")
               help="With --out s3://...: the local folder the shards are packed in before upload (default: "
                    "$SHARDCACHE_STAGE_DIR or ~/.cache/shardcache/stage, one folder per URL; required with "
                    "--num-tasks > 1, on a shared file system).")
+@click.option("--break-lease", is_flag=True,
+              help="With --out s3://...: take over the prefix's writer lease even while another run holds it "
+                   "(a lease left by a killed run expires by itself 10 minutes after its last renewal).")
 @click.option("--table", is_flag=True,
               help="SOURCE is a CSV table, not images: pack its rows as float32 feature shards and features.json "
                    "(what precompute-features writes), standardised with train-split statistics. A 'split' column "
@@ -81,8 +84,8 @@ log = logging.getLogger("shardcache.pack")
 @handle_errors
 def pack_shards_command(source, out, storage, max_samples, max_bytes, val_fraction, seed, no_shuffle, verify,
                         max_pixels, resize_max_side, quality, strict, allow_empty_classes, workers, overwrite,
-                        append_new, prune, merge_dir, stage_dir, table, target, columns, categorical, encode, impute,
-                        table_task, task_index, num_tasks, quiet, s3) -> None:
+                        append_new, prune, merge_dir, stage_dir, break_lease, table, target, columns, categorical,
+                        encode, impute, table_task, task_index, num_tasks, quiet, s3) -> None:
     """Pack an ImageFolder tree (or train/val/test trees, or a CSV/JSONL list) into shards in OUT, or (--table)
     the rows of a CSV table into feature shards.
 
@@ -124,9 +127,10 @@ def pack_shards_command(source, out, storage, max_samples, max_bytes, val_fracti
         if append_new:
             raise InputError(f"--out {out}: --append works on local folders only; append locally, then upload")
         staged = resolve_stage(out, stage_dir, stage_root(), num_tasks=num_tasks, options=s3,
-                               overwrite=overwrite)
-    elif stage_dir is not None:
-        raise InputError("--stage-dir works only with --out s3://...")
+                               overwrite=overwrite, break_lease=break_lease)
+    elif stage_dir is not None or break_lease:
+        raise InputError(f"{'--stage-dir' if stage_dir is not None else '--break-lease'} works only with --out "
+                         "s3://...")
     cfg = PackConfig(source=source, out=out if staged is None else str(staged.stage_dir), storage=storage,
                      max_samples=max_samples, max_bytes=max_bytes,
                      val_fraction=val_fraction, seed=seed, shuffle=not no_shuffle, verify=verify,
@@ -150,7 +154,7 @@ def pack_shards_command(source, out, storage, max_samples, max_bytes, val_fracti
 TABLE_ONLY = frozenset({"target", "columns", "categorical", "encode", "impute", "table_task"})
 IMAGE_ONLY = frozenset({"max_bytes", "verify", "max_pixels", "resize_max_side", "quality", "strict",
                         "allow_empty_classes", "workers", "append_new", "prune", "merge_dir", "stage_dir",
-                        "storage_tar"})
+                        "break_lease", "storage_tar"})
 
 
 def _explicit_options(ctx: click.Context) -> set[str]:

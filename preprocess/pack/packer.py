@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import re
 import time
+from collections import Counter
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -25,7 +27,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 from preprocess.pack.parts import (STATE_DIR, check_output, load_part, merge_parts, missing_parts, prepare_output,
                                    read_plan_doc, write_part)
 from preprocess.pack.plan import PackPlan, PlannedShard, make_plan
-from preprocess.pack.sources import SourceScan, scan_source
+from preprocess.pack.sources import SourceScan, check_out_outside_source, scan_source
 from shards.atomic import check_local_output
 from preprocess.pack.validate import InvalidImage, ValidateOptions, read_and_validate, sample_meta
 from shards.image.decode import DEFAULT_MAX_PIXELS
@@ -37,6 +39,7 @@ from shards.formats.storage import STORAGES, get_storage
 from shards.lock import claim_output, merge_lock
 
 log = logging.getLogger("shardcache.pack")
+SHOWN_SKIPPED = 3  # paths named in the one warning line about skipped files
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class PackConfig:
 
     def __post_init__(self) -> None:
         check_local_output(self.out)
+        check_out_outside_source(self.source, self.out)
         get_storage(self.storage)
         for name in ("max_samples", "max_bytes", "workers", "num_tasks"):
             if getattr(self, name) < 1:
@@ -212,6 +216,23 @@ def _finish(out: Path, plan: PackPlan, wrote: int) -> DatasetManifest | None:
         return merge_parts(out)
 
 
+def skip_kind(reason: str) -> str:
+    """What a skip reason says before its particulars: ``too large: 9000x9000 = ...`` -> ``too large``."""
+    return re.split(r":| \(", reason, maxsplit=1)[0].strip() or reason
+
+
+def log_skipped(skipped: Sequence[tuple[str, str]], files_seen: int) -> None:
+    """One warning line for the files left out (``(path, reason)``): how many, by reason, and the first few
+    paths; ``dataset.json``'s ``source.skipped`` lists them all. Nothing when none were."""
+    if not skipped:
+        return
+    kinds = Counter(skip_kind(reason) for _, reason in skipped)
+    paths = [path for path, _ in skipped[:SHOWN_SKIPPED]] + (["..."] if len(skipped) > SHOWN_SKIPPED else [])
+    log.warning("skipped %d of %d source files: %s (%s); dataset.json lists them all in source.skipped",
+                len(skipped), files_seen, ", ".join(f"{n} {kind}" for kind, n in kinds.most_common()),
+                ", ".join(paths))
+
+
 def check_strict(scan: SourceScan, strict: bool) -> None:
     """Under ``--strict`` a file the scan had to skip fails the run (exit 1, like a broken image), before any write."""
     if strict and scan.skipped:
@@ -228,8 +249,8 @@ def pack(cfg: PackConfig) -> PackResult:
     check_strict(scan, cfg.strict)
     plan = make_plan(scan, cfg.packing(), cfg.storage)
     out = Path(cfg.out)
-    check_output(out, plan.sha256, cfg.overwrite)  # refuse before creating even a lock file
     plan_doc = _plan_doc(plan, cfg.storage)
+    check_output(out, plan_doc, cfg.overwrite)  # refuse before creating even a lock file
     with claim_output(out, STATE_DIR, what="pack-shards", task=(cfg.task_index, cfg.num_tasks),
                       prepare=lambda folder_lock: prepare_output(out, plan_doc, cfg.overwrite, folder_lock)):
         return _pack_claimed(cfg, plan, out, started)
@@ -244,11 +265,17 @@ def _pack_claimed(cfg: PackConfig, plan: PackPlan, out: Path, started: float) ->
     jobs = [ShardJob(str(out), s, scan.classes, cfg.storage, cfg.validate, cfg.strict, plan.sha256) for s in todo]
     meter = _Meter(sum(len(s.samples) for s in todo), cfg.quiet)
     try:
-        _run_jobs(jobs, cfg.workers, meter)
+        packed = _run_jobs(jobs, cfg.workers, meter)
     finally:
         meter.bar.close()
     manifest = _finish(out, plan, len(todo))
     summary = _summary(cfg, plan, manifest, mine, len(todo), time.monotonic() - started)
+    if manifest is not None:  # the whole dataset's
+        log_skipped([(s.path, s.reason) for s in manifest.source.skipped], manifest.source.files_seen)
+    else:  # what the scan refused and what this task's shards left out
+        log_skipped([(s.rel_path, s.reason) for s in scan.skipped]
+                    + [(s["path"], s["reason"]) for part in packed for s in part["skipped"]],
+                    len(scan.skipped) + sum(part["source_files"] for part in packed))
     return PackResult(manifest, summary)
 
 

@@ -15,6 +15,9 @@ Layout inside ``OUT/``::
 
 A shard counts as finished only when its part manifest matches the plan digest and the shard file still has the
 recorded size and sha256, so a rerun redoes exactly the shards that are missing, partial or damaged.
+
+``--overwrite`` deletes only what this layout names (``recorded_names``: the old ``dataset.json`` and what it lists,
+the plan's and the parts' shards, their sidecars), never a file that merely looks like a shard (``shards.owned``).
 """
 
 from __future__ import annotations
@@ -23,13 +26,18 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
-from shards.atomic import sha256_file, tmp_target, write_json_atomic, write_json_shared, write_text_shared
+from shards.atomic import (remove_stale_tmp, sha256_file, tmp_target, write_json_atomic, write_json_shared,
+                           write_text_shared)
+from shards.bounded_read import read_json_file
 from shards.errors import ManifestError, OutputExistsError, ShardcacheError
-from shards.lock import FolderLock, is_lock_file
+from shards.formats.storage import STORAGES
+from shards.formats.tarindex import index_name
+from shards.lock import FolderLock
 from shards.manifest import (DATASET_FILE, DatasetManifest, ShardInfo, SkippedFile, SourceInfo, SplitInfo,
                              load_dataset_manifest)
+from shards.owned import plain_names, refuse_clobber, remove_owned
 
 STATE_DIR = ".pack"
 PLAN_FILE = "plan.json"
@@ -49,7 +57,7 @@ def existing_plan_digest(out: Path) -> str | None:
     plan_file = out / STATE_DIR / PLAN_FILE
     if plan_file.is_file():
         try:
-            return str(json.loads(plan_file.read_text(encoding="utf-8"))["plan_sha256"])
+            return str(read_json_file(plan_file)["plan_sha256"])
         except (ValueError, KeyError, TypeError):
             return ""
     if (out / DATASET_FILE).is_file():
@@ -61,45 +69,78 @@ def existing_plan_digest(out: Path) -> str | None:
 
 
 def _is_own_file(name: str) -> bool:
-    """A file ``pack-shards`` writes at the top of OUT, or a temp file a killed run left of one."""
+    """Whether an object name in an ``s3://`` prefix is one ``pack-shards`` publishes (``preprocess.staging``); a
+    local ``--overwrite`` goes by ``recorded_names`` instead."""
     name = tmp_target(name) or name
     return bool(_SHARD_FILE.match(name) or _SHARD_INDEX_FILE.match(name) or _APPEND_INDEX_FILE.match(name)
                 or name in _OWN_FILES)
 
 
-def remove_packed_output(out: Path) -> None:
-    """What ``--overwrite`` deletes: shardcache's own files only, never anything else a user keeps there.
-
-    The lock files in ``.pack/`` stay: the running job holds them, and a new inode would let a second writer in.
-    """
-    for entry in out.iterdir():
-        if entry.name == STATE_DIR and entry.is_dir():
-            for state_file in entry.iterdir():
-                if state_file.is_file() and not is_lock_file(state_file.name):
-                    state_file.unlink()
-        elif entry.is_file() and _is_own_file(entry.name):
-            entry.unlink()
+def _shard_files(names: Iterable[Any]) -> list[Any]:
+    """The files the shard writer makes for these shard names: each shard, and its byte index where its storage
+    writes one (tar)."""
+    indexed = tuple(spec.suffix for spec in STORAGES.values() if spec.indexed)
+    names = list(names)
+    return names + [index_name(n) for n in names if isinstance(n, str) and n.endswith(indexed)]
 
 
-def check_output(out: Path, digest: str, overwrite: bool) -> str | None:
+def planned_names(plan_doc: Mapping[str, Any]) -> set[str]:
+    """The files at the top of OUT that packing this plan writes: shards, their sidecars, the index, the manifest."""
+    shards = plan_doc.get("shards")
+    names = [s.get("name") for s in shards if isinstance(s, Mapping)] if isinstance(shards, list) else []
+    return plain_names([*_shard_files(names), INDEX_FILE, DATASET_FILE])
+
+
+def recorded_names(out: Path) -> set[str]:
+    """The files at the top of OUT that what is there names as its own: the old ``dataset.json`` (itself, its
+    shards and sidecars, its source index), the plan in ``.pack/`` and the part manifests beside it (one per shard
+    written, ``<shard>.json``: the shards of a run killed before its merge, or of an append killed before its
+    commit). Whatever they do not name is not ours."""
+    names: list[Any] = []
+    state = out / STATE_DIR
+    if state.is_dir():
+        try:
+            names += planned_names(read_json_file(state / PLAN_FILE))
+        except (OSError, ValueError, AttributeError):
+            pass  # no plan, or an unreadable one: it names nothing
+        names += _shard_files(p.name[:-len(".json")] for p in state.glob("*.json") if p.name != PLAN_FILE)
+    if (out / DATASET_FILE).is_file():
+        names.append(DATASET_FILE)
+        try:
+            manifest = load_dataset_manifest(out)
+        except ShardcacheError:
+            manifest = None  # unreadable: it is replaced, what it may have named stays
+        if manifest is not None:
+            names += [name for split in manifest.splits.values() for s in split.shards for name in (s.path, s.index)]
+            index = manifest.extra.get("source_index")
+            if isinstance(index, Mapping):
+                names.append(index.get("path"))
+    return plain_names(names)
+
+
+def check_output(out: Path, plan_doc: Mapping[str, Any], overwrite: bool) -> str | None:
     """Refuse a folder holding a different dataset (or foreign files) unless ``overwrite``; writes nothing.
 
-    Returns what ``prepare_output`` must remove first: "foreign", "different", or None.
+    Returns what ``prepare_output`` must remove first: "foreign", "different", or None. Even with ``overwrite``,
+    a file this plan would write that the old output does not name is refused (``shards.owned.refuse_clobber``).
     """
     if out.exists() and not out.is_dir():
         raise OutputExistsError("is a file, not a folder", path=str(out))
     existing = existing_plan_digest(out)
+    conflict = None
     if existing is None and out.is_dir() and any(p.name != STATE_DIR for p in out.iterdir()):
         if not overwrite:
             raise OutputExistsError("is not empty and holds no shardcache dataset; pass --overwrite to pack "
                                     "into it anyway", path=str(out))
-        return "foreign"
-    if existing is not None and existing != digest:
+        conflict = "foreign"
+    elif existing is not None and existing != plan_doc["plan_sha256"]:
         if not overwrite:
             raise OutputExistsError("already holds a different dataset (other source files or options); "
                                     "pass --overwrite to replace it", path=str(out))
-        return "different"
-    return None
+        conflict = "different"
+    if conflict is not None:
+        refuse_clobber(out, recorded_names(out), planned_names(plan_doc), writer="pack-shards")
+    return conflict
 
 
 def prepare_output(out: Path, plan_doc: Mapping[str, Any], overwrite: bool,
@@ -107,12 +148,13 @@ def prepare_output(out: Path, plan_doc: Mapping[str, Any], overwrite: bool,
     """Check the folder (``check_output``), clear it when ``overwrite`` says so, and write the plan.
 
     Called under the writer locks (``shards.lock.claim_output``); removing old output first takes the folder lock
-    exclusively, so output another run is still writing is never deleted under it.
+    exclusively, so output another run is still writing is never deleted under it. The lock files in ``.pack/``
+    stay: the running job holds them, and a new inode would let a second writer in.
     """
-    if check_output(out, plan_doc["plan_sha256"], overwrite) is not None:
+    if check_output(out, plan_doc, overwrite) is not None:
         if folder_lock is not None:
             folder_lock.exclusive()
-        remove_packed_output(out)
+        remove_owned(out, recorded_names(out), STATE_DIR)
     (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
     plan_file = out / STATE_DIR / PLAN_FILE
     if not plan_file.is_file():
@@ -123,7 +165,7 @@ def load_part(out: Path, shard_name: str, digest: str, *, check_sha256: bool) ->
     """The shard's part manifest if the shard is finished and intact, else None (so it is packed again)."""
     path = part_path(out, shard_name)
     try:
-        part = json.loads(path.read_text(encoding="utf-8"))
+        part = read_json_file(path)
     except (OSError, ValueError):
         return None
     if part.get("plan_sha256") != digest:
@@ -155,11 +197,11 @@ def write_part(out: Path, shard_name: str, part: Mapping[str, Any]) -> None:
 def read_plan_doc(out: Path) -> dict[str, Any]:
     path = out / STATE_DIR / PLAN_FILE
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return read_json_file(path)
     except FileNotFoundError:
         raise ManifestError(f"no {STATE_DIR}/{PLAN_FILE}: nothing was packed here", path=str(out)) from None
-    except ValueError as exc:
-        raise ManifestError(f"unreadable plan ({exc})", path=str(path)) from None
+    except ManifestError as exc:
+        raise ManifestError(f"unreadable plan ({exc.reason})", path=str(path)) from None
 
 
 def missing_parts(out: Path, plan_doc: Mapping[str, Any]) -> list[str]:
@@ -217,8 +259,5 @@ def merge_parts(out: str | os.PathLike) -> DatasetManifest:
     index = _write_index(out, parts)
     manifest = manifest.replace(extra={"source_index": index})
     write_json_shared(out / DATASET_FILE, manifest.to_dict())
-    for leftover in out.glob("*.tmp"):
-        target = tmp_target(leftover.name) or ""
-        if _SHARD_FILE.match(target) or _SHARD_INDEX_FILE.match(target):
-            leftover.unlink(missing_ok=True)
+    remove_stale_tmp(out, planned_names(plan_doc))  # what killed writers of this plan left
     return manifest

@@ -17,12 +17,12 @@ import hashlib
 import logging
 import os
 import re
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, NamedTuple
 
 from preprocess.pack.csv_records import SPLIT_NAME, read_csv_records
+from shards.bounded_read import not_regular_reason, read_regular_file
 from shards.errors import InputError, MissingInputError
 from shards.jsonlines import json_lines
 from shards.formats.sample import IMAGE_EXTENSIONS
@@ -84,18 +84,6 @@ def is_image_name(name: str) -> bool:
     return not name.startswith(".") and name.rpartition(".")[2].lower() in IMAGE_EXTENSIONS and "." in name
 
 
-_FILE_KINDS = ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
-               (stat.S_ISBLK, "block device"), (stat.S_ISDIR, "directory"))
-
-
-def not_regular_reason(mode: int) -> str | None:
-    """Why a file of this ``st_mode`` cannot be packed, or None for a regular file."""
-    if stat.S_ISREG(mode):
-        return None
-    kind = next((name for test, name in _FILE_KINDS if test(mode)), "special file")
-    return f"not a regular file ({kind})"
-
-
 def _stat_sample(path: Path, rel_path: str, label: int, split: str | None) -> SourceSample | SkippedSource:
     """The sample, or why it is skipped. Never opens the file: opening a FIFO would block."""
     try:
@@ -116,8 +104,8 @@ def _make_scan(kind: str, root: str, classes: tuple[str, ...],
                found: list[SourceSample | SkippedSource]) -> SourceScan:
     samples = [s for s in found if isinstance(s, SourceSample)]
     skipped = sorted((s for s in found if isinstance(s, SkippedSource)), key=lambda s: s.rel_path)
-    for item in skipped:
-        log.warning("%s: skipping %s: %s", root, item.rel_path, item.reason)
+    for item in skipped:  # the packer's one warning line counts them by reason (preprocess.pack.packer.log_skipped)
+        log.debug("%s: skipping %s: %s", root, item.rel_path, item.reason)
     return SourceScan(kind, root, classes, tuple(samples), tuple(skipped))
 
 
@@ -185,7 +173,7 @@ def _list_rows_csv(path: Path) -> Iterable[tuple[int, dict[str, str]]]:
 
 def _list_rows_jsonl(path: Path) -> Iterable[tuple[int, dict[str, str]]]:
     try:
-        text = path.read_text(encoding="utf-8-sig")
+        text = read_regular_file(path).decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise InputError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", path=str(path)) from None
     for line_num, row, bad in json_lines(text):
@@ -252,6 +240,23 @@ def _relative_name(file_path: Path, base: Path) -> str:
         return resolved.relative_to(base).as_posix()
     except ValueError:
         return resolved.as_posix()
+
+
+def check_out_outside_source(source: str | os.PathLike, out: str | os.PathLike) -> None:
+    """Refuse an output folder that a folder source's scan would walk (the source itself or a visible folder in
+    it): its shards would be packed once, then every rerun would find the output as one more class (or split).
+    Hidden folders are never scanned, so ``SOURCE/.shards`` is allowed; list files name their images, so they scan
+    no folder."""
+    if not Path(source).is_dir():
+        return
+    root, target = os.path.realpath(source), os.path.realpath(out)
+    if os.path.commonpath([root, target]) != root:
+        return
+    inside = Path(os.path.relpath(target, root)).parts
+    if not any(part.startswith(".") and part != "." for part in inside):
+        where = "is the source folder" if inside == (".",) else f"is inside the source folder {source}"
+        raise InputError(f"--out {where}, where the next scan would take it for a class; choose a folder outside "
+                         "the source", path=str(out))
 
 
 def scan_source(source: str | os.PathLike, *, allow_empty_classes: bool = False) -> SourceScan:

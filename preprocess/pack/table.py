@@ -9,9 +9,17 @@ copies that config into ``model.pt``).
 
 Bad cells are input errors, not guesses: a missing or non-numeric cell stops the job (exit 2, nothing written),
 naming the file, the spreadsheet row (the header is row 1) and the column, unless ``--impute`` asks for missing
-cells to be filled. Statistics come from the train split only, so nothing about val leaks into the inputs. A
-regression target is stored as the feature format's ``targets`` (float32 [N]) beside all-zero placeholder labels,
-and ``config.target`` records its train mean and std (``train-from-shards --task regression`` standardises with them).
+cells to be filled. So is a number whose standardisation would overflow (cells near 1e308 or 1e154 make the mean or
+std inf, and every value NaN) or land beyond float32, and a regression target beyond float32; an ``inf`` among
+numeric targets is refused, never taken to make every value a class name. Statistics come from the train split
+only, so nothing about val leaks into the inputs. A regression target is stored as the feature format's
+``targets`` (float32 [N]) beside all-zero placeholder labels, and ``config.target`` records its train mean and std
+(``train-from-shards --task regression`` standardises with them).
+
+The output folder is never mixed: without ``--overwrite`` a folder holding anything but this table's own output
+(finished, or cut short by a killed run, which is resumed) is refused, and nothing in it is deleted or replaced;
+``--overwrite`` deletes only the files the old output names (its ``features.json`` and the records in ``.pack/``,
+``shards.owned``), never a user's file that merely looks like a shard, and refuses to write over one.
 
 The work is split by concern: ``preprocess.pack.table_read`` reads and checks the cells, columns, target and
 splits; ``preprocess.pack.table_encoding`` fits and applies the encoding; this module holds the config, the
@@ -26,24 +34,28 @@ import logging
 import math
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
+from preprocess.pack import parts
 from preprocess.pack.parts import STATE_DIR
 from preprocess.pack.plan import split_order_key
 from preprocess.pack.table_encoding import ColumnEncoding, TableEncoding, fit_encoding
 from preprocess.pack.table_read import (DEFAULT_VAL_FRACTION, MAX_INFERRED_CLASSES, MISSING_CELLS, SPLIT_COLUMN,
                                         UNKNOWN_CODE, Layout, Table, Target, assign_splits, parse_inputs,
                                         parse_target, read_table, resolve_columns)
-from shards.atomic import check_local_output, remove_stale_tmp, sha256_file, tmp_target
+from shards.atomic import check_local_output, remove_stale_tmp, sha256_file, write_json_atomic
+from shards.bounded_read import read_json_file
 from shards.errors import InputError, OutputExistsError, ShardcacheError
 from shards.lock import claim_output
 from shards.manifest import (DATASET_FILE, FEATURES_FILE, FeatureManifest, ShardInfo, SplitInfo,
                              load_feature_manifest)
-from shards.formats.feature_names import TABLE_KIND, from_table, is_feature_file
+from shards.formats.feature_names import TABLE_KIND, from_table
+from shards.owned import plain_names, refuse_clobber, remove_owned
 
 # This module's public names and those it re-exports from table_read and table_encoding: callers import from here.
 __all__ = ["DEFAULT_VAL_FRACTION", "ENCODINGS", "FEATURE_DTYPE", "IMPUTE_STATISTICS", "MAX_INFERRED_CLASSES",
@@ -95,7 +107,7 @@ class TableConfig:
             raise InputError(f"val_fraction={self.val_fraction}: must be in [0, 1)")
         for name in ("columns", "categorical"):
             names = getattr(self, name) or ()
-            twice = sorted({c for c in names if names.count(c) > 1})
+            twice = sorted(c for c, n in Counter(names).items() if n > 1)
             if twice:
                 raise InputError(f"--{name} names {twice[0]!r} twice")
 
@@ -143,7 +155,7 @@ def prepare_table(cfg: TableConfig) -> PreparedTable:
     keys = tuple(f"row-{number:06d}" for number in table.row_numbers)
     source = {"kind": TABLE_KIND, "path": str(Path(cfg.source).resolve()), "rows": len(table),
               "header": list(table.header), "sha256": table.sha256}
-    return PreparedTable(encoding.encode_parsed(parsed), target, keys, splits, config, digest.hexdigest()[:16],
+    return PreparedTable(encoding.encode_parsed(table, parsed), target, keys, splits, config, digest.hexdigest()[:16],
                          source)
 
 
@@ -158,13 +170,16 @@ def pack_table(cfg: TableConfig) -> TableResult:
     started = time.monotonic()
     prepared = prepare_table(cfg)
     out = Path(cfg.out)
-    check_table_output(out, prepared.config_hash, cfg.overwrite)  # refuse before creating even a lock file
+    names = shard_names(prepared, cfg)
+    writes = {name for split in names.values() for name in split} | {FEATURES_FILE}
+    # Refused before creating even a lock file; checked again under the lock (another run may have written since).
+    check_table_output(out, prepared.config_hash, writes, cfg.overwrite)
     with claim_output(out, STATE_DIR, what="pack-shards --table", exclusive=True,
-                      prepare=lambda _lock: _clear_if_needed(out, prepared.config_hash, cfg.overwrite)):
+                      prepare=lambda _lock: _clear_if_needed(out, prepared.config_hash, writes, cfg.overwrite)):
         manifest = _finished(out, prepared.config_hash)
         unchanged = manifest is not None
         if manifest is None:
-            manifest = _write(out, prepared, cfg)
+            manifest = _write(out, prepared, cfg, names)
     log.info("%s %s/%s", "kept the identical" if unchanged else "wrote", out, FEATURES_FILE)
     summary = {"out": str(cfg.out), "task": prepared.target.task, "features": manifest.features_dim,
                "classes": list(manifest.classes), "rows": {n: s.samples for n, s in manifest.splits.items()},
@@ -174,26 +189,70 @@ def pack_table(cfg: TableConfig) -> TableResult:
     return TableResult(manifest, summary)
 
 
-def _is_own_file(name: str) -> bool:
-    name = tmp_target(name) or name
-    return is_feature_file(name) or name == FEATURES_FILE
+def shard_names(prepared: PreparedTable, cfg: TableConfig) -> dict[str, list[str]]:
+    """Each split's feature shard names in order (``train-000000.pt``...), one per ``max_samples`` rows."""
+    from shards.formats.features import feature_shard_name  # torch: see ``_write``
+
+    return {name: [feature_shard_name(f"{name}-{i:06d}", cfg.storage)
+                   for i in range(math.ceil(len(rows) / cfg.max_samples))] for name, rows in prepared.splits.items()}
+
+
+def _table_records(out: Path) -> list[Any]:
+    """The config hash each record in ``OUT/.pack/`` carries (None for a record that is not a table's: an image
+    packing plan or part manifest, or an unreadable file)."""
+    state = out / STATE_DIR
+    hashes: list[Any] = []
+    for path in sorted(state.glob("*.json")) if state.is_dir() and not state.is_symlink() else ():
+        try:
+            record = read_json_file(path)
+        except (OSError, ValueError):
+            record = None
+        hashes.append(record.get("config_hash") if isinstance(record, dict) and record.get("kind") == TABLE_KIND
+                      else None)
+    return hashes
+
+
+def recorded_names(out: Path) -> set[str]:
+    """The files at the top of OUT that what is there names as its own, and so all that ``--overwrite`` may
+    delete (``shards.owned``): ``features.json`` and the shards it lists, and what the records in ``.pack/`` name
+    (``parts.recorded_names``: one ``<file>.json`` per file a table run writes, written before that file, so a
+    killed run's shards are named too; an unfinished image packing's plan and parts). Nothing else is ours."""
+    names: list[Any] = list(parts.recorded_names(out))
+    if (out / FEATURES_FILE).is_file():
+        names.append(FEATURES_FILE)
+        try:
+            manifest = load_feature_manifest(out)
+        except ShardcacheError:
+            manifest = None  # unreadable: it is replaced, what it may have named stays
+        if manifest is not None:
+            names += [info.path for split in manifest.splits.values() for info in split.shards]
+    return plain_names(names)
 
 
 def _existing_hash(out: Path) -> str | None:
-    """The config hash of the table features in ``out``; "" for a features.json of anything else; None: none."""
-    if not (out / FEATURES_FILE).is_file():
+    """The config hash of the table output in ``out``: its ``features.json``'s, else that of the records a killed
+    run left in ``.pack/``; "" for anything else of ours (other features, an image packing); None: nothing."""
+    if (out / FEATURES_FILE).is_file():
+        try:
+            manifest = load_feature_manifest(out)
+        except ShardcacheError:
+            return ""
+        return manifest.config_hash if from_table(manifest.config) else ""
+    hashes = set(_table_records(out))
+    if not hashes:
         return None
-    try:
-        manifest = load_feature_manifest(out)
-    except ShardcacheError:
-        return ""
-    return manifest.config_hash if from_table(manifest.config) else ""
+    only = hashes.pop() if len(hashes) == 1 else None
+    return only if isinstance(only, str) and only else ""
 
 
-def check_table_output(out: Path, digest: str, overwrite: bool) -> bool:
-    """Refuse a folder holding other output unless ``overwrite`` (writes nothing); True when our own files there
-    (another table's, or an unfinished run's) must be removed first. Files shardcache did not write always stay,
-    and a folder of image shards is always refused: one folder, one manifest."""
+def check_table_output(out: Path, digest: str, writes: set[str], overwrite: bool) -> bool:
+    """Refuse a folder holding other output unless ``overwrite`` (writes nothing); True when the old output's own
+    files must be removed first. This config's output, finished or cut short by a killed run, is resumed.
+
+    A file of the user's is never deleted or replaced: only what the old output names is removed
+    (``recorded_names``), and a file this run would write that nothing there names is refused even with
+    ``overwrite`` (``shards.owned.refuse_clobber``). A folder of image shards is always refused: one folder, one
+    manifest."""
     if out.exists() and not out.is_dir():
         raise OutputExistsError("is a file, not a folder", path=str(out))
     if not out.is_dir():
@@ -201,32 +260,28 @@ def check_table_output(out: Path, digest: str, overwrite: bool) -> bool:
     if (out / DATASET_FILE).exists():
         raise OutputExistsError("holds image shards (dataset.json); pack the table into a folder of its own",
                                 path=str(out))
-    entries = [p.name for p in out.iterdir() if p.name != STATE_DIR]
     existing = _existing_hash(out)
-    if existing == digest or not entries:
-        return False
-    if existing is None and all(_is_own_file(name) for name in entries):
-        return True  # shards of a run killed before its features.json: nothing finished to protect
-    if not overwrite:
+    entries = [p.name for p in out.iterdir() if p.name != STATE_DIR]
+    conflict = existing != digest and (existing is not None or bool(entries))
+    if conflict and not overwrite:
         what = ("holds other features" if existing is not None
                 else "is not empty and holds no shardcache features")
-        raise OutputExistsError(f"{what}; pass --overwrite to replace them (only shardcache's own files are "
-                                "removed)", path=str(out))
-    return True
+        raise OutputExistsError(f"{what}; pass --overwrite to replace them (only the files the old output names "
+                                "are removed)", path=str(out))
+    refuse_clobber(out, recorded_names(out), writes, writer="pack-shards --table")
+    return conflict
 
 
-def _clear_if_needed(out: Path, digest: str, overwrite: bool) -> None:
-    if check_table_output(out, digest, overwrite):
+def _clear_if_needed(out: Path, digest: str, writes: set[str], overwrite: bool) -> None:
+    if check_table_output(out, digest, writes, overwrite):
         if _existing_hash(out) is not None:
             log.warning("--overwrite: replacing the features in %s", out)
-        for entry in out.iterdir():
-            if entry.is_file() and _is_own_file(entry.name):
-                entry.unlink()
+        remove_owned(out, recorded_names(out), STATE_DIR)
 
 
 def _finished(out: Path, digest: str) -> FeatureManifest | None:
     """This exact output, already complete and intact in ``out`` (every shard's size and sha256 as recorded)."""
-    if _existing_hash(out) != digest:
+    if not (out / FEATURES_FILE).is_file() or _existing_hash(out) != digest:
         return None
     manifest = load_feature_manifest(out)
     for split in manifest.splits.values():
@@ -237,16 +292,19 @@ def _finished(out: Path, digest: str) -> FeatureManifest | None:
     return manifest
 
 
-def _write(out: Path, prepared: PreparedTable, cfg: TableConfig) -> FeatureManifest:
+def _write(out: Path, prepared: PreparedTable, cfg: TableConfig, names: Mapping[str, list[str]]) -> FeatureManifest:
     # Imported here: the pack-shards CLI imports this module, and ``pack-shards --help`` stays free of torch.
     import torch
 
-    from shards.formats.features import FeatureShard, feature_shard_name, write_feature_shard
+    from shards.formats.features import FeatureShard, write_feature_shard
 
     target = prepared.target
-    names = {name: [feature_shard_name(f"{name}-{i:06d}", cfg.storage)
-                    for i in range(math.ceil(len(rows) / cfg.max_samples))] for name, rows in prepared.splits.items()}
-    remove_stale_tmp(out, {n for shard_names in names.values() for n in shard_names} | {FEATURES_FILE})
+    files = [name for split in names.values() for name in split]
+    # Every file is recorded as this run's before any is written: a run killed midway leaves only named files,
+    # which the next run resumes (same config) or ``--overwrite`` removes, and never a lookalike of the user's.
+    for name in files:
+        write_json_atomic(out / STATE_DIR / f"{name}.json", {"kind": TABLE_KIND, "config_hash": prepared.config_hash})
+    remove_stale_tmp(out, {*files, FEATURES_FILE})
     splits = {}
     for name, rows in prepared.splits.items():
         infos = []

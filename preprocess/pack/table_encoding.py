@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
-from preprocess.pack.table_read import UNKNOWN_CODE, Layout, Table, parse_inputs
+from preprocess.pack.table_read import FLOAT32_MAX, UNKNOWN_CODE, Layout, Table, finite_moments, parse_inputs
 from shards.errors import InputError
 
 if TYPE_CHECKING:  # annotations only: preprocess.pack.table imports this module
@@ -77,13 +77,22 @@ class TableEncoding:
         return cls(tuple(ColumnEncoding.from_dict(c) for c in config["columns"]), str(config["encode"]),
                    config.get("impute"))
 
-    def encode_parsed(self, parsed: Mapping[str, Any]) -> np.ndarray:
+    def encode_parsed(self, table: Table, parsed: Mapping[str, Any]) -> np.ndarray:
+        """``table``'s cells as ``parse_inputs`` parsed them -> float32 [N, features_dim]; a number that lands
+        beyond float32 once scaled is an ``InputError`` naming its row and column, never an inf in the features."""
         blocks = []
         for column in self.columns:
             values = parsed[column.name]
             if column.kind == "numeric":
                 filled = values if column.fill is None else np.where(np.isnan(values), column.fill, values)
-                blocks.append(((filled - column.mean) / column.std)[:, None])
+                with np.errstate(over="ignore", invalid="ignore"):
+                    scaled = (filled - column.mean) / column.std
+                    bad = np.flatnonzero(~(np.abs(scaled) <= FLOAT32_MAX))
+                if len(bad):
+                    raise table.error(int(bad[0]), column.name, f"{filled[bad[0]]:g} is too far from the train "
+                                      f"split's mean ({column.mean:g}, standard deviation {column.std:g}) to store "
+                                      "as float32 once standardised")
+                blocks.append(scaled[:, None])
                 continue
             index = {category: i for i, category in enumerate(column.categories)}
             codes = np.array([index.get(value, UNKNOWN_CODE) for value in values], np.int64)
@@ -103,7 +112,7 @@ class TableEncoding:
         cells = {name: tuple(str(row.get(name, "")).strip() for row in rows) for name in names}
         table = Table(where, "", names, tuple(range(1, len(rows) + 1)), cells)
         categorical = frozenset(c.name for c in self.columns if c.kind == "categorical")
-        return self.encode_parsed(parse_inputs(table, names, categorical, self.impute is not None))
+        return self.encode_parsed(table, parse_inputs(table, names, categorical, self.impute is not None))
 
 
 def fit_encoding(table: Table, parsed: Mapping[str, Any], layout: Layout, train: np.ndarray,
@@ -111,6 +120,7 @@ def fit_encoding(table: Table, parsed: Mapping[str, Any], layout: Layout, train:
     """Fill values, means, stds and categories from the train rows only; columns with one value there are dropped
     (they carry nothing to learn, and their std would be 0), with a warning and a record."""
     columns, dropped = [], []
+    train_rows = np.flatnonzero(train)
     for name in layout.inputs:
         values = parsed[name]
         if name in layout.categorical:
@@ -122,16 +132,20 @@ def fit_encoding(table: Table, parsed: Mapping[str, Any], layout: Layout, train:
                                      else "no values in the train split"))
             continue
         train_values = values[train]
-        present = train_values[~np.isnan(train_values)]
+        known = ~np.isnan(train_values)
+        present = train_values[known]
         if not len(present):
             dropped.append(_drop(name, "no values in the train split"))
             continue
+        if cfg.impute == "mean":  # the fill is this mean: it must be finite before it fills a cell
+            finite_moments(table, name, present, train_rows[known])
         fill = None if cfg.impute is None else _statistic(present, cfg.impute)
-        filled = train_values if fill is None else np.where(np.isnan(train_values), fill, train_values)
+        filled = train_values if fill is None else np.where(known, train_values, fill)
         if filled.min() == filled.max():
             dropped.append(_drop(name, f"constant in the train split ({filled[0]:g})"))
             continue
-        columns.append(ColumnEncoding(name, "numeric", float(filled.mean()), float(filled.std()), fill))
+        mean, std = finite_moments(table, name, filled, train_rows)
+        columns.append(ColumnEncoding(name, "numeric", mean, std, fill))
     if not columns:
         raise InputError("every input column is constant or empty in the train split; nothing to learn from",
                          path=table.path)

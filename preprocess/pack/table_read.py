@@ -33,8 +33,11 @@ MAX_INFERRED_CLASSES = 20  # integer targets with more distinct values are infer
 UNKNOWN_CODE = -1  # a category the train split never had (or a missing one, with --impute)
 # Read as missing, compared case-insensitively after stripping spaces ("None" stays a category name).
 MISSING_CELLS = frozenset({"", "na", "n/a", "#n/a", "nan", "null", "?"})
-_NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")  # float() would also take inf, nan and 1_000
-_INTEGER = re.compile(r"^[+-]?\d+$")
+# float() would also take inf, nan and 1_000. One way to match each digit, so a long cell that is no number fails
+# in linear time (``\d+\.?\d*`` backtracks quadratically: seconds for a 10,000-digit cell).
+_NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
+_INTEGER = re.compile(r"^[+-]?\d{1,4000}$")  # int() refuses more than 4,300 digits; a longer one is a float
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # feature and target shards store float32
 
 
 @dataclass(frozen=True)
@@ -70,15 +73,40 @@ def read_table(path: str) -> Table:
 
 
 def _check_header(header: Sequence[str], path: str) -> None:
+    """Every column named, no name twice; one pass with a set, so a header of 100,000 columns takes milliseconds."""
+    seen: set[str] = set()
     for position, name in enumerate(header, 1):
         if not name:
             raise InputError(f"row 1: column {position} of the header has no name", path=path)
-        if header.count(name) > 1:
+        if name in seen:
             raise InputError(f"row 1: column {name!r} appears twice in the header", path=path)
+        seen.add(name)
 
 
 def _is_missing(cell: str) -> bool:
     return cell.lower() in MISSING_CELLS
+
+
+def _is_float_word(cell: str) -> bool:
+    """A cell Python's ``float`` takes that is no plain number: ``inf``, ``-Infinity``, ``1_000``."""
+    try:
+        float(cell)
+    except ValueError:
+        return False
+    return True
+
+
+def finite_moments(table: Table, column: str, values: np.ndarray, rows: np.ndarray) -> tuple[float, float]:
+    """The mean and standard deviation of ``values`` (float64, the table rows ``rows`` of ``column``), or an
+    ``InputError`` naming the row of the largest magnitude when they overflow (cells near 1e308 sum to inf, near
+    1e154 square to inf): standardising with them would make every value NaN."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        mean, std = float(values.mean()), float(values.std())
+    if math.isfinite(mean) and math.isfinite(std):
+        return mean, std
+    worst = int(np.argmax(np.abs(values)))
+    raise table.error(int(rows[worst]), column, f"{values[worst]:g} is too large to standardise: the train split's "
+                      "mean or standard deviation of the column overflows; rescale the column")
 
 
 class Layout(NamedTuple):
@@ -124,15 +152,25 @@ def parse_target(table: Table, cfg: TableConfig) -> Target:
     integer = all(_INTEGER.match(cell) for cell in cells)
     task = cfg.task
     if task == "auto":
-        numeric = all(_NUMBER.match(cell) for cell in cells)
+        odd = [i for i, cell in enumerate(cells) if not _NUMBER.match(cell)]
+        if odd and all(_is_float_word(cells[i]) for i in odd):
+            # "inf" among numbers is a broken regression target, not a reason to make every value a class.
+            raise table.error(odd[0], cfg.target, f"{cells[odd[0]]!r} is not a finite number, and every other "
+                              "target is a number; fix the cell, or pass --task classification to make the values "
+                              "class names")
         few = integer and len({int(cell) for cell in cells}) <= MAX_INFERRED_CLASSES
-        task = "classification" if few or not numeric else "regression"
+        task = "classification" if few or odd else "regression"
         log.info("target %r: %s (inferred; --task overrides)", cfg.target, task)
     if task == "regression":
         bad = next((i for i, cell in enumerate(cells) if not _NUMBER.match(cell)), None)
         if bad is not None:
             raise table.error(bad, cfg.target, f"{cells[bad]!r} is not a number (a regression target)")
         values = np.array([float(cell) for cell in cells])
+        # Targets are stored as float32; a larger one would be stored as inf (and its statistics overflow).
+        bad = next((i for i, value in enumerate(values) if not abs(value) <= FLOAT32_MAX), None)
+        if bad is not None:
+            raise table.error(bad, cfg.target, f"{cells[bad]!r} does not fit the float32 targets are stored as "
+                              f"(at most {FLOAT32_MAX:.3g} in magnitude)")
         if values.min() == values.max():
             raise InputError(f"target {cfg.target!r} is {values[0]:g} in every row; nothing to learn",
                              path=table.path)

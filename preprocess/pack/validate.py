@@ -6,10 +6,12 @@ pixel data. ``full`` decodes every pixel, so truncated or corrupt data is found 
 middle of a training epoch. Sizes are always checked from the header, so an oversized image is never decoded
 in full: it is skipped, or (when re-encoding a JPEG) decoded at 1/2, 1/4 or 1/8 scale with ``draft``.
 
-Reading is bounded too (``read_file``): only a regular file is read (checked on the open descriptor, which is
-opened non-blocking, so a FIFO swapped in after the scan cannot hang the job), and a file whose open and read do
-not finish within ``read_timeout_s`` (a hung network mount) is skipped. That read runs in a daemon thread that is
-abandoned on timeout: the kernel may keep it blocked, but the job goes on and can exit.
+Reading is bounded too (``read_file``): only a regular file is read, opened the one way shardcache opens an
+untrusted file (``shards.bounded_read.open_regular_file``: ``stat`` first, a non-blocking open checked again on
+its descriptor, so a FIFO swapped in after the scan cannot hang the job), and a file whose open and read do not
+finish within ``read_timeout_s`` (a hung network mount) is skipped. That read runs in a daemon thread that is
+abandoned on timeout: the kernel may keep it blocked, but the job goes on and can exit. Every failure is an
+``InvalidImage`` whose message is the reason recorded in the skip list.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import threading
 import warnings
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from typing import Iterator, NamedTuple
 
 from PIL import Image, ImageOps
 
-from preprocess.pack.sources import not_regular_reason
+from shards.bounded_read import open_regular_file
 from shards.image.decode import DEFAULT_MAX_PIXELS, to_rgb
 from shards.errors import InputError
 
@@ -183,14 +184,13 @@ def validate_image(data: bytes, opts: ValidateOptions) -> ValidImage:
 
 
 def _read_regular(path: str) -> bytes:
-    """The bytes of ``path`` if it is a regular file; ``InvalidImage`` otherwise. Never blocks on a FIFO or device:
-    O_NONBLOCK makes opening one return at once, and the descriptor is checked before the first read."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as handle:
-        reason = not_regular_reason(os.fstat(fd).st_mode)
-        if reason is not None:
-            raise InvalidImage(reason)
-        os.set_blocking(fd, True)  # no effect on regular files; makes the intent explicit
+    """The bytes of ``path`` if it is a regular file; ``InvalidImage`` with the reason otherwise ("not a regular
+    file (FIFO)", "no such file", "cannot read (Permission denied)"). Never blocks on a FIFO or device."""
+    try:
+        handle = open_regular_file(path)
+    except InputError as exc:
+        raise InvalidImage(exc.reason) from None
+    with handle:
         return handle.read()
 
 
@@ -214,8 +214,8 @@ def read_file(path: str, timeout_s: float = READ_TIMEOUT_S) -> bytes:
         exc = failure[0]
         if isinstance(exc, InvalidImage):
             raise exc
-        if isinstance(exc, OSError):
-            raise InvalidImage(f"unreadable file ({exc.strerror or _describe(exc)})") from None
+        if isinstance(exc, OSError):  # the read itself failed (an I/O error mid-file)
+            raise InvalidImage(f"cannot read ({exc.strerror or _describe(exc)})") from None
         raise exc
     return result[0]
 

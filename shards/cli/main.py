@@ -146,12 +146,14 @@ def report_command(paths: tuple[str, ...], out: str | None, no_grid: bool, quiet
     """One self-contained HTML page (no network, opens in any browser) for each dataset (dataset.json), feature
     cache (features.json) or training run (metrics.jsonl + config.json) given, and the local folders they name."""
     from shards.atomic import check_local_output
-    from shards.report.build import default_out, make_report
+    from shards.report.build import check_report_out, default_out, make_report
 
     if out is not None:
         check_local_output(out)
+    target = out if out is not None else default_out(paths)
+    check_report_out(target)  # before any work: a report never replaces a manifest or a file of yours
     report = make_report(list(paths), grid=not no_grid)
-    target = report.write(out if out is not None else default_out(paths))
+    target = report.write(target)
     if not quiet:
         click.echo(f"report: {target} ({', '.join(s['kind'] for s in report.summary())})", err=True)
     emit_json({"out": str(target), "sections": report.summary()})

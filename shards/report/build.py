@@ -21,7 +21,7 @@ from shards.errors import InputError, MissingInputError, ShardcacheError
 from shards.formats.locations import is_remote
 from shards.manifest import (DATASET_FILE, FEATURES_FILE, TOOL, DatasetManifest, FeatureManifest, load_manifest,
                              utc_now)
-from shards.report.html import Markup, Section, esc, note, page, tag
+from shards.report.html import GENERATOR_META, Markup, Section, esc, note, page, tag
 from shards.report.samples import GridOptions
 
 REPORT_FILE = "report.html"
@@ -131,11 +131,11 @@ class _Builder:
         return features_section(folder, manifest, anchor, state, links=links)
 
     def _run(self, folder: Path, anchor: str) -> Section:
-        from shards.report.run import read_run, run_section
+        from shards.report.run import read_run, run_section, trained_on
 
         run = read_run(folder)
-        links, classes = Markup(""), None
-        for data_path in _trained_on(run.config):
+        links, classes, kind = Markup(""), None, None
+        for data_path in trained_on(run.config):
             if is_remote(data_path):
                 links += note(f"Trained on {data_path}: remote, not included (a report reads local folders only).")
                 continue
@@ -144,18 +144,11 @@ class _Builder:
             links += link
             if classes is None and isinstance(manifest, (DatasetManifest, FeatureManifest)):
                 classes = manifest.classes
+                kind = "images" if isinstance(manifest, DatasetManifest) else "features"
         mixture = run.config.get("mixture")
         if isinstance(mixture, dict) and isinstance(mixture.get("classes"), list):
             classes = tuple(str(c) for c in mixture["classes"])  # a union class map: the run's own class list
-        return run_section(run, anchor, classes=classes, links=links)
-
-
-def _trained_on(config: dict) -> list[str]:
-    """The folders a run read: every source of a mixture, else its one ``data_path``."""
-    sources = config.get("sources")
-    paths = [s.get("path") for s in sources if isinstance(s, dict)] if isinstance(sources, list) and sources \
-        else [config.get("data_path")]
-    return [p for p in paths if isinstance(p, str) and p]
+        return run_section(run, anchor, classes=classes, links=links, read_kind=kind)
 
 
 def _grid_options(grid: bool | GridOptions) -> GridOptions | None:
@@ -186,6 +179,33 @@ def write_report(paths: Sequence[str | os.PathLike] | str | os.PathLike, out: st
     return make_report(paths, grid=grid).write(out)
 
 
+REPORT_SUFFIXES = (".html", ".htm")
+_HEAD_BYTES = 4096  # the generator marker sits in the first lines of the head
+
+
+def check_report_out(out: str | os.PathLike) -> None:
+    """Refuse a target a report must not replace, by one rule: it is an ``.html`` file that is absent or a page this
+    command wrote (its head carries ``GENERATOR_META``). Every artifact of a known folder (``dataset.json``,
+    ``features.json``, what they list, ``.pack/`` records, a run's ``config.json``, ``metrics.jsonl`` and
+    checkpoints) is not ``.html``; the one that is, ``report.html``, is a report; a user's own page lacks the marker."""
+    path = Path(out)
+    if path.suffix.lower() not in REPORT_SUFFIXES:
+        raise InputError(f"--out must name an .html file, not {path.name!r}: a report never replaces a manifest, "
+                         "record, shard or checkpoint", path=str(out))
+    if not os.path.lexists(path):
+        return
+    if not path.is_file():
+        raise InputError("--out exists and is not a regular file; choose another name", path=str(out))
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(_HEAD_BYTES)
+    except OSError as exc:
+        raise InputError(f"--out exists and cannot be read ({exc.strerror or exc})", path=str(out)) from None
+    if GENERATOR_META.encode("utf-8") not in head:
+        raise InputError("--out exists and is not a shardcache report (a page of your own?): a report replaces only "
+                         "an earlier report; choose another name or remove the file", path=str(out))
+
+
 def default_out(paths: Iterable[str | os.PathLike]) -> Path:
     """``PATH/report.html`` for one folder, else ``report.html`` here."""
     paths = list(paths)
@@ -206,5 +226,5 @@ def write_run_report(run_dir: str | os.PathLike, *, grid: bool | GridOptions = T
     return write_report([run_dir], run_dir / REPORT_FILE, grid=grid)
 
 
-__all__ = ["KINDS", "REPORT_FILE", "Report", "build_report", "default_out", "folder_kind", "make_report",
-           "write_report", "write_run_report"]
+__all__ = ["KINDS", "REPORT_FILE", "Report", "build_report", "check_report_out", "default_out", "folder_kind",
+           "make_report", "write_report", "write_run_report"]

@@ -178,6 +178,10 @@ def subsection(title: str, content: Markup) -> Markup:
     return tag("div", tag("h3", title) + content, class_="sub")
 
 
+# In every page's head: how ``shards report`` knows a file it may replace (shards.report.build.check_report_out).
+GENERATOR_META = '<meta name="generator" content="shardcache report">'
+
+
 def page(title: str, sections: Sequence[Section], generated: str, tool: str) -> str:
     """The whole HTML document: self-contained, no external resource of any kind."""
     nav = join(tag("a", tag("span", s.kind, class_=f"badge {s.kind}") + " " + s.title, href=f"#{s.anchor}")
@@ -186,7 +190,7 @@ def page(title: str, sections: Sequence[Section], generated: str, tool: str) -> 
                 + tag("nav", nav))
             + tag("main", join(s.render() for s in sections))
             + tag("footer", "Self-contained: no network, no external files. Click a table header to sort."))
-    return ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+    return ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n" + GENERATOR_META + "\n"
             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
             "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; img-src data:; "
             "style-src 'unsafe-inline'; script-src 'unsafe-inline'\">\n"

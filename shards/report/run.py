@@ -3,33 +3,35 @@
 Read from the files a run already writes, never from live training state, so the same page comes out whether
 ``train-from-shards`` draws it at the end of an epoch or someone runs ``shards report`` on a finished run. Nothing
 here imports ``train`` (``shards`` depends on no other package): the run folder's file names are part of the
-on-disk contract and repeated below. Checkpoints are described from their files' sizes and ``metrics.jsonl``,
+on-disk contract and repeated below. Whether the data pipeline held the run back, and what to change, is the
+training loop's own rule (``shards.report.advice``), applied to what the run recorded: ``metrics.jsonl``'s wait
+and stage seconds, and ``config.json``'s data paths (remote or local), caches and workers. Checkpoints are described from their files' sizes and ``metrics.jsonl``,
 never opened: loading them would cost seconds per epoch, and unpickling is not allowed.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from shards.errors import InputError, ManifestError
+from shards.bounded_read import read_json_file, read_regular_file
+from shards.errors import InputError, ManifestError, ShardcacheError
 from shards.jsonlines import json_lines
 from shards.report import svg
+from shards.report.advice import reads_over_network, starving, wait_advice
 from shards.report.curves import find_best_epoch
 from shards.report.html import (Cell, Markup, Section, count, figure, fixed, image_data_uri, join, key_value_grid,
                                 note, num_cell, number, pct, rate, seconds, size, subsection, table, tag, tiles, void)
 from shards.report.mixture import mixture_part, recorded_sources
-from shards.report.stages import stage_breakdown
+from shards.report.stages import stage_breakdown, stage_seconds
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS = (("last.pt", "the latest state; --resume continues from it"),
                ("best.pt", "the epoch with the highest val top-1 (regression: the lowest val MSE)"),
                ("model.pt", "the final model: weights, classes, transform"))
-WAIT_WARN = 0.2  # the training loop's own threshold for "the input pipeline is the bottleneck"
 MAX_CLASS_BARS = 40
 MAX_CONFUSION = 64  # training leaves larger matrices out of metrics.jsonl; a bigger one here is not drawn either
 MAX_EPOCH_ROWS = 2000  # also the most classes listed: beyond that a table helps nobody
@@ -56,21 +58,24 @@ def is_run_folder(folder: Path) -> bool:
 
 def _json_file(path: Path) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return read_json_file(path)
+    except ShardcacheError:
         return None
 
 
 def read_run(folder: Path) -> RunFiles:
-    config = _json_file(folder / CONFIG_FILE) if (folder / CONFIG_FILE).exists() else {}
+    """The run's files, each read whole within ``shards.bounded_read``'s bounds: a config.json that cannot be read
+    is an error naming it; a metrics.jsonl line that is not a JSON object (malformed, nested too deep) is left out
+    and said so on the page."""
+    config = read_json_file(folder / CONFIG_FILE) if (folder / CONFIG_FILE).exists() else {}
     if not isinstance(config, dict):
         raise ManifestError("not a JSON object", path=str(folder / CONFIG_FILE))
     rows, problems = [], []
     metrics = folder / METRICS_FILE
     if metrics.is_file():
         try:
-            text = metrics.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
+            text = read_regular_file(metrics).decode("utf-8")
+        except UnicodeDecodeError as exc:
             raise InputError(f"cannot read ({exc})", path=str(metrics)) from exc
         for number_, row, _ in json_lines(text):
             if isinstance(row, dict):
@@ -78,6 +83,50 @@ def read_run(folder: Path) -> RunFiles:
             else:
                 problems.append(f"{METRICS_FILE} line {number_} is not a JSON object; left out")
     return RunFiles(folder, config, rows, problems)
+
+
+def trained_on(config: Mapping[str, Any]) -> list[str]:
+    """The folders a run read: every source of a mixture, else its one ``data_path``."""
+    sources = config.get("sources")
+    paths = [s.get("path") for s in sources if isinstance(s, dict)] if isinstance(sources, list) and sources \
+        else [config.get("data_path")]
+    return [p for p in paths if isinstance(p, str) and p]
+
+
+def data_kind(run: RunFiles, read: str | None = None) -> str | None:
+    """What the run trained on, "images" or "features": as its config says (``--data``), else as the local manifest
+    it names says (``read``), else "images" when its workers spent time decoding (feature rows are never decoded);
+    None when nothing tells (remote data, ``--data auto``, no stage seconds)."""
+    declared = run.config.get("data")
+    if declared in ("images", "features"):
+        return declared
+    if read is not None:
+        return read
+    decoded = any((stage_seconds(row) or {}).get("decode", 0.0) > 0 for row in run.rows)
+    return "images" if decoded else None
+
+
+def _wait_seconds(row: Mapping[str, Any]) -> tuple[float, float] | None:
+    """An epoch's (share, seconds) spent waiting for data, from its recorded share and wall time (None: not
+    recorded)."""
+    share, epoch_s = number(row.get("data_wait_share")), number(row.get("epoch_time_s"))
+    return None if share is None or epoch_s is None else (share, share * epoch_s)
+
+
+def wait_verdict(run: RunFiles, row: Mapping[str, Any], kind: str | None) -> str | None:
+    """The training loop's advice for this epoch (``shards.report.advice``) from what the run recorded, or None
+    when the data pipeline kept up: a cache or a local copy only when the config says image shards were read over
+    the network and not cached."""
+    waited = _wait_seconds(row)
+    if waited is None:
+        return None
+    config = run.config
+    workers, pipeline, cache_dir = config.get("workers"), config.get("pipeline"), config.get("cache_dir")
+    network = reads_over_network(kind, trained_on(config), cache_images=config.get("cache_images") is True,
+                                 cache_dir=cache_dir if isinstance(cache_dir, str) else None)
+    return wait_advice(*waited, data_kind=kind, workers=workers if type(workers) is int else None,
+                       stages=stage_seconds(row), pipeline=pipeline if isinstance(pipeline, str) else None,
+                       network_reads=network)
 
 
 def numeric_history(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
@@ -116,11 +165,12 @@ def _overview(run: RunFiles, history: Sequence[Mapping[str, float]]) -> Markup:
     last = history[-1]
     planned = number(run.config.get("epochs"))
     wait = last.get("data_wait_share")
+    waited = _wait_seconds(last)
     items = [*_scores(history, find_best_epoch(history)),
              ("epochs", f"{len(history)}" + (f" / {planned:.0f}" if planned else ""), None),
              ("val loss", fixed(last.get("val_loss")), None),
              ("samples/s", count(last.get("samples_per_s")), None),
-             ("data wait", pct(wait, 1), "warn" if wait is not None and wait > WAIT_WARN else None)]
+             ("data wait", pct(wait, 1), "warn" if waited is not None and starving(*waited) else None)]
     if "val_top5" in last:
         items.insert(2, ("val top-5", pct(last.get("val_top5")), None))
     if any("cache_hit_rate" in row for row in run.rows):
@@ -258,18 +308,16 @@ def _checkpoints(folder: Path, history: Sequence[Mapping[str, float]]) -> Markup
 
 
 def run_section(run: RunFiles, anchor: str, *, classes: Sequence[str] | None = None,
-                links: Markup | None = None) -> Section:
-    """``classes``: the class list of the run's data manifest, when it could be read (names the matrix)."""
+                links: Markup | None = None, read_kind: str | None = None) -> Section:
+    """``classes``: the class list of the run's data manifest, when it could be read (names the matrix);
+    ``read_kind``: that manifest's kind ("images" or "features")."""
     history = numeric_history(run.rows)
     parts = [_overview(run, history), links or ""]
     parts += [note(problem, "warn") for problem in run.problems]
     if history:
-        last = history[-1]
-        wait = last.get("data_wait_share")
-        if wait is not None and wait > WAIT_WARN:
-            parts.append(note(f"The input pipeline is the bottleneck: the last epoch waited for data "
-                              f"{pct(wait, 1)} of the time. More workers, cached features, fast decode or a local "
-                              "disk help; the stage breakdown shows which stage is slow.", "warn"))
+        verdict = wait_verdict(run, run.rows[-1], data_kind(run, read_kind))
+        if verdict is not None:
+            parts.append(note(f"Epoch {history[-1]['epoch']}: {verdict}.", "warn"))
         parts.append(subsection("Curves", _curves(history)))
         parts.append(subsection("Per epoch", _epoch_table(history, run.rows)))
         if not is_regression(history):  # a regression run has no classes to break down

@@ -42,6 +42,26 @@ def test_summary_is_one_json_line_on_stdout(tmp_path):
     assert "file/s" in result.stderr and "MB/s" in result.stderr
 
 
+def test_skipped_files_get_one_warning_line_by_reason_even_when_quiet(tmp_path):
+    write_image_folder(tmp_path / "src", ["cat", "dog"], 3, size=(24, 16))
+    write_image_folder(tmp_path / "src", ["dog"], 5, size=(96, 96))  # img_0000..0004 of dog are now 9,216 pixels
+    (tmp_path / "src" / "cat" / "zero.png").write_bytes(b"")
+    result = run([tmp_path / "src", "--out", tmp_path / "out", "--max-pixels", "2000", "--quiet"])
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["skipped"] == 6
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "WARNING" in lines[0], result.stderr
+    assert "skipped 6 of 9 source files: 5 too large, 1 empty file" in lines[0]
+    assert "(cat/zero.png, dog/img_0000.jpg, dog/img_0001.jpg, ...)" in lines[0]
+    assert "source.skipped" in lines[0]
+
+
+def test_no_warning_when_nothing_was_left_out(tmp_path):
+    write_image_folder(tmp_path / "src", ["a"], 2, size=(16, 16))
+    result = run([tmp_path / "src", "--out", tmp_path / "out"])
+    assert result.exit_code == 0 and "WARNING" not in result.stderr
+
+
 def test_quiet_leaves_only_the_summary(tmp_path):
     write_image_folder(tmp_path / "src", ["a"], 2, size=(16, 16))
     result = run([tmp_path / "src", "--out", tmp_path / "out", "--quiet"])

@@ -81,5 +81,5 @@ def test_re_encoding_applies_exif_orientation_and_whitens_alpha():
 
 
 def test_unreadable_file_is_a_skip_reason(tmp_path):
-    with pytest.raises(InvalidImage, match="unreadable file"):
+    with pytest.raises(InvalidImage, match="^no such file$"):
         read_and_validate(str(tmp_path / "gone.jpg"), FULL)

@@ -124,6 +124,44 @@ def test_a_distributed_run_shows_each_rank(run_copy: Path):
     assert "Rank 1's loop took longest" in page.text
 
 
+def test_the_data_wait_verdict_is_the_training_loops_own_rule(run_copy: Path):
+    """``shards.report.advice``, as the loop logs it: a tiny fast local run is never a bottleneck, however large
+    its wait share; a cache or a local copy only for image shards read over the network and not cached."""
+    rows = read_rows(run_copy)
+    assert all(row["epoch_time_s"] < 5 for row in rows)  # a tiny run: epochs of well under a second
+    for row in rows:
+        row["data_wait_share"] = 0.6  # 60% of a fraction of a second: worker start-up, nothing to fix
+    write_rows(run_copy, rows)
+    html = build_report([run_copy], grid=False)
+    assert "is the bottleneck" not in html and "local disk" not in html and "--cache-dir" not in html
+    warn_tile = '<div class="tile warn"><div class="value">60.0%</div><div class="label">data wait</div>'
+    assert warn_tile not in html and tiles(html)["data wait"] == "60.0%"
+
+    for row in rows:
+        row["epoch_time_s"] = 60.0  # 36 s waiting: a bottleneck, named with the stage the workers spent most in
+        row["stage_seconds"] = {**dict.fromkeys(STAGES, 0.0), "read": 30.0, "wait": 36.0, "step": 20.0}
+    write_rows(run_copy, rows)
+    html = build_report([run_copy], grid=False)
+    text = parse(html).text
+    assert "36.0 s, 60% of the epoch" in text and "the data pipeline is the bottleneck" in text and warn_tile in html
+    assert "read is 100% of worker time" in text and "--batch-size" in text  # features: in memory, local already
+    assert "--cache-dir" not in text and "local disk" not in text
+
+    config = json.loads((run_copy / "config.json").read_text())
+    for options, cache_advice in (({}, True), ({"cache_dir": "/scratch/cache"}, False),
+                                  ({"cache_images": True}, False), ({"data": "auto"}, False)):
+        (run_copy / "config.json").write_text(json.dumps({**config, "data_path": "s3://bucket/images",
+                                                          "data": "images", **options}))
+        text = parse(build_report([run_copy], grid=False)).text
+        assert "the data pipeline is the bottleneck" in text
+        assert ("--cache-dir on node-local disk" in text) is cache_advice, options
+    # --data auto on remote data: decoding workers show the run read images (feature rows are never decoded).
+    for row in rows:
+        row["stage_seconds"]["decode"] = 5.0
+    write_rows(run_copy, rows)
+    assert "--cache-dir on node-local disk" in parse(build_report([run_copy], grid=False)).text
+
+
 def test_checkpoints_are_listed_with_sizes_and_epochs(trained_root: Path):
     run = trained_root / "run"
     rows = read_rows(run)

@@ -15,7 +15,8 @@ from shards.errors import CorruptDataError, InputError
 from train.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
 from train.config import TrainConfig
 from train.loop import class_weights
-from train.meter import DataWaitMeter, wait_advice
+from shards.report.advice import wait_advice
+from train.meter import DataWaitMeter
 from train.metrics import ClassificationTally
 from train.models import build_head
 from train.optim import build_optimizer, build_scheduler, warmup_cosine
@@ -97,11 +98,15 @@ def test_meter_counts_time_blocked_in_next():
     assert meter.wait_share == pytest.approx(0.4)
 
 
-def test_wait_advice_only_above_twenty_percent():
-    assert wait_advice(0.1, data_kind="images", workers=2) is None
-    advice = wait_advice(0.45, data_kind="images", workers=2)
-    assert "45%" in advice and "--workers" in advice and "features" in advice and "local disk" in advice
+def test_wait_advice_only_above_twenty_percent_and_two_seconds():
+    assert wait_advice(0.1, 30.0, data_kind="images", workers=2) is None
+    assert wait_advice(0.9, 1.5, data_kind="images", workers=2) is None  # most of a short epoch, but 1.5 s in all
+    advice = wait_advice(0.45, 9.0, data_kind="images", workers=2)
+    assert "45%" in advice and "9.0 s" in advice and "--workers" in advice and "features" in advice
     assert "decode" in advice
+    assert "local disk" not in advice and "--cache-dir" not in advice  # local shards: a copy or a cache cannot help
+    remote = wait_advice(0.45, 9.0, data_kind="images", workers=2, network_reads=True)
+    assert "--cache-dir" in remote and "local disk" in remote
 
 
 def test_class_weights_are_inverse_frequency():

@@ -1,5 +1,6 @@
-"""The data-wait breakdown by stage: the loop's laps, the per-rank gather, the advice, and ``stage_seconds`` in every
-``metrics.jsonl`` row of a ``train-from-shards`` run."""
+"""The data-wait breakdown by stage: the loop's laps, the per-rank gather, the advice (one rule for the training log
+and the run report, ``shards.report.advice``), and ``stage_seconds`` in every ``metrics.jsonl`` row of a
+``train-from-shards`` run."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from shards.report.advice import dominant_worker_stage, wait_advice
 from shards.stream.stage_times import LOOP_STAGES, STAGES, WORKER_STAGES
-from train.meter import DataWaitMeter, dominant_worker_stage, gather_stage_seconds, sum_stage_seconds, wait_advice
+from train.config import TrainConfig
+from train.loop import reads_over_network
+from train.meter import DataWaitMeter, gather_stage_seconds, sum_stage_seconds
 from train.run_dir import read_metrics
 from tests.train.test_cli import run_cli
 
@@ -23,32 +27,73 @@ def stages(**seconds: float) -> dict[str, float]:
 # -- the advice --------------------------------------------------------------------------------------------------
 def test_advice_names_decode_with_its_share_of_worker_time():
     breakdown = stages(read=0.5, decode=7.8, transform=1.2, collate=0.5, wait=5.0, step=5.0)
-    advice = wait_advice(0.5, data_kind="images", workers=2, stages=breakdown, pipeline="standard")
+    advice = wait_advice(0.5, 5.0, data_kind="images", workers=2, stages=breakdown, pipeline="standard")
     assert "decode is 78% of worker time" in advice
     assert "--workers, now 2" in advice and "--pipeline fast" in advice and "features" in advice
     assert "to_device" not in advice
-    fast = wait_advice(0.5, data_kind="images", workers=2, stages=breakdown, pipeline="fast")
+    fast = wait_advice(0.5, 5.0, data_kind="images", workers=2, stages=breakdown, pipeline="fast")
     assert "decode is 78%" in fast and "--pipeline fast" not in fast  # already on it
 
 
 def test_advice_for_slow_shards_collate_transform_and_copies():
-    read = wait_advice(0.6, data_kind="images", workers=4, stages=stages(read=6.0, decode=3.0, collate=1.0))
-    assert "read is 60% of worker time" in read and "--cache-dir" in read and "node-local" in read
-    collate = wait_advice(0.3, data_kind="images", workers=4, stages=stages(read=1.0, decode=1.0, collate=8.0))
+    slow_read = stages(read=6.0, decode=3.0, collate=1.0)
+    remote = wait_advice(0.6, 6.0, data_kind="images", workers=4, stages=slow_read, network_reads=True)
+    assert "read is 60% of worker time" in remote and "--cache-dir" in remote and "node-local" in remote
+    local = wait_advice(0.6, 6.0, data_kind="images", workers=4, stages=slow_read)
+    assert "read is 60% of worker time" in local and "--workers, now 4" in local
+    assert "--cache-dir" not in local and "local disk" not in local  # already local: neither a cache nor a copy
+    collate = wait_advice(0.3, 3.0, data_kind="images", workers=4, stages=stages(read=1.0, decode=1.0, collate=8.0))
     assert "collate is 80% of worker time" in collate and "assemble" in collate
-    transform = wait_advice(0.3, data_kind="images", workers=4, stages=stages(decode=1.0, transform=3.0))
+    transform = wait_advice(0.3, 3.0, data_kind="images", workers=4, stages=stages(decode=1.0, transform=3.0))
     assert "transform is 75% of worker time" in transform
-    copies = wait_advice(0.3, data_kind="images", workers=4,
+    copies = wait_advice(0.3, 3.0, data_kind="images", workers=4,
                          stages=stages(decode=1.0, wait=3.0, to_device=4.0, step=3.0))
     assert "to_device is 40% of the loop's time" in copies and "pin_memory" in copies and "GPU node" in copies
 
 
 def test_advice_stays_quiet_when_the_pipeline_keeps_up_and_is_generic_without_worker_seconds():
-    assert wait_advice(0.2, data_kind="images", workers=2, stages=stages(decode=9.0)) is None
-    generic = wait_advice(0.45, data_kind="features", workers=0, stages=stages(wait=4.0, step=5.0))
-    assert "45%" in generic and "local disk" in generic and "--batch-size" in generic
+    assert wait_advice(0.2, 9.0, data_kind="images", workers=2, stages=stages(decode=9.0)) is None
+    generic = wait_advice(0.45, 4.0, data_kind="features", workers=0, stages=stages(wait=4.0, step=5.0))
+    assert "45%" in generic and "--batch-size" in generic
+    assert "local disk" not in generic and "--cache-dir" not in generic  # features: in memory or local already
     assert dominant_worker_stage(stages()) is None
     assert dominant_worker_stage(stages(read=1.0, decode=3.0)) == ("decode", 0.75)
+
+
+def test_a_short_wait_is_no_bottleneck_whatever_its_share():
+    # A 0.1 s epoch that spent 60% starting its workers: 60 ms is not worth a word.
+    assert wait_advice(0.6, 0.06, data_kind="features", workers=2, stages=stages(read=0.05)) is None
+    assert wait_advice(0.6, 1.9, data_kind="images", workers=2, stages=stages(decode=9.0)) is None
+    # The same shares over minutes: advice that applies to features held in memory (no cache, no copy).
+    features = wait_advice(0.6, 30.0, data_kind="features", workers=2, stages=stages(read=20.0, collate=2.0))
+    assert "30.0 s, 60%" in features and "read is 91% of worker time" in features
+    assert "--workers, now 2" in features and "--batch-size" in features
+    assert "--cache-dir" not in features and "local disk" not in features and "node-local" not in features
+
+
+def test_only_image_shards_read_over_the_network_can_use_a_cache_or_a_copy():
+    def network(path: str, kind: str = "images", **options) -> bool:
+        return reads_over_network(TrainConfig(data_path=path, out_dir="run", **options), kind)
+
+    assert network("s3://bucket/data") and network("https://host/data")
+    assert not network("/local/data") and not network("s3://bucket/feat", "features")
+    assert not network("s3://bucket/data", cache_images=True)  # decoded images stay in memory after epoch 1
+    assert not network("s3://bucket/data", cache_dir="/scratch/cache")  # cached on this node already
+    mixed = [{"path": "/local/data"}, {"path": "s3://bucket/more", "weight": 1.0}]
+    assert reads_over_network(TrainConfig(data_path="/local/data", out_dir="run", sources=mixed), "images")
+
+
+def test_a_tiny_local_feature_run_gets_no_advice_in_its_log_or_its_report(feature_folder: Path, tmp_path: Path):
+    # Two workers make the first batches wait for worker start-up: about half of these 0.1-0.4 s epochs, which
+    # once read as "the data pipeline is the bottleneck ... use --cache-dir" for data already in memory, and
+    # in the report as "... a local disk helps".
+    result = run_cli(feature_folder, "--out", tmp_path / "run", "--epochs", "1", "--batch-size", "16",
+                     "--workers", "2")
+    assert result.exit_code == 0, result.output
+    assert "bottleneck" not in result.stderr and "--cache-dir" not in result.stderr and "WARNING" not in result.stderr
+    page = (tmp_path / "run" / "report.html").read_text()
+    for advice in ("bottleneck", "--cache-dir", "local disk", "node-local"):
+        assert advice not in page
 
 
 # -- the loop's laps and the gather ------------------------------------------------------------------------------

@@ -1,0 +1,75 @@
+"""What ``--overwrite`` may delete in an output folder: the files that the output being replaced names, nothing else.
+
+An output folder may hold a user's own files beside ours, some of them named like ours (``train-000099.tar`` kept
+from another project, a ``model.pt``). Deciding by name pattern deleted those. Here a file is ours only when the
+manifest being replaced (``dataset.json``, ``features.json``, a run's ``config.json``) or the stage's own records
+(``.pack/``, ``.precompute/``) name it; every writer (``pack-shards``, ``precompute-features``,
+``train-from-shards``) asks these functions, so the rule has one definition:
+
+- ``plain_names``: only plain file names at the top of the folder count (what our writers create); a record naming
+  ``sub/x``, ``../x`` or a URL names nothing we may delete.
+- ``refuse_clobber``: before anything is written, a file this run would write over that the replaced output does
+  not name is refused (exit 2, naming it): left alone, it is never silently replaced either.
+- ``remove_owned``: delete exactly the named files, the temp files a killed run left of them, and the records in the
+  stage folder (its lock files stay: the running job holds them); log what stays beside them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Collection, Iterable
+
+from shards.atomic import remove_stale_tmp
+from shards.errors import OutputExistsError
+from shards.lock import is_lock_file
+
+log = logging.getLogger("shardcache.overwrite")
+_NOT_PLAIN = re.compile(r"[/\\\x00-\x1f\x7f]")
+SHOWN_NAMES = 3
+
+
+def plain_names(names: Iterable[object]) -> set[str]:
+    """The plain file names among ``names`` (record values are untrusted: anything else is dropped)."""
+    return {name for name in names
+            if isinstance(name, str) and name not in ("", ".", "..") and not _NOT_PLAIN.search(name)}
+
+
+def shown(names: Collection[str]) -> str:
+    """``a, b, c, ...``: the first few names, enough to find them, in one line."""
+    ordered = sorted(names)
+    return ", ".join(ordered[:SHOWN_NAMES]) + (", ..." if len(ordered) > SHOWN_NAMES else "")
+
+
+def refuse_clobber(folder: Path, owned: Collection[str], writes: Collection[str], *, writer: str) -> None:
+    """``OutputExistsError`` when a file of ``folder`` that this run would write is not ``owned`` (not named by the
+    output being replaced): a user's file that merely has one of our names."""
+    blocking = [name for name in writes if name not in owned and os.path.lexists(folder / name)]
+    if blocking:
+        raise OutputExistsError(f"holds {len(blocking)} file(s) that {writer} did not write here but would replace "
+                                f"({shown(blocking)}); --overwrite removes only what the old output names: move "
+                                "them away or choose another --out", path=str(folder))
+
+
+def remove_owned(folder: Path, owned: Collection[str], state_dir: str | None = None) -> list[str]:
+    """Delete the ``owned`` files of ``folder`` (a link, not its target), their temp files and the stage folder's
+    records (lock files stay); return what stays, which one log line names."""
+    for name in plain_names(owned):
+        path = folder / name
+        if path.is_symlink() or not path.is_dir():
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+    remove_stale_tmp(folder, plain_names(owned))
+    state = folder / state_dir if state_dir else None
+    if state is not None and state.is_dir() and not state.is_symlink():
+        for record in state.iterdir():
+            if record.is_file() and not record.is_symlink() and not is_lock_file(record.name):
+                record.unlink()
+    left = sorted(entry.name for entry in folder.iterdir() if entry.name != state_dir)
+    if left:
+        log.info("--overwrite left %d entr%s in %s that the replaced output does not name: %s", len(left),
+                 "y" if len(left) == 1 else "ies", folder, shown(left))
+    return left
