@@ -21,10 +21,10 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Collection, Iterable
+from typing import Any, Callable, Collection, Iterable
 
 from shards.atomic import remove_stale_tmp
-from shards.errors import OutputExistsError
+from shards.errors import OutputExistsError, ShardcacheError
 from shards.lock import is_lock_file
 
 log = logging.getLogger("shardcache.overwrite")
@@ -36,6 +36,19 @@ def plain_names(names: Iterable[object]) -> set[str]:
     """The plain file names among ``names`` (record values are untrusted: anything else is dropped)."""
     return {name for name in names
             if isinstance(name, str) and name not in ("", ".", "..") and not _NOT_PLAIN.search(name)}
+
+
+def manifest_names(folder: Path, manifest_file: str, load: Callable[[Path], Any],
+                   names_of: Callable[[Any], Iterable[object]]) -> list[object]:
+    """The manifest file of ``folder`` and what ``names_of`` finds in it, once ``load`` reads it; an unreadable
+    manifest names only itself (it is replaced, what it may have named stays)."""
+    if not (folder / manifest_file).is_file():
+        return []
+    try:
+        manifest = load(folder)
+    except ShardcacheError:
+        return [manifest_file]
+    return [manifest_file, *names_of(manifest)]
 
 
 def shown(names: Collection[str]) -> str:

@@ -37,7 +37,7 @@ from shards.formats.tarindex import index_name
 from shards.lock import FolderLock
 from shards.manifest import (DATASET_FILE, DatasetManifest, ShardInfo, SkippedFile, SourceInfo, SplitInfo,
                              load_dataset_manifest)
-from shards.owned import plain_names, refuse_clobber, remove_owned
+from shards.owned import manifest_names, plain_names, refuse_clobber, remove_owned
 
 STATE_DIR = ".pack"
 PLAN_FILE = "plan.json"
@@ -104,18 +104,18 @@ def recorded_names(out: Path) -> set[str]:
         except (OSError, ValueError, AttributeError):
             pass  # no plan, or an unreadable one: it names nothing
         names += _shard_files(p.name[:-len(".json")] for p in state.glob("*.json") if p.name != PLAN_FILE)
-    if (out / DATASET_FILE).is_file():
-        names.append(DATASET_FILE)
-        try:
-            manifest = load_dataset_manifest(out)
-        except ShardcacheError:
-            manifest = None  # unreadable: it is replaced, what it may have named stays
-        if manifest is not None:
-            names += [name for split in manifest.splits.values() for s in split.shards for name in (s.path, s.index)]
-            index = manifest.extra.get("source_index")
-            if isinstance(index, Mapping):
-                names.append(index.get("path"))
+    names += manifest_names(out, DATASET_FILE, load_dataset_manifest, _dataset_names)
     return plain_names(names)
+
+
+def _dataset_names(manifest: Any) -> list[object]:
+    """What a ``dataset.json`` names: its shards and their sidecars, its source index."""
+    names: list[object] = [name for split in manifest.splits.values()
+                           for s in split.shards for name in (s.path, s.index)]
+    index = manifest.extra.get("source_index")
+    if isinstance(index, Mapping):
+        names.append(index.get("path"))
+    return names
 
 
 def check_output(out: Path, plan_doc: Mapping[str, Any], overwrite: bool) -> str | None:

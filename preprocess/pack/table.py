@@ -55,7 +55,7 @@ from shards.lock import claim_output
 from shards.manifest import (DATASET_FILE, FEATURES_FILE, FeatureManifest, ShardInfo, SplitInfo,
                              load_feature_manifest)
 from shards.formats.feature_names import TABLE_KIND, from_table
-from shards.owned import plain_names, refuse_clobber, remove_owned
+from shards.owned import manifest_names, plain_names, refuse_clobber, remove_owned
 
 # This module's public names and those it re-exports from table_read and table_encoding: callers import from here.
 __all__ = ["DEFAULT_VAL_FRACTION", "ENCODINGS", "FEATURE_DTYPE", "IMPUTE_STATISTICS", "MAX_INFERRED_CLASSES",
@@ -218,14 +218,8 @@ def recorded_names(out: Path) -> set[str]:
     (``parts.recorded_names``: one ``<file>.json`` per file a table run writes, written before that file, so a
     killed run's shards are named too; an unfinished image packing's plan and parts). Nothing else is ours."""
     names: list[Any] = list(parts.recorded_names(out))
-    if (out / FEATURES_FILE).is_file():
-        names.append(FEATURES_FILE)
-        try:
-            manifest = load_feature_manifest(out)
-        except ShardcacheError:
-            manifest = None  # unreadable: it is replaced, what it may have named stays
-        if manifest is not None:
-            names += [info.path for split in manifest.splits.values() for info in split.shards]
+    names += manifest_names(out, FEATURES_FILE, load_feature_manifest,
+                            lambda manifest: [info.path for split in manifest.splits.values() for info in split.shards])
     return plain_names(names)
 
 
