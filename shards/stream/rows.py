@@ -6,6 +6,8 @@ Otherwise (an older dataset, a feature folder, object storage) by reading the sh
 so the same location rules, checks and caches apply. Both are untrusted input: a row's metadata must be a JSON
 object of bounded size, a source index that does not match its checksum is refused, and one whose name or
 symlink leads outside the dataset folder is refused like such a shard (``local_shard_path``), never read.
+Malformed metadata or index lines are input errors (exit 2): they stop a selection before anything runs, as a
+malformed manifest does; a checksum mismatch is corruption (exit 1), as for a shard.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from shards.bounded_read import JSONError, parse_json
-from shards.errors import CorruptDataError
+from shards.errors import CorruptDataError, InputError, ManifestError
 from shards.formats.locations import local_shard_path
 from shards.jsonlines import json_lines
 from shards.manifest import DATASET_FILE
@@ -31,15 +33,15 @@ def sample_fields(key: str, label: int, classes: Sequence[str], meta: Any, where
     """The fields a ``where`` filter sees: the metadata, then ``key``, ``label`` and ``class`` (which win)."""
     if isinstance(meta, (bytes, bytearray)):
         if len(meta) > MAX_META_BYTES:
-            raise CorruptDataError(f"metadata of {len(meta)} bytes (at most {MAX_META_BYTES})", path=where, key=key)
+            raise InputError(f"metadata of {len(meta)} bytes (at most {MAX_META_BYTES})", path=where, key=key)
         try:
             meta = parse_json(meta) if meta else {}
         except JSONError as exc:
-            raise CorruptDataError(f"metadata: {exc}", path=where, key=key) from None
+            raise InputError(f"metadata: {exc}", path=where, key=key) from None
     if meta is None:
         meta = {}
     if not isinstance(meta, dict):
-        raise CorruptDataError("metadata is not a JSON object", path=where, key=key)
+        raise InputError("metadata is not a JSON object", path=where, key=key)
     name = classes[label] if 0 <= label < len(classes) else None
     return {**meta, "key": key, "label": label, "class": name}
 
@@ -66,16 +68,16 @@ def index_rows(folder: str | None, manifest: Any) -> dict[str, list[dict[str, An
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise CorruptDataError(f"source index is not UTF-8 ({exc.reason})", path=str(path)) from None
+        raise ManifestError(f"source index is not UTF-8 ({exc.reason})", path=str(path)) from None
     for number, row, bad in json_lines(text):
         if bad is not None:
-            raise CorruptDataError(f"source index line {number} is not JSON ({bad})", path=str(path))
+            raise ManifestError(f"source index line {number} is not JSON ({bad})", path=str(path))
         if not isinstance(row, dict) or not row.get("shard") or row.get("skipped"):
             continue
         if not isinstance(row.get("row"), int):
             return None  # packed before rows recorded their position: read the shards instead
         if not isinstance(row.get("key"), str) or not isinstance(row.get("label"), int):
-            raise CorruptDataError(f"source index line {number} has no string key and integer label",
+            raise ManifestError(f"source index line {number} has no string key and integer label",
                                    path=str(path))
         by_shard.setdefault(str(row["shard"]), []).append(row)
     for rows in by_shard.values():

@@ -1,8 +1,8 @@
 """Inputs of extreme shape: JSON nested 1,000 deep, a filter of 1,000 nested ``not``, table cells of 1e308, a header of
 100,000 columns, a FIFO or ``/dev/zero`` where a file is expected, a manifest of several GiB.
 
-Whatever the shape, every command answers with one ``error:`` line naming the file (exit 2 for a manifest, option
-or table; exit 1 for a shard's or source index's bytes, as for any corrupt sample), in bounded time and memory:
+Whatever the shape, every command answers with one ``error:`` line naming the file, exit 2 (a manifest, its source
+index, a sample's metadata read to select samples, an option, a table), in bounded time and memory:
 never a ``RecursionError``, ``MemoryError``, a NaN written to disk, or a hang. ``shards report`` leaves a bad
 ``metrics.jsonl`` line out and says so, as it does for a malformed one.
 """
@@ -172,7 +172,7 @@ def packed(tmp_path: Path) -> Path:
     return out
 
 
-def test_deep_source_index_line_is_a_corrupt_dataset_error(tmp_path: Path):
+def test_deep_source_index_line_is_a_manifest_error(tmp_path: Path):
     out = packed(tmp_path)
     manifest = json.loads((out / "dataset.json").read_text())
     index = out / manifest["source_index"]["path"]
@@ -182,7 +182,7 @@ def test_deep_source_index_line_is_a_corrupt_dataset_error(tmp_path: Path):
     (out / "dataset.json").write_text(json.dumps(manifest))
     lines = index.read_text().count("\n")
     result = shards_cli_run("inspect", out, "--where", "width > 0", "--quiet")
-    one_line_error(result, 1, str(index), f"line {lines}", TOO_DEEP)
+    one_line_error(result, 2, str(index), f"line {lines}", TOO_DEEP)
 
 
 def test_deep_sample_metadata_under_where_names_the_shard_and_sample(tmp_path: Path):
@@ -196,7 +196,7 @@ def test_deep_sample_metadata_under_where_names_the_shard_and_sample(tmp_path: P
                     splits={"train": SplitInfo(2, (1, 1), (ShardInfo(name, 2, writer.bytes, writer.sha256),))},
                     source=SourceInfo(kind="generated", root="", files_seen=2), packing={"seed": 0}).save(folder)
     result = shards_cli_run("inspect", folder, "--where", "width > 0", "--quiet")
-    one_line_error(result, 1, name, "[sample s1]", TOO_DEEP)
+    one_line_error(result, 2, name, "[sample s1]", TOO_DEEP)
 
 
 def run_folder(tmp_path: Path, lines: list[str]) -> Path:

@@ -379,10 +379,10 @@ def test_a_mixture_reads_through_the_node_cache_once_per_shard(image_sources, tm
     assert counts["hits"] > 0 and counts["refetches"] == 0
 
 
-def test_a_malformed_source_index_is_a_corrupt_data_error_naming_the_line(tmp_path):
+def test_a_malformed_source_index_is_a_manifest_error_naming_the_line(tmp_path):
     import hashlib
 
-    from shards.errors import CorruptDataError
+    from shards.errors import ManifestError
 
     tree = write_image_folder(tmp_path / "src", ["cat", "dog"], per_class=3, size=(20, 16))
     pack_shards(PackConfig(str(tree), str(tmp_path / "out"), seed=1, quiet=True))
@@ -392,6 +392,6 @@ def test_a_malformed_source_index_is_a_corrupt_data_error_naming_the_line(tmp_pa
     manifest = json.loads((tmp_path / "out" / "dataset.json").read_text())
     manifest["source_index"]["sha256"] = hashlib.sha256(index.read_bytes()).hexdigest()  # as an attacker would
     (tmp_path / "out" / "dataset.json").write_text(json.dumps(manifest))
-    with pytest.raises(CorruptDataError, match="line 2 has no string key") as failure:
+    with pytest.raises(ManifestError, match="line 2 has no string key") as failure:
         shards.open_dataset(tmp_path / "out", "train", subset=Subset(where="width > 0"))
     assert "source-index.jsonl" in str(failure.value) and "\n" not in str(failure.value)
