@@ -10,8 +10,8 @@ Layout of one ``<split>-NNNNNN.h5`` file (plain h5py reads it)::
     meta     str[N]               the sample's JSON metadata
     attrs    classes (list of str), format = "shardcache.hdf5", version = 1
 
-DESIGN.md suggested a variable-length ``uint8`` dataset; one flat byte array with offsets reads a whole shard in
-one sequential ``read`` instead of one small HDF5 read per sample, and is just as easy to read without shardcache.
+One flat byte array with offsets (rather than a variable-length ``uint8`` dataset) reads a whole shard in one
+sequential ``read`` instead of one small HDF5 read per sample, and is just as easy to read without shardcache.
 """
 
 from __future__ import annotations

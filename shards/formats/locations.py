@@ -1,6 +1,6 @@
 """Shard locations: the one place that turns a manifest's shard path into something to open, and refuses escapes.
 
-A manifest is untrusted input (DESIGN.md, "Untrusted input"), so a shard path in it is only ever a *name*: a
+A manifest is untrusted input (docs/design.md, "Trust model"), so a shard path in it is only ever a *name*: a
 relative POSIX path that stays inside the manifest's folder (or under the remote base). Executable or foreign
 locations (``pipe:``, ``file:``, ``s3:``, another host) come only from the caller: the path or ``base_url`` given
 to ``open_dataset``. Three checks, at three moments:

@@ -1,8 +1,8 @@
 """Streaming feature shards: the same epoch plan over ``features.json``, per sample or (mostly) in whole batches.
 
-Features are small and per-sample Python overhead, not the disk, is the limit (DESIGN.md measured a DataLoader
-worker making a linear-head epoch 3-6x slower). ``FeatureBatchLoader`` therefore runs in the main process with no
-workers: it turns the rank's planned slices into one index tensor, shuffles it fully, and gathers
+Features are small and per-sample Python overhead, not the disk, is the limit (a DataLoader worker copying batches
+between processes made a linear-head epoch 3-6x slower). ``FeatureBatchLoader`` therefore runs in the main process
+with no workers: it turns the rank's planned slices into one index tensor, shuffles it fully, and gathers
 ``features[B, D]`` rows with one indexing call per batch, from memory (``cache="memory"``) or from mmap'ed shards.
 ``FeatureShardDataset`` is the per-sample ``IterableDataset`` for users who want a DataLoader anyway.
 
