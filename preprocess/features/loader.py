@@ -183,7 +183,7 @@ class _HashingReader(io.RawIOBase):
     archive blocks) and compares size and sha256 with ``dataset.json``."""
 
     def __init__(self, job: ShardJob, options: Any = None):
-        from shards.formats.s3 import open_range
+        from shards.formats.s3_ranges import open_range
 
         super().__init__()
         self.job = job

@@ -13,7 +13,8 @@ import click
 from preprocess.pack.append import append
 from preprocess.pack.packer import PackConfig, pack
 from preprocess.pack.parts import STATE_DIR, merge_parts, read_plan_doc
-from preprocess.pack.table import ENCODINGS, IMPUTE_STATISTICS, TASKS, TableConfig, pack_table
+from preprocess.pack.table import pack_table
+from preprocess.pack.table_config import ENCODINGS, IMPUTE_STATISTICS, TASKS, TableConfig
 from preprocess.staging import dataset_spec, resolve_stage, run_staged
 from shards.atomic import check_local_output
 from shards.lock import claim_output

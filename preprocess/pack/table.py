@@ -22,8 +22,8 @@ The output folder is never mixed: without ``--overwrite`` a folder holding anyth
 ``shards.owned``), never a user's file that merely looks like a shard, and refuses to write over one.
 
 The work is split by concern: ``preprocess.pack.table_read`` reads and checks the cells, columns, target and
-splits; ``preprocess.pack.table_encoding`` fits and applies the encoding; this module holds the config, the
-orchestration and the writing, and re-exports the public names of the other two.
+splits; ``preprocess.pack.table_encoding`` fits and applies the encoding; ``preprocess.pack.table_config`` holds
+the options (``TableConfig``), which both of those read; this module holds the orchestration and the writing.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import logging
 import math
 import random
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
@@ -44,11 +43,10 @@ import numpy as np
 from preprocess.pack import parts
 from preprocess.pack.parts import STATE_DIR
 from preprocess.pack.plan import split_order_key
-from preprocess.pack.table_encoding import ColumnEncoding, TableEncoding, fit_encoding
-from preprocess.pack.table_read import (DEFAULT_VAL_FRACTION, MAX_INFERRED_CLASSES, MISSING_CELLS, SPLIT_COLUMN,
-                                        UNKNOWN_CODE, Layout, Table, Target, assign_splits, parse_inputs,
-                                        parse_target, read_table, resolve_columns)
-from shards.atomic import check_local_output, remove_stale_tmp, sha256_file, write_json_atomic
+from preprocess.pack.table_config import TableConfig
+from preprocess.pack.table_encoding import fit_encoding
+from preprocess.pack.table_read import Target, assign_splits, parse_inputs, parse_target, read_table, resolve_columns
+from shards.atomic import remove_stale_tmp, sha256_file, write_json_atomic
 from shards.bounded_read import read_json_file
 from shards.errors import InputError, OutputExistsError, ShardcacheError
 from shards.lock import claim_output
@@ -57,59 +55,9 @@ from shards.manifest import (DATASET_FILE, FEATURES_FILE, FeatureManifest, Shard
 from shards.formats.feature_names import TABLE_KIND, from_table
 from shards.owned import manifest_names, plain_names, refuse_clobber, remove_owned
 
-# This module's public names and those it re-exports from table_read and table_encoding: callers import from here.
-__all__ = ["DEFAULT_VAL_FRACTION", "ENCODINGS", "FEATURE_DTYPE", "IMPUTE_STATISTICS", "MAX_INFERRED_CLASSES",
-           "MISSING_CELLS", "SPLIT_COLUMN", "TABLE_KIND", "TABLE_STORAGES", "TASKS", "UNKNOWN_CODE", "ColumnEncoding",
-           "Layout", "PreparedTable", "Table", "TableConfig", "TableEncoding", "TableResult", "Target",
-           "assign_splits", "check_table_output", "fit_encoding", "pack_table", "parse_inputs", "parse_target",
-           "prepare_table", "read_table", "resolve_columns"]
-
 log = logging.getLogger("shardcache.pack")
 
-TASKS = ("auto", "classification", "regression")
-ENCODINGS = ("onehot", "codes")
-IMPUTE_STATISTICS = ("mean", "median", "zero")
-TABLE_STORAGES = ("pt", "hdf5")
 FEATURE_DTYPE = "float32"
-
-
-@dataclass(frozen=True)
-class TableConfig:
-    """Every option of ``pack-shards --table``; all but ``out`` and ``overwrite`` shape the output."""
-
-    source: str
-    out: str
-    target: str
-    columns: tuple[str, ...] | None = None  # None: every column but the target and the split column
-    categorical: tuple[str, ...] = ()
-    encode: str = "onehot"
-    impute: str | None = None
-    task: str = "auto"
-    val_fraction: float | None = None  # None: DEFAULT_VAL_FRACTION, or none when the table has a split column
-    seed: int = 0
-    shuffle: bool = True
-    max_samples: int = 1000
-    storage: str = "pt"
-    overwrite: bool = False
-
-    def __post_init__(self) -> None:
-        check_local_output(self.out)
-        if not self.target:
-            raise InputError("--table needs --target COLUMN (the column to predict)")
-        for name, value, allowed in (("task", self.task, TASKS), ("encode", self.encode, ENCODINGS),
-                                     ("storage", self.storage, TABLE_STORAGES),
-                                     ("impute", self.impute, (None, *IMPUTE_STATISTICS))):
-            if value not in allowed:
-                raise InputError(f"{name}={value!r}: choose one of {', '.join(map(str, allowed))}")
-        if self.max_samples < 1:
-            raise InputError(f"max_samples={self.max_samples}: must be at least 1")
-        if self.val_fraction is not None and not 0.0 <= self.val_fraction < 1.0:
-            raise InputError(f"val_fraction={self.val_fraction}: must be in [0, 1)")
-        for name in ("columns", "categorical"):
-            names = getattr(self, name) or ()
-            twice = sorted(c for c, n in Counter(names).items() if n > 1)
-            if twice:
-                raise InputError(f"--{name} names {twice[0]!r} twice")
 
 
 @dataclass(frozen=True)

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from preprocess.pack.table_config import TableConfig
 from preprocess.pack.table_read import FLOAT32_MAX, UNKNOWN_CODE, Layout, Table, finite_moments, parse_inputs
 from shards.errors import InputError
-
-if TYPE_CHECKING:  # annotations only: preprocess.pack.table imports this module
-    from preprocess.pack.table import TableConfig
 
 log = logging.getLogger("shardcache.pack")
 

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import loader as bench  # noqa: E402  (scripts/bench/loader.py: corpus, packing, loaders, timing)
 import shards  # noqa: E402
-from shards.formats import s3  # noqa: E402
+from shards.formats import s3, s3_ranges  # noqa: E402
 from shards.progress import setup_logging  # noqa: E402
 from tests.s3.server import ACCESS_KEY, SECRET_KEY, start_server  # noqa: E402
 
@@ -87,7 +87,7 @@ def fetched_per_sample(url: str, folder: Path, args, count: int) -> dict[str, fl
 def raw_gets(bucket: str, keys: list[str], endpoint: str, repeat: int, drop) -> dict[str, float]:
     """MB/s of whole-object GETs, 2 in flight, boto3 (through shards.formats.s3) and, when it is installed,
     obstore (only the clients measured are in the result)."""
-    clients = {"boto3": lambda key: len(s3.read_object(f"s3://{bucket}/{key}"))}
+    clients = {"boto3": lambda key: len(s3_ranges.read_object(f"s3://{bucket}/{key}"))}
     try:
         from obstore import get as obstore_get
         from obstore.store import S3Store

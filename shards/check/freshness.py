@@ -54,7 +54,8 @@ def _join(folder: str | os.PathLike, name: str) -> str:
 def read_s3_dataset(url: str, storage_options: Any = None) -> tuple[DatasetManifest, str]:
     """The ``dataset.json`` under ``s3://bucket/prefix`` and the sha256 of its bytes (one GET: the manifest and its
     digest come from the same bytes). Shard paths in it must be relative names (no URLs, no ``pipe:``)."""
-    from shards.formats.s3 import S3Options, read_object
+    from shards.formats.s3 import S3Options
+    from shards.formats.s3_ranges import read_object
 
     where = _join(url, DATASET_FILE)
     payload = read_object(where, S3Options.from_mapping(storage_options))
@@ -68,7 +69,8 @@ def read_s3_dataset(url: str, storage_options: Any = None) -> tuple[DatasetManif
 def dataset_sha256_at(dataset_dir: str | os.PathLike, storage_options: Any = None) -> str:
     """The sha256 of the ``dataset.json`` bytes in a local folder or under an ``s3://`` prefix."""
     if _is_s3(dataset_dir):
-        from shards.formats.s3 import S3Options, read_object
+        from shards.formats.s3 import S3Options
+        from shards.formats.s3_ranges import read_object
 
         payload = read_object(_join(dataset_dir, DATASET_FILE), S3Options.from_mapping(storage_options))
         return hashlib.sha256(payload).hexdigest()

@@ -1,4 +1,4 @@
-"""``shards verify s3://bucket/prefix``: the checks of ``shards.check.verify`` on a dataset in object storage.
+"""``shards verify s3://bucket/prefix``: the checks of ``shards.check.verify_core`` on a dataset in object storage.
 
 Each shard is read in one streaming GET (retried and resumed, ``shards.formats.s3``), its size and sha256 checked
 on the way, and its samples parsed from those bytes: tar as a stream, HDF5 from memory (one shard at a time), so
@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from shards.check.freshness import staleness_or_warn
-from shards.check.verify import (
-    DEFAULT_SAMPLES_PER_SHARD, VerifyReport, _check_samples, _Tally, check_split_totals,
+from shards.check.verify_core import (
+    DEFAULT_SAMPLES_PER_SHARD, Tally, VerifyReport, check_samples, check_split_totals,
 )
 from shards.errors import InputError, ShardcacheError
 from shards.formats.features import FeatureSpec, feature_shard_problems, load_feature_bytes
@@ -29,7 +29,7 @@ def _samples(storage: str, data: bytes, where: str):
     return get_storage(storage).read_bytes(data, where)
 
 
-def _check_index(location: str, shard: Any, data: bytes, options: S3Options, tally: _Tally) -> None:
+def _check_index(location: str, shard: Any, data: bytes, options: S3Options, tally: Tally) -> None:
     import tempfile
 
     from shards.formats.tarseek import tar_sample_offsets
@@ -47,7 +47,7 @@ def _check_index(location: str, shard: Any, data: bytes, options: S3Options, tal
 
 def _verify_images(url: str, base: str, manifest: DatasetManifest, full: bool, samples_per_shard: int,
                    options: S3Options) -> VerifyReport:
-    tally = _Tally(len(manifest.classes))
+    tally = Tally(len(manifest.classes))
     shards_checked = 0
     for split_name, split in manifest.splits.items():
         for shard in split.shards:
@@ -62,7 +62,7 @@ def _verify_images(url: str, base: str, manifest: DatasetManifest, full: bool, s
                 continue
             if getattr(shard, "index", None) is not None and get_storage(manifest.storage).indexed:
                 _check_index(location, shard, data, options, tally)
-            _check_samples(None, manifest.storage, split_name, shard, None if full else samples_per_shard, tally,
+            check_samples(None, manifest.storage, split_name, shard, None if full else samples_per_shard, tally,
                            samples=_samples(manifest.storage, data, location))
         check_split_totals(split_name, split, tally)
     return VerifyReport(url, "images", tuple(tally.problems), shards_checked, tally.read, tally.decoded)

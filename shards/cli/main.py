@@ -11,7 +11,8 @@ import click
 
 from shards.cli.common import EXIT_FAILED, class_names, emit_json, handle_errors, quiet_option, s3_options
 from shards.check.inspect import batch_report, format_mixture, format_summary, mixture_report, save_grid, summarize
-from shards.check.verify import DEFAULT_SAMPLES_PER_SHARD, verify_dataset
+from shards.check.verify import verify_dataset
+from shards.check.verify_core import DEFAULT_SAMPLES_PER_SHARD
 from shards.stream.mixture import CLASS_MAPS, MixOptions, SourceSpec, Subset
 
 

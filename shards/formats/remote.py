@@ -76,7 +76,8 @@ def open_remote(location: str, storage_options: Any = None, *, origins: Iterable
     if location.startswith("s3://"):
         import io
 
-        from shards.formats.s3 import S3Options, open_range
+        from shards.formats.s3 import S3Options
+        from shards.formats.s3_ranges import open_range
 
         stream = io.BufferedReader(open_range(location, 0, None, S3Options.from_mapping(storage_options)), 1 << 20)
     elif location.startswith("pipe:"):

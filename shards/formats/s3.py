@@ -8,12 +8,13 @@ SeaweedFS) and connection pooling. This module adds what a shard reader needs on
   holds credentials, so it can be logged, pickled to DataLoader workers and recorded in a config.
 - ``make_client``: one client per process and options. Clients are not fork-safe, so the cache is keyed by the
   process id: a DataLoader worker builds its own after fork.
-- ``open_range``, ``head_object``, ``read_object``, ``iter_chunks``: ranged reads, retried with exponential backoff
-  and full jitter (``random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt))``) and resumed mid-body;
-  they live in ``shards.formats.s3_ranges`` and are importable from here too. 403 (``S3AccessDenied``, an
-  ``InputError``) and 404 (``MissingInputError``) are final at once (``_final_error``), and so is 412
-  (``S3PreconditionFailed``: a conditional write lost). ``client_call`` makes one unretried request (uploads,
-  listings, the writer's lease) with the same typed errors.
+- The retry policy of every request: ``retryable_types`` (what may be retried), ``backoff_delay`` (exponential
+  backoff with full jitter, ``random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt))``) and
+  ``final_error``: 403 (``S3AccessDenied``, an ``InputError``) and 404 (``MissingInputError``) are final at once,
+  and so is 412 (``S3PreconditionFailed``: a conditional write lost). The ranged reads built on this policy
+  (``open_range``, ``head_object``, ``read_object``, ``iter_chunks``) live in ``shards.formats.s3_ranges``, above
+  this module. ``client_call`` makes one unretried request (uploads, listings, the writer's lease) with the same
+  typed errors.
 - ``FETCH_STATS``: bytes and requests of this process (``share_stats()`` makes DataLoader workers add to the same
   counters), for the benchmark and the tests.
 
@@ -29,12 +30,9 @@ import random
 import re
 import threading
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from shards.errors import CorruptDataError, InputError, MissingInputError
-
-if TYPE_CHECKING:
-    from shards.formats.s3_ranges import RangeReader, head_object, iter_chunks, open_range, read_object  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +133,8 @@ def join_s3(base: str, name: str) -> str:
 
 
 # -- the client -------------------------------------------------------------------------------------------------------
-def _botocore():
+def botocore_modules():
+    """``(boto3, botocore)``, imported on first use so that a local-only install never needs them."""
     try:
         import boto3
         import botocore.config
@@ -159,7 +158,7 @@ def make_client(options: S3Options | None = None) -> Any:
     client = _clients.get(key)
     if client is not None:
         return client
-    boto3, botocore = _botocore()
+    boto3, botocore = botocore_modules()
     for name in ("botocore", "boto3", "urllib3"):  # their INFO lines ("Found credentials in ...") are noise here
         if logging.getLogger(name).level == logging.NOTSET:
             logging.getLogger(name).setLevel(logging.WARNING)
@@ -180,7 +179,7 @@ def make_client(options: S3Options | None = None) -> Any:
             except botocore.exceptions.ProfileNotFound as exc:
                 raise InputError(f"AWS profile {options.profile!r} not found ({exc})") from None
             except botocore.exceptions.BotoCoreError as exc:
-                raise InputError(f"cannot configure the S3 client: {_one_line(exc)}") from None
+                raise InputError(f"cannot configure the S3 client: {one_line(exc)}") from None
             for stale in [k for k in _clients if k[0] != key[0]]:
                 del _clients[stale]  # inherited from the parent across fork: never used here
             _clients[key] = client
@@ -246,12 +245,14 @@ def share_stats() -> None:
 
 
 # -- errors -----------------------------------------------------------------------------------------------------------
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """``exc`` as one line of at most 300 characters, for an error message."""
     text = " ".join(str(exc).split())
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _status_and_code(exc: BaseException) -> tuple[int | None, str]:
+def status_and_code(exc: BaseException) -> tuple[int | None, str]:
+    """The HTTP status and the S3 error code of a botocore ``ClientError`` (``(None, "")`` for anything else)."""
     response = getattr(exc, "response", None)
     if not isinstance(response, dict):
         return None, ""
@@ -259,14 +260,14 @@ def _status_and_code(exc: BaseException) -> tuple[int | None, str]:
     return status, str(response.get("Error", {}).get("Code", ""))
 
 
-def _final_error(exc: BaseException, url: str) -> Exception | None:
+def final_error(exc: BaseException, url: str) -> Exception | None:
     """The typed error for a failure that retrying cannot fix, else None (retry)."""
-    _, botocore = _botocore()
+    _, botocore = botocore_modules()
     if isinstance(exc, botocore.exceptions.NoCredentialsError):
         return InputError("no AWS credentials found (environment, ~/.aws/credentials or a profile); for a public "
                           "bucket use unsigned access (--s3-unsigned, storage_options={'unsigned': True})", path=url)
     if isinstance(exc, botocore.exceptions.ClientError):
-        status, code = _status_and_code(exc)
+        status, code = status_and_code(exc)
         if code in _DENIED or status == 403:
             return S3AccessDenied(f"access denied (HTTP 403 {code or 'Forbidden'}); check the credentials, profile "
                                   "and endpoint, or --s3-unsigned for a public bucket", path=url)
@@ -279,46 +280,34 @@ def _final_error(exc: BaseException, url: str) -> Exception | None:
             return CorruptDataError("the object is shorter than the manifest says (HTTP 416)", path=url)
         if status is not None and status < 500 and status not in (408, 429) and code not in (
                 "SlowDown", "RequestTimeout", "Throttling", "ThrottlingException", "RequestTimeTooSkewed"):
-            return CorruptDataError(f"HTTP {status} {code}: {_one_line(exc)}", path=url)
+            return CorruptDataError(f"HTTP {status} {code}: {one_line(exc)}", path=url)
         return None
     if isinstance(exc, (botocore.exceptions.ParamValidationError, botocore.exceptions.NoRegionError)):
-        return InputError(f"bad S3 request: {_one_line(exc)}", path=url)
+        return InputError(f"bad S3 request: {one_line(exc)}", path=url)
     return None
 
 
 def client_call(url: str, call: Callable[[], Any]) -> Any:
     """One S3 request, not retried (writes and listings; reads retry in ``s3_ranges``): a failure becomes the
-    typed error ``_final_error`` gives it, else a ``CorruptDataError`` naming the URL and the cause."""
+    typed error ``final_error`` gives it, else a ``CorruptDataError`` naming the URL and the cause."""
     try:
         return call()
     except Exception as exc:  # noqa: BLE001 (botocore raises many types; each is mapped or wrapped below)
-        final = _final_error(exc, url)
+        final = final_error(exc, url)
         if final is not None:
             raise final from None
-        raise CorruptDataError(f"S3 request failed: {type(exc).__name__}: {_one_line(exc)}", path=url) from None
+        raise CorruptDataError(f"S3 request failed: {type(exc).__name__}: {one_line(exc)}", path=url) from None
 
 
-def _retryable_types() -> tuple[type[BaseException], ...]:
-    _, botocore = _botocore()
+def retryable_types() -> tuple[type[BaseException], ...]:
+    """The exception types a retried request catches; ``final_error`` then decides which of them are final."""
+    _, botocore = botocore_modules()
     import urllib3.exceptions
 
     return (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, urllib3.exceptions.HTTPError, OSError)
 
 
-def _backoff(attempt: int) -> float:
+def backoff_delay(attempt: int) -> float:
+    """Seconds before retry ``attempt + 1`` (full jitter, unseeded on purpose: it never changes what is read)."""
     return random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** attempt))
 
-
-# -- the ranged reads, importable from here ------------------------------------------------------------------------
-# They live in shards.formats.s3_ranges, which builds on this module; loading them on first use (PEP 562) keeps
-# ``from shards.formats.s3 import open_range`` working without an import cycle, whichever module is imported first.
-_RANGED_READS = frozenset({"RangeReader", "open_range", "head_object", "read_object", "iter_chunks",
-                           "_with_retries"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _RANGED_READS:
-        from shards.formats import s3_ranges
-
-        return getattr(s3_ranges, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,16 +3,16 @@ and the mid-body resume a shard reader needs.
 
 - ``open_range``: a readable stream of exactly the bytes ``[start, stop)`` of an object, fetched by ranged GETs of
   up to ``RANGE_CHUNK`` bytes. 5xx, throttling (503 SlowDown), timeouts and connection resets are retried with
-  exponential backoff and full jitter (``shards.formats.s3._backoff``: the jitter is not seeded on purpose, it
+  exponential backoff and full jitter (``shards.formats.s3.backoff_delay``: the jitter is not seeded on purpose, it
   only spreads clients apart and never changes what is read); a body that breaks mid-read is re-requested from
   the byte where it stopped, so a long read never starts over. After ``max_attempts`` a ``CorruptDataError``
-  names the URL and the last cause; 403 and 404 are final at once (``shards.formats.s3._final_error``).
+  names the URL and the last cause; 403 and 404 are final at once (``shards.formats.s3.final_error``).
 - ``head_object``, ``read_object``, ``iter_chunks``: a size and metadata, a whole object, an object in pieces.
 
 Kept apart from the client and its errors so that the byte bookkeeping of a resumed read reads on its own. The
 client, the knobs (``RANGE_CHUNK``, ``BACKOFF_BASE_S``, ``BACKOFF_CAP_S``) and ``FETCH_STATS`` are looked up on
 ``shards.formats.s3`` at each use, so a value set there (a test shortening the backoff) takes effect here too.
-Every name here is importable from ``shards.formats.s3`` as well.
+``shards.formats.s3`` never imports this module: it is the core below both the ranged reads and the uploads.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class RangeReader(io.RawIOBase):
         self.size: int | None = None  # the object's size, once a response said it
         self._body: Any = None
         self._body_stop = start  # the body in flight covers [position, _body_stop)
-        self._retryable = s3._retryable_types()
+        self._retryable = s3.retryable_types()
 
     def readable(self) -> bool:
         return True
@@ -64,8 +64,8 @@ class RangeReader(io.RawIOBase):
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=self.key,
                                               Range=f"bytes={self.position}-{chunk_stop - 1}")
-        except s3._botocore()[1].exceptions.ClientError as exc:
-            if end is None and s3._status_and_code(exc)[0] == 416:  # reading to the end, and already there
+        except s3.botocore_modules()[1].exceptions.ClientError as exc:
+            if end is None and s3.status_and_code(exc)[0] == 416:  # reading to the end, and already there
                 self.size, self._body_stop = self.position, self.position
                 return
             raise
@@ -121,14 +121,14 @@ class RangeReader(io.RawIOBase):
                 data = self._read_some(wanted)
             except self._retryable as exc:
                 self._close_body()
-                final = s3._final_error(exc, self.url)
+                final = s3.final_error(exc, self.url)
                 if final is not None:
                     raise final from None
                 attempt += 1
                 if attempt >= self.options.max_attempts:
                     raise CorruptDataError(f"gave up after {attempt} attempts at byte {self.position}; last cause: "
-                                           f"{type(exc).__name__}: {s3._one_line(exc)}", path=self.url) from None
-                delay = s3._backoff(attempt - 1)
+                                           f"{type(exc).__name__}: {s3.one_line(exc)}", path=self.url) from None
+                delay = s3.backoff_delay(attempt - 1)
                 log.debug("S3 read of %s failed at byte %d (%s); retry %d in %.2fs", self.url, self.position,
                           type(exc).__name__, attempt, delay)
                 time.sleep(delay)
@@ -161,19 +161,19 @@ def open_range(url: str, start: int = 0, stop: int | None = None, options: S3Opt
 
 
 def _with_retries(url: str, options: S3Options, call: Any) -> Any:
-    retryable = s3._retryable_types()
+    retryable = s3.retryable_types()
     for attempt in range(options.max_attempts):
         try:
             s3.FETCH_STATS.add(requests=1)
             return call()
         except retryable as exc:
-            final = s3._final_error(exc, url)
+            final = s3.final_error(exc, url)
             if final is not None:
                 raise final from None
             if attempt + 1 >= options.max_attempts:
                 raise CorruptDataError(f"gave up after {attempt + 1} attempts; last cause: {type(exc).__name__}: "
-                                       f"{s3._one_line(exc)}", path=url) from None
-            time.sleep(s3._backoff(attempt))
+                                       f"{s3.one_line(exc)}", path=url) from None
+            time.sleep(s3.backoff_delay(attempt))
     raise AssertionError("unreachable")
 
 

@@ -44,8 +44,8 @@ from shards.atomic import sha256_file
 from shards.bounded_read import parse_json, read_json_file
 from shards.errors import CorruptDataError, InputError, MissingInputError, OutputExistsError
 from shards.formats.locations import local_shard_path
-from shards.formats.s3 import (S3Options, S3PreconditionFailed, client_call, head_object, make_client, parse_s3_url,
-                               read_object)
+from shards.formats.s3 import S3Options, S3PreconditionFailed, client_call, make_client, parse_s3_url
+from shards.formats.s3_ranges import head_object, read_object
 from shards.formats.s3_lease import LEASE_NAME, Lease, hold_lease
 from shards.owned import plain_names, shown
 

@@ -23,7 +23,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from shards.errors import ChecksumError, CorruptDataError
-from shards.formats.s3 import RANGE_CHUNK, S3Options, head_object, open_range
+from shards.formats.s3 import RANGE_CHUNK, S3Options
+from shards.formats.s3_ranges import head_object, open_range
 from shards.formats.sample import RawSample
 from shards.formats.tarseek import iter_tar_stream
 

@@ -25,7 +25,8 @@ from typing import Any, BinaryIO, Callable, Sequence
 from shards.errors import InputError
 from shards.formats.remote import is_remote, open_remote
 from shards.formats.s3 import is_s3
-from shards.stream.node_cache import CacheSettings, CacheStats, Lease, NodeCache, check_limit
+from shards.stream.cache_index import CacheStats
+from shards.stream.node_cache import CacheSettings, Lease, NodeCache, check_limit
 from shards.units import human_bytes, parse_size
 
 log = logging.getLogger("shardcache.cache")
@@ -163,7 +164,8 @@ class CachedShards:
 
     def _fetcher(self, location: str) -> Callable[[BinaryIO], None]:
         if is_s3(location):
-            from shards.formats.s3 import S3Options, open_range
+            from shards.formats.s3 import S3Options
+            from shards.formats.s3_ranges import open_range
 
             options = S3Options.from_mapping(self.storage_options)
 

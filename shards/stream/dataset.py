@@ -404,11 +404,3 @@ class ShardDataset(IterableDataset):
         """``decode`` for the sample at global ``row`` of the split, the key a cache of decoded samples uses."""
         return self.decode(sample, seed)
 
-
-def __getattr__(name: str) -> Any:
-    """``ImageShardDataset`` and the decoder adapters moved to ``shards.stream.image_dataset``; the old path works."""
-    if name in ("ImageShardDataset", "seeded_decoder"):
-        from shards.stream import image_dataset
-
-        return getattr(image_dataset, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -54,10 +54,9 @@ from typing import Any, BinaryIO
 from shards.atomic import sha256_file, unique_tmp_path, write_json_atomic
 from shards.bounded_read import read_json_file
 from shards.errors import ChecksumError, InputError, ShardcacheError
-# The folder's layout, locks, room and counters live in cache_index; re-exported here, where callers import them.
-from shards.stream.cache_index import (  # noqa: F401
-    _ENTRY, _SHA256, _TMP, LAYOUT, STALE_TMP_S, STAMP_SUFFIX, STAT_NAMES, CacheIndex, CacheStats, _locked,
-    _open_locked, _pid_alive, _stamp_path, _unlink)
+# The folder's layout, locks, room and counters live in cache_index.
+from shards.stream.cache_index import (
+    _ENTRY, _SHA256, LAYOUT, CacheIndex, CacheStats, _locked, _open_locked, _stamp_path, _unlink)
 from shards.units import human_bytes
 
 log = logging.getLogger("shardcache.cache")

@@ -12,7 +12,7 @@ import torch
 
 import shards
 from shards.errors import CorruptDataError, MissingInputError
-from shards.formats import s3
+from shards.formats import s3, s3_ranges
 from shards.stream.plan import ShardSlice
 from tests.helpers import make_shard_dataset
 from tests.s3.faults import FaultProxy, Faults
@@ -162,7 +162,7 @@ def test_too_many_failures_name_the_url_and_the_last_cause(bucket, tmp_path, s3_
     with FaultProxy(s3_env.endpoint_url, Faults(slow_down_first=100)) as proxy:
         options = s3.S3Options(endpoint_url=proxy.endpoint_url, max_attempts=3)
         with pytest.raises(CorruptDataError) as failure:
-            s3.read_object(url, options)
+            s3_ranges.read_object(url, options)
         assert len(proxy.gets()) == 3
     message = str(failure.value)
     assert url in message and "3 attempts" in message and "SlowDown" in message and "\n" not in message

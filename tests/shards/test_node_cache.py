@@ -16,7 +16,8 @@ import pytest
 
 from shards.atomic import _host_tag
 from shards.errors import ChecksumError, InputError
-from shards.stream.node_cache import CacheFullError, CacheSettings, CacheStats, NodeCache
+from shards.stream.cache_index import CacheStats
+from shards.stream.node_cache import CacheFullError, CacheSettings, NodeCache
 
 FORK = multiprocessing.get_context("fork")
 SHARD_BYTES = 1000

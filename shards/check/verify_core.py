@@ -1,0 +1,119 @@
+"""What ``shards verify`` checks of a dataset's samples, wherever its shards are read from (a local folder,
+``shards.check.verify``; object storage, ``shards.check.s3_verify``): the report, the running tally, the check of
+one shard's samples and of a split's totals.
+
+Kept below both readers so that each checks the same things in the same words, and neither imports the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shards.errors import CorruptDataError
+from shards.formats.locations import local_shard_path
+from shards.formats.sample import label_problem
+from shards.formats.storage import get_storage
+from shards.image.decode import decode_image
+from shards.manifest import ShardInfo
+
+DEFAULT_SAMPLES_PER_SHARD = 4
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What ``shards verify`` found in one dataset or feature folder (local or ``s3://``); ``ok`` when nothing."""
+
+    folder: str
+    kind: str  # "images" or "features"
+    problems: tuple[str, ...]
+    shards_checked: int = 0
+    samples_read: int = 0
+    samples_decoded: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"folder": self.folder, "kind": self.kind, "ok": self.ok, "problems": list(self.problems),
+                "shards_checked": self.shards_checked, "samples_read": self.samples_read,
+                "samples_decoded": self.samples_decoded}
+
+
+def decode_positions(count: int, wanted: int) -> set[int]:
+    """Which samples to decode: evenly spread, always the first and last, the same on every run."""
+    if wanted <= 0 or count <= 0:
+        return set()
+    if wanted >= count:
+        return set(range(count))
+    if wanted == 1:
+        return {0}
+    return {round(i * (count - 1) / (wanted - 1)) for i in range(wanted)}
+
+
+class Tally:
+    """What a verification has found so far: problems, per-split class counts, keys seen and where, counts read
+    and decoded (one per dataset, carried from shard to shard)."""
+
+    def __init__(self, n_classes: int):
+        self.problems: list[str] = []
+        self.class_counts: dict[str, list[int]] = {}
+        self.keys: dict[str, str] = {}
+        self.read = 0
+        self.decoded = 0
+        self.n_classes = n_classes
+
+
+def check_samples(folder: Path, storage: str, split: str, shard: ShardInfo, decode_wanted: int | None,
+                  tally: Tally, samples: Any = None) -> None:
+    """Read one shard's samples: unique keys, labels in range, the recorded sample and class counts, and the images
+    at the ``decode_wanted`` spread positions (every one with ``None``) decode. ``samples``: the shard's samples when
+    they come from elsewhere (object storage), else read from ``folder``."""
+    counts = tally.class_counts.setdefault(split, [0] * tally.n_classes)
+    positions = None if decode_wanted is None else decode_positions(shard.samples, decode_wanted)
+    seen, last_key = 0, None
+    own = [0] * tally.n_classes  # this shard's, against its recorded class_counts (what subsets skip shards by)
+    try:
+        if samples is None:
+            samples = get_storage(storage).read(local_shard_path(folder, shard.path))
+        for position, sample in enumerate(samples):
+            seen, last_key = seen + 1, sample.key
+            where = f"{shard.path} [sample {sample.key}]"
+            if sample.key in tally.keys:
+                tally.problems.append(f"{where}: key also in {tally.keys[sample.key]}")
+            tally.keys[sample.key] = shard.path
+            # The range only: the shard's recorded class counts are compared whole below (one line, not one a sample).
+            problem = label_problem(sample.label, tally.n_classes)
+            if problem is not None:
+                tally.problems.append(f"{where}: {problem}")
+            if 0 <= sample.label < tally.n_classes:
+                counts[sample.label] += 1
+                own[sample.label] += 1
+            if positions is None or position in positions:
+                try:
+                    decode_image(sample.data)
+                    tally.decoded += 1
+                except Exception as exc:  # any decoder failure is corruption worth naming
+                    tally.problems.append(f"{where}: image does not decode ({type(exc).__name__}: {exc})")
+    except CorruptDataError as exc:
+        where = shard.path if last_key is None else f"{shard.path} [after sample {last_key}]"
+        tally.problems.append(f"{where}: unreadable after {seen} samples ({exc})")
+    tally.read += seen
+    if seen != shard.samples:
+        tally.problems.append(f"{shard.path}: holds {seen} samples, manifest says {shard.samples}")
+    elif shard.class_counts is not None and list(shard.class_counts) != own:
+        tally.problems.append(f"{shard.path}: class counts {own} differ from the manifest's per-shard "
+                              f"{list(shard.class_counts)}")
+
+
+def check_split_totals(split_name: str, split: Any, tally: Tally) -> None:
+    """The split's own totals against its shards and the labels read (class counts only when nothing else failed,
+    so one damaged shard is not reported twice)."""
+    if sum(s.samples for s in split.shards) != split.samples:
+        tally.problems.append(f"split {split_name}: shard sample counts do not add up to {split.samples}")
+    counted = tally.class_counts.get(split_name)
+    if counted is not None and tuple(counted) != tuple(split.class_counts) and not tally.problems:
+        tally.problems.append(f"split {split_name}: class counts {counted} differ from the manifest's "
+                              f"{list(split.class_counts)}")
