@@ -47,6 +47,21 @@ _UNSUPPORTED = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP)
 _warned: set[str] = set()
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (a stale lock stamp's owner, a worker's loader). ``pid <= 0`` is
+    not a process (``kill`` would address a process group); one owned by someone else (``EPERM``) counts as alive,
+    so a reused pid never makes us remove a live process's files or stop a worker."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class OutputLockedError(InputError):
     """Another process is writing the output folder (exit code 2)."""
 

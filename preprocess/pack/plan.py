@@ -12,11 +12,13 @@ import json
 import random
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence, TypeVar
 
 from preprocess.pack.sources import SourceSample, SourceScan
 from shards.errors import InputError
 from shards.formats.storage import shard_name
+
+T = TypeVar("T")
 
 SPLIT_ORDER = ("train", "val", "test")
 # Three 512-byte tar headers plus padding and metadata per sample: keeps --max-bytes honest for small files.
@@ -45,25 +47,18 @@ def split_order_key(name: str) -> tuple[int, str]:
     return (SPLIT_ORDER.index(name), "") if name in SPLIT_ORDER else (len(SPLIT_ORDER), name)
 
 
-def _stratified_val(samples: Sequence[SourceSample], fraction: float, seed: int,
-                    classes: Sequence[str]) -> set[str]:
-    """Keys of the validation samples: the same fraction of every class, chosen from the seed and class name
-    (not from a shared stream), so adding a class never reshuffles the others."""
-    by_label: dict[int, list[SourceSample]] = defaultdict(list)
-    for sample in samples:
-        by_label[sample.label].append(sample)
-    val_keys: set[str] = set()
-    for label, members in sorted(by_label.items()):
-        count = len(members)
-        n_val = round(fraction * count)
-        if count >= 2:
-            n_val = min(max(n_val, 1), count - 1)
-        else:
-            n_val = 0
-        order = sorted(members, key=lambda s: s.rel_path)
-        random.Random(f"{seed}/val/{classes[label]}").shuffle(order)
-        val_keys.update(s.key for s in order[:n_val])
-    return val_keys
+def stratified_val(by_class: Mapping[str, Sequence[T]], fraction: float, seed: int) -> list[T]:
+    """The validation members carved out of train (image folders and tables alike): ``fraction`` of every class
+    (``by_class``: class name -> members in a canonical order), at least one and never all of a class of two or
+    more, chosen by a generator seeded from the seed and the class name (not from a shared stream), so adding a
+    class never reshuffles the others."""
+    chosen: list[T] = []
+    for name, members in by_class.items():
+        order = list(members)
+        n_val = min(max(round(fraction * len(order)), 1), len(order) - 1) if len(order) >= 2 else 0
+        random.Random(f"{seed}/val/{name}").shuffle(order)
+        chosen.extend(order[:n_val])
+    return chosen
 
 
 def assign_splits(scan: SourceScan, val_fraction: float, seed: int) -> dict[str, list[SourceSample]]:
@@ -75,7 +70,10 @@ def assign_splits(scan: SourceScan, val_fraction: float, seed: int) -> dict[str,
         if "val" in groups:
             raise InputError(f"--val-fraction {val_fraction} given, but the source already has a val split",
                              path=scan.root)
-        val_keys = _stratified_val(groups["train"], val_fraction, seed, scan.classes)
+        by_class: dict[str, list[SourceSample]] = defaultdict(list)
+        for sample in sorted(groups["train"], key=lambda s: s.rel_path):
+            by_class[scan.classes[sample.label]].append(sample)
+        val_keys = {s.key for s in stratified_val(by_class, val_fraction, seed)}
         groups["val"] = [s for s in groups["train"] if s.key in val_keys]
         groups["train"] = [s for s in groups["train"] if s.key not in val_keys]
     return {name: groups[name] for name in sorted(groups, key=split_order_key) if groups[name]}

@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
 from shards.atomic import sha256_file
 from preprocess.pack.csv_records import SPLIT_NAME, read_csv_records
+from preprocess.pack.plan import stratified_val
+from preprocess.pack.table_config import TableConfig
 from shards.errors import InputError, MissingInputError
-
-if TYPE_CHECKING:  # annotations only: preprocess.pack.table imports this module
-    from preprocess.pack.table import TableConfig
 
 log = logging.getLogger("shardcache.pack")
 
@@ -216,13 +214,7 @@ def _carve_val(train_rows: np.ndarray, target: Target, fraction: float, seed: in
     groups = {"": train_rows}
     if target.task == "classification":
         groups = {name: train_rows[target.labels[train_rows] == k] for k, name in enumerate(target.classes)}
-    chosen: list[int] = []
-    for name, rows in groups.items():
-        members = rows.tolist()
-        n_val = min(max(round(fraction * len(members)), 1), len(members) - 1) if len(members) >= 2 else 0
-        random.Random(f"{seed}/val/{name}").shuffle(members)
-        chosen.extend(members[:n_val])
-    return sorted(chosen)
+    return sorted(stratified_val({name: rows.tolist() for name, rows in groups.items()}, fraction, seed))
 
 
 def parse_inputs(table: Table, inputs: Sequence[str], categorical: frozenset[str], impute: bool) -> dict[str, Any]:

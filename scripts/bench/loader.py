@@ -140,7 +140,7 @@ def drop_cache(paths: Iterable[Path]) -> None:
 class ByteCount:
     """A decoder that does no decoding: the I/O-only passes."""
 
-    def __call__(self, sample) -> int:
+    def __call__(self, sample, seed: int) -> int:
         return len(sample.data)
 
 

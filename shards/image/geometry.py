@@ -14,6 +14,12 @@ import random
 from typing import NamedTuple
 
 RANDOM_CROP_RATIO = (3 / 4, 4 / 3)  # RandomResizedCrop's default range of aspect ratios (width / height)
+CROP_PCT = 0.875  # the eval preset's centre crop covers this fraction of the resized shorter side (timm's crop_pct)
+
+
+def default_eval_resize(size: int) -> int:
+    """The eval preset's resize of the shorter side for a ``size`` crop: ``size / CROP_PCT`` (224 -> 256)."""
+    return int(round(size / CROP_PCT))
 
 
 class Box(NamedTuple):

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from shards.errors import InputError
-from shards.image.geometry import RANDOM_CROP_RATIO, center_crop_box, eval_resize_size, train_view
+from shards.image.geometry import (RANDOM_CROP_RATIO, center_crop_box, default_eval_resize, eval_resize_size,
+                                   train_view)
 from shards.image.options import IMAGENET_MEAN, IMAGENET_STD, check_interpolation, torchvision_mode
 
 if TYPE_CHECKING:  # torch is imported on first use, so reading a spec from a manifest stays light
@@ -31,7 +32,7 @@ class TransformSpec:
 
     preset: str = "eval"
     size: int = 224
-    resize_size: int | None = None  # eval only; default size / 0.875 (224 -> 256)
+    resize_size: int | None = None  # eval only; default size / CROP_PCT (224 -> 256)
     scale: tuple[float, float] = (0.08, 1.0)
     hflip: float = 0.5
     color_jitter: float = 0.0  # brightness = contrast = saturation = this, hue = this / 4; 0 turns it off
@@ -53,7 +54,7 @@ class TransformSpec:
 
     @property
     def eval_resize(self) -> int:
-        return self.resize_size if self.resize_size is not None else int(round(self.size / 0.875))
+        return self.resize_size if self.resize_size is not None else default_eval_resize(self.size)
 
     @property
     def draft_size(self) -> tuple[int, int]:

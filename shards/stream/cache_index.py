@@ -21,18 +21,18 @@ import contextlib
 import fcntl
 import json
 import logging
-import multiprocessing
 import os
 import re
 import time
 from collections.abc import Iterator
-from multiprocessing import context as mp_context
 from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any
 
 from shards.atomic import _host_tag
 from shards.bounded_read import read_json_file
+from shards.lock import pid_alive
+from shards.stream.shared_values import SharedValues
 
 log = logging.getLogger("shardcache.cache")
 
@@ -47,7 +47,7 @@ _TMP = re.compile(r"^(?P<sha>[0-9a-f]{64})\.[a-z0-9]{1,8}(\.ok)?\.(?P<host>[A-Za
                   r"\.[0-9a-f]{8}\.tmp$")
 
 
-class CacheStats:
+class CacheStats(SharedValues):
     """Cache counters of a process and its DataLoader workers: one block of shared integers, so the counts of
     workers (forked or spawned) reach the main process, which reports them.
 
@@ -57,7 +57,7 @@ class CacheStats:
     """
 
     def __init__(self, context: BaseContext | None = None) -> None:
-        self._array = (context or multiprocessing).Array("q", len(STAT_NAMES))
+        super().__init__("q", len(STAT_NAMES), context=context)
 
     def add(self, **counts: int) -> None:
         unknown = sorted(set(counts) - set(STAT_NAMES))
@@ -76,19 +76,6 @@ class CacheStats:
     def reset(self) -> None:
         with self._array.get_lock():
             self._array[:] = [0] * len(STAT_NAMES)
-
-    def __getstate__(self) -> dict:
-        if mp_context.get_spawning_popen() is not None:
-            return {"array": self._array}
-        # Pickled outside process start-up (a copy, a checkpoint): carry the values, not the shared block.
-        return {"values": list(self._array[:])}
-
-    def __setstate__(self, state: dict) -> None:
-        if "array" in state:
-            self._array = state["array"]
-            return
-        self._array = multiprocessing.Array("q", len(STAT_NAMES))
-        self._array[:] = state["values"]
 
 
 # -- flock and file helpers ---------------------------------------------------------------------------------------
@@ -115,16 +102,6 @@ def _locked(path: Path, flags: int = fcntl.LOCK_EX) -> Iterator[bool]:
     finally:
         if fd is not None:
             os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _stamp_path(path: Path) -> Path:
@@ -254,7 +231,7 @@ class CacheIndex:
                 match = _TMP.match(entry.name)
                 if not match:
                     continue
-                dead = match["host"] == host and not _pid_alive(int(match["pid"]))
+                dead = match["host"] == host and not pid_alive(int(match["pid"]))
                 try:
                     old = now - entry.stat().st_mtime > STALE_TMP_S
                 except FileNotFoundError:

@@ -9,7 +9,7 @@ epoch a cold cache computes:
 
 - ``eval``: the final uint8 [3, size, size] crop, which has no randomness; the same tensor the uncached pipeline
   yields.
-- ``train``: the decoded image bounded to ``cache_side`` on its shorter side (default ``size / 0.875``, the eval
+- ``train``: the decoded image bounded to ``cache_side`` on its shorter side (default ``size / CROP_PCT``, the eval
   resize: 256 at 224), and RandomResizedCrop + flip applied to it with the sample's seed as today. The first epoch
   crops from the same bounded image (``FastTrain.source_side``), so every epoch sees one source, cached or not; it
   differs from cropping the full-resolution image (by resampling twice), which is why the cache is opt-in.
@@ -36,6 +36,7 @@ import torch
 
 from shards.errors import InputError
 from shards.image.fast import DECODE_ERRORS, FastDecoder, undecodable
+from shards.image.geometry import default_eval_resize
 from shards.stream.memory_budget import default_memory_limit, memory_view
 from shards.stream.shared_arrays import ALIGN, FULL_NOW, HITS, MISSES, SharedArrayStore
 from shards.units import human_bytes, parse_size
@@ -48,18 +49,13 @@ PLANNED_ASPECT = 2
 _open_caches: "weakref.WeakSet[ImageCache]" = weakref.WeakSet()
 
 
-def default_cache_side(size: int) -> int:
-    """The train cache's bound on the shorter side: the eval preset's resize (``size / 0.875``, 224 -> 256)."""
-    return int(round(size / 0.875))
-
-
 def planned_bytes(spec: Any, samples: int, cache_side: int | None = None) -> int:
     """Room for every sample: exactly the crops for eval, ``cache_side`` x ``2 cache_side`` images for train
-    (default side: ``default_cache_side``)."""
+    (default side: the eval preset's resize, ``default_eval_resize``)."""
     if spec.preset == "eval":
         per_sample = 3 * spec.size * spec.size
     else:
-        side = cache_side if cache_side is not None else default_cache_side(spec.size)
+        side = cache_side if cache_side is not None else default_eval_resize(spec.size)
         per_sample = 3 * side * side * PLANNED_ASPECT
     return samples * (-(-per_sample // ALIGN) * ALIGN)
 
@@ -103,7 +99,7 @@ class ImageCacheRequest:
                 raise InputError("cache_side bounds the train preset's cached images; the eval preset caches its "
                                  "final crops")
             return None
-        side = self.cache_side if self.cache_side is not None else default_cache_side(spec.size)
+        side = self.cache_side if self.cache_side is not None else default_eval_resize(spec.size)
         if side < spec.size:
             raise InputError(f"cache_side={side} is smaller than the crop size {spec.size}")
         return side

@@ -2,20 +2,16 @@
 read into ``RawSample`` and decoded by a pluggable ``decoder(sample, seed)``.
 
 Everything about order, epochs, resume and errors lives in the base class (``shards.stream.dataset``); this module
-holds only how image bytes are reached and turned into outputs, the label check every sample passes before
-anything uses its label (``checked_labels``, which also maps a mixture's class lists), and the adapter that keeps
-older decoders (one argument) working.
+holds only how image bytes are reached and turned into outputs, and the label check every sample passes before
+anything uses its label (``checked_labels``, which also maps a mixture's class lists).
 """
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import logging
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
-
-import torch
 
 from shards.errors import CorruptDataError, InputError, MissingInputError
 from shards.formats.remote import is_remote, open_remote
@@ -51,37 +47,6 @@ def checked_labels(samples: Iterator[Any], where: str, num_classes: int, *,
         yield sample
 
 
-class _OneArgumentDecoder:
-    """A ``decoder(sample)`` of the older interface under the reader's ``decoder(sample, seed)``.
-
-    Such a decoder can only draw its randomness from torch's global generator (torchvision's random transforms
-    do), so it runs inside ``torch.random.fork_rng`` seeded with the sample's seed: its augmentations replay
-    exactly, and the caller's generator is left as it was. A class, not a lambda, so DataLoader workers can
-    carry it.
-    """
-
-    def __init__(self, decoder: Callable[[Any], Any]):
-        self.decoder = decoder
-
-    def __call__(self, sample: Any, seed: int) -> Any:
-        with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(seed)  # CPU only: torch.manual_seed would reseed CUDA, unrestored
-            return self.decoder(sample)
-
-
-def seeded_decoder(decoder: Callable) -> Callable[[Any, int], Any]:
-    """``decoder`` callable as ``decoder(sample, seed)``, adapting one that takes only the sample."""
-    try:
-        signature = inspect.signature(decoder)
-    except (TypeError, ValueError):  # no introspectable signature (some builtins): assume the current interface
-        return decoder
-    try:
-        signature.bind(None, 0)
-    except TypeError:
-        return _OneArgumentDecoder(decoder)
-    return decoder
-
-
 MERGE_GAP = 32  # unwanted rows a read may pass over (shards.stream.plan.covering_reads)
 
 
@@ -99,12 +64,12 @@ class ImageShardDataset(ShardDataset):
     verify_sha256 = False
 
     def __init__(self, split: SplitInfo, locations: Sequence[str], config: StreamConfig, *, storage: str,
-                 decoder: Callable[[RawSample, int], Any] | Callable[[RawSample], Any] | None = None,
+                 decoder: Callable[[RawSample, int], Any] | None = None,
                  num_classes: int | None = None, storage_options: Any = None, url_origins: Sequence[str] = (),
                  shard_cache: CachedShards | None = None, image_cache: Any = None):
         super().__init__(split, locations, config, num_classes, shard_cache)
         self.storage = get_storage(storage)
-        self.decoder = decoder if decoder is not None else ImageDecoder()
+        self.decoder = decoder if decoder is not None else ImageDecoder()  # called as decoder(sample, seed)
         self.image_cache = image_cache
         self.storage_options = storage_options  # for s3:// (an S3Options, picklable: each worker makes its client)
         self.url_origins = tuple(url_origins)  # where http(s) redirects may lead (locations.request_origins)
@@ -118,28 +83,18 @@ class ImageShardDataset(ShardDataset):
             elif not Path(location).is_file():
                 raise MissingInputError("shard listed in the manifest is missing", path=location)
 
-    @property
-    def decoder(self) -> Callable:
-        """The decoder as given (``FastDecoder`` offers ``normalizer()``); the reader calls it with the seed."""
-        return self._decoder
-
-    @decoder.setter
-    def decoder(self, decoder: Callable) -> None:
-        self._decoder = decoder
-        self._decode = seeded_decoder(decoder)
-
     def decode(self, sample: RawSample, seed: int) -> Any:
-        return self._decode(sample, seed)
+        return self.decoder(sample, seed)
 
     def decode_row(self, sample: RawSample, seed: int, row: int) -> Any:
         if self.image_cache is None:
-            return self._decode(sample, seed)
+            return self.decoder(sample, seed)
         return self.image_cache(sample, seed, row)
 
     def decode_marker(self) -> Any:
         if self.image_cache is not None:
             return self.image_cache
-        return self._decoder  # ImageDecoder and FastDecoder set decoded_at; a user's decoder may too
+        return self.decoder  # ImageDecoder and FastDecoder set decoded_at; a user's decoder may too
 
     def close(self) -> None:
         """Release the image cache's memory in this process now (workers let go when they exit)."""

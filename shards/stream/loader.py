@@ -28,6 +28,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from shards.stream.dataset import ShardDataset
 from shards.errors import InputError
+from shards.lock import pid_alive
 from shards.stream.feature_stream import FeatureBatchLoader, FeatureShardDataset
 from shards.stream.resume import STREAM, LoaderState, consumed_batches, worker_batches
 
@@ -66,21 +67,9 @@ class OrphanGuard:
             self.then(worker_id)
 
     def _watch(self) -> None:
-        while _alive(self.owner):  # not getppid(): a forkserver or spawn helper may be the worker's parent
+        while pid_alive(self.owner):  # not getppid(): a forkserver or spawn helper may be the worker's parent
             time.sleep(self.INTERVAL_S)
         os._exit(1)  # the loader's process is gone: nobody will read what this worker makes
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False  # kill() would address a process group, not a process
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else (a reused pid): treat as alive rather than kill a worker
-    return True
 
 
 class ShardLoader:

@@ -19,13 +19,12 @@ every worker reads when it starts an epoch; workers write back only the count of
 
 from __future__ import annotations
 
-import multiprocessing
 from dataclasses import asdict, dataclass, fields
-from multiprocessing import context as mp_context
 from typing import Any
 
 from shards.errors import InputError
 from shards.stream.plan import round_robin_consumed, worker_sample_counts
+from shards.stream.shared_values import SharedValues
 
 MAX_WORKERS = 256
 _EPOCH, _RESUME_EPOCH, _RESUME_WORKERS, _ROTATION, _SKIPPED, _REMAINDER, _SKIPS = range(7)
@@ -44,9 +43,9 @@ class Resume:
     remainder: bool = False
 
 
-class SharedEpochState:
+class SharedEpochState(SharedValues):
     def __init__(self, epoch: int = 0):
-        self._array = multiprocessing.Array("q", _SKIPS + MAX_WORKERS)
+        super().__init__("q", _SKIPS + MAX_WORKERS)
         self._array[_EPOCH] = epoch
         self._array[_RESUME_EPOCH] = NO_RESUME
 
@@ -94,20 +93,6 @@ class SharedEpochState:
     @property
     def skipped(self) -> int:
         return int(self._array[_SKIPPED])
-
-    def __getstate__(self) -> dict:
-        if mp_context.get_spawning_popen() is not None:
-            return {"array": self._array}
-        # Pickled outside process start-up (a copy, a checkpoint): carry the values, not the shared block.
-        values = list(self._array[:])
-        return {"values": values}
-
-    def __setstate__(self, state: dict) -> None:
-        if "array" in state:
-            self._array = state["array"]
-            return
-        self._array = multiprocessing.Array("q", _SKIPS + MAX_WORKERS)
-        self._array[:] = state["values"]
 
 
 # -- what a loader saves -------------------------------------------------------------------------------------------

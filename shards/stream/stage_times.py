@@ -14,14 +14,13 @@ writer per row needs no lock, so the cost is a few clock reads per sample and fo
 
 from __future__ import annotations
 
-import multiprocessing
 import time
-from multiprocessing import context as mp_context
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from torch.utils.data import get_worker_info
 
 from shards.stream.resume import MAX_WORKERS
+from shards.stream.shared_values import SharedValues
 
 T = TypeVar("T")
 
@@ -45,13 +44,12 @@ def worker_slot() -> int:
     return MAX_WORKERS if info is None else info.id % MAX_WORKERS
 
 
-class SharedStageTimes:
+class SharedStageTimes(SharedValues):
     """Cumulative worker-stage seconds of one rank: a block of shared doubles with one row per worker, each row
-    written by one process only (no lock), summed when read. It survives fork and spawn the way
-    ``shards.stream.resume.SharedEpochState`` does."""
+    written by one process only (no lock), summed when read."""
 
     def __init__(self) -> None:
-        self._array = multiprocessing.Array("d", _ROWS * _WIDTH, lock=False)
+        super().__init__("d", _ROWS * _WIDTH, lock=False)
 
     def add(self, slot: int, seconds: list[float]) -> None:
         """Add one worker's pending seconds (in ``WORKER_STAGES`` order) to its row."""
@@ -71,18 +69,6 @@ class SharedStageTimes:
         """Zero every row; between epochs (a worker adding at the same moment could undo it)."""
         self._array[:] = [0.0] * (_ROWS * _WIDTH)
 
-    def __getstate__(self) -> dict:
-        if mp_context.get_spawning_popen() is not None:
-            return {"array": self._array}
-        # Pickled outside process start-up (a copy): carry the values, not the shared block.
-        return {"values": self._array[:]}
-
-    def __setstate__(self, state: dict) -> None:
-        if "array" in state:
-            self._array = state["array"]
-            return
-        self._array = multiprocessing.Array("d", _ROWS * _WIDTH, lock=False)
-        self._array[:] = state["values"]
 
 
 class StageTally:

@@ -115,7 +115,7 @@ def test_draft_needs_a_preset_or_spec_and_a_custom_decoder_excludes_a_transform(
     with pytest.raises(InputError, match="ImageDecoder"):
         shards.open_dataset(folder, transform=lambda image: image, decode=shards.Decode(draft=True))
     with pytest.raises(InputError, match="not both"):
-        shards.open_dataset(folder, transform="eval", decode=shards.Decode(decoder=lambda sample: sample.key))
+        shards.open_dataset(folder, transform="eval", decode=shards.Decode(decoder=lambda sample, seed: sample.key))
     drafted = shards.open_dataset(folder, "val", transform="eval", shuffle=False, decode=shards.Decode(draft=True))
     assert len(list(drafted)) == len(drafted) == 12
 

@@ -209,9 +209,3 @@ def test_decoder_gets_a_per_sample_seed_that_a_resume_replays(folder):
     resumed = dataset()
     resumed.load_state_dict(interrupted.state_dict())
     assert [seed for seed, _ in resumed] == full[9:]
-
-
-def test_a_one_argument_decoder_still_works(folder):
-    decode = shards.Decode(decoder=lambda sample: sample.key)
-    dataset = shards.open_dataset(folder, return_keys=True, seed=1, decode=decode)
-    assert [output for output, _, key in dataset if output != key] == []

@@ -38,8 +38,8 @@ class SleepyDecoder:
         return torch.full((3, 4, 4), sample.label, dtype=torch.uint8)
 
 
-def sleepy_user_decoder(sample):
-    """A user's decoder of the older one-argument interface, with no ``decoded_at``."""
+def sleepy_user_decoder(sample, seed):
+    """A user's decoder with no ``decoded_at``."""
     time.sleep(DECODE_S + TRANSFORM_S)
     return torch.zeros(3, 4, 4)
 
