@@ -82,7 +82,7 @@ class TrainConfig:
     stop_after_steps: int | None = None
     # How to reach an s3:// data_path (shards.formats.s3.S3Options fields; never credentials).
     storage_options: dict | None = None
-    # The node-local shard cache (shards.stream.cached_shards): a folder on this node's local disk, its size limit
+    # The node-local shard cache (shards.cache.cached_shards): a folder on this node's local disk, its size limit
     # in bytes, whether a full disk falls back to the source, whether local paths are cached too. Steering only:
     # a requeued run may use another node's folder.
     cache_dir: str | None = None
@@ -90,7 +90,7 @@ class TrainConfig:
     cache_fallback: bool = False
     cache_local: bool = False
     report: bool = True  # report.html in the run folder (shards.report), redrawn as epochs end (at most every 30 s) and at the end
-    # Decoded images kept in memory after the first epoch (shards.stream.image_cache). Part of the run: train views
+    # Decoded images kept in memory after the first epoch (shards.cache.images). Part of the run: train views
     # are then cropped from images bounded to size / 0.875, so a resume may not switch it. memory_limit (bytes;
     # None: half of what the job has left, shared by the node's ranks) only decides how much is kept: steering.
     cache_images: bool = False

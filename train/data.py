@@ -219,8 +219,8 @@ def image_caches(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest,
     if manifest.kind != "images":
         raise InputError("--cache-images keeps decoded images; a feature folder is held in memory already",
                          path=cfg.data_path)
-    from shards.stream.image_cache import planned_bytes
-    from shards.stream.memory_budget import default_memory_limit
+    from shards.cache.images import planned_bytes
+    from shards.cache.memory_budget import default_memory_limit
 
     budget = cfg.memory_limit
     if budget is None:

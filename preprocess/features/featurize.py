@@ -74,7 +74,7 @@ class FeatureConfig:
     overwrite: bool = False
     quiet: bool = False
     storage_options: Any = None  # S3Options (or a mapping of its fields) for an s3:// data_dir
-    cache: Any = None  # a shards.stream.cached_shards.CacheRequest: keep fetched image shards on this node's disk
+    cache: Any = None  # a shards.cache.cached_shards.CacheRequest: keep fetched image shards on this node's disk
 
     def __post_init__(self) -> None:
         check_local_output(self.out_dir)  # before Path(), which turns s3://b/x into s3:/b/x
@@ -360,9 +360,9 @@ def _merge_claimed(out_dir: Path, record: dict[str, Any], storage_options: Any =
 
 
 def _shard_cache(cfg: FeatureConfig) -> Any:
-    """The node-local shard cache for the image shards read, or None (see ``shards.stream.cached_shards``)."""
+    """The node-local shard cache for the image shards read, or None (see ``shards.cache.cached_shards``)."""
     if cfg.cache is None:
         return None
-    from shards.stream.cached_shards import CachedShards
+    from shards.cache.cached_shards import CachedShards
 
     return CachedShards(cfg.cache, cfg.storage_options)

@@ -159,7 +159,7 @@ def _epoch_seconds(dataset) -> float:
 
 
 def verify_cost(args) -> None:
-    """The node cache rehashes a copy the first time a process uses it (``shards.stream.node_cache``). Measured in
+    """The node cache rehashes a copy the first time a process uses it (``shards.cache.node``). Measured in
     one process with the page cache warm (the cost is then all sha256 CPU): the hash rate alone, and per pipeline
     the median over ``--repeat`` fresh datasets of the first epoch (every copy rehashed) against the second."""
     workdir = Path(tempfile.mkdtemp(prefix="shardcache-bench-verify-"))

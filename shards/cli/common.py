@@ -149,7 +149,7 @@ class ByteSize(click.ParamType):
 
 def cache_options(func: Callable) -> Callable:
     """``--cache-dir``, ``--cache-limit``, ``--cache-fallback``, ``--cache-local``: the node-local shard cache
-    (``shards.stream.node_cache``), passed on as ``cache=CacheRequest(...)``. The folder defaults to
+    (``shards.cache.node``), passed on as ``cache=CacheRequest(...)``. The folder defaults to
     ``$SHARDCACHE_CACHE_DIR``, else no cache (no surprise disk use)."""
 
     @click.option("--cache-dir", type=click.Path(path_type=str), default=None,
@@ -166,7 +166,7 @@ def cache_options(func: Callable) -> Callable:
     @functools.wraps(func)
     def wrapper(*args, cache_dir: str | None, cache_limit: int | None, cache_fallback: bool, cache_local: bool,
                 **kwargs):
-        from shards.stream.cached_shards import CacheRequest
+        from shards.cache.cached_shards import CacheRequest
 
         folder = cache_dir if cache_dir is not None else os.environ.get("SHARDCACHE_CACHE_DIR") or None
         if folder is None and (cache_limit is not None or cache_fallback or cache_local):

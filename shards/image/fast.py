@@ -105,7 +105,7 @@ def _resize_bilinear(image: torch.Tensor, height: int, width: int) -> torch.Tens
 
 def bound_short_side(array: np.ndarray, side: int, interpolation: str = "bilinear") -> np.ndarray:
     """``array`` resized so its shorter side is ``side`` (torchvision's ``Resize(side)`` sizes), or as it is when
-    already no larger: a bounded source that every epoch crops from, so a cache of it (``shards.stream.image_cache``)
+    already no larger: a bounded source that every epoch crops from, so a cache of it (``shards.cache.images``)
     holds a known number of pixels per image whatever the stored resolution."""
     height, width = array.shape[:2]
     if min(height, width) <= side:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from shards.stream.cached_shards import CachedShards
+from shards.cache.cached_shards import CachedShards
 from shards.stream.error_tally import ErrorTally, reason_of
 from shards.stream.elastic import Continuation, EpochSource, continuation, dataset_fingerprint, sampling_settings
 from shards.stream.resume import STREAM, LoaderState, Resume, SharedEpochState, stream_resume
@@ -88,7 +88,7 @@ class ShardDataset(IterableDataset):
         self.split_info = split
         self.locations = list(locations)
         self.config = config
-        # The node-local shard cache (``shards.stream.cached_shards``), or None: every read goes to the source.
+        # The node-local shard cache (``shards.cache.cached_shards``), or None: every read goes to the source.
         self.shard_cache = shard_cache
         if shard_cache is not None and split.shards:
             where = self.locations[0].rsplit("/", 1)[0] if self.locations else config.split

@@ -30,7 +30,7 @@ from shards.stream.elastic import Continuation, continuation, permuted_rows
 from shards.stream.resume import FEATURE_BATCHES, LoaderState, consumed_batches
 from shards.formats.remote import is_remote
 from shards.formats.s3 import is_s3
-from shards.stream.cached_shards import CachedShards
+from shards.cache.cached_shards import CachedShards
 from shards.stream.stages import systematic_resample
 from shards.stream.stage_times import zero_stages
 

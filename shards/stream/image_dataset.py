@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from shards.cache.cached_shards import CachedShards
 from shards.errors import CorruptDataError, InputError, MissingInputError
 from shards.formats.remote import is_remote, open_remote
 from shards.formats.s3 import is_s3
@@ -21,7 +22,6 @@ from shards.formats.storage import get_storage
 from shards.formats.tarindex import load_local_index
 from shards.image.decode import ImageDecoder
 from shards.manifest import SplitInfo
-from shards.stream.cached_shards import CachedShards
 from shards.stream.dataset import ShardDataset, StreamConfig
 from shards.stream.plan import ShardSlice
 
@@ -57,7 +57,7 @@ class ImageShardDataset(ShardDataset):
     against the manifest after its last sample. Off by default: it costs about 1% of a decoding pipeline but 22% of
     raw reading (``scripts/bench/loader.py --sha256-only``); ``shards verify`` checks every shard's sha256.
 
-    ``image_cache`` (``open_dataset(cache="memory")``, ``shards.stream.image_cache``): decoded samples kept in memory
+    ``image_cache`` (``open_dataset(cache="memory")``, ``shards.cache.images``): decoded samples kept in memory
     shared by the workers, so epochs after the first skip decoding; ``close()`` lets go of it early.
     """
 

@@ -23,7 +23,7 @@ from shards.image.decode import ImageDecoder
 from shards.errors import InputError
 from shards.image.fast import FastDecoder
 from shards.stream.feature_stream import FeatureShardDataset
-from shards.stream.image_cache import ImageCacheRequest
+from shards.cache.images import ImageCacheRequest
 from shards.formats.features import FeatureSpec
 from shards.manifest import DATASET_FILE, FEATURES_FILE, DatasetManifest, FeatureManifest, Manifest, load_manifest
 from shards.formats.locations import request_origins, shard_location
@@ -168,7 +168,7 @@ def open_dataset(path: str | os.PathLike | SourceSpec | Sequence[str | os.PathLi
 
     ``cache_dir`` (default ``$SHARDCACHE_CACHE_DIR``, else none) keeps whole shards fetched from ``s3://``,
     ``http(s)://`` or a network file system on local disk, shared by every rank and worker of the node, at most
-    ``cache_limit`` bytes (``"200G"``); see ``shards.stream.cached_shards``. ``dataset.shard_cache.summary()``
+    ``cache_limit`` bytes (``"200G"``); see ``shards.cache.cached_shards``. ``dataset.shard_cache.summary()``
     counts hits, misses and bytes fetched.
 
     ``cache="memory"`` on image shards (fast pipeline only) keeps each sample's decoded pixels in memory shared by
@@ -176,7 +176,7 @@ def open_dataset(path: str | os.PathLike | SourceSpec | Sequence[str | os.PathLi
     preset's images bounded to ``cache_side`` on the shorter side (default ``size / 0.875``; every epoch, the
     first included, crops from that bounded image), at most ``memory_limit`` bytes (``"8G"``; default half of
     what the job's cgroup or the machine has left), the rest decoded every epoch; see
-    ``shards.stream.image_cache``. ``dataset.image_cache.stats()`` counts cached samples, hits and misses.
+    ``shards.cache.images``. ``dataset.image_cache.stats()`` counts cached samples, hits and misses.
     ``"auto"`` caches only feature folders (under 4 GiB).
 
     ``affinity_nodes`` (default None: one node, the plain per-epoch shuffle) keeps each shard on one node across
@@ -296,7 +296,7 @@ def _build(manifest: Manifest, split_info: Any, locations: list[str], config: St
 def _shard_cache(cache_dir: str | os.PathLike | None, cache_limit: int | str | None, remote: Remote,
                  origins: Sequence[str] = ()):
     """The node-local shard cache asked for, or None (``$SHARDCACHE_CACHE_DIR`` when no folder is given)."""
-    from shards.stream.cached_shards import CacheRequest, CachedShards
+    from shards.cache.cached_shards import CacheRequest, CachedShards
 
     folder = cache_dir if cache_dir is not None else os.environ.get("SHARDCACHE_CACHE_DIR") or None
     if folder is None:

@@ -9,7 +9,7 @@ import pytest
 
 import shards
 from shards.errors import InputError
-from shards.stream.cached_shards import CacheRequest, CachedShards, on_network_fs
+from shards.cache.cached_shards import CacheRequest, CachedShards, on_network_fs
 from tests.helpers import make_shard_dataset
 
 SIZES = {"train": [40, 25, 33, 18], "val": [10]}

@@ -21,8 +21,8 @@ import torch
 import shards
 from shards.errors import InputError
 from shards.image import fast
-from shards.stream.memory_budget import MemoryView, cgroup_memory, default_memory_limit, memory_view
-from shards.stream.shared_arrays import PREFIX, SharedArrayStore
+from shards.cache.memory_budget import MemoryView, cgroup_memory, default_memory_limit, memory_view
+from shards.cache.shared_arrays import PREFIX, SharedArrayStore
 from tests.helpers import make_shard_dataset
 from tests.shards.stream_helpers import write_feature_dataset
 
@@ -137,7 +137,7 @@ def test_over_the_limit_part_is_cached_and_the_rest_decoded(folder: Path):
 
 def test_over_the_limit_says_so_once(folder: Path, caplog):
     dataset = open_images(folder, memory_limit="12K")
-    with caplog.at_level(logging.WARNING, logger="shards.stream.image_cache"):
+    with caplog.at_level(logging.WARNING, logger="shards.cache.images"):
         for epoch in range(3):
             dataset.set_epoch(epoch)
             assert len(list(dataset)) == SAMPLES

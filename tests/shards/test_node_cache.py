@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from shards.atomic import _host_tag
+from shards.cache.node import CacheFullError, CacheSettings, NodeCache
+from shards.cache.node_index import CacheStats
 from shards.errors import ChecksumError, InputError
-from shards.stream.cache_index import CacheStats
-from shards.stream.node_cache import CacheFullError, CacheSettings, NodeCache
 
 FORK = multiprocessing.get_context("fork")
 SHARD_BYTES = 1000

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import shards
-from shards.stream.node_cache import NodeCache
+from shards.cache.node import NodeCache
 from tests.helpers import make_shard_dataset
 
 SIZES = [4, 3, 5, 2]

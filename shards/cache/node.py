@@ -33,7 +33,7 @@ costs one read of the copy, which also warms the page cache for the reads that f
 
 Leftover temp files and reservations of killed processes are removed when a cache opens; lock and lease files stay
 (removing a lock file someone waits on would let two holders in). This module fetches, checks and leases copies;
-the room, eviction and leftovers are ``shards.stream.cache_index``'s.
+the room, eviction and leftovers are ``shards.cache.node_index``'s.
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ from typing import Any, BinaryIO
 
 from shards.atomic import sha256_file, unique_tmp_path, write_json_atomic
 from shards.bounded_read import read_json_file
-from shards.errors import ChecksumError, InputError, ShardcacheError
-# The folder's layout, locks, room and counters live in cache_index.
-from shards.stream.cache_index import (
+# The folder's layout, locks, room and counters live in node_index.
+from shards.cache.node_index import (
     _ENTRY, _SHA256, LAYOUT, CacheIndex, CacheStats, _locked, _open_locked, _stamp_path, _unlink)
+from shards.errors import ChecksumError, InputError, ShardcacheError
 from shards.units import human_bytes
 
 log = logging.getLogger("shardcache.cache")
@@ -171,7 +171,7 @@ class NodeCache:
     """The node's shard cache (see the module docstring). Cheap to open; pickles to DataLoader workers.
 
     Fetching, checking and leasing copies happen here; the folder's room, eviction and leftovers are kept by a
-    ``CacheIndex`` (``shards.stream.cache_index``)."""
+    ``CacheIndex`` (``shards.cache.node_index``)."""
 
     def __init__(self, settings: CacheSettings, stats: CacheStats | None = None):
         self.settings = settings

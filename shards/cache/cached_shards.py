@@ -1,7 +1,7 @@
 """Reading shards through the node-local cache: which locations are cached, how each source is fetched whole, and
 the prefetch of a worker's next shard.
 
-The cache itself (``shards.stream.node_cache``) knows nothing of sources: it is handed a function that writes a
+The cache itself (``shards.cache.node``) knows nothing of sources: it is handed a function that writes a
 shard's bytes. This module chooses that function per location (``s3://`` by ranged GETs with retries, ``http(s)://``
 as one stream, a path on a network file system as a file copy) and decides what is worth caching: object storage
 and web locations always, local paths only on a network file system (NFS, Lustre, CIFS, GPFS, BeeGFS, CephFS, FUSE
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Sequence
 
+from shards.cache.node import CacheSettings, Lease, NodeCache, check_limit
+from shards.cache.node_index import CacheStats
 from shards.errors import InputError
 from shards.formats.remote import is_remote, open_remote
 from shards.formats.s3 import is_s3
-from shards.stream.cache_index import CacheStats
-from shards.stream.node_cache import CacheSettings, Lease, NodeCache, check_limit
 from shards.units import human_bytes, parse_size
 
 log = logging.getLogger("shardcache.cache")

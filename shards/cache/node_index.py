@@ -1,4 +1,4 @@
-"""The bookkeeping of the node cache's folder (``shards.stream.node_cache``): its layout and flock helpers, the room
+"""The bookkeeping of the node cache's folder (``shards.cache.node``): its layout and flock helpers, the room
 entries take under the limit, least-recently-used eviction, the leftovers of killed processes, and the counters.
 
 It is kept apart from fetching and leasing so that every rule deciding what may be deleted, and when, reads in one

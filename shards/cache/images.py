@@ -3,7 +3,7 @@
 On a CPU, decoding and resizing are the whole cost of a fast-pipeline epoch (535-770 img/s per core, against
 8,900-13,700 img/s for reading the shard bytes), and a dataset that fits in memory decodes the same files every
 epoch. So the first epoch decodes as usual and keeps what it made in a ``SharedArrayStore`` (one mapping shared
-by the main process and every DataLoader worker, gone when they are: ``shards.stream.shared_arrays``); later
+by the main process and every DataLoader worker, gone when they are: ``shards.cache.shared_arrays``); later
 epochs take it from there and skip decoding. What is kept, per preset, so that a cached epoch is bit for bit the
 epoch a cold cache computes:
 
@@ -17,7 +17,7 @@ epoch a cold cache computes:
 Only the fast pipeline (``Decode("fast")``) caches: its outputs are uint8, a quarter of the standard pipeline's
 floats. Over the memory limit the cache keeps what fits (first come, first kept) and the rest is decoded every
 epoch; the worker that finds the limit logs it once. The default limit is half of what this job has left
-(``shards.stream.memory_budget``: the cgroup limit Slurm and containers set, else the RAM), less what other
+(``shards.cache.memory_budget``: the cgroup limit Slurm and containers set, else the RAM), less what other
 caches of this process have planned. Each rank of a DDP job has its own cache of the samples it is dealt; with a
 per-epoch shuffle across ranks a rank meets new samples for several epochs, so give each rank its
 ``memory_limit`` (``train-from-shards`` divides the default by the ranks on the node).
@@ -34,11 +34,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from shards.cache.memory_budget import default_memory_limit, memory_view
+from shards.cache.shared_arrays import ALIGN, FULL_NOW, HITS, MISSES, SharedArrayStore
 from shards.errors import InputError
 from shards.image.fast import DECODE_ERRORS, FastDecoder, undecodable
 from shards.image.geometry import default_eval_resize
-from shards.stream.memory_budget import default_memory_limit, memory_view
-from shards.stream.shared_arrays import ALIGN, FULL_NOW, HITS, MISSES, SharedArrayStore
 from shards.units import human_bytes, parse_size
 
 log = logging.getLogger(__name__)
