@@ -7,8 +7,8 @@ import os
 import click
 
 from shards.cli.common import ByteSize, class_names, cache_options, emit_json, handle_errors, quiet_option, s3_options
-from shards.stream.options import PIPELINES
-from train.config import CLASS_MAPS, DATA_KINDS, DEFAULT_PIPELINE, DEVICES, HEADS, LOSSES, OPTIMIZERS, TASKS, TrainConfig
+from shards.stream.options import STREAM_DECODES
+from train.config import CLASS_MAPS, DATA_KINDS, DEFAULT_DECODE, DEVICES, HEADS, LOSSES, OPTIMIZERS, TASKS, TrainConfig
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -44,11 +44,11 @@ from train.config import CLASS_MAPS, DATA_KINDS, DEFAULT_PIPELINE, DEVICES, HEAD
               help="Local weights file to fine-tune from (loaded with weights_only=True; classifier re-initialised "
                    "when the class count differs).")
 @click.option("--image-size", type=int, default=224, help="Crop size of the image transforms.")
-@click.option("--pipeline", type=click.Choice(PIPELINES), default=DEFAULT_PIPELINE, show_default=True,
-              help="Image input: fast = uint8 crop-then-resize in workers, normalised per batch on the device; "
-                   "standard = torchvision transforms in workers.")
+@click.option("--decode", type=click.Choice(STREAM_DECODES), default=DEFAULT_DECODE, show_default=True,
+              help="Image input: fast = uint8 DCT-scaled decode and crop-then-resize in workers, normalised per batch "
+                   "on the device; standard = PIL + torchvision transforms in workers (the reference).")
 @click.option("--fast-decode", is_flag=True,
-              help="Standard pipeline only: let PIL decode JPEGs at reduced size when the crop is much smaller.")
+              help="--decode standard only: let PIL decode JPEGs at reduced size when the crop is much smaller.")
 @click.option("--epochs", type=int, default=10)
 @click.option("--batch-size", type=int, default=256, help="Per process (under torchrun the global batch is N x this).")
 @click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="sgd", help="SGD (Nesterov momentum) or AdamW.")
@@ -87,7 +87,7 @@ from train.config import CLASS_MAPS, DATA_KINDS, DEFAULT_PIPELINE, DEVICES, HEAD
 def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...], class_map: str,
                   epoch_size: int | None, subset_classes: str | None, subset_keys: str | None,
                   subset_where: str | None, subset_max: int | None, task: str, loss: str, head: str, hidden_dim: int,
-                  dropout: float, model: str, weights: str | None, image_size: int, pipeline: str, fast_decode: bool,
+                  dropout: float, model: str, weights: str | None, image_size: int, decode: str, fast_decode: bool,
                   epochs: int, batch_size: int, optimizer: str, lr: float | None, momentum: float, warmup_epochs: float,
                   weight_decay: float, label_smoothing: float, class_weighted_loss: bool, balanced_sampler: bool,
                   seed: int, workers: int | None, prefetch: int, amp: bool, device: str, train_split: str,
@@ -113,7 +113,7 @@ def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...],
         epoch_size=epoch_size, subset=subset if any(v is not None for v in subset.values()) else None,
         out_dir=out_dir, data=data, task=task, loss=loss,
         head=head, hidden_dim=hidden_dim, dropout=dropout, model=model, weights=weights,
-        image_size=image_size, pipeline=pipeline, fast_decode=fast_decode,
+        image_size=image_size, decode=decode, fast_decode=fast_decode,
         epochs=epochs, batch_size=batch_size, optimizer=optimizer, lr=lr, momentum=momentum,
         warmup_epochs=warmup_epochs, weight_decay=weight_decay, label_smoothing=label_smoothing,
         class_weighted_loss=class_weighted_loss, balanced_sampler=balanced_sampler, seed=seed,

@@ -13,15 +13,15 @@ from typing import Any, Mapping
 
 from shards.atomic import check_local_output
 from shards.errors import InputError
-from shards.stream.options import check_pipeline
+from shards.stream.options import check_decode
 
 DATA_KINDS = ("auto", "images", "features")
 CLASS_MAPS = ("same", "union")  # as shards.stream.mixture.CLASS_MAPS, without importing the reader
 HEADS = ("linear", "mlp")
 OPTIMIZERS = ("sgd", "adamw")
-# The image pipelines are defined and validated in shards.stream.options; training defaults to "fast" (the library
-# to "standard") because the loop owns the device-side normalisation the fast pipeline needs.
-DEFAULT_PIPELINE = "fast"
+# The decode modes are defined and validated in shards.stream.options; training defaults to "fast" (the library
+# to "standard") because the loop owns the device-side normalisation the fast decode needs.
+DEFAULT_DECODE = "fast"
 DEVICES = ("auto", "cpu", "cuda")
 # auto: regression when features.json's config.target says so (a table with a float target), else classification.
 TASKS = ("auto", "classification", "regression")
@@ -53,7 +53,7 @@ class TrainConfig:
     model: str = "resnet18"
     weights: str | None = None
     image_size: int = 224
-    pipeline: str = DEFAULT_PIPELINE
+    decode: str = DEFAULT_DECODE
     fast_decode: bool = False
     epochs: int = 10
     batch_size: int = 256
@@ -117,9 +117,9 @@ class TrainConfig:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("task", self.task, TASKS)
         _choice("loss", self.loss, LOSSES)
-        check_pipeline(self.pipeline)
-        if self.pipeline == "fast" and self.fast_decode:
-            raise InputError("fast_decode applies to the standard pipeline; the fast one drafts JPEGs itself")
+        check_decode(self.decode, where="train-from-shards (TrainConfig.decode)")
+        if self.decode == "fast" and self.fast_decode:
+            raise InputError("fast_decode applies to decode='standard'; the fast decode drafts JPEGs itself")
         _choice("device", self.device, DEVICES)
         _positive("epochs", self.epochs)
         _positive("batch_size", self.batch_size)
@@ -151,8 +151,8 @@ class TrainConfig:
         if self.memory_limit is not None and (not self.cache_images or self.memory_limit < 0):
             raise InputError(f"memory_limit={self.memory_limit!r} sizes the image cache: give cache_images too, "
                              "and a size >= 0")
-        if self.cache_images and self.pipeline != "fast":
-            raise InputError("cache_images needs the fast pipeline (its uint8 outputs are what is kept)")
+        if self.cache_images and self.decode != "fast":
+            raise InputError("cache_images needs decode='fast' (its uint8 outputs are what is kept)")
         if self.train_split == self.val_split:
             raise InputError(f"train_split and val_split are both {self.val_split!r}")
 
@@ -160,6 +160,15 @@ class TrainConfig:
     def mixed(self) -> bool:
         """Whether the input is several sources or a subset (``shards.stream.mixture``), not one whole folder."""
         return bool(self.sources) or bool(self.subset)
+
+    @property
+    def shard_cache(self) -> Any:
+        """The node-local shard cache the ``cache_*`` fields ask for, as ``open_dataset`` takes it (a
+        ``shards.cache.node.ShardCache``); with no ``cache_dir``, ``$SHARDCACHE_CACHE_DIR`` or none."""
+        from shards.cache.node import ShardCache
+
+        return ShardCache(self.cache_dir or None, self.cache_limit if self.cache_dir else None,
+                          fallback=self.cache_fallback, local=True if self.cache_local else None)
 
     @property
     def resolved_lr(self) -> float:
@@ -170,7 +179,10 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "TrainConfig":
+        """A recorded config; one written before ``pipeline`` became ``decode`` (same values) reads as its run."""
         known = {f.name for f in dataclasses.fields(cls)}
+        if "pipeline" in data and "decode" not in data:
+            data = {**data, "decode": data["pipeline"]}
         return cls(**{k: v for k, v in data.items() if k in known})
 
     def replace(self, **changes: Any) -> "TrainConfig":

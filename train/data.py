@@ -29,7 +29,7 @@ from shards.manifest import (
 from shards.image.fast import Normalize
 from shards.image.transforms import TransformSpec
 from shards.stream.mixture import MixOptions, SourceSpec, Subset, unweighted
-from shards.stream.options import Decode, Remote, Sampling
+from shards.stream.options import Decode, Distributed, MemoryCache, Remote, Sampling
 from shards.stream.selection import combined_classes
 from shards.units import human_bytes
 from train.config import TrainConfig
@@ -177,21 +177,21 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
     if kind == "images":
         train_spec = TransformSpec(preset="train", size=cfg.image_size)
         eval_spec = TransformSpec(preset="eval", size=cfg.image_size)
-        decode = Decode(pipeline=cfg.pipeline, draft=cfg.fast_decode)
+        decode = Decode(cfg.decode, draft=cfg.fast_decode)
     sampling = Sampling(class_weights="balanced") if cfg.balanced_sampler else Sampling()
-    remote = Remote(storage_options=cfg.storage_options, cache_fallback=cfg.cache_fallback,
-                    cache_local=True if cfg.cache_local else None)
-    cache = {"cache_dir": cfg.cache_dir, "cache_limit": cfg.cache_limit} if cfg.cache_dir else {}
+    remote = Remote(storage_options=cfg.storage_options)
     train_images, val_images = image_caches(cfg, manifest, ctx)
     specs = source_specs(cfg)
+    nodes = None if specs else affinity_nodes(cfg, manifest, ctx)
     train_set = shards.open_dataset(specs or cfg.data_path, cfg.train_split, transform=train_spec, seed=cfg.seed,
-                                    shuffle=True, rank=rank, world_size=world, sampling=sampling, decode=decode,
-                                    remote=remote, affinity_nodes=None if specs else affinity_nodes(cfg, manifest, ctx),
-                                    mix=MixOptions(cfg.class_map, cfg.epoch_size), **cache, **train_images)
+                                    sampling=sampling, decode=decode, remote=remote, cache=train_images,
+                                    shard_cache=cfg.shard_cache, distributed=Distributed(rank, world, nodes=nodes),
+                                    mix=MixOptions(cfg.class_map, cfg.epoch_size))
     # Validation reads every selected sample of every source once, whatever the weights.
     val_set = shards.open_dataset(source_specs(cfg, weighted=False) or cfg.data_path, cfg.val_split,
-                                  transform=eval_spec, seed=cfg.seed, shuffle=False, rank=rank, world_size=world,
-                                  decode=decode, remote=remote, mix=MixOptions(cfg.class_map), **cache, **val_images)
+                                  transform=eval_spec, seed=cfg.seed, sampling=Sampling(shuffle=False), decode=decode,
+                                  remote=remote, cache=val_images, shard_cache=cfg.shard_cache,
+                                  distributed=Distributed(rank, world), mix=MixOptions(cfg.class_map))
     if specs:
         manifest = manifest.replace(splits={cfg.train_split: train_set.split_info, cfg.val_split: val_set.split_info})
     train_loader = _loader(train_set, cfg, ctx, drop_last=True)
@@ -201,21 +201,22 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
                          path=cfg.data_path)
     workers = int(getattr(train_loader, "num_workers", cfg.workers or 0))
     normalize = None
-    if kind == "images" and cfg.pipeline == "fast":
+    if kind == "images" and cfg.decode == "fast":
         normalize = Normalize(eval_spec.mean, eval_spec.std, channels_last=ctx.device.type == "cuda").to(ctx.device)
     return RunData(kind, manifest, train_loader, val_loader, workers, eval_spec, normalize)
 
 
 def image_caches(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest,
-                 ctx: DistContext) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``open_dataset`` keywords of the train and val image caches (``--cache-images``), or none.
+                 ctx: DistContext) -> tuple[str | MemoryCache, str | MemoryCache]:
+    """``open_dataset``'s ``cache`` of the train and val sets: their image caches (``--cache-images``), or
+    ``"auto"``.
 
     One budget per process: ``--memory-limit``, else half of what the job has left shared by the node's ranks
     (they all open their caches at once, each seeing the same free memory). The val crops get what they need, at
     most a quarter (val is read in the same order every epoch, so each rank needs only its share); the train
     images the rest."""
     if not cfg.cache_images:
-        return {}, {}
+        return "auto", "auto"
     if manifest.kind != "images":
         raise InputError("--cache-images keeps decoded images; a feature folder is held in memory already",
                          path=cfg.data_path)
@@ -228,8 +229,7 @@ def image_caches(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest,
     world = ctx.world_size if ctx.distributed else 1
     val_samples = -(-manifest.splits[cfg.val_split].samples // world)
     val_limit = min(planned_bytes(TransformSpec(preset="eval", size=cfg.image_size), val_samples), budget // 4)
-    return ({"cache": "memory", "memory_limit": budget - val_limit},
-            {"cache": "memory", "memory_limit": val_limit})
+    return MemoryCache(limit=budget - val_limit), MemoryCache(limit=val_limit)
 
 
 def affinity_nodes(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ctx: DistContext) -> int | None:

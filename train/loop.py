@@ -304,7 +304,7 @@ class Run:
                      human_bytes(row["cache"]["served_bytes"]))
         tip = advice.wait_advice(row["data_wait_share"], row["data_wait_share"] * row["epoch_time_s"],
                                  data_kind=self.data.kind, workers=self.data.workers, stages=row.get("stage_seconds"),
-                                 pipeline=self.cfg.pipeline, network_reads=reads_over_network(self.cfg, self.data.kind))
+                                 decode=self.cfg.decode, network_reads=reads_over_network(self.cfg, self.data.kind))
         if tip:
             log.warning(tip)
 

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import click
 
-from preprocess.features.loader import DECODE_MODES
 from shards.image.options import INTERPOLATIONS
 from preprocess.features.featurize import AMP_MODES, DTYPES, FeatureConfig, merge_features, run_precompute
 from preprocess.pack.cli import stage_root
@@ -15,6 +14,7 @@ from shards.cli.common import cache_options, emit_json, handle_errors, quiet_opt
 from shards.formats.s3 import S3Options, is_s3
 from shards.errors import InputError
 from shards.formats.features import FEATURE_SUFFIXES
+from shards.stream.options import DECODES
 
 
 def _triple(name: str, value: str | None) -> tuple[float, ...] | None:
@@ -48,9 +48,10 @@ def _triple(name: str, value: str | None) -> tuple[float, ...] | None:
 @click.option("--device", default="auto", show_default=True, help="auto (CUDA when present), cpu, cuda, cuda:1...")
 @click.option("--amp", type=click.Choice([*AMP_MODES, "auto"]), default="auto", show_default=True,
               help="Autocast dtype; auto is bf16 on CUDA and off on CPU.")
-@click.option("--decode", type=click.Choice(DECODE_MODES), default="fast", show_default=True,
-              help="fast: DCT-scaled decode + one crop-then-resize in workers (default); cpu: PIL + torchvision ops, "
-                   "the exact reference; gpu: batched decode_jpeg + resize/crop on the model's device.")
+@click.option("--decode", type=click.Choice(DECODES), default="fast", show_default=True,
+              help="fast: DCT-scaled decode + one crop-then-resize in workers (default); standard: PIL + "
+                   "torchvision ops, the exact reference; device: batched decode_jpeg + resize/crop on the model's "
+                   "device.")
 @click.option("--batch-size", default=64, show_default=True)
 @click.option("--workers", default=2, show_default=True, help="DataLoader worker processes (decode + transform).")
 @click.option("--split", "splits", multiple=True, help="Only these splits (repeatable). Default: all.")

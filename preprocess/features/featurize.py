@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from preprocess.features.backbones import Backbone, build_backbone
-from preprocess.features.loader import DECODE_MODES, ShardBatches, ShardJob, make_loader, shard_jobs
+from preprocess.features.loader import ShardBatches, ShardJob, make_loader, shard_jobs
 from preprocess.features.state import (STATE_DIR, assemble_manifest, check_output, config_hash, feature_path,
                                       finished_shard, prepare_output, read_config_record, write_shard_record)
 from preprocess.features.transforms import AugmentSpec, FeatureTransform, eval_tensors, views_tensors
@@ -32,6 +32,7 @@ from shards.image.options import DEFAULT_INTERPOLATION, IMAGENET_MEAN, IMAGENET_
 from shards.atomic import check_local_output, remove_stale_tmp
 from shards.errors import CorruptDataError, InputError, MissingInputError, ShardcacheError
 from shards.lock import claim_output
+from shards.stream.options import DECODES
 from shards.formats.features import FEATURE_SUFFIXES, FeatureShard, write_feature_shard
 from shards.formats.s3 import is_s3
 from shards.check.freshness import read_s3_dataset
@@ -74,7 +75,7 @@ class FeatureConfig:
     overwrite: bool = False
     quiet: bool = False
     storage_options: Any = None  # S3Options (or a mapping of its fields) for an s3:// data_dir
-    cache: Any = None  # a shards.cache.cached_shards.CacheRequest: keep fetched image shards on this node's disk
+    cache: Any = None  # a shards.cache.node.ShardCache: keep fetched image shards on this node's disk
 
     def __post_init__(self) -> None:
         check_local_output(self.out_dir)  # before Path(), which turns s3://b/x into s3:/b/x
@@ -88,7 +89,7 @@ class FeatureConfig:
         else:
             object.__setattr__(self, "data_dir", Path(self.data_dir))
         object.__setattr__(self, "out_dir", Path(self.out_dir))
-        choices = {"dtype": DTYPES, "storage": FEATURE_SUFFIXES, "decode": DECODE_MODES,
+        choices = {"dtype": DTYPES, "storage": FEATURE_SUFFIXES, "decode": DECODES,
                    "amp": (*AMP_MODES, "auto")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -132,7 +133,8 @@ def resolve_transform(cfg: FeatureConfig, backbone: Backbone) -> FeatureTransfor
 def _run_record(cfg: FeatureConfig, backbone: Backbone, spec: FeatureTransform, device: torch.device,
                 splits: list[str]) -> dict[str, Any]:
     amp = ("bf16" if device.type == "cuda" else "off") if cfg.amp == "auto" else cfg.amp
-    decoder = {"fast": "fast", "cpu": "pil"}.get(cfg.decode, f"decode_jpeg:{device.type}")
+    # The recorded names predate the decode modes' names and stay: renaming them would change every cache's hash.
+    decoder = {"fast": "fast", "standard": "pil"}.get(cfg.decode, f"decode_jpeg:{device.type}")
     augment = AugmentSpec(cfg.views, seed=cfg.seed) if cfg.augment else None
     config = {
         "backbone": backbone.name,
@@ -181,7 +183,7 @@ class FeatureExtractor:
 
 def _device_inputs(batch: dict[str, Any], job: ShardJob, spec: FeatureTransform, augment: AugmentSpec | None,
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The batch's uint8 model inputs on the device; with ``--decode gpu`` they are decoded and cropped there."""
+    """The batch's uint8 model inputs on the device; with ``--decode device`` they are decoded and cropped there."""
     if "datas" not in batch:
         views = batch.get("views")
         return batch["images"].to(device, non_blocking=True), (None if views is None else

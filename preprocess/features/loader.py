@@ -4,8 +4,8 @@ Shards are dealt to DataLoader workers round-robin; each worker reads its shards
 own reader and yields batches that never span two shards, tagged with the shard's job index and an ``last`` flag,
 so the consumer can write a feature shard as soon as its final batch arrives, sample for sample in shard order.
 Workers either decode and transform to uint8 (``decode="fast"``: DCT-scaled decode and one crop-then-resize;
-``decode="cpu"``: PIL and torchvision's exact reference ops) or only read bytes and the EXIF orientation
-(``decode="gpu"``: the consumer decodes the batch on the model's device). A sample that cannot be decoded is
+``decode="standard"``: PIL and torchvision's exact reference ops) or only read bytes and the EXIF orientation
+(``decode="device"``: the consumer decodes the batch on the model's device). A sample that cannot be decoded is
 reported as an error record rather than raised inside the worker, so the user gets one clean line naming it.
 
 A dataset on object storage (``s3://bucket/prefix``) is read the same way, one shard per job: a tar shard in one
@@ -32,9 +32,6 @@ from shards.image.device import exif_orientation
 from shards.errors import ChecksumError, InputError
 from shards.formats.locations import local_shard_path, shard_location
 from shards.formats.storage import get_storage
-
-DECODE_MODES = ("fast", "cpu", "gpu")
-
 
 @dataclass(frozen=True)
 class ShardJob:
@@ -141,7 +138,7 @@ class ShardBatches(IterableDataset):
             "keys": [s.key for s in samples],
             "labels": torch.tensor([s.label for s in samples], dtype=torch.int64),
         }
-        if self.decode == "gpu":
+        if self.decode == "device":
             batch["datas"] = [s.data for s in samples]
             batch["exts"] = [s.ext for s in samples]
             batch["orientations"] = [exif_orientation(s.data) if s.ext.lower() in ("jpg", "jpeg") else 1

@@ -2,7 +2,7 @@
 
 Every transform ends in a uint8 [3, crop, crop] tensor; normalisation happens per batch on the model's device
 (``shards.image.device.Normalize``). On the CPU path the geometry runs on PIL images exactly as torchvision's
-``ImageClassification`` preset does, so features match the reference; ``--decode gpu`` runs the same geometry on
+``ImageClassification`` preset does, so features match the reference; ``--decode device`` runs the same geometry on
 decoded tensors on the device; every backend takes its sizes and boxes from ``shards.image.geometry``. Augmented
 view ``v`` of sample ``key`` draws its crop and flip from a generator seeded by (seed, key, v) only: the views do
 not depend on worker count, batch size or shard order.

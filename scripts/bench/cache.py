@@ -92,7 +92,8 @@ def rank_main(rank: int, location: str, cache_dir: str | None, args, start, resu
     """One rank: two epochs of uint8 batches (the GPU consumer's view), timed per epoch after a shared start."""
     s3.share_stats()  # this rank's workers add their GETs to its counters
     dataset = shards.open_dataset(location, transform=bench.SPEC, decode=shards.Decode("fast"), seed=0,
-                                  rank=rank, world_size=2, cache_dir=cache_dir)
+                                  distributed=shards.Distributed(rank=rank, world_size=2),
+                                  shard_cache=shards.ShardCache(cache_dir))
     loader = shards.make_loader(dataset, batch_size=args.batch_size, num_workers=args.workers, drop_last=False)
     start.wait()
     seconds, seen = [], 0
@@ -167,7 +168,7 @@ def verify_cost(args) -> None:
         files = bench.build_corpus(workdir / "images", args.images)
         folder = workdir / "tar"
         bench.pack(files, folder, "tar", args.per_shard)
-        options = dict(seed=0, cache_dir=str(workdir / "node-cache"), remote=shards.Remote(cache_local=True))
+        options = dict(seed=0, shard_cache=shards.ShardCache(workdir / "node-cache", local=True))
         pipelines = {"io_only": dict(decode=shards.Decode(decoder=bench.ByteCount())),
                      "fast": dict(transform=bench.SPEC, decode=shards.Decode("fast"))}
         _epoch_seconds(shards.open_dataset(folder, **pipelines["io_only"], **options))  # fills the cache

@@ -3,10 +3,10 @@
 
 Writes ImageNet-like JPEGs (~500x375) into tar shards, then measures on this machine's device:
   model forward  : the backbone on in-memory float tensors [batch, 3, 224, 224] (the ceiling);
-  precompute fast: precompute-features' default (DCT-scaled decode, one crop-then-resize to uint8 in workers);
-  precompute cpu : precompute-features with PIL decode + torchvision transform in DataLoader workers;
-  precompute gpu : precompute-features --decode gpu (batched decode_jpeg + resize/crop on the model's device;
-                   on a CPU-only machine that device is the CPU, in the main process).
+  precompute fast    : precompute-features' default (DCT-scaled decode, one crop-then-resize to uint8 in workers);
+  precompute standard: precompute-features --decode standard (PIL decode + torchvision transform in workers);
+  precompute device  : precompute-features --decode device (batched decode_jpeg + resize/crop on the model's
+                       device; on a CPU-only machine that device is the CPU, in the main process).
 The ratio precompute/model shows whether feeding or the model is the limit. The two decode paths' features are
 compared (max abs diff, min cosine) and so are their uint8 model inputs (mean abs difference in gray levels).
 Progress goes to stderr; the last line on stdout is one JSON object with every number.
@@ -47,7 +47,7 @@ from shards.formats.tar import TarShardWriter  # noqa: E402
 SPEC = FeatureTransform(256, 224, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 
 
-DECODES = ("fast", "cpu", "gpu")
+DECODES = ("fast", "standard", "device")
 
 def make_image(rng: np.random.Generator, width: int = 500, height: int = 375) -> bytes:
     """Low-frequency colour fields plus grain: compresses like a photo (~40-120 kB at quality 90)."""
@@ -147,14 +147,14 @@ def main() -> None:
             "precompute_images_per_s": runs["fast"]["images_per_s"],
             "precompute_vs_model": round(runs["fast"]["images_per_s"] / forward, 3),
             "data_wait_share": runs["fast"]["data_wait_share"],
-            "precompute_pil_images_per_s": runs["cpu"]["images_per_s"],
-            "pil_decode_vs_model": round(runs["cpu"]["images_per_s"] / forward, 3),
+            "precompute_pil_images_per_s": runs["standard"]["images_per_s"],
+            "pil_decode_vs_model": round(runs["standard"]["images_per_s"] / forward, 3),
             "fast_vs_pil_features": compare_features(workdir / "feat-cpu", workdir / "feat-fast"),
-            "precompute_gpu_decode_images_per_s": runs["gpu"]["images_per_s"],
-            "gpu_decode_vs_model": round(runs["gpu"]["images_per_s"] / forward, 3),
-            "gpu_decode_data_wait_share": runs["gpu"]["data_wait_share"],
+            "precompute_gpu_decode_images_per_s": runs["device"]["images_per_s"],
+            "gpu_decode_vs_model": round(runs["device"]["images_per_s"] / forward, 3),
+            "gpu_decode_data_wait_share": runs["device"]["data_wait_share"],
             "decode_paths_input_mean_abs_gray_levels": round(decode_difference(datas, device), 4),
-            "decode_paths_features": compare_features(workdir / "feat-cpu", workdir / "feat-gpu"),
+            "decode_paths_features": compare_features(workdir / "feat-standard", workdir / "feat-device"),
         }
         print(f"{'':28}{'img/s':>10}{'vs model':>10}")
         print(f"{'model forward':28}{forward:>10.1f}{1:>10.2f}")

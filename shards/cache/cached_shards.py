@@ -18,43 +18,20 @@ import os
 import shutil
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Sequence
 
-from shards.cache.node import CacheSettings, Lease, NodeCache, check_limit
+from shards.cache.node import Lease, NodeCache, ShardCache, check_limit
 from shards.cache.node_index import CacheStats
-from shards.errors import InputError
 from shards.formats.remote import is_remote, open_remote
 from shards.formats.s3 import is_s3
-from shards.units import human_bytes, parse_size
+from shards.units import human_bytes
 
 log = logging.getLogger("shardcache.cache")
 
 NETWORK_FS = frozenset({"nfs", "nfs4", "lustre", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "gpfs", "beegfs",
                         "9p", "afs", "orangefs", "pvfs2", "wekafs", "davfs"})
 COPY_CHUNK = 8 << 20
-
-
-@dataclass(frozen=True)
-class CacheRequest:
-    """What the caller asked for: a folder, a size limit (bytes or ``"200G"``), whether a full disk falls back to
-    reading the source, and whether local paths are cached (``None``: only those on a network file system)."""
-
-    dir: str
-    limit: int | str | None = None
-    fallback: bool = False
-    local: bool | None = None
-
-    def __post_init__(self) -> None:
-        if not str(self.dir):
-            raise InputError("cache_dir must name a folder")
-        object.__setattr__(self, "dir", str(self.dir))
-        if self.limit is not None:
-            object.__setattr__(self, "limit", parse_size(self.limit, "cache_limit"))
-
-    def settings(self) -> CacheSettings:
-        return CacheSettings(self.dir, self.limit, self.fallback)
 
 
 def _mounts() -> list[tuple[str, str]]:
@@ -86,7 +63,7 @@ class CachedShards:
     """The node cache as a shard reader uses it: ``lease(location, sha256, size)`` -> a local copy (or None: read
     the source), ``prefetch`` of the next shard on a background thread, and the shared counters."""
 
-    def __init__(self, request: CacheRequest, storage_options: Any = None, url_origins: Sequence[str] = ()):
+    def __init__(self, request: ShardCache, storage_options: Any = None, url_origins: Sequence[str] = ()):
         self.request = request
         self.storage_options = storage_options
         self.url_origins = tuple(url_origins)  # where http(s) redirects may lead (locations.request_origins)
@@ -106,7 +83,7 @@ class CachedShards:
         self._lock = threading.Lock()
 
     def check_limit(self, largest_shard_bytes: int, where: str) -> None:
-        check_limit(self.request.settings(), largest_shard_bytes, where)
+        check_limit(self.request, largest_shard_bytes, where)
 
     def cached(self, location: str) -> bool:
         """Whether reads of ``location`` go through the cache."""
@@ -126,7 +103,7 @@ class CachedShards:
             if self._lock is None:
                 self._lock = threading.Lock()
             self._pending = {}
-            self._process = (os.getpid(), NodeCache(self.request.settings(), self.stats),
+            self._process = (os.getpid(), NodeCache(self.request, self.stats),
                              ThreadPoolExecutor(1, thread_name_prefix="shardcache-prefetch"))
         return self._process[1], self._process[2]
 

@@ -62,7 +62,7 @@ def planned_bytes(spec: Any, samples: int, cache_side: int | None = None) -> int
 
 @dataclass(frozen=True)
 class ImageCacheRequest:
-    """``open_dataset``'s ``cache``, ``memory_limit`` and ``cache_side`` for image shards, validated together."""
+    """``open_dataset``'s ``cache`` (``"memory"`` or a ``MemoryCache(limit, side)``) for image shards, validated."""
 
     mode: str = "auto"
     memory_limit: int | str | None = None
@@ -83,7 +83,7 @@ class ImageCacheRequest:
             object.__setattr__(self, "memory_limit", parse_size(self.memory_limit, "memory_limit"))
         if self.cache_side is not None and (isinstance(self.cache_side, bool) or not isinstance(self.cache_side, int)
                                             or self.cache_side < 1):
-            raise InputError(f"cache_side={self.cache_side!r} must be a positive integer (pixels)")
+            raise InputError(f"MemoryCache(side={self.cache_side!r}) must be a positive integer (pixels)")
 
     @property
     def enabled(self) -> bool:
@@ -101,7 +101,7 @@ class ImageCacheRequest:
             return None
         side = self.cache_side if self.cache_side is not None else default_eval_resize(spec.size)
         if side < spec.size:
-            raise InputError(f"cache_side={side} is smaller than the crop size {spec.size}")
+            raise InputError(f"MemoryCache(side={side}) is smaller than the crop size {spec.size}")
         return side
 
     def open(self, decoder: Any, samples: int, where: str = "") -> "ImageCache | None":

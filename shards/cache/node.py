@@ -57,7 +57,7 @@ from shards.bounded_read import read_json_file
 from shards.cache.node_index import (
     _ENTRY, _SHA256, LAYOUT, CacheIndex, CacheStats, _locked, _open_locked, _stamp_path, _unlink)
 from shards.errors import ChecksumError, InputError, ShardcacheError
-from shards.units import human_bytes
+from shards.units import human_bytes, parse_size
 
 log = logging.getLogger("shardcache.cache")
 
@@ -77,21 +77,26 @@ class CacheFullError(ShardcacheError, OSError):
 
 
 @dataclass(frozen=True)
-class CacheSettings:
-    """Where the node cache lives and how big it may grow. ``fallback``: when the disk is full, read from the
-    source instead of failing the job."""
+class ShardCache:
+    """The node-local shard cache a caller asks for (``open_dataset(shard_cache=...)``): the folder (None: none,
+    unless ``$SHARDCACHE_CACHE_DIR`` names one), at most ``limit`` bytes (or ``"200G"``), whether a full disk
+    falls back to reading the source (``fallback``) instead of failing the job, and whether local paths are cached
+    (``local``; None: only those on a network file system, see ``shards.cache.cached_shards``)."""
 
-    dir: str
-    limit: int | None = None
+    dir: str | os.PathLike | None = None
+    limit: int | str | None = None
     fallback: bool = False
+    local: bool | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dir", os.fspath(self.dir))
-        if not self.dir:
-            raise InputError("the cache dir must be a folder, got an empty string")
-        if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int)
-                                       or self.limit <= 0):
-            raise InputError(f"cache limit must be a positive number of bytes or None, got {self.limit!r}")
+        if self.dir is not None:
+            object.__setattr__(self, "dir", os.fspath(self.dir))
+            if not self.dir:
+                raise InputError("ShardCache.dir must name a folder, got an empty string")
+        if self.limit is not None:
+            object.__setattr__(self, "limit", parse_size(self.limit, "ShardCache.limit"))
+            if self.limit <= 0:
+                raise InputError(f"ShardCache.limit must be a positive number of bytes or None, got {self.limit}")
 
 
 class Lease:
@@ -173,7 +178,9 @@ class NodeCache:
     Fetching, checking and leasing copies happen here; the folder's room, eviction and leftovers are kept by a
     ``CacheIndex`` (``shards.cache.node_index``)."""
 
-    def __init__(self, settings: CacheSettings, stats: CacheStats | None = None):
+    def __init__(self, settings: ShardCache, stats: CacheStats | None = None):
+        if settings.dir is None:
+            raise InputError("a node cache needs ShardCache.dir")
         self.settings = settings
         self.stats = stats if stats is not None else CacheStats()
         self.root = Path(settings.dir) / LAYOUT
@@ -323,7 +330,8 @@ class NodeCache:
                 raise
             if not self.settings.fallback:
                 raise CacheFullError(f"no space left on device while caching {source}; set --cache-limit below the "
-                                     "free space of that disk, or cache_fallback to read from the source instead",
+                                     "free space of that disk, or --cache-fallback (ShardCache.fallback) to read "
+                                     "from the source instead",
                                      path=self.settings.dir, cause_errno=exc.errno) from exc
             level = logging.DEBUG if self._warned_full else logging.WARNING
             self._warned_full = True

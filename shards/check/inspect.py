@@ -84,10 +84,11 @@ def _loader(folder: Path | str, split: str, transform: Callable, batch_size: int
             seed: int = 0, storage_options: Any = None):
     """The reader training uses (so a problem there shows here), in-process: one batch is all we need."""
     from shards.stream.loader import make_loader
-    from shards.stream.options import Remote
+    from shards.stream.options import Distributed, Remote, Sampling
     from shards.stream.reader import open_dataset
 
-    dataset = open_dataset(folder, split, transform=transform, shuffle=shuffle, seed=seed, rank=0, world_size=1,
+    dataset = open_dataset(folder, split, transform=transform, sampling=Sampling(shuffle=shuffle), seed=seed,
+                           distributed=Distributed(rank=0, world_size=1),
                            remote=Remote(storage_options=storage_options))
     return make_loader(dataset, batch_size, num_workers=0, drop_last=False, persistent_workers=False)
 
@@ -210,10 +211,10 @@ def open_mixture(specs: Sequence[SourceSpec], split: str = "train", *, mix: MixO
                  seed: int = 0, storage_options: Any = None):
     """The dataset training would stream from ``specs`` (one process, no transform: nothing is decoded)."""
     from shards.stream.mixture import MixOptions
-    from shards.stream.options import Remote
+    from shards.stream.options import Distributed, Remote
     from shards.stream.reader import open_dataset
 
-    return open_dataset(list(specs), split, seed=seed, rank=0, world_size=1, cache="none",
+    return open_dataset(list(specs), split, seed=seed, distributed=Distributed(rank=0, world_size=1), cache="none",
                         mix=mix or MixOptions(), remote=Remote(storage_options=storage_options))
 
 

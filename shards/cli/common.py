@@ -149,7 +149,7 @@ class ByteSize(click.ParamType):
 
 def cache_options(func: Callable) -> Callable:
     """``--cache-dir``, ``--cache-limit``, ``--cache-fallback``, ``--cache-local``: the node-local shard cache
-    (``shards.cache.node``), passed on as ``cache=CacheRequest(...)``. The folder defaults to
+    (``shards.cache.node``), passed on as ``cache=ShardCache(...)``. The folder defaults to
     ``$SHARDCACHE_CACHE_DIR``, else no cache (no surprise disk use)."""
 
     @click.option("--cache-dir", type=click.Path(path_type=str), default=None,
@@ -166,13 +166,13 @@ def cache_options(func: Callable) -> Callable:
     @functools.wraps(func)
     def wrapper(*args, cache_dir: str | None, cache_limit: int | None, cache_fallback: bool, cache_local: bool,
                 **kwargs):
-        from shards.cache.cached_shards import CacheRequest
+        from shards.cache.node import ShardCache
 
         folder = cache_dir if cache_dir is not None else os.environ.get("SHARDCACHE_CACHE_DIR") or None
         if folder is None and (cache_limit is not None or cache_fallback or cache_local):
             raise click.BadParameter("give --cache-dir (or set SHARDCACHE_CACHE_DIR)", param_hint="--cache-limit")
-        request = None if folder is None else CacheRequest(folder, cache_limit, fallback=cache_fallback,
-                                                           local=True if cache_local else None)
+        request = None if folder is None else ShardCache(folder, cache_limit, fallback=cache_fallback,
+                                                         local=True if cache_local else None)
         return func(*args, cache=request, **kwargs)
 
     return wrapper

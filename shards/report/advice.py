@@ -60,7 +60,7 @@ def _more_workers(workers: int | None) -> str:
     return "add workers (--workers" + ("" if workers is None else f", now {workers}") + ")"
 
 
-def _stage_tip(stage: str, *, workers: int | None, pipeline: str | None, network_reads: bool) -> str:
+def _stage_tip(stage: str, *, workers: int | None, decode: str | None, network_reads: bool) -> str:
     more_workers = _more_workers(workers)
     if stage == "read":
         if network_reads:
@@ -68,20 +68,20 @@ def _stage_tip(stage: str, *, workers: int | None, pipeline: str | None, network
                     "to a local disk")
         return f"reading is slow: {more_workers}"  # local (or in-memory) data: a cache or a copy changes nothing
     if stage == "collate":
-        fewer_bytes = "" if pipeline == "fast" else "use --pipeline fast (uint8 batches, a quarter of the bytes), "
+        fewer_bytes = "" if decode == "fast" else "use --decode fast (uint8 batches, a quarter of the bytes), "
         return f"batches are slow to assemble: {fewer_bytes}{more_workers} or a smaller --batch-size"
-    fast = "" if pipeline == "fast" else ", use --pipeline fast"  # decode or transform: more hands, less work
+    fast = "" if decode == "fast" else ", use --decode fast"  # decode or transform: more hands, less work
     return f"{more_workers}{fast}, or train on cached features (precompute-features, then --data features)"
 
 
-def stage_advice(stages: Mapping[str, Any], *, workers: int | None, pipeline: str | None = None,
+def stage_advice(stages: Mapping[str, Any], *, workers: int | None, decode: str | None = None,
                  network_reads: bool = False) -> list[str]:
     """The stage-specific tips: the largest worker stage with its share, and copying to the device when large."""
     tips = []
     dominant = dominant_worker_stage(stages)
     if dominant is not None:
         name, share = dominant
-        tip = _stage_tip(name, workers=workers, pipeline=pipeline, network_reads=network_reads)
+        tip = _stage_tip(name, workers=workers, decode=decode, network_reads=network_reads)
         tips.append(f"{name} is {share:.0%} of worker time: {tip}")
     loop_total = sum(stages.get(name, 0.0) for name in LOOP_STAGES)
     if loop_total > 0 and stages.get("to_device", 0.0) / loop_total > TO_DEVICE_WARNING_SHARE:
@@ -91,7 +91,7 @@ def stage_advice(stages: Mapping[str, Any], *, workers: int | None, pipeline: st
 
 
 def wait_advice(share: float, wait_s: float, *, data_kind: str | None, workers: int | None,
-                stages: Mapping[str, Any] | None = None, pipeline: str | None = None,
+                stages: Mapping[str, Any] | None = None, decode: str | None = None,
                 network_reads: bool = False) -> str | None:
     """What to change when the loop starves (``starving``); ``None`` when the data pipeline keeps up.
 
@@ -105,7 +105,7 @@ def wait_advice(share: float, wait_s: float, *, data_kind: str | None, workers: 
         return None
     waited = (f"the training loop waited for data {wait_s:.1f} s, {share:.0%} of the epoch (over "
               f"{WAIT_WARNING_SHARE:.0%} and {WAIT_WARNING_SECONDS:g} s): the data pipeline is the bottleneck")
-    tips = stage_advice(stages, workers=workers, pipeline=pipeline, network_reads=network_reads) if stages else []
+    tips = stage_advice(stages, workers=workers, decode=decode, network_reads=network_reads) if stages else []
     if tips and dominant_worker_stage(stages) is not None:
         if data_kind == "features":
             tips.append("a larger --batch-size (per-batch overhead dominates a small head)")

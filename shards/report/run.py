@@ -121,11 +121,12 @@ def wait_verdict(run: RunFiles, row: Mapping[str, Any], kind: str | None) -> str
     if waited is None:
         return None
     config = run.config
-    workers, pipeline, cache_dir = config.get("workers"), config.get("pipeline"), config.get("cache_dir")
+    workers, cache_dir = config.get("workers"), config.get("cache_dir")
+    decode = config.get("decode", config.get("pipeline"))  # "pipeline": a run recorded before the rename
     network = reads_over_network(kind, trained_on(config), cache_images=config.get("cache_images") is True,
                                  cache_dir=cache_dir if isinstance(cache_dir, str) else None)
     return wait_advice(*waited, data_kind=kind, workers=workers if type(workers) is int else None,
-                       stages=stage_seconds(row), pipeline=pipeline if isinstance(pipeline, str) else None,
+                       stages=stage_seconds(row), decode=decode if isinstance(decode, str) else None,
                        network_reads=network)
 
 

@@ -84,11 +84,12 @@ def collect_thumbs(folder: Path, manifest: DatasetManifest, split: str, options:
 
 
 def _read_thumbs(folder: Path, manifest: DatasetManifest, split: str, options: GridOptions) -> list[Thumb]:
-    from shards.stream.options import Decode
+    from shards.stream.options import Decode, Distributed, Sampling
     from shards.stream.reader import open_dataset
 
     wanted = {label: options.per_class for label in range(min(len(manifest.classes), options.max_classes))}
-    dataset = open_dataset(folder, split, shuffle=False, rank=0, world_size=1, return_keys=True,
+    dataset = open_dataset(folder, split, sampling=Sampling(shuffle=False), return_keys=True,
+                           distributed=Distributed(rank=0, world_size=1),
                            decode=Decode(pipeline="standard", decoder=_keep_encoded))
     thumbs: list[Thumb] = []
     deadline = time.monotonic() + options.max_seconds

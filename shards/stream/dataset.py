@@ -108,15 +108,15 @@ class ShardDataset(IterableDataset):
         self.mixture: Mixture | None = None  # several sources or a subset (``use_mixture``): the epoch's rows
         self.label_maps: list[Any] | None = None  # per shard: source label -> combined label, or None
         if self.sizes.dropped:
-            log.info("drop_last leaves out the last %d sample(s) of %r every epoch", self.sizes.dropped,
+            log.info("Sampling(balance='drop') leaves out the last %d sample(s) of %r every epoch", self.sizes.dropped,
                      config.split)
 
     def use_mixture(self, mixture: Mixture, label_maps: Sequence[Any] | None = None) -> None:
         """Stream ``mixture``'s epochs (``shards.stream.mixture``) over this dataset's shards, the combined split of
         its sources; ``label_maps`` map each shard's labels onto the combined classes."""
         if self.config.nodes > 1:
-            raise InputError("node affinity (affinity_nodes) orders whole shards of one dataset; a mixture or "
-                             "subset orders its own runs: leave affinity_nodes unset")
+            raise InputError("node affinity (Distributed.nodes) orders whole shards of one dataset; a mixture or "
+                             "subset orders its own runs: leave Distributed.nodes unset")
         self.mixture = mixture
         self.label_maps = None if label_maps is None or all(m is None for m in label_maps) else list(label_maps)
         self.sizes = epoch_sizes(mixture.epoch_size, self.config.world_size, self.config.drop_last)

@@ -91,7 +91,7 @@ class Continuation:
 
 def continuation(state: dict[str, Any], current: LoaderState, source: EpochSource, rank: int) -> Continuation:
     """Check ``state`` against the loader described by ``current`` and work out how that loader continues it."""
-    saved = LoaderState.from_dict(state, kind=current.kind)
+    saved = LoaderState.from_dict(state)
     check_compatible(saved, current)
     saved = replace(saved, **{f: getattr(current, f) for f in LAYOUT_FIELDS if getattr(saved, f) is None})
     if saved.same_layout(current):

@@ -1,12 +1,14 @@
 """The grouped options of ``open_dataset``: small frozen dataclasses, each validated on entry.
 
-``open_dataset`` keeps the everyday options flat (split, transform, seed, shuffle, rank, ...); the rarer ones come
-in groups, so a call states only what it changes: ``ErrorPolicy`` (what a corrupt sample does), ``Sampling``
-(shuffle buffer and class weighting), ``Decode`` (which image pipeline, PIL draft decoding, a custom decoder) and
+``open_dataset`` keeps the everyday options flat (split, transform, seed, ...); the rest come in groups, so a call
+states only what it changes: ``ErrorPolicy`` (what a corrupt sample does), ``Sampling`` (shuffling, class
+weighting, how ranks are balanced), ``Decode`` (which image pipeline, PIL draft decoding, a custom decoder),
 ``Remote`` (where shards are fetched from when not beside the manifest, which hosts a manifest may name, and how
-to reach object storage).
+to reach object storage), ``Distributed`` (this process's rank and the job's nodes) and ``MemoryCache`` (the
+decoded-image cache's size). The node-local shard cache's ``ShardCache`` lives with that cache
+(``shards.cache.node``).
 A bad value raises a one-line ``InputError`` naming the group and field. This module imports nothing heavy, so
-command-line modules can share ``PIPELINES`` without loading torch.
+command-line modules can share ``DECODES`` without loading torch.
 """
 
 from __future__ import annotations
@@ -16,19 +18,27 @@ from typing import Any, Callable
 
 from shards.errors import InputError
 
-# The image pipelines, defined once. "standard" yields float tensors normalised in the workers, so any model takes
-# them: it is the library default. "fast" yields uint8 tensors that the consumer normalises on its device
+# The decode modes, one vocabulary for every command and the Python API. "standard" (PIL + torchvision ops, the
+# reference) yields float tensors normalised in the workers, so any model takes them: it is the library default.
+# "fast" (uint8, DCT-scaled JPEG decoding) yields uint8 tensors that the consumer normalises on its device
 # (``dataset.decoder.normalizer()``), so only a caller that does that (train-from-shards) may default to it.
-PIPELINES = ("standard", "fast")
-DEFAULT_PIPELINE = "standard"
+# "device" decodes and resizes batches on the model's device: only precompute-features has that path.
+DECODES = ("standard", "fast", "device")
+STREAM_DECODES = ("standard", "fast")  # what open_dataset (and so train-from-shards) can do
+DEFAULT_DECODE = "standard"
 ON_ERROR = ("raise", "skip")
+BALANCE = ("pad", "drop")
 
 
-def check_pipeline(pipeline: str, *, field: str = "pipeline") -> str:
-    """``pipeline`` if it is one of ``PIPELINES``; the one place a pipeline name is validated."""
-    if pipeline not in PIPELINES:
-        raise InputError(f"{field}={pipeline!r} is not one of {', '.join(PIPELINES)}")
-    return pipeline
+def check_decode(decode: str, *, field: str = "decode", where: str = "open_dataset") -> str:
+    """``decode`` if it is one of ``STREAM_DECODES``, what ``where`` (a command or API) can do; the one place a
+    decode mode is validated for a streaming reader."""
+    if decode == "device":
+        raise InputError(f"{field}='device' is not available in {where}: only precompute-features decodes on the "
+                         f"model's device; use one of {', '.join(STREAM_DECODES)}")
+    if decode not in STREAM_DECODES:
+        raise InputError(f"{field}={decode!r} is not one of {', '.join(STREAM_DECODES)}")
+    return decode
 
 
 @dataclass(frozen=True)
@@ -47,14 +57,23 @@ class ErrorPolicy:
 
 @dataclass(frozen=True)
 class Sampling:
-    """A seeded shuffle buffer of ``shuffle_buffer`` samples (0: none), and optional class weighting:
-    ``class_weights="balanced"`` or one weight per class, resampled in windows of ``weight_window`` samples."""
+    """The order samples come in. ``shuffle=False`` reads shards and samples in manifest order (evaluation);
+    otherwise a seeded shard shuffle and a shuffle buffer of ``shuffle_buffer`` samples (0: none). Optional class
+    weighting: ``class_weights="balanced"`` or one weight per class, resampled in windows of ``weight_window``
+    samples. ``balance`` evens out the ranks' shares of an epoch: ``"pad"`` repeats a few samples so every rank
+    gets as many as the largest share, ``"drop"`` leaves out the remainder (logged) so none repeats."""
 
+    shuffle: bool = True
     shuffle_buffer: int = 512
     class_weights: str | tuple[float, ...] | None = None
     weight_window: int = 1024
+    balance: str = "pad"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.shuffle, bool):
+            raise InputError(f"Sampling.shuffle={self.shuffle!r} must be True or False")
+        if self.balance not in BALANCE:
+            raise InputError(f"Sampling.balance={self.balance!r} is not one of {', '.join(BALANCE)}")
         _at_least("Sampling.shuffle_buffer", self.shuffle_buffer, 0)
         _at_least("Sampling.weight_window", self.weight_window, 1)
         weights = self.class_weights
@@ -75,17 +94,17 @@ class Sampling:
 
 @dataclass(frozen=True)
 class Decode:
-    """How image shards become samples. ``pipeline`` is one of ``PIPELINES``; ``draft=True`` (standard pipeline,
+    """How image shards become samples. ``pipeline`` is one of ``STREAM_DECODES``; ``draft=True`` (standard pipeline,
     transform given as a preset name or ``TransformSpec``) lets PIL decode JPEGs at reduced size when the transform
     needs far fewer pixels; ``decoder`` replaces decoding and transform altogether (a callable taking a
     ``RawSample``; for a fixed draft size with a custom transform use ``ImageDecoder(transform, draft_size=...)``)."""
 
-    pipeline: str = DEFAULT_PIPELINE
+    pipeline: str = DEFAULT_DECODE
     draft: bool = False
     decoder: Callable | None = None
 
     def __post_init__(self) -> None:
-        check_pipeline(self.pipeline, field="Decode.pipeline")
+        check_decode(self.pipeline, field="Decode.pipeline", where="open_dataset (Decode)")
         if not isinstance(self.draft, bool):
             raise InputError(f"Decode.draft={self.draft!r} must be True or False; for a fixed minimum size pass "
                              "decoder=ImageDecoder(transform, draft_size=(width, height))")
@@ -110,15 +129,12 @@ class Remote:
     only from the caller: a manifest never chooses a command or another host (see ``shards.formats.locations``).
     ``storage_options`` configures ``s3://`` access: a mapping of ``shards.formats.s3.S3Options`` fields
     (``{"endpoint_url": ..., "profile": ..., "unsigned": True}``) or an ``S3Options``; credentials are never
-    options, they come from the AWS chain. With a node-local shard cache (``open_dataset(cache_dir=...)``),
-    ``cache_fallback=True`` reads from the source when the cache disk is full instead of failing, and
-    ``cache_local`` decides whether local paths are cached (None: only those on a network file system)."""
+    options, they come from the AWS chain. Keeping fetched shards on the node's disk is
+    ``open_dataset(shard_cache=ShardCache(...))``'s."""
 
     base_url: str | None = None
     url_origins: tuple[str, ...] = ()
     storage_options: Any = None
-    cache_fallback: bool = False
-    cache_local: bool | None = None
 
     def __post_init__(self) -> None:
         if self.base_url is not None and not isinstance(self.base_url, str):
@@ -137,6 +153,36 @@ class Remote:
         from shards.formats.s3 import S3Options
 
         return S3Options.from_mapping(self.storage_options)
+
+
+@dataclass(frozen=True)
+class Distributed:
+    """Where this process sits in the job. ``rank`` and ``world_size`` (None: from ``torch.distributed`` when a
+    process group is up, else rank 0 of 1) choose this rank's share of every epoch. ``nodes`` (None: one node, the
+    plain per-epoch shuffle) keeps each shard on one node across epochs, so a node's cache serves its ranks instead
+    of missing on a new random share every epoch: set it to the job's node count, ``world_size //
+    LOCAL_WORLD_SIZE`` (torchrun; ``SLURM_NNODES`` under Slurm), with ranks numbered node by node, and only when a
+    node's cache cannot hold the whole dataset (one that can hits anyway, and a rank then sees every shard over the
+    epochs, not only its node's). ``rotate_every=k`` deals the shards to nodes anew every ``k`` epochs (0: never),
+    trading one cold epoch per ``k`` for more mixing; see ``shards.stream.plan``. A saved state may be resumed on
+    another node count (elastic resume), not with another ``rotate_every``. ``StreamConfig`` validates the
+    resolved values."""
+
+    rank: int | None = None
+    world_size: int | None = None
+    nodes: int | None = None
+    rotate_every: int = 0
+
+
+@dataclass(frozen=True)
+class MemoryCache:
+    """``open_dataset(cache=MemoryCache(...))``: ``cache="memory"`` with its sizes. ``limit``: at most this many
+    bytes (``"8G"``; None: half of what the job's cgroup or the machine has left); ``side``: the train preset's
+    cached images are bounded to this shorter side (None: ``size / 0.875``). ``shards.cache.images`` validates
+    them."""
+
+    limit: int | str | None = None
+    side: int | None = None
 
 
 def _at_least(name: str, value: int, minimum: int) -> None:

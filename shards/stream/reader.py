@@ -2,7 +2,8 @@
 
 This is the one place that turns user-facing conveniences (a preset name for the transform, ``class_weights=
 "balanced"``, ``draft=True``, rank and world size read from ``torch.distributed``) into the explicit
-``StreamConfig`` and decoder the datasets take. The rarer options arrive grouped (``shards.stream.options``).
+``StreamConfig`` and decoder the datasets take. Most options arrive grouped (``shards.stream.options``, and the
+node cache's ``shards.cache.node.ShardCache``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -24,11 +24,12 @@ from shards.errors import InputError
 from shards.image.fast import FastDecoder
 from shards.stream.feature_stream import FeatureShardDataset
 from shards.cache.images import ImageCacheRequest
+from shards.cache.node import ShardCache
 from shards.formats.features import FeatureSpec
 from shards.manifest import DATASET_FILE, FEATURES_FILE, DatasetManifest, FeatureManifest, Manifest, load_manifest
 from shards.formats.locations import request_origins, shard_location
 from shards.formats.remote import is_remote, read_remote_json
-from shards.stream.options import Decode, ErrorPolicy, Remote, Sampling
+from shards.stream.options import Decode, Distributed, ErrorPolicy, MemoryCache, Remote, Sampling
 from shards.stream.stages import class_weights_from_counts
 from shards.image.transforms import TransformSpec, build_transform
 
@@ -106,32 +107,6 @@ def _resolve_transform(transform: Any, draft: bool) -> tuple[Callable | None, tu
     return spec, draft_size
 
 
-# The groups, by parameter name: their fields are the options open_dataset took flat before they were grouped,
-# still accepted (with a DeprecationWarning) so existing calls keep working.
-_GROUPS = {"sampling": Sampling, "errors": ErrorPolicy, "decode": Decode, "remote": Remote}
-
-
-def _regroup(legacy: dict[str, Any], groups: dict[str, Any]) -> dict[str, Any]:
-    """Fold old flat keyword arguments (``on_error=``, ``pipeline=``...) into their group values."""
-    known = {f.name: key for key, group in _GROUPS.items() for f in dataclasses.fields(group)}
-    unknown = sorted(set(legacy) - set(known))
-    if unknown:
-        raise TypeError(f"open_dataset() got an unexpected keyword argument {unknown[0]!r}")
-    if legacy.get("draft", False) is None:
-        legacy = {**legacy, "draft": False}
-    regrouped = dict(groups)
-    for key, group in _GROUPS.items():
-        changes = {name: value for name, value in legacy.items() if known[name] == key}
-        if not changes:
-            continue
-        if groups[key] != group():
-            raise InputError(f"give {', '.join(changes)} inside {key}={group.__name__}(...), not both")
-        regrouped[key] = group(**changes)
-        warnings.warn(f"open_dataset({'=, '.join(changes)}=) is deprecated; pass {key}={group.__name__}(...)",
-                      DeprecationWarning, stacklevel=3)
-    return regrouped
-
-
 def _fast_spec(transform: Any) -> TransformSpec:
     if transform is None:
         return TransformSpec(preset="eval")
@@ -144,49 +119,38 @@ def _fast_spec(transform: Any) -> TransformSpec:
 
 def open_dataset(path: str | os.PathLike | SourceSpec | Sequence[str | os.PathLike | SourceSpec],
                  split: str = "train", *,
-                 transform: Callable | str | TransformSpec | None = None, seed: int = 0, shuffle: bool = True,
-                 drop_last: bool = False, return_keys: bool = False,
-                 rank: int | None = None, world_size: int | None = None,
+                 transform: Callable | str | TransformSpec | None = None, seed: int = 0, return_keys: bool = False,
                  sampling: Sampling = Sampling(), errors: ErrorPolicy = ErrorPolicy(), decode: Decode = Decode(),
-                 remote: Remote = Remote(), cache: str = "auto", cache_dir: str | os.PathLike | None = None,
-                 cache_limit: int | str | None = None, affinity_nodes: int | None = None, rotate_every: int = 0,
-                 memory_limit: int | str | None = None, cache_side: int | None = None,
-                 subset: Subset | None = None, mix: MixOptions = MixOptions(),
-                 **legacy: Any) -> ShardDataset:
+                 remote: Remote = Remote(), cache: str | MemoryCache = "auto", shard_cache: ShardCache = ShardCache(),
+                 distributed: Distributed = Distributed(), subset: Subset | None = None,
+                 mix: MixOptions = MixOptions()) -> ShardDataset:
     """Stream one split of a ``dataset.json`` (images) or ``features.json`` (features).
 
-    Yields ``(sample, label)`` or ``(sample, label, key)``; the sample is an RGB PIL image (or ``transform`` of
-    it) for image shards and a feature tensor for feature shards. ``remote=Remote(base_url=...)`` fetches shards
-    from ``base_url/<shard path>`` instead of next to the manifest. ``sampling``, ``errors``, ``decode`` and
-    ``remote`` group the rarer options (``shards.Sampling``, ``shards.ErrorPolicy``, ``shards.Decode``,
-    ``shards.Remote``); their old flat names (``on_error=``, ``pipeline=``, ``base_url=``...) still work with a
-    ``DeprecationWarning``.
+    Yields ``(sample, label)`` or ``(sample, label, key)`` (``return_keys=True``); the sample is an RGB PIL image
+    (or ``transform`` of it) for image shards and a feature tensor for feature shards. Everything else comes
+    grouped, so a call states only what it changes: ``sampling=Sampling(shuffle=, shuffle_buffer=, class_weights=,
+    balance=)`` (order and how ranks are balanced), ``errors=ErrorPolicy(...)``, ``decode=Decode(...)``,
+    ``remote=Remote(base_url=, url_origins=, storage_options=)`` (``base_url`` fetches shards from
+    ``base_url/<shard path>`` instead of next to the manifest), ``distributed=Distributed(rank=, world_size=,
+    nodes=, rotate_every=)`` (rank and world size default to ``torch.distributed``'s; ``nodes`` keeps each shard on
+    one node across epochs, see ``shards.Distributed``), ``shard_cache=ShardCache(...)`` and ``cache``.
 
     ``decode=Decode("fast")`` (image shards, ``transform`` a preset name or ``TransformSpec``) yields uint8
     [3, size, size] tensors made by crop-then-resize with DCT-scaled JPEG decoding; normalise each batch on the
     consuming device with ``shards.image.fast.Normalize(spec.mean, spec.std)`` (or ``dataset.decoder.normalizer()``).
 
-    ``cache_dir`` (default ``$SHARDCACHE_CACHE_DIR``, else none) keeps whole shards fetched from ``s3://``,
+    ``shard_cache=ShardCache(dir=, limit=, fallback=, local=)`` keeps whole shards fetched from ``s3://``,
     ``http(s)://`` or a network file system on local disk, shared by every rank and worker of the node, at most
-    ``cache_limit`` bytes (``"200G"``); see ``shards.cache.cached_shards``. ``dataset.shard_cache.summary()``
-    counts hits, misses and bytes fetched.
+    ``limit`` bytes (``"200G"``); ``dir`` defaults to ``$SHARDCACHE_CACHE_DIR`` (else no cache); see
+    ``shards.cache.cached_shards``. ``dataset.shard_cache.summary()`` counts hits, misses and bytes fetched.
 
-    ``cache="memory"`` on image shards (fast pipeline only) keeps each sample's decoded pixels in memory shared by
-    the DataLoader workers, so epochs after the first skip decoding: the eval preset's final crops, the train
-    preset's images bounded to ``cache_side`` on the shorter side (default ``size / 0.875``; every epoch, the
-    first included, crops from that bounded image), at most ``memory_limit`` bytes (``"8G"``; default half of
-    what the job's cgroup or the machine has left), the rest decoded every epoch; see
+    ``cache="memory"`` (or ``cache=MemoryCache(limit=, side=)``) on image shards (fast pipeline only) keeps each
+    sample's decoded pixels in memory shared by the DataLoader workers, so epochs after the first skip decoding:
+    the eval preset's final crops, the train preset's images bounded to ``side`` on the shorter side (default
+    ``size / 0.875``; every epoch, the first included, crops from that bounded image), at most ``limit`` bytes
+    (``"8G"``; default half of what the job's cgroup or the machine has left), the rest decoded every epoch; see
     ``shards.cache.images``. ``dataset.image_cache.stats()`` counts cached samples, hits and misses.
-    ``"auto"`` caches only feature folders (under 4 GiB).
-
-    ``affinity_nodes`` (default None: one node, the plain per-epoch shuffle) keeps each shard on one node across
-    epochs, so a node's cache serves its ranks instead of missing on a new random share every epoch: set it to
-    the job's node count, ``world_size // LOCAL_WORLD_SIZE`` (torchrun; ``SLURM_NNODES`` under Slurm), with ranks
-    numbered node by node, and only when a node's cache cannot hold the whole dataset (one that can hits anyway,
-    and a rank then sees every shard over the epochs, not only its node's). ``rotate_every=k`` deals the shards to
-    nodes anew every ``k`` epochs (0: never), trading one cold epoch per ``k`` for more mixing; see
-    ``shards.stream.plan``. A saved state may be resumed on another node count (elastic resume), not with another
-    ``rotate_every``.
+    ``"auto"`` caches only feature folders (under 4 GiB); ``"none"`` nothing.
 
     Several sources (a list of folders or ``shards.SourceSpec(path, weight=|repeat=|choose=, subset=)``) are read
     as one split: each fills its share of every epoch, drawn by whole shard runs from ``(seed, epoch)``, and
@@ -194,24 +158,21 @@ def open_dataset(path: str | os.PathLike | SourceSpec | Sequence[str | os.PathLi
     without repacking; ``mix=MixOptions(class_map="union")`` mixes sources whose class lists differ. See
     ``shards.stream.mixture``; ``dataset.mixture.composition()`` says what an epoch holds.
     """
-    if legacy:
-        grouped = _regroup(legacy, {"sampling": sampling, "errors": errors, "decode": decode, "remote": remote})
-        sampling, errors, decode, remote = (grouped[name] for name in ("sampling", "errors", "decode", "remote"))
     specs = as_specs(path, subset)
+    rank, world_size = distributed.rank, distributed.world_size
     if rank is None or world_size is None:
         auto_rank, auto_world = distributed_rank_world()
         rank = auto_rank if rank is None else rank
         world_size = auto_world if world_size is None else world_size
     config = StreamConfig(
-        split=split, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size, drop_last=drop_last,
-        shuffle_buffer=sampling.shuffle_buffer,
-        class_weights=None,
+        split=split, shuffle=sampling.shuffle, seed=seed, rank=rank, world_size=world_size,
+        drop_last=sampling.balance == "drop", shuffle_buffer=sampling.shuffle_buffer, class_weights=None,
         weight_window=sampling.weight_window, on_error=errors.on_error,
         max_consecutive_errors=errors.max_consecutive_errors, return_keys=return_keys,
-        nodes=1 if affinity_nodes is None else affinity_nodes, rotate_every=rotate_every)
+        nodes=1 if distributed.nodes is None else distributed.nodes, rotate_every=distributed.rotate_every)
     # Every hop of an http(s) request for this dataset stays on a source manifest's own origin or the caller's.
     origins = request_origins([path] if specs is None else [spec.path for spec in specs], remote.url_origins)
-    shard_cache = _shard_cache(cache_dir, cache_limit, remote, origins)
+    node_cache = _node_cache(shard_cache, remote, origins)
     combined = None
     if specs is None:
         manifest, base = _load(path, remote.url_origins, remote.storage_options)
@@ -219,14 +180,14 @@ def open_dataset(path: str | os.PathLike | SourceSpec | Sequence[str | os.PathLi
         root = remote.base_url if remote.base_url is not None else base
         locations = [shard_location(root, s.path) for s in split_info.shards]
     else:
-        sources = [_load_source(spec, split, remote, config, shard_cache) for spec in specs]
-        combined = combine(sources, split, mix, seed=seed, shuffle=shuffle)
+        sources = [_load_source(spec, split, remote, config, node_cache) for spec in specs]
+        combined = combine(sources, split, mix, seed=seed, shuffle=sampling.shuffle)
         manifest, split_info, locations = combined.manifest, combined.split, combined.locations
     if sampling.class_weights is not None:
         config = dataclasses.replace(config, class_weights=_resolve_weights(sampling.class_weights,
                                                                             split_info.class_counts))
     dataset = _build(manifest, split_info, locations, config, transform=transform, decode=decode, remote=remote,
-                     origins=origins, caches=_Caches(cache, shard_cache, memory_limit, cache_side))
+                     origins=origins, caches=_Caches.of(cache, node_cache))
     if combined is not None:
         dataset.use_mixture(combined.mixture, combined.label_maps)
     return dataset
@@ -263,6 +224,12 @@ class _Caches:
     memory_limit: Any = None
     cache_side: int | None = None
 
+    @classmethod
+    def of(cls, cache: str | MemoryCache, shards: Any) -> _Caches:
+        if isinstance(cache, MemoryCache):
+            return cls("memory", shards, cache.limit, cache.side)
+        return cls(cache, shards)
+
 
 def _build(manifest: Manifest, split_info: Any, locations: list[str], config: StreamConfig, *, transform: Any,
            decode: Decode, remote: Remote, origins: Sequence[str], caches: _Caches) -> ShardDataset:
@@ -272,8 +239,8 @@ def _build(manifest: Manifest, split_info: Any, locations: list[str], config: St
     if isinstance(manifest, FeatureManifest):
         if transform is not None or decode.image_only or caches.memory_limit is not None \
                 or caches.cache_side is not None:
-            raise InputError("transform, Decode.decoder, Decode.draft, memory_limit and cache_side apply to image "
-                             "shards, not to feature shards")
+            raise InputError("transform, Decode.decoder, Decode.draft and MemoryCache apply to image shards, not to "
+                             "feature shards")
         # A regression table has no classes (None: no label range to check) and yields its float targets.
         return FeatureShardDataset(split_info, locations, config, spec=FeatureSpec.of(manifest), cache=caches.mode,
                                    storage_options=remote.storage_options, shard_cache=shard_cache)
@@ -293,15 +260,15 @@ def _build(manifest: Manifest, split_info: Any, locations: list[str], config: St
                              image_cache=images.open(decoder, split_info.samples, split))
 
 
-def _shard_cache(cache_dir: str | os.PathLike | None, cache_limit: int | str | None, remote: Remote,
-                 origins: Sequence[str] = ()):
+def _node_cache(request: ShardCache, remote: Remote, origins: Sequence[str] = ()):
     """The node-local shard cache asked for, or None (``$SHARDCACHE_CACHE_DIR`` when no folder is given)."""
-    from shards.cache.cached_shards import CacheRequest, CachedShards
+    from shards.cache.cached_shards import CachedShards
 
-    folder = cache_dir if cache_dir is not None else os.environ.get("SHARDCACHE_CACHE_DIR") or None
-    if folder is None:
-        if cache_limit is not None:
-            raise InputError("cache_limit needs a cache_dir (or $SHARDCACHE_CACHE_DIR)")
-        return None
-    request = CacheRequest(str(folder), cache_limit, fallback=remote.cache_fallback, local=remote.cache_local)
+    if request.dir is None:
+        folder = os.environ.get("SHARDCACHE_CACHE_DIR") or None
+        if folder is None:
+            if request.limit is not None:
+                raise InputError("ShardCache.limit needs a ShardCache.dir (or $SHARDCACHE_CACHE_DIR)")
+            return None
+        request = dataclasses.replace(request, dir=folder)
     return CachedShards(request, remote.storage_options, origins)

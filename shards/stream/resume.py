@@ -97,7 +97,6 @@ class SharedEpochState(SharedValues):
 
 # -- what a loader saves -------------------------------------------------------------------------------------------
 LOADER_STATE_VERSION = 2
-READABLE_VERSIONS = (1, 2)
 STREAM = "stream"
 FEATURE_BATCHES = "feature_batches"
 KINDS = (STREAM, FEATURE_BATCHES)
@@ -112,12 +111,13 @@ COMPATIBLE = ("kind", "seed", "dataset", "sampling")
 class LoaderState:
     """A loader's position: ``batches`` of ``epoch`` handed out, and the settings that make the count meaningful.
 
-    ``split_batch`` is the unit the epoch plan split each rank's share between workers in (the batch size since
-    version 2; version 1 split sample by sample). ``dataset`` fingerprints the shard sizes, ``sampling`` the order
-    settings (shuffle, buffer, class weights, the dataset's drop_last). ``prior``: the state this epoch continued
-    in another layout (its batches count from ``prior["batches"]``). ``None`` in a setting means the saved state
-    did not record it, so it is not checked; except ``nodes`` (the node count of the epoch plan's node affinity):
-    a state without it was saved before node affinity existed, on what the plan took as one node.
+    ``split_batch`` is the unit the epoch plan split each rank's share between workers in (the batch size for a
+    ``ShardLoader``; 1 for a loader that deals samples one by one). ``dataset`` fingerprints the shard sizes,
+    ``sampling`` the order settings (shuffle, buffer, class weights, the dataset's drop_last). ``prior``: the state
+    this epoch continued in another layout (its batches count from ``prior["batches"]``). ``None`` in a setting
+    means the saved state did not record it, so it is not checked; except ``nodes`` (the node count of the epoch
+    plan's node affinity): a state without it was saved before node affinity existed, on what the plan took as one
+    node.
     """
 
     kind: str
@@ -169,7 +169,7 @@ class LoaderState:
 
     @property
     def prior_state(self) -> LoaderState | None:
-        return None if self.prior is None else LoaderState.from_dict(self.prior, kind=self.kind)
+        return None if self.prior is None else LoaderState.from_dict(self.prior)
 
     @property
     def layout_batches(self) -> int:
@@ -177,19 +177,15 @@ class LoaderState:
         return self.batches - (self.prior["batches"] if self.prior is not None else 0)
 
     @classmethod
-    def from_dict(cls, state: dict[str, Any], *, kind: str) -> LoaderState:
-        """Read a saved state; an unversioned one (saved before layouts had versions) is taken as ``kind``."""
+    def from_dict(cls, state: dict[str, Any]) -> LoaderState:
+        """Read a saved state of this version; any other version (or none) is refused, not guessed at."""
         if not isinstance(state, dict):
             raise InputError(f"a loader state is a dict, got {type(state).__name__}")
-        if "version" not in state:
-            return cls._from_unversioned(state, kind)
-        version = state["version"]
-        if version not in READABLE_VERSIONS:
-            raise InputError(f"loader state version {version!r} is not one this shardcache reads "
-                             f"(it reads versions {list(READABLE_VERSIONS)}); resume with the version that saved it")
+        version = state.get("version")
+        if version != LOADER_STATE_VERSION:
+            raise InputError(f"loader state version {version!r} is not one this shardcache reads (it reads version "
+                             f"{LOADER_STATE_VERSION}); resume with the version that saved it")
         names = [f.name for f in fields(cls) if f.name != "version"]
-        if version == 1:  # version 1 split workers sample by sample and recorded no fingerprints
-            names = [n for n in names if n not in ("split_batch", "dataset", "sampling", "prior")]
         missing = [n for n in names if n not in state and n not in LATER_FIELDS]
         if missing:
             raise InputError(f"loader state of version {version} lacks {', '.join(missing)}")
@@ -197,18 +193,6 @@ class LoaderState:
         if loaded.prior is not None and loaded.prior.get("epoch") != loaded.epoch:
             raise InputError("loader state continues a state of another epoch: it was not saved by shardcache")
         return loaded
-
-    @classmethod
-    def _from_unversioned(cls, state: dict[str, Any], kind: str) -> LoaderState:
-        if "epoch" not in state or not ("batches" in state or "samples" in state):
-            raise InputError("not a loader state: it needs 'epoch' and 'batches' (or 'samples')")
-        if "samples" in state:  # a ShardDataset iterated on its own counted samples: batches of one
-            return cls(STREAM, int(state["epoch"]), int(state["samples"]), batch_size=1,
-                       num_workers=state.get("num_workers", 0), drop_last=False, seed=state.get("seed"),
-                       world_size=state.get("world_size"))
-        return cls(kind, int(state["epoch"]), int(state["batches"]), batch_size=state.get("batch_size"),
-                   num_workers=state.get("num_workers"), drop_last=state.get("drop_last"), seed=state.get("seed"),
-                   world_size=state.get("world_size"))
 
 
 def check_compatible(saved: LoaderState, current: LoaderState) -> None:

@@ -48,7 +48,7 @@ def write_sklearn_csv(path: Path, dataset) -> Path:
 
 
 def read_split(folder: Path, split: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    rows = list(shards.open_dataset(folder, split, shuffle=False, return_keys=True))
+    rows = list(shards.open_dataset(folder, split, return_keys=True, sampling=shards.Sampling(shuffle=False)))
     return (np.stack([r[0].numpy() for r in rows]), np.array([r[1] for r in rows]), [r[2] for r in rows])
 
 

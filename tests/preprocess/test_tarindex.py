@@ -108,7 +108,8 @@ def test_old_manifests_without_an_index_still_read(packed):
     assert all(s.index is None for s in manifest.splits["train"].shards)
     assert "index" not in manifest.splits["train"].shards[0].to_dict()
     assert verify_dataset(packed).ok
-    keys = [key for _, _, key in shards.open_dataset(packed, split="train", shuffle=False, return_keys=True)]
+    keys = [key for _, _, key in shards.open_dataset(packed, split="train", return_keys=True,
+                                                     sampling=shards.Sampling(shuffle=False))]
     assert len(keys) == manifest.splits["train"].samples == len(set(keys))
 
 

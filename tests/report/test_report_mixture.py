@@ -25,8 +25,8 @@ def composition(tmp_path: Path) -> list[dict]:
     make_shard_dataset(tmp_path / "B", classes=("a", "b", "c"), shard_sizes={"train": [5, 5]}, size=(8, 8))
     specs = [SourceSpec(str(tmp_path / "A"), weight=0.7),
              SourceSpec(str(tmp_path / "B"), weight=0.3, subset=Subset(classes=["a"]))]
-    dataset = shards.open_dataset(specs, "train", rank=0, world_size=1, cache="none",
-                                  mix=shards.MixOptions(epoch_size=20))
+    dataset = shards.open_dataset(specs, "train", cache="none", mix=shards.MixOptions(epoch_size=20),
+                                  distributed=shards.Distributed(rank=0, world_size=1))
     return dataset.mixture.composition(["a", "b", "c"])
 
 

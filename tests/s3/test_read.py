@@ -42,8 +42,9 @@ def packed(folder: Path, storage: str = "tar") -> Path:
 
 
 def samples(path, split="train", **options):
-    dataset = shards.open_dataset(path, split, shuffle=False, return_keys=True, rank=0, world_size=1,
-                                  decode=shards.Decode(decoder=raw), **options)
+    dataset = shards.open_dataset(path, split, return_keys=True, decode=shards.Decode(decoder=raw), **options,
+                                  sampling=shards.Sampling(shuffle=False),
+                                  distributed=shards.Distributed(rank=0, world_size=1))
     return [(key, data, int(label)) for (key, data), label, _ in dataset]
 
 
@@ -76,8 +77,8 @@ def test_two_workers_read_the_same_samples(bucket, tmp_path):
     url = bucket.upload(local, "data")
 
     def epoch(path):
-        dataset = shards.open_dataset(path, "train", seed=3, return_keys=True, rank=0, world_size=1,
-                                      decode=shards.Decode(decoder=raw))
+        dataset = shards.open_dataset(path, "train", seed=3, return_keys=True, decode=shards.Decode(decoder=raw),
+                                      distributed=shards.Distributed(rank=0, world_size=1))
         loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2)
         return [(key, data) for (key, data), _, _ in loader]
 
@@ -88,7 +89,8 @@ def test_two_workers_read_the_same_samples(bucket, tmp_path):
 def test_a_slice_fetches_only_its_bytes_and_the_index(bucket, tmp_path):
     local = packed(tmp_path / "data")
     url = bucket.upload(local, "data")
-    dataset = shards.open_dataset(url, "train", shuffle=False, rank=0, world_size=1)
+    dataset = shards.open_dataset(url, "train", sampling=shards.Sampling(shuffle=False),
+                                  distributed=shards.Distributed(rank=0, world_size=1))
     info = dataset.split_info.shards[2]
     index = (local / info.index).read_bytes()
     from shards.formats.tarindex import read_index
@@ -109,12 +111,16 @@ def test_feature_folder_round_trip(bucket, tmp_path):
     local = tmp_path / "features"
     write_feature_dataset(local, [5, 3, 6])
     url = bucket.upload(local, "features")
-    local_rows = list(shards.open_dataset(local, "train", shuffle=False, rank=0, world_size=1, return_keys=True))
-    s3_rows = list(shards.open_dataset(url, "train", shuffle=False, rank=0, world_size=1, return_keys=True))
+    local_rows = list(shards.open_dataset(local, "train", return_keys=True, sampling=shards.Sampling(shuffle=False),
+                                          distributed=shards.Distributed(rank=0, world_size=1)))
+    s3_rows = list(shards.open_dataset(url, "train", return_keys=True, sampling=shards.Sampling(shuffle=False),
+                                       distributed=shards.Distributed(rank=0, world_size=1)))
     assert [(k, int(l)) for _, l, k in s3_rows] == [(k, int(l)) for _, l, k in local_rows]
     assert all(torch.equal(a[0], b[0]) for a, b in zip(s3_rows, local_rows))
-    loader = shards.make_loader(shards.open_dataset(url, "train", seed=1, rank=0, world_size=1), batch_size=4)
-    local_loader = shards.make_loader(shards.open_dataset(local, "train", seed=1, rank=0, world_size=1), batch_size=4)
+    loader = shards.make_loader(shards.open_dataset(url, "train", seed=1,
+                                                    distributed=shards.Distributed(rank=0, world_size=1)), batch_size=4)
+    local_set = shards.open_dataset(local, "train", seed=1, distributed=shards.Distributed(rank=0, world_size=1))
+    local_loader = shards.make_loader(local_set, batch_size=4)
     for (f1, l1), (f2, l2) in zip(loader, local_loader, strict=True):
         assert torch.equal(f1, f2) and torch.equal(l1, l2)
 
@@ -126,7 +132,7 @@ def test_a_replaced_feature_shard_is_refused(bucket, tmp_path):
     url = bucket.upload(local, "features")
     bucket.put("features/train-000000.pt", (local / "train-000000.pt").read_bytes()[:-10] + b"0" * 10)
     with pytest.raises(CorruptDataError, match="sha256"):
-        list(shards.open_dataset(url, "train", rank=0, world_size=1))
+        list(shards.open_dataset(url, "train", distributed=shards.Distributed(rank=0, world_size=1)))
 
 
 @pytest.mark.slow

@@ -100,8 +100,10 @@ def test_a_shard_of_several_parts_is_reassembled_in_order_and_reads_back(bucket,
     assert "-" not in head(bucket, f"feat/{small.path}")["ETag"]
     assert s3_upload.object_state(bucket.url("feat", big.path)) == (big.bytes, big.sha256)
 
-    remote = shards.open_dataset(bucket.url("feat"), "train", shuffle=False, rank=0, world_size=1, return_keys=True)
-    here = shards.open_dataset(local, "train", shuffle=False, rank=0, world_size=1, return_keys=True)
+    remote = shards.open_dataset(bucket.url("feat"), "train", return_keys=True, sampling=shards.Sampling(shuffle=False),
+                                 distributed=shards.Distributed(rank=0, world_size=1))
+    here = shards.open_dataset(local, "train", return_keys=True, sampling=shards.Sampling(shuffle=False),
+                               distributed=shards.Distributed(rank=0, world_size=1))
     for (got, got_label, got_key), (want, want_label, want_key) in zip(remote, here, strict=True):
         assert got_key == want_key and int(got_label) == int(want_label) and torch.equal(got, want)
 
@@ -190,8 +192,9 @@ def uploaded(bucket, tmp_path):
 
 
 def keyed_samples(url, **options):
-    dataset = shards.open_dataset(url, "train", shuffle=False, return_keys=True, rank=0, world_size=1,
-                                  decode=shards.Decode(decoder=raw), **options)
+    dataset = shards.open_dataset(url, "train", return_keys=True, decode=shards.Decode(decoder=raw), **options,
+                                  sampling=shards.Sampling(shuffle=False),
+                                  distributed=shards.Distributed(rank=0, world_size=1))
     return [(key, data, int(label)) for (key, data), label, _ in dataset]
 
 

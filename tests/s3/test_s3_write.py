@@ -68,8 +68,10 @@ def test_pack_to_s3_reads_back_through_open_dataset(src, bucket, tmp_path, s3_en
 
     assert _pack(src, bucket.url("ds"), tmp_path / "stage").exit_code == 0
     remote = shards.Remote(storage_options={"endpoint_url": s3_env.endpoint_url})
-    dataset = shards.open_dataset(bucket.url("ds"), split="train", shuffle=False, return_keys=True, remote=remote)
-    local = shards.open_dataset(tmp_path / "stage", split="train", shuffle=False, return_keys=True)
+    dataset = shards.open_dataset(bucket.url("ds"), split="train", return_keys=True, remote=remote,
+                                  sampling=shards.Sampling(shuffle=False))
+    local = shards.open_dataset(tmp_path / "stage", split="train", return_keys=True,
+                                sampling=shards.Sampling(shuffle=False))
     got, want = ({key: image for image, _, key in ds} for ds in (dataset, local))
     assert got.keys() == want.keys() and all(got[k].tobytes() == want[k].tobytes() for k in want)
 

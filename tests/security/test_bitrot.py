@@ -103,8 +103,8 @@ def raw(sample, seed):
 
 
 def epoch(location, *, errors=SKIP, **options) -> tuple[list[str], object]:
-    dataset = shards.open_dataset(location, shuffle=False, return_keys=True, decode=shards.Decode(decoder=raw),
-                                  errors=errors, **options)
+    dataset = shards.open_dataset(location, return_keys=True, decode=shards.Decode(decoder=raw), errors=errors,
+                                  **options, sampling=shards.Sampling(shuffle=False))
     return [key for _, _, key in dataset], dataset
 
 
@@ -159,8 +159,8 @@ def reach(read_path: str, folder: Path, tmp_path: Path):
     if read_path == "node-cache":  # a copy must match dataset.json's sha256: the shard was packed damaged
         shard = folder / "train-000000.tar"
         rewrite(folder, shard.name, shard.read_bytes())
-        return contextlib.nullcontext(folder), {"cache_dir": tmp_path / "cache",
-                                                "remote": shards.Remote(cache_local=True)}
+        return contextlib.nullcontext(folder), {"shard_cache": shards.ShardCache(tmp_path / "cache",
+                                                                                  local=True)}
     if read_path == "http":
         return served(folder), {}
     return contextlib.nullcontext(folder), {}
@@ -193,7 +193,7 @@ def test_a_rank_whose_slice_starts_at_the_damaged_sample_loses_only_it(tmp_path,
     if not indexed:
         drop_index(folder)
     with caplog.at_level(logging.WARNING):
-        ranks = [epoch(folder, world_size=2, rank=rank) for rank in (0, 1)]
+        ranks = [epoch(folder, distributed=shards.Distributed(rank, 2)) for rank in (0, 1)]
     assert [len(got) for got, _ in ranks] == [20, 20]
     assert set(keys) - {key for got, _ in ranks for key in got} == {"s00020"}
     assert ranks[1][0] == ["s00021", "s00021", *keys[22:]]
@@ -269,7 +269,8 @@ def test_a_damaged_index_sidecar_costs_nothing_but_speed(tmp_path, caplog):
     data[-3] ^= 0x10
     sidecar.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING):
-        ranks = [epoch(folder, errors=shards.ErrorPolicy("raise"), world_size=2, rank=rank)[0] for rank in (0, 1)]
+        ranks = [epoch(folder, errors=shards.ErrorPolicy("raise"), distributed=shards.Distributed(rank, 2))[0]
+                 for rank in (0, 1)]
     assert ranks == [keys[:20], keys[20:]]
     assert any("train-000000.tar.idx" in r.getMessage() and "scanning" in r.getMessage() for r in caplog.records)
 
@@ -289,7 +290,7 @@ def test_on_s3_a_flipped_checksum_byte_costs_exactly_its_sample(tmp_path, bucket
     with caplog.at_level(logging.WARNING):
         got, dataset = epoch(url)
     assert_costs_exactly(keys, got, dataset, {"s00000", "s00030"}, caplog)
-    ranks = [epoch(url, world_size=3, rank=rank)[0] for rank in range(3)]  # slices that start mid-shard
+    ranks = [epoch(url, distributed=shards.Distributed(rank, 3))[0] for rank in range(3)]  # slices that start mid-shard
     assert set(keys) - {key for got in ranks for key in got} == {"s00000", "s00030"}
     with pytest.raises(CorruptDataError) as info:
         epoch(url, errors=shards.ErrorPolicy("raise"))

@@ -76,12 +76,13 @@ def test_flipped_checksum_byte_names_shard_key_and_offset(tmp_path, flipped):
     data[position:position + 1] = flipped if data[position:position + 1] != flipped else b"2"
     path.write_bytes(bytes(data))  # a flipped byte on disk: the manifest still has the old sha256
     with pytest.raises(CorruptDataError) as info:
-        list(shards.open_dataset(tmp_path, shuffle=False))
+        list(shards.open_dataset(tmp_path, sampling=shards.Sampling(shuffle=False)))
     message = str(info.value)
     assert "train-000001.tar" in message and f"byte {offset}" in message and "\n" not in message
     assert info.value.key == "s00004"
 
-    skipping = shards.open_dataset(tmp_path, shuffle=False, errors=shards.ErrorPolicy("skip"), return_keys=True)
+    skipping = shards.open_dataset(tmp_path, errors=shards.ErrorPolicy("skip"), return_keys=True,
+                                   sampling=shards.Sampling(shuffle=False))
     got = keys_of(skipping)
     assert len(got) == 6 and skipping.skipped == 1  # s00004 only: reading resyncs at the next sample
     assert set(got) == {"s00000", "s00001", "s00002", "s00003", "s00005"}
@@ -103,7 +104,7 @@ def test_huge_member_size_is_refused_before_reading(tmp_path, size_field):
     offset = forge_header(tmp_path, "train-000000.tar", "s00001.jpg",
                           lambda h: reseal(h.__setitem__(slice(124, 136), size_field) or h))
     with pytest.raises(CorruptDataError) as info:
-        list(shards.open_dataset(tmp_path, shuffle=False))
+        list(shards.open_dataset(tmp_path, sampling=shards.Sampling(shuffle=False)))
     assert f"byte {offset}" in str(info.value) and "train-000000.tar" in str(info.value)
     with pytest.raises(CorruptDataError, match=f"byte {offset}"):
         list(iter_tar_shard(tmp_path / "train-000000.tar"))  # what shards verify and featurize read with
@@ -118,14 +119,15 @@ def test_malformed_header_fields_are_corrupt_data(tmp_path, member, field, garba
     offset = forge_header(tmp_path, "train-000000.tar", member,
                           lambda h: reseal(h.__setitem__(field, garbage) or h))
     with pytest.raises(CorruptDataError, match=f"train-000000.tar.*byte {offset}.*{message}"):
-        list(shards.open_dataset(tmp_path, shuffle=False))
+        list(shards.open_dataset(tmp_path, sampling=shards.Sampling(shuffle=False)))
 
 
 def test_a_bad_header_mid_shard_is_skipped_and_counted(tmp_path):
     write_labelled_shards(tmp_path, [[0, 1, 2]])
     forge_header(tmp_path, "train-000000.tar", "s00002.cls",
                  lambda h: reseal(h.__setitem__(slice(124, 136), b"0000000z001\0") or h))
-    skipping = shards.open_dataset(tmp_path, shuffle=False, errors=shards.ErrorPolicy("skip"), return_keys=True)
+    skipping = shards.open_dataset(tmp_path, errors=shards.ErrorPolicy("skip"), return_keys=True,
+                                   sampling=shards.Sampling(shuffle=False))
     assert keys_of(skipping) == ["s00000", "s00001", "s00001"] and skipping.skipped == 1
 
 
@@ -146,7 +148,7 @@ def test_malformed_pax_header_is_corrupt_data(tmp_path, payload):
     rewrite(tmp_path, path.name, data[:offset] + pax_header(payload) + data[offset:])
     # Charged to the sample whose members follow the damaged header.
     with pytest.raises(CorruptDataError, match=rf"train-000000.tar \[sample s00001\]: bad tar header at byte {offset}"):
-        list(shards.open_dataset(tmp_path, shuffle=False))
+        list(shards.open_dataset(tmp_path, sampling=shards.Sampling(shuffle=False)))
 
 
 def test_valid_pax_path_still_names_the_member(tmp_path):
@@ -157,7 +159,8 @@ def test_valid_pax_path_still_names_the_member(tmp_path):
     record = b"path=s00001.jpg\n"
     record = b"%d %s" % (len(record) + 3, record)
     rewrite(tmp_path, path.name, data[:offset] + pax_header(record) + data[offset:])
-    assert keys_of(shards.open_dataset(tmp_path, shuffle=False, return_keys=True)) == ["s00000", "s00001"]
+    in_order = shards.Sampling(shuffle=False)
+    assert keys_of(shards.open_dataset(tmp_path, return_keys=True, sampling=in_order)) == ["s00000", "s00001"]
 
 
 def test_truncated_tar_names_the_member_and_offset(tmp_path):
@@ -166,9 +169,9 @@ def test_truncated_tar_names_the_member_and_offset(tmp_path):
     offset = header_offsets(path)["s00004.jpg"]
     rewrite(tmp_path, path.name, path.read_bytes()[:offset + 700])  # the header and part of the image
     with pytest.raises(CorruptDataError) as info:
-        list(shards.open_dataset(tmp_path, shuffle=False))
+        list(shards.open_dataset(tmp_path, sampling=shards.Sampling(shuffle=False)))
     assert info.value.key == "s00004" and f"byte {offset}" in str(info.value)
-    skipping = shards.open_dataset(tmp_path, shuffle=False, errors=shards.ErrorPolicy("skip"))
+    skipping = shards.open_dataset(tmp_path, errors=shards.ErrorPolicy("skip"), sampling=shards.Sampling(shuffle=False))
     assert len(list(skipping)) == 6 and skipping.skipped == 2
 
 
@@ -178,13 +181,15 @@ def test_flipped_image_byte_fails_the_whole_shard_checksum(tmp_path):
     data = bytearray(path.read_bytes())
     data[header_offsets(path)["s00001.jpg"] + 512 + 300] ^= 0x04  # decodes fine, trains on wrong pixels
     path.write_bytes(bytes(data))
-    assert len(list(shards.open_dataset(tmp_path, shuffle=False))) == 3  # not hashed by default (README)
-    dataset = shards.open_dataset(tmp_path, shuffle=False)
+    in_order = shards.Sampling(shuffle=False)
+    assert len(list(shards.open_dataset(tmp_path, sampling=in_order))) == 3  # not hashed by default (README)
+    dataset = shards.open_dataset(tmp_path, sampling=shards.Sampling(shuffle=False))
     dataset.verify_sha256 = True
     with pytest.raises(ChecksumError, match="train-000000.tar: sha256"):
         list(dataset)
     # A slice that starts mid-shard (another rank) is never hashed: its samples read, nothing else is claimed.
-    dataset = shards.open_dataset(tmp_path, shuffle=False, world_size=3, rank=1)
+    dataset = shards.open_dataset(tmp_path, sampling=shards.Sampling(shuffle=False),
+                                  distributed=shards.Distributed(world_size=3, rank=1))
     dataset.verify_sha256 = True
     assert len(list(dataset)) == 1
 
@@ -197,7 +202,7 @@ def test_hdf5_with_garbage_bytes_names_the_shard(tmp_path):
     data[:64] = bytes(range(64))  # the superblock
     rewrite(tmp_path, path.name, bytes(data))
     with pytest.raises(CorruptDataError, match="train-000000.h5: unreadable HDF5"):
-        list(shards.open_dataset(tmp_path, shuffle=False))
+        list(shards.open_dataset(tmp_path, sampling=shards.Sampling(shuffle=False)))
 
 
 @pytest.mark.parametrize("forgery", ["keys-not-strings", "offsets-decreasing", "labels-short", "data-bomb"])
@@ -219,7 +224,7 @@ def test_forged_hdf5_layout_names_the_shard(tmp_path, forgery):
             f["offsets"][3] = 1 << 33
     rewrite(tmp_path, path.name, path.read_bytes())
     with pytest.raises(CorruptDataError, match=r"train-000000.h5( \[sample s\d+\])?: (corrupt|unreadable) HDF5 shard"):
-        list(shards.open_dataset(tmp_path, shuffle=False))
+        list(shards.open_dataset(tmp_path, sampling=shards.Sampling(shuffle=False)))
 
 
 # -- feature shards -------------------------------------------------------------------------------------------------
@@ -240,7 +245,7 @@ def with_label(row: int, value: int):
 
 
 def consume(folder: Path, batched: bool) -> None:
-    dataset = shards.open_dataset(folder, shuffle=False)
+    dataset = shards.open_dataset(folder, sampling=shards.Sampling(shuffle=False))
     if batched:
         list(shards.make_loader(dataset, batch_size=4))
     else:

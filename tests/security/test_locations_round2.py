@@ -99,7 +99,7 @@ def keys(dataset) -> list[str]:
 
 
 def local_keys(folder: Path) -> list[str]:
-    return keys(shards.open_dataset(folder, return_keys=True, shuffle=False))
+    return keys(shards.open_dataset(folder, return_keys=True, sampling=shards.Sampling(shuffle=False)))
 
 
 @pytest.mark.parametrize("status", [301, 302, 307, 308])
@@ -107,7 +107,7 @@ def test_a_shard_redirected_to_another_host_is_refused_before_it_is_asked(server
     origin, foreign, _ = servers
     origin.redirects[SHARD] = (status, f"{foreign.url}{SHARD}")
     for errors in (shards.ErrorPolicy(), shards.ErrorPolicy(on_error="skip")):  # a refusal is never skipped
-        dataset = shards.open_dataset(origin.url, shuffle=False, errors=errors)
+        dataset = shards.open_dataset(origin.url, errors=errors, sampling=shards.Sampling(shuffle=False))
         with pytest.raises(ManifestError, match="not on an allowed origin") as caught:
             list(dataset)
         message = str(caught.value)
@@ -118,7 +118,8 @@ def test_a_shard_redirected_to_another_host_is_refused_before_it_is_asked(server
 def test_a_redirect_through_the_node_cache_is_refused_and_caches_nothing(servers, tmp_path: Path):
     origin, foreign, folder = servers
     origin.redirects[SHARD] = (302, f"{foreign.url}{SHARD}")
-    dataset = shards.open_dataset(origin.url, shuffle=False, cache_dir=tmp_path / "cache")
+    dataset = shards.open_dataset(origin.url, sampling=shards.Sampling(shuffle=False),
+                                  shard_cache=shards.ShardCache(dir=tmp_path / "cache"))
     with pytest.raises(ManifestError, match="not on an allowed origin"):
         list(dataset)
     assert foreign.requests == []
@@ -145,7 +146,7 @@ def test_every_other_origin_is_refused_whatever_the_scheme(servers, target: str)
     port = origin.url.rsplit(":", 1)[1]
     origin.redirects[SHARD] = (302, target.format(port=port))
     with pytest.raises(ManifestError, match="not on an allowed origin") as caught:
-        list(shards.open_dataset(origin.url, shuffle=False))
+        list(shards.open_dataset(origin.url, sampling=shards.Sampling(shuffle=False)))
     assert target.format(port=port) in str(caught.value)
     assert origin.requests.count(SHARD) == 1  # and the target was never requested on this server either
 
@@ -154,7 +155,8 @@ def test_redirects_within_the_origin_still_work(servers):
     origin, foreign, folder = servers
     origin.redirects[SHARD] = (301, f"{origin.url}/hop")  # absolute, then relative
     origin.redirects["/hop"] = (307, f"/moved{SHARD}")
-    assert keys(shards.open_dataset(origin.url, return_keys=True, shuffle=False)) == local_keys(folder)
+    in_order = shards.Sampling(shuffle=False)
+    assert keys(shards.open_dataset(origin.url, return_keys=True, sampling=in_order)) == local_keys(folder)
     assert f"/moved{SHARD}" in origin.requests and foreign.requests == []
 
 
@@ -164,7 +166,7 @@ def test_redirects_stop_after_a_few_hops(servers):
     for hop in range(1, 20):
         origin.redirects[f"/hop-{hop}"] = (302, f"/hop-{hop + 1}")
     with pytest.raises(CorruptDataError, match="redirect not followed") as caught:
-        list(shards.open_dataset(origin.url, shuffle=False))
+        list(shards.open_dataset(origin.url, sampling=shards.Sampling(shuffle=False)))
     assert "\n" not in str(caught.value)
     assert len([path for path in origin.requests if path.startswith("/hop-")]) == MAX_REDIRECTS
 
@@ -193,8 +195,8 @@ def read_through(how: str, url: str, tmp_path: Path, **options) -> list[str]:
     """The keys of ``url``'s train split read directly, through the node cache, or by a pickled copy of the dataset
     (what a DataLoader worker started with ``spawn`` gets)."""
     if how == "cache":
-        options["cache_dir"] = tmp_path / "cache"
-    dataset = shards.open_dataset(url, return_keys=True, shuffle=False, **options)
+        options["shard_cache"] = shards.ShardCache(tmp_path / "cache")
+    dataset = shards.open_dataset(url, return_keys=True, **options, sampling=shards.Sampling(shuffle=False))
     return keys(pickle.loads(pickle.dumps(dataset)) if how == "worker" else dataset)
 
 
@@ -230,8 +232,8 @@ def test_listing_an_origin_lets_no_other_host_in(servers, mirror, tmp_path: Path
 def test_a_manifest_redirected_to_a_listed_origin_is_followed(servers, mirror):
     origin, foreign, folder = servers
     origin.redirects["/dataset.json"] = (301, f"{mirror.url}/dataset.json")
-    dataset = shards.open_dataset(origin.url, return_keys=True, shuffle=False,
-                                  remote=shards.Remote(url_origins=[mirror.url]))
+    dataset = shards.open_dataset(origin.url, return_keys=True, remote=shards.Remote(url_origins=[mirror.url]),
+                                  sampling=shards.Sampling(shuffle=False))
     assert keys(dataset) == local_keys(folder)
     assert mirror.requests == ["/dataset.json"] and foreign.requests == []
 
@@ -339,7 +341,8 @@ def test_an_index_sidecar_symlinked_outside_is_refused(packed: Path, tmp_path: P
     outside.parent.mkdir()
     shutil.move(sidecar, outside)
     sidecar.symlink_to(outside)
-    dataset = shards.open_dataset(packed, "train", shuffle=False, decode=shards.Decode(decoder=raw_bytes))
+    dataset = shards.open_dataset(packed, "train", decode=shards.Decode(decoder=raw_bytes),
+                                  sampling=shards.Sampling(shuffle=False))
     with pytest.raises(ManifestError, match="outside the dataset folder") as caught:
         list(dataset.read_slice(ShardSlice(0, 1, 3)))  # a slice past the first sample seeks by the index
     assert "tar index 'train-000000.tar.idx'" in str(caught.value) and str(outside) in str(caught.value)
@@ -375,8 +378,9 @@ def raw_bytes(sample, seed):
 def test_a_cached_copy_changed_in_place_is_not_served(tmp_path: Path, caplog):
     data = tmp_path / "data"
     make_shard_dataset(data, shard_sizes={"train": [3, 2]}, size=(16, 16))
-    options = dict(return_keys=True, shuffle=False, cache_dir=tmp_path / "cache",
-                   remote=shards.Remote(cache_local=True), decode=shards.Decode(decoder=raw_bytes))
+    options = dict(return_keys=True, sampling=shards.Sampling(shuffle=False),
+                   shard_cache=shards.ShardCache(tmp_path / "cache", local=True),
+                   decode=shards.Decode(decoder=raw_bytes))
     truth = {key: image for image, _, key in shards.open_dataset(data, **options)}
     (copy,) = [p for p in (tmp_path / "cache" / "v1").glob("??/*.tar")
                if p.read_bytes() == (data / "train-000000.tar").read_bytes()]

@@ -69,7 +69,7 @@ def test_a_pipe_command_in_the_manifest_is_never_run(dataset: Path, tmp_path: Pa
     pwned = tmp_path / "PWNED"
     poison(dataset, f"pipe:touch {pwned}; cat {dataset / 'train-000000.tar'}")
     with pytest.raises(ManifestError, match=r"dataset\.json: shard path 'pipe:touch") as caught:
-        list(shards.open_dataset(dataset, shuffle=False))
+        list(shards.open_dataset(dataset, sampling=shards.Sampling(shuffle=False)))
     assert "\n" not in str(caught.value)
     one_line_error(verify_cli(dataset), 2, "dataset.json", "pipe:touch")
     one_line_error(dry_run_cli(dataset, tmp_path / "run"), 2, "dataset.json", "pipe:touch")
@@ -89,7 +89,7 @@ def test_schemes_in_a_local_manifest_are_refused(dataset: Path, name: str):
 
 
 def test_the_caller_may_still_choose_pipe(dataset: Path, tmp_path: Path):
-    opened = shards.open_dataset(dataset, shuffle=False)
+    opened = shards.open_dataset(dataset, sampling=shards.Sampling(shuffle=False))
     marker = tmp_path / "ran"
     opened.locations = [f"pipe:touch {marker}; cat {location}" for location in opened.locations]
     assert len(list(opened)) == 6 and marker.exists()
@@ -169,7 +169,7 @@ def test_symlinks_inside_the_folder_and_a_symlinked_folder_are_fine(dataset: Pat
     shutil.move(dataset / "train-000000.tar", dataset / "store" / "train-000000.tar")
     (dataset / "train-000000.tar").symlink_to(Path("store") / "train-000000.tar")
     (tmp_path / "link").symlink_to(dataset)
-    assert len(list(shards.open_dataset(tmp_path / "link", shuffle=False))) == 6
+    assert len(list(shards.open_dataset(tmp_path / "link", sampling=shards.Sampling(shuffle=False)))) == 6
     assert verify_dataset(tmp_path / "link").ok
 
 
@@ -192,7 +192,7 @@ def test_a_remote_manifest_may_name_shards_on_its_own_host_only(served):
     folder, port = served
     url = f"http://127.0.0.1:{port}"
     poison(folder, f"{url}/train-000000.tar")
-    keys = [key for _, _, key in shards.open_dataset(url, return_keys=True, shuffle=False)]
+    keys = [key for _, _, key in shards.open_dataset(url, return_keys=True, sampling=shards.Sampling(shuffle=False))]
     assert keys == [f"train_{i:05d}" for i in range(6)]
 
     poison(folder, f"http://localhost:{port}/train-000000.tar")  # the same server, but another origin
@@ -209,8 +209,9 @@ def test_another_origin_only_with_the_callers_opt_in(served):
     url = f"http://127.0.0.1:{port}"
     with pytest.raises(ManifestError, match="origin"):
         shards.open_dataset(url)
-    allowed = shards.open_dataset(url, return_keys=True, shuffle=False,
-                                  remote=shards.Remote(url_origins=(f"http://localhost:{port}",)))
+    allowed = shards.open_dataset(url, return_keys=True,
+                                  remote=shards.Remote(url_origins=(f"http://localhost:{port}",)),
+                                  sampling=shards.Sampling(shuffle=False))
     assert [key for _, _, key in allowed] == [f"train_{i:05d}" for i in range(6)]
 
 

@@ -179,10 +179,11 @@ def folder(tmp_path_factory):
 
 
 def build(folder, workers, *, rank=0, world=1, nodes=None, rotate_every=0):
-    dataset = shards.open_dataset(folder, return_keys=True, seed=3, rank=rank, world_size=world,
-                                  affinity_nodes=nodes, rotate_every=rotate_every,
+    dataset = shards.open_dataset(folder, return_keys=True, seed=3,
                                   decode=shards.Decode(decoder=lambda sample, seed: 0),
-                                  sampling=shards.Sampling(shuffle_buffer=6))
+                                  sampling=shards.Sampling(shuffle_buffer=6),
+                                  distributed=shards.Distributed(rank=rank, world_size=world, nodes=nodes,
+                                                                 rotate_every=rotate_every))
     return shards.make_loader(dataset, batch_size=4, num_workers=workers, drop_last=False,
                               persistent_workers=False)
 
@@ -241,7 +242,7 @@ def test_a_state_saved_on_two_nodes_resumes_exactly_on_two_nodes(folder):
 def test_a_state_saved_before_affinity_resumes_on_two_nodes(folder):
     head, state = interrupted_run(folder, 2, world=2, nodes=None)
     del state["nodes"]  # what a version-2 state saved before node affinity holds
-    assert LoaderState.from_dict(state, kind="stream").node_count == 1
+    assert LoaderState.from_dict(state).node_count == 1
     per_rank = resumed_run(folder, state, world=2, nodes=2, workers=2)  # only the node count differs
     rest = [key for keys_of_rank in per_rank for key in keys_of_rank]
     assert set(rest) == ALL_KEYS - set(head) and len(rest) - len(set(rest)) <= 1
@@ -264,7 +265,8 @@ def test_feature_batches_follow_the_node_affinity_plan_and_resume_across_nodes(t
     write_feature_dataset(tmp_path, [5, 7, 4, 9, 6, 3])  # 34 rows; the first feature is the row number
 
     def loader(rank, world, nodes):
-        dataset = shards.open_dataset(tmp_path, seed=5, rank=rank, world_size=world, affinity_nodes=nodes)
+        dataset = shards.open_dataset(tmp_path, seed=5,
+                                      distributed=shards.Distributed(rank=rank, world_size=world, nodes=nodes))
         return shards.make_loader(dataset, batch_size=3, drop_last=False)
 
     def rows(batches):

@@ -9,7 +9,8 @@ import pytest
 
 import shards
 from shards.errors import InputError
-from shards.cache.cached_shards import CacheRequest, CachedShards, on_network_fs
+from shards.cache.cached_shards import CachedShards, on_network_fs
+from shards.cache.node import ShardCache
 from tests.helpers import make_shard_dataset
 
 SIZES = {"train": [40, 25, 33, 18], "val": [10]}
@@ -28,9 +29,9 @@ def keys_of(dataset, epoch: int, workers: int = 2) -> list[str]:
     return [k for _, _, batch_keys in loader for k in batch_keys]
 
 
-def open_cached(data: Path, cache: Path, **options):
-    return shards.open_dataset(data, "train", transform=lambda image: 0, return_keys=True, seed=3,
-                               cache_dir=cache, remote=shards.Remote(cache_local=True), **options)
+def open_cached(data: Path, cache: Path, limit: int | None = None, **options):
+    return shards.open_dataset(data, "train", transform=lambda image: 0, return_keys=True, seed=3, **options,
+                               shard_cache=shards.ShardCache(dir=cache, limit=limit, local=True))
 
 
 def shard_bytes(data: Path) -> int:
@@ -65,7 +66,7 @@ def test_a_damaged_cached_copy_is_fetched_again_never_read(data: Path, tmp_path:
 def test_a_tight_limit_with_two_workers_evicts_or_bypasses_and_loses_nothing(data: Path, tmp_path: Path):
     largest = max(p.stat().st_size for p in data.glob("train-*.tar"))
     plain = shards.open_dataset(data, "train", transform=lambda image: 0, return_keys=True, seed=3)
-    tight = open_cached(data, tmp_path / "cache", cache_limit=largest + largest // 2)
+    tight = open_cached(data, tmp_path / "cache", limit=largest + largest // 2)
     for epoch in (0, 1):
         assert keys_of(tight, epoch) == keys_of(plain, epoch)
     counts = tight.shard_cache.stats.snapshot()
@@ -76,13 +77,13 @@ def test_a_tight_limit_with_two_workers_evicts_or_bypasses_and_loses_nothing(dat
 
 def test_a_limit_below_the_largest_shard_is_refused_at_open(data: Path, tmp_path: Path):
     with pytest.raises(InputError, match="cache"):
-        open_cached(data, tmp_path / "cache", cache_limit=1000)
+        open_cached(data, tmp_path / "cache", limit=1000)
 
 
 def test_cache_limit_without_a_folder_is_refused(data: Path, monkeypatch):
     monkeypatch.delenv("SHARDCACHE_CACHE_DIR", raising=False)
-    with pytest.raises(InputError, match="cache_dir"):
-        shards.open_dataset(data, "train", cache_limit="1G")
+    with pytest.raises(InputError, match="ShardCache.dir"):
+        shards.open_dataset(data, "train", shard_cache=shards.ShardCache(limit="1G"))
 
 
 def test_the_folder_defaults_to_the_environment(data: Path, tmp_path: Path, monkeypatch):
@@ -94,10 +95,10 @@ def test_the_folder_defaults_to_the_environment(data: Path, tmp_path: Path, monk
 
 
 def test_which_locations_go_through_the_cache(tmp_path: Path):
-    auto = CachedShards(CacheRequest(str(tmp_path / "c")))
+    auto = CachedShards(ShardCache(tmp_path / "c"))
     assert auto.cached("s3://bucket/data/train-000000.tar")
     assert auto.cached("https://host/data/train-000000.tar")
     assert not auto.cached("pipe:cat train-000000.tar")
     assert not on_network_fs(tmp_path) and not auto.cached(str(tmp_path / "train-000000.tar"))
-    assert CachedShards(CacheRequest(str(tmp_path / "c"), local=True)).cached(str(tmp_path / "x.tar"))
-    assert CacheRequest(str(tmp_path), "2G").limit == 2 << 30
+    assert CachedShards(ShardCache(tmp_path / "c", local=True)).cached(str(tmp_path / "x.tar"))
+    assert ShardCache(tmp_path, "2G").limit == 2 << 30

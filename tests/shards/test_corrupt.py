@@ -17,14 +17,14 @@ SKIP = shards.ErrorPolicy(on_error="skip")
 def test_undecodable_sample_names_shard_and_key(tmp_path, storage):
     write_labelled_shards(tmp_path, [[0, 1, 2], [0, 1]], storage=storage, bad_keys=["s00003"])
     with pytest.raises(CorruptDataError) as info:
-        list(shards.open_dataset(tmp_path, shuffle=False))
+        list(shards.open_dataset(tmp_path, sampling=shards.Sampling(shuffle=False)))
     assert info.value.key == "s00003"
     assert "train-000001" in str(info.value) and "s00003" in str(info.value)
 
 
 def test_skip_counts_and_keeps_the_epoch_length(tmp_path):
     write_labelled_shards(tmp_path, [[0, 1, 2, 0], [1, 2, 0]], bad_keys=["s00001", "s00005"])
-    dataset = shards.open_dataset(tmp_path, shuffle=False, errors=SKIP, return_keys=True)
+    dataset = shards.open_dataset(tmp_path, errors=SKIP, return_keys=True, sampling=shards.Sampling(shuffle=False))
     got = [key for _, _, key in dataset]
     assert len(got) == len(dataset) == 7
     assert "s00001" not in got and "s00005" not in got
@@ -43,7 +43,7 @@ def test_skip_counts_across_workers(tmp_path):
 def test_skip_stops_after_too_many_consecutive_failures(tmp_path):
     write_labelled_shards(tmp_path, [[0, 1, 2, 0, 1, 2]], bad_keys=["s00001", "s00002", "s00003"])
     errors = shards.ErrorPolicy(on_error="skip", max_consecutive_errors=3)
-    dataset = shards.open_dataset(tmp_path, shuffle=False, errors=errors)
+    dataset = shards.open_dataset(tmp_path, errors=errors, sampling=shards.Sampling(shuffle=False))
     with pytest.raises(CorruptDataError, match="3 consecutive"):
         list(dataset)
 
@@ -53,8 +53,8 @@ def test_truncated_tar_names_the_shard(tmp_path):
     shard = tmp_path / "train-000001.tar"
     shard.write_bytes(shard.read_bytes()[:1500])
     with pytest.raises(CorruptDataError, match="train-000001.tar"):
-        list(shards.open_dataset(tmp_path, shuffle=False))
-    skipping = shards.open_dataset(tmp_path, shuffle=False, errors=SKIP)
+        list(shards.open_dataset(tmp_path, sampling=shards.Sampling(shuffle=False)))
+    skipping = shards.open_dataset(tmp_path, errors=SKIP, sampling=shards.Sampling(shuffle=False))
     assert len(list(skipping)) == 6 and skipping.skipped >= 1
 
 
@@ -79,7 +79,7 @@ def test_unknown_members_are_ignored_and_never_unpickled(tmp_path):
                 info.size = len(evil)
                 out.addfile(info, io.BytesIO(evil))
     shard.write_bytes(buffer.getvalue())
-    got = list(shards.open_dataset(tmp_path, shuffle=False, return_keys=True))
+    got = list(shards.open_dataset(tmp_path, return_keys=True, sampling=shards.Sampling(shuffle=False)))
     assert [(label, key) for _, label, key in got] == [(0, "s00000"), (1, "s00001")]
 
 

@@ -27,7 +27,7 @@ def keys(dataset):
 
 
 def test_yields_rgb_images_labels_and_keys(folder):
-    dataset = shards.open_dataset(folder, split="val", shuffle=False, return_keys=True)
+    dataset = shards.open_dataset(folder, split="val", return_keys=True, sampling=shards.Sampling(shuffle=False))
     image, label, key = next(iter(dataset))
     assert isinstance(image, Image.Image) and image.mode == "RGB" and image.size == (16, 12)
     assert (label, key) == (0, "val_00000")
@@ -39,7 +39,8 @@ def test_tar_and_hdf5_stream_the_same_order(tmp_path):
     orders = []
     for storage in ("tar", "hdf5"):
         make_shard_dataset(tmp_path / storage, shard_sizes=SIZES, storage=storage, size=(8, 8))
-        orders.append(keys(shards.open_dataset(tmp_path / storage, return_keys=True, seed=6, world_size=2, rank=1)))
+        orders.append(keys(shards.open_dataset(tmp_path / storage, return_keys=True, seed=6,
+                                               distributed=shards.Distributed(world_size=2, rank=1))))
     assert orders[0] == orders[1]
 
 
@@ -51,7 +52,8 @@ def test_shuffle_is_seeded_and_changes_with_the_epoch(folder):
     base = run(1, 0)
     assert base == run(1, 0) and base != run(1, 1) and base != run(2, 0)
     assert sorted(base) == sorted(run(1, 1))
-    assert keys(shards.open_dataset(folder, return_keys=True, shuffle=False)) == [f"train_{i:05d}" for i in range(24)]
+    in_order = shards.open_dataset(folder, return_keys=True, sampling=shards.Sampling(shuffle=False))
+    assert keys(in_order) == [f"train_{i:05d}" for i in range(24)]
 
 
 def test_hdf5_slices_read_only_their_samples(tmp_path, monkeypatch):
@@ -65,7 +67,8 @@ def test_hdf5_slices_read_only_their_samples(tmp_path, monkeypatch):
 
     monkeypatch.setattr(hdf5_module, "iter_hdf5_shard", spy)
     monkeypatch.setattr(hdf5_module, "HDF5_WINDOW", 8)
-    dataset = shards.open_dataset(tmp_path, return_keys=True, shuffle=False, world_size=4, rank=2)
+    dataset = shards.open_dataset(tmp_path, return_keys=True, sampling=shards.Sampling(shuffle=False),
+                                  distributed=shards.Distributed(world_size=4, rank=2))
     assert keys(dataset) == [f"train_{i:05d}" for i in range(20, 30)]
     assert calls == [(20, 28), (28, 30)]
 
@@ -94,13 +97,15 @@ def test_missing_shard_fails_at_open(tmp_path):
 
 
 def test_drop_last_reports_the_dropped_samples(folder):
-    ranks = [shards.open_dataset(folder, return_keys=True, world_size=5, rank=r, drop_last=True) for r in range(5)]
+    ranks = [shards.open_dataset(folder, return_keys=True, sampling=shards.Sampling(balance="drop"),
+                                 distributed=shards.Distributed(world_size=5, rank=r)) for r in range(5)]
     assert {len(r) for r in ranks} == {4} and ranks[0].dropped == 4  # 24 samples over 5 ranks
     seen = [key for r in ranks for key in keys(r)]
     assert len(set(seen)) == 20 and not {f"train_{i:05d}" for i in range(20, 24)} & set(seen)
 
 
 @pytest.mark.parametrize("options,field", [({"pipeline": "turbo"}, "Decode.pipeline"),
+                                           ({"pipeline": "device"}, "Decode.pipeline='device' is not available"),
                                            ({"draft": 256}, "Decode.draft"),
                                            ({"pipeline": "fast", "draft": True}, "Decode.pipeline"),
                                            ({"draft": True, "decoder": str}, "Decode.draft"),
@@ -111,23 +116,24 @@ def test_bad_decode_options_are_one_line_naming_the_field(options, field):
     assert str(info.value).startswith(field) and "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("make,field", [(lambda: shards.Sampling(balance="even"), "Sampling.balance='even'"),
+                                        (lambda: shards.Sampling(shuffle="no"), "Sampling.shuffle='no'"),
+                                        (lambda: shards.ShardCache(""), "ShardCache.dir"),
+                                        (lambda: shards.ShardCache("c", limit="lots"), "ShardCache.limit='lots'"),
+                                        (lambda: shards.ShardCache("c", limit=0), "ShardCache.limit")])
+def test_bad_sampling_and_shard_cache_options_are_one_line_naming_the_field(make, field):
+    with pytest.raises(InputError) as info:
+        make()
+    assert str(info.value).startswith(field) and "\n" not in str(info.value)
+
+
 def test_draft_needs_a_preset_or_spec_and_a_custom_decoder_excludes_a_transform(folder):
     with pytest.raises(InputError, match="ImageDecoder"):
         shards.open_dataset(folder, transform=lambda image: image, decode=shards.Decode(draft=True))
     with pytest.raises(InputError, match="not both"):
         shards.open_dataset(folder, transform="eval", decode=shards.Decode(decoder=lambda sample, seed: sample.key))
-    drafted = shards.open_dataset(folder, "val", transform="eval", shuffle=False, decode=shards.Decode(draft=True))
+    drafted = shards.open_dataset(folder, "val", transform="eval", decode=shards.Decode(draft=True),
+                                  sampling=shards.Sampling(shuffle=False))
     assert len(list(drafted)) == len(drafted) == 12
 
 
-def test_the_old_flat_options_still_work_with_a_deprecation_warning(folder):
-    grouped = keys(shards.open_dataset(folder, return_keys=True, seed=3, sampling=shards.Sampling(shuffle_buffer=5)))
-    with pytest.warns(DeprecationWarning, match="sampling=Sampling"):
-        flat = shards.open_dataset(folder, return_keys=True, seed=3, shuffle_buffer=5)
-    assert keys(flat) == grouped
-    with pytest.warns(DeprecationWarning, match="decode=Decode"):
-        assert shards.open_dataset(folder, pipeline="standard", draft=None).decoder is not None
-    with pytest.raises(InputError, match="not both"):
-        shards.open_dataset(folder, shuffle_buffer=5, sampling=shards.Sampling(weight_window=8))
-    with pytest.raises(TypeError, match="shuffle_bufer"):
-        shards.open_dataset(folder, shuffle_bufer=5)

@@ -21,9 +21,10 @@ def folder(tmp_path_factory):
 
 
 def build(folder, workers, *, rank=0, world=1, batch=4, drop_last=False, **options):
-    dataset = shards.open_dataset(folder, return_keys=True, seed=3, rank=rank, world_size=world,
+    dataset = shards.open_dataset(folder, return_keys=True, seed=3,
                                   decode=shards.Decode(decoder=lambda sample, seed: 0),
-                                  sampling=shards.Sampling(shuffle_buffer=6), **options)
+                                  sampling=shards.Sampling(shuffle_buffer=6), **options,
+                                  distributed=shards.Distributed(rank=rank, world_size=world))
     return shards.make_loader(dataset, batch_size=batch, num_workers=workers, drop_last=drop_last,
                               persistent_workers=False)
 
@@ -93,10 +94,11 @@ def test_world_size_three_to_two_with_dataset_drop_last(folder):
     missing = ALL_KEYS - set(heads)
     everything = []
     for rank in range(2):
-        dataset_options = {"drop_last": True}  # the dataset's: equal shares by leaving samples out
-        dataset = shards.open_dataset(folder, return_keys=True, seed=3, rank=rank, world_size=2,
+        dataset = shards.open_dataset(folder, return_keys=True, seed=3,
                                       decode=shards.Decode(decoder=lambda sample, seed: 0),
-                                      sampling=shards.Sampling(shuffle_buffer=6), **dataset_options)
+                                      # equal shares by leaving samples out, not by repeating some
+                                      sampling=shards.Sampling(shuffle_buffer=6, balance="drop"),
+                                      distributed=shards.Distributed(rank=rank, world_size=2))
         resumed = shards.make_loader(dataset, batch_size=4, num_workers=0, drop_last=False)
         with pytest.raises(shards.errors.InputError, match="sampling"):
             resumed.load_state_dict(state)  # the dataset's drop_last changes the epoch: refused
@@ -172,7 +174,8 @@ def test_feature_batches_across_world_sizes(tmp_path):
     write_feature_dataset(tmp_path, [5, 7, 4, 9])  # 25 rows; the first feature is the row number
 
     def loader(rank, world):
-        return shards.make_loader(shards.open_dataset(tmp_path, seed=5, rank=rank, world_size=world),
+        return shards.make_loader(shards.open_dataset(tmp_path, seed=5,
+                                                      distributed=shards.Distributed(rank=rank, world_size=world)),
                                   batch_size=3, drop_last=False)
 
     head = []

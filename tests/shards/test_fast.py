@@ -110,9 +110,10 @@ def test_fast_pipeline_streams_uint8_matching_the_standard_pipeline(tmp_path):
 
     make_shard_dataset(tmp_path, size=(120, 90))
     spec = shards.TransformSpec(preset="eval", size=64)
-    fast_set = shards.open_dataset(tmp_path, "val", transform=spec, shuffle=False, decode=shards.Decode("fast"),
-                                   return_keys=True)
-    standard_set = shards.open_dataset(tmp_path, "val", transform=spec, shuffle=False, return_keys=True)
+    fast_set = shards.open_dataset(tmp_path, "val", transform=spec, decode=shards.Decode("fast"), return_keys=True,
+                                   sampling=shards.Sampling(shuffle=False))
+    standard_set = shards.open_dataset(tmp_path, "val", transform=spec, return_keys=True,
+                                       sampling=shards.Sampling(shuffle=False))
     fast_rows, standard_rows = list(fast_set), list(standard_set)
     assert [r[2] for r in fast_rows] == [r[2] for r in standard_rows]
     assert [r[1] for r in fast_rows] == [r[1] for r in standard_rows]
@@ -132,7 +133,7 @@ def test_fast_train_pipeline_replays_with_the_same_seed_and_changes_with_another
     runs = []
     for seed in (3, 3, 4):
         dataset = shards.open_dataset(tmp_path, "train", transform=spec, decode=shards.Decode("fast"), seed=seed,
-                                      shuffle=False, return_keys=True)
+                                      return_keys=True, sampling=shards.Sampling(shuffle=False))
         loader = shards.make_loader(dataset, batch_size=4, num_workers=2, drop_last=False,
                                     persistent_workers=False)
         runs.append({key: image for images, _, keys in loader for key, image in zip(keys, images)})

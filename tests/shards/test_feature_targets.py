@@ -95,7 +95,7 @@ def test_target_task_reads_the_manifest_config():
 @pytest.mark.parametrize("storage", ["pt", "hdf5"])
 def test_samples_pair_features_with_float_targets(tmp_path: Path, storage: str):
     folder = write_regression_folder(tmp_path / "feat", storage)
-    dataset = shards.open_dataset(folder, shuffle=False)
+    dataset = shards.open_dataset(folder, sampling=shards.Sampling(shuffle=False))
     assert dataset.task == "regression"
     items = list(dataset)
     assert len(items) == sum(SIZES)
@@ -120,7 +120,7 @@ def test_batches_are_features_and_float32_targets(tmp_path: Path, storage: str, 
 def test_a_promised_target_missing_from_a_shard_is_corrupt_data(tmp_path: Path):
     folder = write_regression_folder(tmp_path / "feat", "pt", targets=False)
     with pytest.raises(CorruptDataError, match="targets are missing"):
-        list(shards.open_dataset(folder, shuffle=False))
+        list(shards.open_dataset(folder, sampling=shards.Sampling(shuffle=False)))
 
 
 def test_class_weights_are_refused_for_a_regression_table(tmp_path: Path):

@@ -24,7 +24,7 @@ def rows_of(batches):
 
 
 def test_open_dataset_reads_features_json(folder):
-    dataset = shards.open_dataset(folder, shuffle=False, return_keys=True)
+    dataset = shards.open_dataset(folder, return_keys=True, sampling=shards.Sampling(shuffle=False))
     assert isinstance(dataset, FeatureShardDataset) and len(dataset) == 25
     items = list(dataset)
     assert [key for _, _, key in items] == [f"f{i:05d}" for i in range(25)]
@@ -56,8 +56,8 @@ def test_memory_and_mmap_give_the_same_batches(folder):
 def test_ranks_get_equal_disjoint_shares(folder):
     rows = []
     for rank in range(3):
-        loader = shards.make_loader(shards.open_dataset(folder, rank=rank, world_size=3), batch_size=100,
-                                    drop_last=False)
+        dataset = shards.open_dataset(folder, distributed=shards.Distributed(rank=rank, world_size=3))
+        loader = shards.make_loader(dataset, batch_size=100, drop_last=False)
         rows.append(rows_of(loader))
     assert [len(r) for r in rows] == [9, 9, 9]
     tally = collections.Counter(x for r in rows for x in r)

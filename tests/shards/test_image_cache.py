@@ -92,7 +92,7 @@ def test_train_epoch_from_a_warm_cache_equals_it_from_a_cold_one(folder: Path):
 
 def test_train_views_are_cropped_from_the_bounded_image_in_every_epoch(folder: Path):
     """The first (cold) epoch crops from the image bounded to ``cache_side`` too: the same source every epoch."""
-    dataset = open_images(folder, TRAIN, cache_side=40)
+    dataset = open_images(folder, TRAIN, cache=shards.MemoryCache(side=40))
     assert dataset.decoder.geometry.source_side == 40
     uncached = open_images(folder, TRAIN, cache="none")
     uncached.decoder = fast.FastDecoder(TRAIN, source_side=40)
@@ -125,7 +125,7 @@ def test_later_epochs_do_not_decode(folder: Path, monkeypatch):
 
 def test_over_the_limit_part_is_cached_and_the_rest_decoded(folder: Path):
     crop = 3 * 32 * 32  # a multiple of the store's alignment: exactly 10 crops fit
-    dataset = open_images(folder, memory_limit=10 * crop)
+    dataset = open_images(folder, cache=shards.MemoryCache(limit=10 * crop))
     loader = loader_of(dataset)
     expected = epoch_of(loader_of(open_images(folder, cache="none")), 0)[1]
     assert torch.equal(epoch_of(loader, 0)[1], expected)
@@ -136,7 +136,7 @@ def test_over_the_limit_part_is_cached_and_the_rest_decoded(folder: Path):
 
 
 def test_over_the_limit_says_so_once(folder: Path, caplog):
-    dataset = open_images(folder, memory_limit="12K")
+    dataset = open_images(folder, cache=shards.MemoryCache(limit="12K"))
     with caplog.at_level(logging.WARNING, logger="shards.cache.images"):
         for epoch in range(3):
             dataset.set_epoch(epoch)
@@ -272,19 +272,17 @@ def test_a_copy_outside_a_process_start_caches_nothing_and_yields_the_same(folde
 def test_options_are_checked(folder: Path, tmp_path: Path):
     with pytest.raises(InputError, match="needs decode=Decode\\('fast'\\)"):
         shards.open_dataset(folder, "train", transform="eval", cache="memory")
-    with pytest.raises(InputError, match="pass cache='memory'"):
-        open_images(folder, cache="none", memory_limit="1G")
     with pytest.raises(InputError, match="eval preset caches its final crops"):
-        open_images(folder, cache_side=64)
+        open_images(folder, cache=shards.MemoryCache(side=64))
     with pytest.raises(InputError, match="smaller than the crop size"):
-        open_images(folder, TRAIN, cache_side=16)
+        open_images(folder, TRAIN, cache=shards.MemoryCache(side=16))
     with pytest.raises(InputError, match="memory_limit"):
-        open_images(folder, memory_limit="lots")
+        open_images(folder, cache=shards.MemoryCache(limit="lots"))
     with pytest.raises(InputError, match="one of auto, memory, none"):
         open_images(folder, cache="disk")
     write_feature_dataset(tmp_path / "features", [5])
-    with pytest.raises(InputError, match="memory_limit and cache_side apply to image shards"):
-        shards.open_dataset(tmp_path / "features", "train", cache="memory", memory_limit="1G")
+    with pytest.raises(InputError, match="MemoryCache apply to image shards"):
+        shards.open_dataset(tmp_path / "features", "train", cache=shards.MemoryCache(limit="1G"))
 
 
 # -- the default limit: what the job's cgroup (or the machine) has left ---------------------------------------

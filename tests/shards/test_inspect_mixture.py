@@ -60,8 +60,8 @@ def test_exact_classes_counts_what_each_epoch_draws(folders):
     specs = [SourceSpec(str(folders["A"]), weight=0.7), SourceSpec(str(folders["B"]), weight=0.3)]
     report = composition("--mix", f"{folders['A']}:0.7", "--mix", f"{folders['B']}:0.3", "--epoch-size", "20",
                          "--epochs", "3", "--exact-classes", "--seed", "5")
-    dataset = shards.open_dataset(specs, "train", seed=5, rank=0, world_size=1, mix=MixOptions(epoch_size=20),
-                                  cache="none")
+    dataset = shards.open_dataset(specs, "train", seed=5, mix=MixOptions(epoch_size=20), cache="none",
+                                  distributed=shards.Distributed(rank=0, world_size=1))
     for index, epoch in enumerate(report["epochs"]):
         for source in epoch["sources"]:
             assert source["drawn_class_counts_basis"] == "exact"
@@ -137,8 +137,8 @@ def test_options_that_do_not_fit_together_are_usage_errors(folders):
 
 def test_mixture_report_takes_an_opened_dataset_or_the_specs(folders):
     specs = [SourceSpec(str(folders["A"]), weight=1), SourceSpec(str(folders["B"]), weight=1)]
-    dataset = shards.open_dataset(specs, "train", seed=3, rank=0, world_size=1, subset=Subset(classes=["a", "c"]),
-                                  cache="none")
+    dataset = shards.open_dataset(specs, "train", seed=3, subset=Subset(classes=["a", "c"]), cache="none",
+                                  distributed=shards.Distributed(rank=0, world_size=1))
     from_dataset = mixture_report(dataset, epochs=2, exact_classes=True)
     subset_specs = [SourceSpec(s.path, weight=1, subset=Subset(classes=["a", "c"])) for s in specs]
     assert mixture_report(subset_specs, seed=3, epochs=2, exact_classes=True) == from_dataset

@@ -64,13 +64,14 @@ def test_set_epoch_reaches_persistent_workers(tar_folder):
 
 
 def test_no_shuffle_in_process_is_manifest_order(tar_folder):
-    dataset = shards.open_dataset(tar_folder, split="val", shuffle=False, return_keys=True)
+    dataset = shards.open_dataset(tar_folder, split="val", return_keys=True, sampling=shards.Sampling(shuffle=False))
     assert [key for _, _, key in dataset] == [f"val_{i:05d}" for i in range(4)]
 
 
 def test_defaults(tar_folder):
     train = shards.make_loader(shards.open_dataset(tar_folder, transform="eval"), batch_size=2)
-    val = shards.make_loader(shards.open_dataset(tar_folder, split="val", shuffle=False), batch_size=2)
+    val_set = shards.open_dataset(tar_folder, split="val", sampling=shards.Sampling(shuffle=False))
+    val = shards.make_loader(val_set, batch_size=2)
     assert train.drop_last and not val.drop_last
     assert train.num_workers >= 1
     assert train.loader.pin_memory == torch.cuda.is_available()
@@ -88,7 +89,7 @@ def test_pad_collate_pads_to_the_largest_and_keeps_sizes():
 
 def test_pad_collate_with_pil_images_through_a_loader(tmp_path):
     make_shard_dataset(tmp_path, shard_sizes={"train": [3, 3]}, size=(16, 12))
-    dataset = shards.open_dataset(tmp_path, shuffle=False)
+    dataset = shards.open_dataset(tmp_path, sampling=shards.Sampling(shuffle=False))
     loader = shards.make_loader(dataset, batch_size=3, num_workers=0, collate_fn=pad_collate)
     batch = next(iter(loader))
     assert batch["images"].dtype == torch.uint8 and batch["images"].shape == (3, 3, 12, 16)

@@ -140,7 +140,8 @@ def test_ranks_get_equal_counts_that_together_cover_the_epoch(two_feature_source
     big, small = two_feature_sources
     specs = [SourceSpec(big, weight=0.3), SourceSpec(small, weight=0.7)]
     whole = collections.Counter(keys_of(shards.open_dataset(specs, "train", return_keys=True, seed=2)))
-    per_rank = [keys_of(shards.open_dataset(specs, "train", return_keys=True, seed=2, rank=r, world_size=3))
+    per_rank = [keys_of(shards.open_dataset(specs, "train", return_keys=True, seed=2,
+                                            distributed=shards.Distributed(rank=r, world_size=3)))
                 for r in range(3)]
     assert len({len(p) for p in per_rank}) == 1 and len(per_rank[0]) == 1000
     assert collections.Counter(k for p in per_rank for k in p) == whole
@@ -166,7 +167,7 @@ def test_different_classes_are_refused_in_one_line_unless_union(tmp_path):
         shards.open_dataset([tmp_path / "x", tmp_path / "y"], "train")
     assert "\n" not in str(refused.value) and "union" in str(refused.value) and "fox" in str(refused.value)
     union = shards.open_dataset([tmp_path / "x", tmp_path / "y"], "train", return_keys=True,
-                                mix=MixOptions(class_map="union"), shuffle=False)
+                                mix=MixOptions(class_map="union"), sampling=shards.Sampling(shuffle=False))
     assert union.num_classes == 3  # cat, dog, fox
     labels = {key: int(label) for _, label, key in union}
     assert labels["x-00001"] == 1 and labels["y-00001"] == 2 and labels["y-00000"] == labels["x-00000"] == 0
@@ -177,8 +178,9 @@ def test_different_classes_are_refused_in_one_line_unless_union(tmp_path):
 def test_union_maps_image_labels_by_name(tmp_path):
     write_images(tmp_path / "x", "x", [[0, 1, 0]], classes=("cat", "dog"))
     write_images(tmp_path / "y", "y", [[0, 1]], classes=("ant", "cat"))
-    union = shards.open_dataset([tmp_path / "x", tmp_path / "y"], "train", return_keys=True, shuffle=False,
-                                decode=shards.Decode(decoder=zero), mix=MixOptions(class_map="union"))
+    union = shards.open_dataset([tmp_path / "x", tmp_path / "y"], "train", return_keys=True,
+                                decode=shards.Decode(decoder=zero), mix=MixOptions(class_map="union"),
+                                sampling=shards.Sampling(shuffle=False))
     assert {key: label for _, label, key in union} == {"x-00000": 1, "x-00001": 2, "x-00002": 1,
                                                          "y-00000": 0, "y-00001": 1}
 
@@ -299,9 +301,10 @@ def image_sources(tmp_path_factory):
 
 def mixed_loader(sources, workers, *, batch=4, world=1, rank=0):
     p, q = sources
-    dataset = shards.open_dataset([SourceSpec(p, weight=1), SourceSpec(q, weight=2)], "train", return_keys=True,
-                                  seed=4, rank=rank, world_size=world, decode=shards.Decode(decoder=zero),
-                                  sampling=shards.Sampling(shuffle_buffer=5), mix=MixOptions(epoch_size=30))
+    dataset = shards.open_dataset([SourceSpec(p, weight=1), SourceSpec(q, weight=2)], "train", return_keys=True, seed=4,
+                                  decode=shards.Decode(decoder=zero), sampling=shards.Sampling(shuffle_buffer=5),
+                                  mix=MixOptions(epoch_size=30),
+                                  distributed=shards.Distributed(rank=rank, world_size=world))
     return shards.make_loader(dataset, batch_size=batch, num_workers=workers, drop_last=False,
                               persistent_workers=False)
 
@@ -368,7 +371,7 @@ def test_a_mixture_reads_through_the_node_cache_once_per_shard(image_sources, tm
         return dataset, out
 
     _, plain = epochs()
-    cached, through_cache = epochs(cache_dir=tmp_path / "cache", remote=shards.Remote(cache_local=True))
+    cached, through_cache = epochs(shard_cache=shards.ShardCache(tmp_path / "cache", local=True))
     assert through_cache == plain
     counts = cached.shard_cache.stats.snapshot()
     offsets = np.cumsum([0] + cached.split_info.shard_sizes)

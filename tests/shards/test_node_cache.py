@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from shards.atomic import _host_tag
-from shards.cache.node import CacheFullError, CacheSettings, NodeCache
+from shards.cache.node import CacheFullError, ShardCache, NodeCache
 from shards.cache.node_index import CacheStats
 from shards.errors import ChecksumError, InputError
 
@@ -68,7 +68,7 @@ def _race_child(settings, stats, barrier, counter: Path, results: Path, index: i
 
 
 def test_processes_racing_for_one_shard_fetch_it_once(tmp_path):
-    settings, stats = CacheSettings(str(tmp_path / "cache")), CacheStats()
+    settings, stats = ShardCache(str(tmp_path / "cache")), CacheStats()
     counter, results = tmp_path / "fetches.txt", tmp_path / "results"
     results.mkdir()
     barrier = FORK.Barrier(6)
@@ -90,11 +90,11 @@ def test_processes_racing_for_one_shard_fetch_it_once(tmp_path):
 
 
 def test_a_second_lookup_is_a_hit_and_the_copy_is_keyed_by_sha256(tmp_path):
-    cache = NodeCache(CacheSettings(tmp_path))
+    cache = NodeCache(ShardCache(tmp_path))
     data, sha = shard("a")
     calls: list[str] = []
     assert read_lease(cache, data, sha, calls) == data
-    assert read_lease(NodeCache(CacheSettings(tmp_path), cache.stats), data, sha, calls) == data
+    assert read_lease(NodeCache(ShardCache(tmp_path), cache.stats), data, sha, calls) == data
     assert calls == ["fetch"]
     assert (tmp_path / "v1" / sha[:2] / f"{sha}.tar").read_bytes() == data
     counts = cache.stats.snapshot()
@@ -103,7 +103,7 @@ def test_a_second_lookup_is_a_hit_and_the_copy_is_keyed_by_sha256(tmp_path):
 
 # -- verified copies -----------------------------------------------------------------------------------------------
 def test_a_rewritten_copy_is_fetched_again(tmp_path):
-    cache = NodeCache(CacheSettings(tmp_path))
+    cache = NodeCache(ShardCache(tmp_path))
     data, sha = shard("a")
     calls: list[str] = []
     read_lease(cache, data, sha, calls)
@@ -114,14 +114,14 @@ def test_a_rewritten_copy_is_fetched_again(tmp_path):
     info = cached.stat()
     os.utime(cached, ns=(info.st_atime_ns, info.st_mtime_ns + 1_000_000_000))
 
-    fresh = NodeCache(CacheSettings(tmp_path), cache.stats)
+    fresh = NodeCache(ShardCache(tmp_path), cache.stats)
     assert read_lease(fresh, data, sha, calls) == data
     assert calls == ["fetch", "fetch"]
     assert cache.stats.snapshot()["refetches"] == 1
 
 
 def test_a_partial_copy_without_a_stamp_is_never_read(tmp_path):
-    cache = NodeCache(CacheSettings(tmp_path))
+    cache = NodeCache(ShardCache(tmp_path))
     data, sha = shard("a")
     cached = cache.entry_path(sha, ".tar")
     cached.parent.mkdir(parents=True)
@@ -133,7 +133,7 @@ def test_a_partial_copy_without_a_stamp_is_never_read(tmp_path):
 
 
 def test_verify_all_finds_the_corruption_the_stamp_check_cannot_see(tmp_path):
-    cache = NodeCache(CacheSettings(tmp_path))
+    cache = NodeCache(ShardCache(tmp_path))
     data, sha = shard("a")
     other, other_sha = shard("b")
     read_lease(cache, data, sha)
@@ -152,7 +152,7 @@ def test_verify_all_finds_the_corruption_the_stamp_check_cannot_see(tmp_path):
 
 
 def test_wrong_bytes_from_the_source_raise_a_checksum_error_and_leave_nothing(tmp_path):
-    cache = NodeCache(CacheSettings(tmp_path, limit=10 * SHARD_BYTES))
+    cache = NodeCache(ShardCache(tmp_path, limit=10 * SHARD_BYTES))
     data, sha = shard("a")
     wrong, _ = shard("b")
     with pytest.raises(ChecksumError, match="s3://bucket/a.tar"):
@@ -173,7 +173,7 @@ def _hold_lease(settings, data: bytes, sha: str, held, done) -> None:
 
 
 def test_eviction_spares_leased_shards_and_bypasses_when_everything_is_leased(tmp_path):
-    settings = CacheSettings(tmp_path, limit=int(2.5 * SHARD_BYTES))
+    settings = ShardCache(tmp_path, limit=int(2.5 * SHARD_BYTES))
     (a, sha_a), (b, sha_b), (c, sha_c) = shard("a"), shard("b"), shard("c")
     held, done = FORK.Event(), FORK.Event()
     reader = FORK.Process(target=_hold_lease, args=(settings, a, sha_a, held, done))
@@ -207,7 +207,7 @@ def test_eviction_spares_leased_shards_and_bypasses_when_everything_is_leased(tm
 
 
 def test_eviction_removes_the_least_recently_used_and_a_hit_counts_as_a_use(tmp_path):
-    cache = NodeCache(CacheSettings(tmp_path, limit=int(3.5 * SHARD_BYTES)))
+    cache = NodeCache(ShardCache(tmp_path, limit=int(3.5 * SHARD_BYTES)))
     shards = {tag: shard(tag) for tag in "abcd"}
     for tag in "abc":
         read_lease(cache, *shards[tag])
@@ -232,7 +232,7 @@ def _busy_reader(settings, stats, seed: int) -> None:
 
 
 def test_busy_readers_under_a_tight_limit_never_hang_or_read_wrong_bytes(tmp_path):
-    settings, stats = CacheSettings(tmp_path, limit=3 * SHARD_BYTES), CacheStats()
+    settings, stats = ShardCache(tmp_path, limit=3 * SHARD_BYTES), CacheStats()
     readers = [FORK.Process(target=_busy_reader, args=(settings, stats, seed)) for seed in range(4)]
     for reader in readers:
         reader.start()
@@ -246,18 +246,18 @@ def test_busy_readers_under_a_tight_limit_never_hang_or_read_wrong_bytes(tmp_pat
 
 
 def test_a_limit_below_the_largest_shard_is_refused_up_front(tmp_path):
-    cache = NodeCache(CacheSettings(tmp_path / "cache", limit=1 << 30))
+    cache = NodeCache(ShardCache(tmp_path / "cache", limit=1 << 30))
     with pytest.raises(InputError) as caught:
         cache.check_limit(2 << 30, "imagenet-train")
     message = str(caught.value)
     assert str(tmp_path / "cache") in message and "1.0 GiB" in message and "2.0 GiB" in message
     assert "imagenet-train" in message and "\n" not in message
     cache.check_limit(1 << 30, "imagenet-train")
-    NodeCache(CacheSettings(tmp_path / "unlimited")).check_limit(1 << 40, "imagenet-train")
+    NodeCache(ShardCache(tmp_path / "unlimited")).check_limit(1 << 40, "imagenet-train")
 
 
 def test_a_shard_larger_than_the_limit_is_read_from_the_source(tmp_path):
-    cache = NodeCache(CacheSettings(tmp_path, limit=SHARD_BYTES // 2))
+    cache = NodeCache(ShardCache(tmp_path, limit=SHARD_BYTES // 2))
     data, sha = shard("a")
     calls: list[str] = []
     assert cache.acquire(sha, len(data), ".tar", writer_of(data, calls), "s3://bucket/a.tar") is None
@@ -271,20 +271,20 @@ def disk_full(fileobj) -> None:
 
 
 def test_a_full_disk_names_the_cache_and_the_way_out(tmp_path):
-    cache = NodeCache(CacheSettings(tmp_path / "cache", limit=10 * SHARD_BYTES))
+    cache = NodeCache(ShardCache(tmp_path / "cache", limit=10 * SHARD_BYTES))
     data, sha = shard("a")
     with pytest.raises(CacheFullError) as caught:
         cache.acquire(sha, len(data), ".tar", disk_full, "s3://bucket/a.tar")
     message = str(caught.value)
     assert str(tmp_path / "cache") in message and "no space left on device" in message
-    assert "--cache-limit" in message and "cache_fallback" in message
+    assert "--cache-limit" in message and "--cache-fallback" in message and "ShardCache.fallback" in message
     assert isinstance(caught.value, OSError) and caught.value.errno == errno.ENOSPC
     assert shard_files(tmp_path / "cache") == []
     assert list((tmp_path / "cache" / "v1" / "reserve").iterdir()) == []
 
 
 def test_a_full_disk_with_fallback_reads_from_the_source_and_warns_once(tmp_path, caplog):
-    cache = NodeCache(CacheSettings(tmp_path, fallback=True))
+    cache = NodeCache(ShardCache(tmp_path, fallback=True))
     data, sha = shard("a")
     with caplog.at_level(logging.DEBUG, logger="shardcache.cache"):
         assert cache.acquire(sha, len(data), ".tar", disk_full, "s3://bucket/a.tar") is None
@@ -303,13 +303,13 @@ def test_a_full_disk_with_fallback_reads_from_the_source_and_warns_once(tmp_path
 def test_invalid_keys_are_refused_before_anything_is_fetched(tmp_path, sha, suffix):
     calls: list[str] = []
     with pytest.raises(InputError):
-        NodeCache(CacheSettings(tmp_path)).acquire(sha, 10, suffix, writer_of(b"x" * 10, calls), "s3://b/x")
+        NodeCache(ShardCache(tmp_path)).acquire(sha, 10, suffix, writer_of(b"x" * 10, calls), "s3://b/x")
     assert calls == []
 
 
 def test_leftovers_of_killed_processes_are_removed_when_the_cache_opens(tmp_path):
     _, sha = shard("a")
-    NodeCache(CacheSettings(tmp_path))
+    NodeCache(ShardCache(tmp_path))
     folder = tmp_path / "v1" / sha[:2]
     folder.mkdir()
     dead = FORK.Process(target=os._exit, args=(0,))
@@ -324,7 +324,7 @@ def test_leftovers_of_killed_processes_are_removed_when_the_cache_opens(tmp_path
     reservation = tmp_path / "v1" / "reserve" / sha
     reservation.write_text('{"size": 1000}')
 
-    cleaned = NodeCache(CacheSettings(tmp_path, limit=SHARD_BYTES)).clean_stale()
+    cleaned = NodeCache(ShardCache(tmp_path, limit=SHARD_BYTES)).clean_stale()
     assert cleaned == {"temp_files": 0, "reservations": 0}  # the cache opening above already removed them
     assert not dead_tmp.exists() and not old_tmp.exists() and not reservation.exists()
     assert live_tmp.exists()  # a live writer's file (this process) stays

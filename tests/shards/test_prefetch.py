@@ -30,9 +30,10 @@ def raw(sample, seed):
 
 def cached_dataset(tmp_path: Path, *, shuffle: bool):
     make_shard_dataset(tmp_path / "data", shard_sizes={"train": SIZES})
-    return shards.open_dataset(tmp_path / "data", "train", shuffle=shuffle, seed=5, rank=0, world_size=1,
-                               return_keys=True, decode=shards.Decode(decoder=raw), cache_dir=tmp_path / "cache",
-                               remote=shards.Remote(cache_local=True))
+    return shards.open_dataset(tmp_path / "data", "train", seed=5, return_keys=True, decode=shards.Decode(decoder=raw),
+                               sampling=shards.Sampling(shuffle=shuffle),
+                               distributed=shards.Distributed(rank=0, world_size=1),
+                               shard_cache=shards.ShardCache(dir=tmp_path / "cache", local=True))
 
 
 def shard_order(dataset) -> list[int]:

@@ -39,23 +39,26 @@ def test_http_manifest_and_shards_match_local(served):
 
 def test_http_through_workers_with_slices(served):
     folder, url = served
-    dataset = shards.open_dataset(url + "/dataset.json", return_keys=True, transform="eval", world_size=2, rank=1)
+    dataset = shards.open_dataset(url + "/dataset.json", return_keys=True, transform="eval",
+                                  distributed=shards.Distributed(world_size=2, rank=1))
     loader = shards.make_loader(dataset, batch_size=2, num_workers=2, drop_last=False, persistent_workers=False)
     got = [k for batch in loader for k in batch[2]]
-    local = shards.open_dataset(folder, return_keys=True, transform="eval", world_size=2, rank=1)
+    local = shards.open_dataset(folder, return_keys=True, transform="eval",
+                                distributed=shards.Distributed(world_size=2, rank=1))
     assert sorted(got) == sorted(keys(local)) and len(got) == 6
 
 
 def test_local_manifest_with_base_url(served):
     folder, url = served
-    dataset = shards.open_dataset(folder, return_keys=True, remote=shards.Remote(url), shuffle=False)
+    dataset = shards.open_dataset(folder, return_keys=True, remote=shards.Remote(url),
+                                  sampling=shards.Sampling(shuffle=False))
     assert dataset.locations[1] == f"{url}/train-000001.tar"
     assert keys(dataset) == [f"train_{i:05d}" for i in range(12)]
 
 
 def test_pipe_command(served):
     folder, _ = served
-    dataset = shards.open_dataset(folder, return_keys=True, shuffle=False)
+    dataset = shards.open_dataset(folder, return_keys=True, sampling=shards.Sampling(shuffle=False))
     dataset.locations = [f"pipe:cat {location}" for location in dataset.locations]
     assert keys(dataset) == [f"train_{i:05d}" for i in range(12)]
 

@@ -182,13 +182,23 @@ def test_config_differences_ignore_what_a_resume_may_change():
     assert TrainConfig.from_dict(base.to_dict()) == base
 
 
-def test_pipeline_choices_and_validation_come_from_shards():
-    from shards.stream.options import PIPELINES
+def test_decode_choices_and_validation_come_from_shards():
+    from shards.stream.options import STREAM_DECODES
 
-    assert TrainConfig("data", "out").pipeline == "fast"  # training owns the device-side normalisation
-    assert all(TrainConfig("data", "out", pipeline=name).pipeline == name for name in PIPELINES)
-    with pytest.raises(InputError, match="pipeline='turbo' is not one of standard, fast"):
-        TrainConfig("data", "out", pipeline="turbo")
+    assert TrainConfig("data", "out").decode == "fast"  # training owns the device-side normalisation
+    assert all(TrainConfig("data", "out", decode=name).decode == name for name in STREAM_DECODES)
+    with pytest.raises(InputError, match="decode='turbo' is not one of standard, fast"):
+        TrainConfig("data", "out", decode="turbo")
+    with pytest.raises(InputError, match="not available in train-from-shards") as caught:
+        TrainConfig("data", "out", decode="device")  # only precompute-features decodes on the device
+    assert "\n" not in str(caught.value)
+
+
+def test_a_run_config_recorded_with_pipeline_reads_as_its_decode():
+    recorded = {k: v for k, v in TrainConfig("data", "out").to_dict().items() if k != "decode"}
+    old = TrainConfig.from_dict({**recorded, "pipeline": "standard"})  # config.json before the rename
+    assert old.decode == "standard"
+    assert old.differences(TrainConfig("data", "out")) == ["decode"]  # a resume with the other decode is refused
 
 
 def test_fine_tune_weights_unwrap_a_checkpoint_of_a_ddp_model(tmp_path: Path):

@@ -44,7 +44,7 @@ def summary_of(result) -> dict:
 
 def split_rows(folder: Path, split: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """Features, targets and keys of a split as the stream yields them (manifest order)."""
-    rows = list(shards.open_dataset(folder, split, shuffle=False, return_keys=True))
+    rows = list(shards.open_dataset(folder, split, return_keys=True, sampling=shards.Sampling(shuffle=False)))
     return np.stack([r[0].numpy() for r in rows]), np.array([r[1] for r in rows]), [r[2] for r in rows]
 
 

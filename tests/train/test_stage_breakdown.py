@@ -27,12 +27,12 @@ def stages(**seconds: float) -> dict[str, float]:
 # -- the advice --------------------------------------------------------------------------------------------------
 def test_advice_names_decode_with_its_share_of_worker_time():
     breakdown = stages(read=0.5, decode=7.8, transform=1.2, collate=0.5, wait=5.0, step=5.0)
-    advice = wait_advice(0.5, 5.0, data_kind="images", workers=2, stages=breakdown, pipeline="standard")
+    advice = wait_advice(0.5, 5.0, data_kind="images", workers=2, stages=breakdown, decode="standard")
     assert "decode is 78% of worker time" in advice
-    assert "--workers, now 2" in advice and "--pipeline fast" in advice and "features" in advice
+    assert "--workers, now 2" in advice and "--decode fast" in advice and "features" in advice
     assert "to_device" not in advice
-    fast = wait_advice(0.5, 5.0, data_kind="images", workers=2, stages=breakdown, pipeline="fast")
-    assert "decode is 78%" in fast and "--pipeline fast" not in fast  # already on it
+    fast = wait_advice(0.5, 5.0, data_kind="images", workers=2, stages=breakdown, decode="fast")
+    assert "decode is 78%" in fast and "--decode fast" not in fast  # already on it
 
 
 def test_advice_for_slow_shards_collate_transform_and_copies():
@@ -179,7 +179,7 @@ def two_checked_epochs(folder: Path, tmp_path: Path, *options: str):
 @pytest.mark.slow
 def test_image_run_writes_stage_seconds_in_every_row(image_folder: Path, tmp_path: Path):
     result, rows = two_checked_epochs(image_folder, tmp_path, "--batch-size", "8", "--workers", "2",
-                                      "--image-size", "32", "--pipeline", "fast", "--optimizer", "adamw")
+                                      "--image-size", "32", "--decode", "fast", "--optimizer", "adamw")
     for row in rows:
         seconds = row["stage_seconds"]
         assert all(seconds[name] > 0 for name in (*WORKER_STAGES, "to_device", "normalize")), seconds

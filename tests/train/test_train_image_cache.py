@@ -51,8 +51,8 @@ def test_switching_the_cache_is_another_run_and_the_limit_is_not():
 def test_bad_combinations_are_refused():
     with pytest.raises(InputError, match="give cache_images too"):
         TrainConfig(data_path="d", out_dir="o", memory_limit=1 << 30)
-    with pytest.raises(InputError, match="cache_images needs the fast pipeline"):
-        TrainConfig(data_path="d", out_dir="o", cache_images=True, pipeline="standard")
+    with pytest.raises(InputError, match="cache_images needs decode='fast'"):
+        TrainConfig(data_path="d", out_dir="o", cache_images=True, decode="standard")
 
 
 def test_the_cli_takes_the_options(image_folder: Path, tmp_path: Path):

@@ -52,9 +52,9 @@ def test_weights_of_another_architecture_are_refused(tmp_path: Path):
         build_image_model("resnet18", 3, weights=weights)
 
 
-@pytest.mark.parametrize("pipeline, loader_dtype", [("fast", "uint8"), ("standard", "float32")])
-def test_dry_run_shows_normalised_image_batch(image_folder: Path, tmp_path: Path, pipeline: str, loader_dtype: str):
-    report = train(config(image_folder, tmp_path / "run", dry_run=True, pipeline=pipeline))
+@pytest.mark.parametrize("decode, loader_dtype", [("fast", "uint8"), ("standard", "float32")])
+def test_dry_run_shows_normalised_image_batch(image_folder: Path, tmp_path: Path, decode: str, loader_dtype: str):
+    report = train(config(image_folder, tmp_path / "run", dry_run=True, decode=decode))
     assert report["loader_dtype"] == loader_dtype  # the fast pipeline ships bytes and normalises on the device
     assert report["batch_shape"] == [8, 3, 32, 32]
     assert report["dtype"] == "float32"
