@@ -124,6 +124,7 @@ def test_a_distributed_run_shows_each_rank(run_copy: Path):
     assert "Rank 1's loop took longest" in page.text
 
 
+@pytest.mark.slow
 def test_the_data_wait_verdict_is_the_training_loops_own_rule(run_copy: Path):
     """``shards.report.advice``, as the loop logs it: a tiny fast local run is never a bottleneck, however large
     its wait share; a cache or a local copy only for image shards read over the network and not cached."""

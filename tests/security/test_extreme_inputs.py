@@ -407,6 +407,7 @@ def fifo_source_dataset(features: Path) -> Path:
     return manifest
 
 
+@pytest.mark.slow
 def test_verify_of_features_whose_source_manifest_is_a_fifo_does_not_hang(features: Path):
     manifest = fifo_source_dataset(features)
     result = cli("shards", "verify", features)
