@@ -79,10 +79,10 @@ def _feature_identity(manifest: Mapping[str, Any]) -> Any:
 
 
 def dataset_spec() -> PublishSpec:
-    from preprocess.pack.parts import _is_own_file
+    from preprocess.pack.parts import is_published_name
     from shards.manifest import DATASET_FILE
 
-    return PublishSpec(DATASET_FILE, _plan_identity, _is_own_file)
+    return PublishSpec(DATASET_FILE, _plan_identity, is_published_name)
 
 
 def features_spec() -> PublishSpec:

@@ -68,7 +68,7 @@ def existing_plan_digest(out: Path) -> str | None:
     return None
 
 
-def _is_own_file(name: str) -> bool:
+def is_published_name(name: str) -> bool:
     """Whether an object name in an ``s3://`` prefix is one ``pack-shards`` publishes (``preprocess.staging``); a
     local ``--overwrite`` goes by ``recorded_names`` instead."""
     name = tmp_target(name) or name

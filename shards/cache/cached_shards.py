@@ -23,7 +23,8 @@ from typing import Any, BinaryIO, Callable, Sequence
 
 from shards.cache.node import Lease, NodeCache, ShardCache, check_limit
 from shards.cache.node_index import CacheStats
-from shards.formats.remote import is_remote, open_remote
+from shards.formats.locations import is_remote
+from shards.formats.remote import open_remote
 from shards.formats.s3 import is_s3
 from shards.units import human_bytes
 

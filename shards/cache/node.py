@@ -55,7 +55,7 @@ from shards.atomic import sha256_file, unique_tmp_path, write_json_atomic
 from shards.bounded_read import read_json_file
 # The folder's layout, locks, room and counters live in node_index.
 from shards.cache.node_index import (
-    _ENTRY, _SHA256, LAYOUT, CacheIndex, CacheStats, _locked, _open_locked, _stamp_path, _unlink)
+    ENTRY_PATTERN, SHA256_PATTERN, LAYOUT, CacheIndex, CacheStats, locked, open_locked, stamp_path, unlink)
 from shards.errors import ChecksumError, InputError, ShardcacheError
 from shards.units import human_bytes, parse_size
 
@@ -155,7 +155,7 @@ class _HashingWriter(io.RawIOBase):
 
 
 def _check_key(sha256: str, suffix: str) -> None:
-    if not isinstance(sha256, str) or not _SHA256.match(sha256):
+    if not isinstance(sha256, str) or not SHA256_PATTERN.match(sha256):
         raise InputError(f"a cache key is a sha256 of 64 lowercase hex digits, got {sha256!r}")
     if not isinstance(suffix, str) or not _SUFFIX.match(suffix):
         raise InputError(f"a cached shard's suffix is a dot and 1 to 8 lowercase letters or digits (like '.tar'), "
@@ -189,7 +189,7 @@ class NodeCache:
         try:
             for folder in ("locks", "leases", "reserve"):
                 (self.root / folder).mkdir(parents=True, exist_ok=True)
-            with _locked(self._index.evict_lock):
+            with locked(self._index.evict_lock):
                 pass
         except OSError as exc:
             hint = " (the cache needs a local disk with flock)" if exc.errno in _NO_FLOCK else ""
@@ -212,13 +212,13 @@ class NodeCache:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise InputError(f"a shard size is a non-negative number of bytes, got {size!r}", path=source)
         # The lease comes first: once it is held, a copy found below cannot be evicted before the reader opens it.
-        lease_fd = _open_locked(self._index.lease_file(sha256), fcntl.LOCK_SH)
+        lease_fd = open_locked(self._index.lease_file(sha256), fcntl.LOCK_SH)
         assert lease_fd is not None
         try:
             if self._check_copy(path, sha256, size) == _OK:
                 self._hit(path, size)
                 return Lease(path, lease_fd)
-            with _locked(self._index.key_lock(sha256)):
+            with locked(self._index.key_lock(sha256)):
                 state = self._check_copy(path, sha256, size)
                 if state == _OK:  # another process finished it while this one waited
                     self._hit(path, size)
@@ -248,11 +248,11 @@ class NodeCache:
         counts = {"checked": 0, "removed": 0, "skipped": 0}
         for folder in self._index.entry_dirs():
             for entry in os.scandir(folder.path):
-                match = _ENTRY.match(entry.name)
+                match = ENTRY_PATTERN.match(entry.name)
                 if not match:
                     continue
                 path = Path(entry.path)
-                with _locked(self._index.key_lock(match["sha"]), fcntl.LOCK_EX | fcntl.LOCK_NB) as taken:
+                with locked(self._index.key_lock(match["sha"]), fcntl.LOCK_EX | fcntl.LOCK_NB) as taken:
                     if not taken:
                         counts["skipped"] += 1
                         continue
@@ -280,7 +280,7 @@ class NodeCache:
         if self._index.verified.get(str(path)) == signature and info.st_size == size:
             return _OK
         try:
-            stamp = read_json_file(_stamp_path(path))
+            stamp = read_json_file(stamp_path(path))
             recorded = (stamp["size"], stamp["mtime_ns"], stamp["inode"])
             stamped_sha = stamp["sha256"]
         except (OSError, ValueError, KeyError, TypeError):
@@ -298,7 +298,7 @@ class NodeCache:
 
     def _rehash_matches(self, path: Path, sha256: str) -> bool:
         try:
-            stamp = read_json_file(_stamp_path(path))
+            stamp = read_json_file(stamp_path(path))
             info = os.stat(path)
             digest = sha256_file(path)
         except (OSError, ValueError):
@@ -309,7 +309,7 @@ class NodeCache:
 
     def _hit(self, path: Path, size: int) -> None:
         with contextlib.suppress(OSError):
-            os.utime(_stamp_path(path))  # the stamp's mtime is the entry's last use, for LRU eviction
+            os.utime(stamp_path(path))  # the stamp's mtime is the entry's last use, for LRU eviction
         self.stats.add(hits=1, served_bytes=size)
 
     def _remove_entry(self, path: Path) -> None:
@@ -359,10 +359,10 @@ class NodeCache:
             os.replace(tmp, path)
             placed = True
             info = os.stat(path)
-            write_json_atomic(_stamp_path(path), {"size": info.st_size, "mtime_ns": info.st_mtime_ns,
+            write_json_atomic(stamp_path(path), {"size": info.st_size, "mtime_ns": info.st_mtime_ns,
                                                   "inode": info.st_ino, "sha256": sha256})  # fsyncs the folder
         except BaseException:
-            _unlink(tmp)
+            unlink(tmp)
             if placed:
                 self._remove_entry(path)
             raise

@@ -40,8 +40,8 @@ LAYOUT = "v1"
 STAMP_SUFFIX = ".ok"
 STALE_TMP_S = 3600.0  # a temp file this old is a leftover even when its writer's pid cannot be checked
 STAT_NAMES = ("hits", "misses", "fetched_bytes", "served_bytes", "refetches", "evictions", "bypasses")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_ENTRY = re.compile(r"^(?P<sha>[0-9a-f]{64})\.[a-z0-9]{1,8}$")
+SHA256_PATTERN = re.compile(r"^[0-9a-f]{64}$")
+ENTRY_PATTERN = re.compile(r"^(?P<sha>[0-9a-f]{64})\.[a-z0-9]{1,8}$")
 # Temp files of a shard and of its stamp: ``<final>.<host>.<pid>.<token>.tmp`` (``shards.atomic.unique_tmp_path``).
 _TMP = re.compile(r"^(?P<sha>[0-9a-f]{64})\.[a-z0-9]{1,8}(\.ok)?\.(?P<host>[A-Za-z0-9-]{1,32})\.(?P<pid>\d+)"
                   r"\.[0-9a-f]{8}\.tmp$")
@@ -79,7 +79,7 @@ class CacheStats(SharedValues):
 
 
 # -- flock and file helpers ---------------------------------------------------------------------------------------
-def _open_locked(path: Path, flags: int) -> int | None:
+def open_locked(path: Path, flags: int) -> int | None:
     """An open descriptor holding ``flock(flags)`` on ``path``; None when ``LOCK_NB`` was given and it is held."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     try:
@@ -94,9 +94,9 @@ def _open_locked(path: Path, flags: int) -> int | None:
 
 
 @contextlib.contextmanager
-def _locked(path: Path, flags: int = fcntl.LOCK_EX) -> Iterator[bool]:
+def locked(path: Path, flags: int = fcntl.LOCK_EX) -> Iterator[bool]:
     """Hold ``flock(flags)`` for the block; yields whether it was taken (False only with ``LOCK_NB``)."""
-    fd = _open_locked(path, flags)
+    fd = open_locked(path, flags)
     try:
         yield fd is not None
     finally:
@@ -104,11 +104,11 @@ def _locked(path: Path, flags: int = fcntl.LOCK_EX) -> Iterator[bool]:
             os.close(fd)
 
 
-def _stamp_path(path: Path) -> Path:
+def stamp_path(path: Path) -> Path:
     return path.with_name(path.name + STAMP_SUFFIX)
 
 
-def _unlink(path: Path) -> None:
+def unlink(path: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
 
@@ -142,8 +142,8 @@ class CacheIndex:
     def remove_entry(self, path: Path) -> None:
         """Stamp first: a copy without its stamp is never used, whatever happens between the two unlinks."""
         self.verified.pop(str(path), None)
-        _unlink(_stamp_path(path))
-        _unlink(path)
+        unlink(stamp_path(path))
+        unlink(path)
 
     # -- room ----------------------------------------------------------------------------------------------------
     def reserve(self, sha256: str, size: int) -> bool:
@@ -152,7 +152,7 @@ class CacheIndex:
         assert limit is not None
         if size > limit:
             return False
-        with _locked(self.evict_lock):
+        with locked(self.evict_lock):
             entries, used = self._entries(), self.scan_reservations()[0]
             used += sum(entry_size for _, entry_size, _ in entries)
             for _, entry_size, entry in sorted(entries):
@@ -168,15 +168,15 @@ class CacheIndex:
 
     def release(self, sha256: str) -> None:
         """Drop the reservation of a fetch that has finished, failed or bypassed (caller holds its fetch lock)."""
-        with _locked(self.evict_lock):
-            _unlink(self.root / "reserve" / sha256)
+        with locked(self.evict_lock):
+            unlink(self.root / "reserve" / sha256)
 
     def _entries(self) -> list[tuple[float, int, Path]]:
         """(last use, size, path) of every copy under its final name; a copy without a stamp sorts first."""
         entries = []
         for folder in self.entry_dirs():
             for entry in os.scandir(folder.path):
-                if not _ENTRY.match(entry.name):
+                if not ENTRY_PATTERN.match(entry.name):
                     continue
                 with contextlib.suppress(FileNotFoundError):
                     size = entry.stat().st_size
@@ -192,11 +192,11 @@ class CacheIndex:
         ``evict.lock``). A reservation whose fetch lock is free belongs to a killed process and is removed."""
         total = removed = 0
         for entry in os.scandir(self.root / "reserve"):
-            if not _SHA256.match(entry.name):
+            if not SHA256_PATTERN.match(entry.name):
                 continue
-            with _locked(self.key_lock(entry.name), fcntl.LOCK_EX | fcntl.LOCK_NB) as taken:
+            with locked(self.key_lock(entry.name), fcntl.LOCK_EX | fcntl.LOCK_NB) as taken:
                 if taken:
-                    _unlink(Path(entry.path))
+                    unlink(Path(entry.path))
                     removed += 1
                     continue
             try:
@@ -209,9 +209,9 @@ class CacheIndex:
         return total, removed
 
     def _evict(self, path: Path) -> bool:
-        match = _ENTRY.match(path.name)
+        match = ENTRY_PATTERN.match(path.name)
         assert match is not None
-        with _locked(self.lease_file(match["sha"]), fcntl.LOCK_EX | fcntl.LOCK_NB) as unleased:
+        with locked(self.lease_file(match["sha"]), fcntl.LOCK_EX | fcntl.LOCK_NB) as unleased:
             if not unleased:
                 return False
             self.remove_entry(path)
@@ -238,11 +238,11 @@ class CacheIndex:
                     continue
                 if not (dead or old):
                     continue
-                with _locked(self.key_lock(match["sha"]), fcntl.LOCK_EX | fcntl.LOCK_NB) as taken:
+                with locked(self.key_lock(match["sha"]), fcntl.LOCK_EX | fcntl.LOCK_NB) as taken:
                     if taken:
-                        _unlink(Path(entry.path))
+                        unlink(Path(entry.path))
                         removed["temp_files"] += 1
-        with _locked(self.evict_lock):
+        with locked(self.evict_lock):
             removed["reservations"] = self.scan_reservations()[1]
         if any(removed.values()):
             log.info("%s: removed %d temp file(s) and %d reservation(s) left by killed processes", self.root,

@@ -159,7 +159,7 @@ class SharedArrayStore:
         return STORED
 
     def _reserve(self, index: int, shape: tuple[int, ...], nbytes: int) -> tuple[int, int]:
-        with self._locked():
+        with self.locked():
             if self._states[index] != EMPTY:
                 return TAKEN, 0
             if self._header[_FULL]:
@@ -189,7 +189,7 @@ class SharedArrayStore:
         return True
 
     @contextmanager
-    def _locked(self) -> Iterator[None]:
+    def locked(self) -> Iterator[None]:
         fcntl.lockf(self._fd, fcntl.LOCK_EX)
         try:
             yield

@@ -19,8 +19,7 @@ from typing import Any, BinaryIO, Iterable, Iterator
 
 from shards.bounded_read import JSONError, parse_json, read_capped
 from shards.errors import CorruptDataError, ManifestError, MissingInputError
-from shards.formats.locations import (REMOTE_SCHEMES, check_redirect, is_remote, shard_location,  # noqa: F401
-                                      url_origin)
+from shards.formats.locations import check_redirect, shard_location, url_origin
 
 TIMEOUT_S = 60.0
 MAX_REDIRECTS = 5

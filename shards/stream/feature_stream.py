@@ -28,7 +28,7 @@ from shards.manifest import SplitInfo
 from shards.stream.plan import STREAM_CLASS_WEIGHTS, STREAM_SHUFFLE_BUFFER, ShardSlice, rng_for
 from shards.stream.elastic import Continuation, continuation, permuted_rows
 from shards.stream.resume import FEATURE_BATCHES, LoaderState, consumed_batches
-from shards.formats.remote import is_remote
+from shards.formats.locations import is_remote
 from shards.formats.s3 import is_s3
 from shards.cache.cached_shards import CachedShards
 from shards.stream.stages import systematic_resample

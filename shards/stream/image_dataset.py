@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 from shards.cache.cached_shards import CachedShards
 from shards.errors import CorruptDataError, InputError, MissingInputError
-from shards.formats.remote import is_remote, open_remote
+from shards.formats.locations import is_remote
+from shards.formats.remote import open_remote
 from shards.formats.s3 import is_s3
 from shards.formats.sample import RawSample, label_problem
 from shards.formats.storage import get_storage

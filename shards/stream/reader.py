@@ -27,8 +27,8 @@ from shards.cache.images import ImageCacheRequest
 from shards.cache.node import ShardCache
 from shards.formats.features import FeatureSpec
 from shards.manifest import DATASET_FILE, FEATURES_FILE, DatasetManifest, FeatureManifest, Manifest, load_manifest
-from shards.formats.locations import request_origins, shard_location
-from shards.formats.remote import is_remote, read_remote_json
+from shards.formats.locations import is_remote, request_origins, shard_location
+from shards.formats.remote import read_remote_json
 from shards.stream.options import Decode, Distributed, ErrorPolicy, MemoryCache, Remote, Sampling
 from shards.stream.stages import class_weights_from_counts
 from shards.image.transforms import TransformSpec, build_transform
