@@ -55,14 +55,14 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def _host_tag() -> str:
+def host_tag() -> str:
     return _HOST_CHARS.sub("-", socket.gethostname()).strip("-")[:32] or "host"
 
 
 def unique_tmp_path(final: str | os.PathLike) -> Path:
     """A temp name beside ``final`` that no other process, on this host or another, will pick."""
     final = Path(final)
-    return final.with_name(f"{final.name}.{_host_tag()}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+    return final.with_name(f"{final.name}.{host_tag()}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
 
 
 def tmp_path_for(final: str | os.PathLike) -> Path:

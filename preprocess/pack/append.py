@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from preprocess.pack.packer import PackConfig, ShardJob, _Meter, _run_jobs, check_strict, log_skipped, pack
+from preprocess.pack.packer import PackConfig, ShardJob, PackMeter, run_jobs, check_strict, log_skipped, pack
 from preprocess.pack.parts import PLAN_FILE, STATE_DIR
 from preprocess.pack.plan import PlannedShard, assign_splits, cut_shards, split_order_key
 from preprocess.pack.sources import SourceSample, SourceScan, scan_source
@@ -287,9 +287,9 @@ def _pack_planned(out: Path, planned: Sequence[PlannedShard], classes: tuple[str
     """Pack the new shards with the packer's own shard job, in ``cfg.workers`` processes."""
     digest = hashlib.sha256(json.dumps([batch, [s.name for s in planned]]).encode()).hexdigest()
     jobs = [ShardJob(str(out), s, classes, cfg.storage, cfg.validate, cfg.strict, digest) for s in planned]
-    meter = _Meter(sum(len(s.samples) for s in planned), cfg.quiet)
+    meter = PackMeter(sum(len(s.samples) for s in planned), cfg.quiet)
     try:
-        parts = _run_jobs(jobs, cfg.workers, meter)
+        parts = run_jobs(jobs, cfg.workers, meter)
     finally:
         meter.bar.close()
     return parts

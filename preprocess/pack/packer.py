@@ -169,7 +169,7 @@ def _plan_doc(plan: PackPlan, storage: str) -> dict[str, Any]:
             "shards": [{"name": s.name, "split": s.split} for s in plan.shards]}
 
 
-class _Meter:
+class PackMeter:
     """The progress bar: files/s from tqdm, MB/s of source bytes as a postfix."""
 
     def __init__(self, total_files: int, quiet: bool):
@@ -184,7 +184,7 @@ class _Meter:
         self.bar.set_postfix_str(f"{self.bytes / elapsed / 1e6:.1f} MB/s", refresh=False)
 
 
-def _run_jobs(jobs: Sequence[ShardJob], workers: int, meter: _Meter) -> list[dict[str, Any]]:
+def run_jobs(jobs: Sequence[ShardJob], workers: int, meter: PackMeter) -> list[dict[str, Any]]:
     if workers == 1 or len(jobs) <= 1:
         return [pack_shard(job, on_file=lambda nbytes: meter.add(1, nbytes)) for job in jobs]
     context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
@@ -263,9 +263,9 @@ def _pack_claimed(cfg: PackConfig, plan: PackPlan, out: Path, started: float) ->
     log.info("%d files, %d classes -> %d shards; task %d/%d packs %d (%d already done)", scan.files_seen,
              len(scan.classes), len(plan.shards), cfg.task_index, cfg.num_tasks, len(todo), len(mine) - len(todo))
     jobs = [ShardJob(str(out), s, scan.classes, cfg.storage, cfg.validate, cfg.strict, plan.sha256) for s in todo]
-    meter = _Meter(sum(len(s.samples) for s in todo), cfg.quiet)
+    meter = PackMeter(sum(len(s.samples) for s in todo), cfg.quiet)
     try:
-        packed = _run_jobs(jobs, cfg.workers, meter)
+        packed = run_jobs(jobs, cfg.workers, meter)
     finally:
         meter.bar.close()
     manifest = _finish(out, plan, len(todo))

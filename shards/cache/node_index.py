@@ -29,7 +29,7 @@ from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any
 
-from shards.atomic import _host_tag
+from shards.atomic import host_tag
 from shards.bounded_read import read_json_file
 from shards.lock import pid_alive
 from shards.stream.shared_values import SharedValues
@@ -162,7 +162,7 @@ class CacheIndex:
                     used -= entry_size
             if used + size > limit:
                 return False
-            record = {"size": size, "host": _host_tag(), "pid": os.getpid()}
+            record = {"size": size, "host": host_tag(), "pid": os.getpid()}
             (self.root / "reserve" / sha256).write_text(json.dumps(record), encoding="utf-8")
         return True
 
@@ -224,7 +224,7 @@ class CacheIndex:
         """Remove temp files and reservations left by killed processes. A temp file counts as left over when its
         writer's pid is dead on this host or it is older than ``STALE_TMP_S``, and in both cases only while no one
         holds its key's fetch lock (so a slow live download is never cut)."""
-        host, now = _host_tag(), time.time()
+        host, now = host_tag(), time.time()
         removed = {"temp_files": 0, "reservations": 0}
         for folder in self.entry_dirs():
             for entry in os.scandir(folder.path):

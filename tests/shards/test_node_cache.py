@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from shards.atomic import _host_tag
+from shards.atomic import host_tag
 from shards.cache.node import CacheFullError, ShardCache, NodeCache
 from shards.cache.node_index import CacheStats
 from shards.errors import ChecksumError, InputError
@@ -315,8 +315,8 @@ def test_leftovers_of_killed_processes_are_removed_when_the_cache_opens(tmp_path
     dead = FORK.Process(target=os._exit, args=(0,))
     dead.start()
     dead.join()
-    dead_tmp = folder / f"{sha}.tar.{_host_tag()}.{dead.pid}.0123abcd.tmp"
-    live_tmp = folder / f"{sha}.tar.{_host_tag()}.{os.getpid()}.89abcdef.tmp"
+    dead_tmp = folder / f"{sha}.tar.{host_tag()}.{dead.pid}.0123abcd.tmp"
+    live_tmp = folder / f"{sha}.tar.{host_tag()}.{os.getpid()}.89abcdef.tmp"
     old_tmp = folder / f"{sha}.tar.ok.otherhost.1234.deadbeef.tmp"
     for leftover in (dead_tmp, live_tmp, old_tmp):
         leftover.write_bytes(b"partial")
