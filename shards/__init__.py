@@ -15,7 +15,7 @@ _LAZY = {
     "make_loader": "shards.stream.loader",
     "pad_collate": "shards.stream.loader",
     "ShardLoader": "shards.stream.loader",
-    "FeatureBatchLoader": "shards.stream.feature_stream",
+    "FeatureBatchLoader": "shards.stream.feature_loader",
     "ShardDataset": "shards.stream.dataset",
     "ImageShardDataset": "shards.stream.image_dataset",
     "FeatureShardDataset": "shards.stream.feature_stream",

@@ -29,7 +29,8 @@ from torch.utils.data._utils.collate import default_collate
 from shards.stream.dataset import ShardDataset
 from shards.errors import InputError
 from shards.lock import pid_alive
-from shards.stream.feature_stream import FeatureBatchLoader, FeatureShardDataset
+from shards.stream.feature_loader import FeatureBatchLoader
+from shards.stream.feature_stream import FeatureShardDataset
 from shards.stream.resume import STREAM, LoaderState, consumed_batches, worker_batches
 
 MAX_DEFAULT_WORKERS = 8

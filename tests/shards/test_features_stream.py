@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import shards
-from shards.stream.feature_stream import FeatureBatchLoader, FeatureShardDataset
+from shards.stream.feature_loader import FeatureBatchLoader
+from shards.stream.feature_stream import FeatureShardDataset
 from tests.shards.stream_helpers import write_feature_dataset
 
 SIZES = [10, 3, 7, 5]
