@@ -1,8 +1,8 @@
-"""The streaming ``IterableDataset`` family: one epoch plan, one stage pipeline, a reader per kind of shard.
+"""The streaming ``IterableDataset`` family: one order, one stage pipeline, a reader per kind of shard.
 
-Per epoch and worker: plan the slices (``shards.stream.plan``), read them sequentially, resample by class weight
-(optional), shuffle through a seeded buffer, skip what a resumed run already consumed (before any decoding),
-then decode and transform. The decode step is a pluggable ``decoder(sample, seed)`` callable taking a
+Per epoch and worker: take the worker's rows and yield order (``shards.stream.order``), read the rows as covering
+reads, resample by class weight (optional), put them in yield order, skip what a resumed run already consumed
+(before any decoding), then decode and transform. The decode step is a pluggable ``decoder(sample, seed)`` callable taking a
 ``RawSample`` and the sample's augmentation seed, so other output formats (uint8 tensors, batched decoders)
 replace one object, not the loop, and no random state is shared between the reader and the decoder.
 """
@@ -20,18 +20,19 @@ from typing import Any, Callable, Iterator, Sequence
 from torch.utils.data import IterableDataset, get_worker_info
 
 from shards.cache.cached_shards import CachedShards
+from shards.stream.cursor import Cursor
 from shards.stream.error_tally import ErrorTally, reason_of
-from shards.stream.elastic import Continuation, EpochSource, continuation, dataset_fingerprint, sampling_settings
-from shards.stream.resume import STREAM, LoaderState, Resume, SharedEpochState, stream_resume
+from shards.stream.resume import STREAM, SharedEpochState
 from shards.errors import CorruptDataError, InputError
 from shards.manifest import SplitInfo
 from shards.stream.options import ErrorPolicy
+from shards.stream.order import EpochSource, Layout, WorkerOrder, worker_order
 from shards.stream.plan import (
-    STREAM_CLASS_WEIGHTS, STREAM_SHUFFLE_BUFFER, STREAM_TRANSFORM, ShardSlice, check_nodes, covering_reads,
-    epoch_sizes, indices_to_slices, plan_epoch, rng_for, shard_offsets, share_of, worker_range,
+    STREAM_CLASS_WEIGHTS, STREAM_TRANSFORM, ShardSlice, check_nodes, covering_reads, epoch_sizes, indices_to_slices,
+    rng_for, shard_offsets,
 )
 from shards.stream.mixture import Mixture
-from shards.stream.stages import Broken, shuffle_buffer, weighted_windows
+from shards.stream.stages import Broken, weighted_windows
 from shards.stream.stage_times import SharedStageTimes, StageTally, TimedCollate
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class StreamConfig:
 class ShardDataset(IterableDataset):
     """Base of the family: plan, stages, epoch state, resume. Subclasses read slices and decode samples.
 
-    ``time_stages`` (on by default; ``make_loader(stage_times=False)`` turns it off): every worker adds the seconds
+    Stage timing (on by default; ``make_loader(stage_times=False)`` turns it off): every worker adds the seconds
     it spends reading, decoding and transforming to a shared block (``shards.stream.stage_times``), read back with
     ``stage_seconds()``. ``decode_timed = False``: a subclass whose decode step is no real work (features) leaves
     decode and transform at 0.
@@ -98,13 +99,8 @@ class ShardDataset(IterableDataset):
         self.num_classes = num_classes if num_classes is not None else len(split.class_counts)
         self._state = SharedEpochState()
         self._stage_times = SharedStageTimes()
-        self._pending_resume: Resume | None = None
-        self._yielded = 0
-        # The unit of the split between DataLoader workers: ``make_loader`` sets its batch size, so every worker
-        # but one yields whole batches; iterated without a loader, 1 (plain split).
-        self.plan_batch_size = 1
-        self._continued: Continuation | None = None  # the last loaded state: a remainder when the layout changed
-        self._remainder_live = False  # whether the current iteration reads that remainder
+        # Iterated on its own, the dataset is its own loader of one worker and batches of one sample.
+        self._cursor = Cursor(self, STREAM, batch_size=1, num_workers=0, drop_last=False, split_batch=1)
         self.mixture: Mixture | None = None  # several sources or a subset (``use_mixture``): the epoch's rows
         self.label_maps: list[Any] | None = None  # per shard: source label -> combined label, or None
         if self.sizes.dropped:
@@ -155,101 +151,43 @@ class ShardDataset(IterableDataset):
         return TimedCollate(collate_fn, self._stage_times)
 
     def state_dict(self) -> dict[str, Any]:
-        """Progress of in-process iteration (no DataLoader workers); ``make_loader``'s wrapper has its own."""
-        remainder = self.active_remainder()
-        prior = remainder.position.prior if remainder is not None else None
-        return self._position((prior["batches"] if prior else 0) + self._yielded, prior).to_dict()
+        """Progress of in-process iteration (no DataLoader workers); ``make_loader``'s loaders have their own."""
+        return self._cursor.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.continue_from(state, self._position(0))
-
-    def _position(self, samples: int, prior: dict[str, Any] | None = None) -> LoaderState:
-        """In-process iteration as a loader of one worker and batches of one sample."""
-        return self.loader_state(STREAM, samples, batch_size=1, num_workers=0, drop_last=False, split_batch=1,
-                                 prior=prior)
-
-    def loader_state(self, kind: str, batches: int, *, batch_size: int, num_workers: int, drop_last: bool,
-                     split_batch: int, prior: dict[str, Any] | None = None) -> LoaderState:
-        """A loader's position over this dataset, with the settings a resumed run is checked against."""
-        c = self.config
-        return LoaderState(kind, self.epoch, batches, batch_size=batch_size, num_workers=num_workers,
-                           drop_last=drop_last, seed=c.seed, world_size=c.world_size, split_batch=split_batch,
-                           dataset=self.mixture.fingerprint if self.mixture is not None
-                           else dataset_fingerprint(self.split_info.shard_sizes),
-                           sampling=sampling_settings(c), prior=prior, nodes=c.nodes)
+        self._cursor.load(state)
 
     def epoch_source(self) -> EpochSource:
         return EpochSource.of(self.config, self.split_info.shard_sizes, self.mixture)
 
-    def continue_from(self, state: dict[str, Any], current: LoaderState) -> LoaderState:
-        """Make the next iteration continue the saved ``state`` in the layout ``current`` describes: bitwise exactly
-        in the same layout, over the samples the epoch had left in another (``shards.stream.elastic``)."""
-        continued = continuation(state, current, self.epoch_source(), self.config.rank)
-        remainder = continued.rank_indices is not None
-        self.set_epoch(continued.position.epoch)
-        self._continued = continued
-        per_rank = len(continued.rank_indices) if remainder else len(self)
-        self.resume(stream_resume(continued.position, per_rank, remainder=remainder))
-        return continued.position
-
-    def active_remainder(self) -> Continuation | None:
-        """The continuation whose remainder the current (or next) iteration of this epoch reads, if any."""
-        live = self._pending_resume.remainder if self._pending_resume is not None else self._remainder_live
-        continued = self._continued
-        if live and continued is not None and continued.rank_indices is not None \
-                and continued.position.epoch == self.epoch:
-            return continued
-        return None
-
-    def resume(self, resume: Resume | None) -> None:
-        """Make the next iteration continue an interrupted epoch (called by the ``load_state_dict`` methods)."""
-        self._pending_resume = resume
-
-    def publish_resume(self) -> None:
-        """Hand the pending resume (or none) to the iteration about to start, then forget it.
-
-        Called in the main process once per iteration: by ``__iter__`` itself when it runs there, and by the
-        loader before DataLoader workers start (their ``__iter__`` only reads what was published).
-        """
-        self._state.write_resume(self._pending_resume)
-        self._remainder_live = self._pending_resume is not None and self._pending_resume.remainder
-        self._pending_resume = None
-
     # -- the stream ------------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
-        in_main = info is None
-        if in_main:
-            self.publish_resume()
-        physical, num_workers = (0, 1) if in_main else (info.id, info.num_workers)
-        epoch = self._state.epoch
-        resume = self._state.read_resume(epoch, num_workers)
-        self._remainder_live = resume is not None and resume.remainder
-        rotation = resume.rotation if resume else 0
-        worker = (physical + rotation) % num_workers
-        skip = resume.skips[worker] if resume else 0
-        if in_main:
-            self._yielded = skip
-        for output in self._worker_stream(epoch, worker, num_workers, skip):
-            if in_main:
-                self._yielded += 1
+        if info is not None:  # inside a plain DataLoader's worker: its share of the epoch, from the start
+            yield from self.worker_stream(self.epoch, info.id, info.num_workers)
+            return
+        cursor = self._cursor
+        continued = cursor.begin()
+        resume = cursor.resume(continued)
+        skip = resume.skips[0] if resume is not None else 0
+        left = continued.left if continued is not None else None
+        for output in self.worker_stream(self.epoch, 0, 1, skip=skip, left=left):
+            cursor.handed += 1
             yield output
 
-    def worker_plan(self, epoch: int, worker: int, num_workers: int) -> list[ShardSlice]:
+    def worker_order(self, epoch: int, worker: int, num_workers: int, *, split_batch: int = 1,
+                     left: np.ndarray | None = None, whole: bool = False) -> WorkerOrder:
+        """``worker``'s rows and yield order this epoch (``shards.stream.order``); ``left``: the rows an epoch
+        continued in another layout has left."""
         c = self.config
-        remainder = self.active_remainder()
-        if remainder is not None and remainder.position.epoch == epoch:
-            rows = remainder.rank_indices
-            start, stop = worker_range(len(rows), worker, num_workers, self.plan_batch_size)
-            return indices_to_slices(rows[start:stop], shard_offsets(self.split_info.shard_sizes))
-        if self.mixture is not None:
-            rows = share_of(self.mixture.stream(epoch), rank=c.rank, world_size=c.world_size, worker=worker,
-                            num_workers=num_workers, drop_last=c.drop_last, batch_size=self.plan_batch_size)
-            return indices_to_slices(rows, shard_offsets(self.split_info.shard_sizes))
-        return plan_epoch(self.split_info.shard_sizes, seed=c.seed, epoch=epoch, rank=c.rank,
-                          world_size=c.world_size, worker=worker, num_workers=num_workers,
-                          drop_last=c.drop_last, shuffle=c.shuffle, batch_size=self.plan_batch_size,
-                          nodes=c.nodes, rotate_every=c.rotate_every)
+        layout = Layout(c.world_size, c.nodes, num_workers, split_batch, whole=whole)
+        return worker_order(self.epoch_source(), layout, epoch, c.rank, worker, left)
+
+    def worker_plan(self, epoch: int, worker: int, num_workers: int, *, split_batch: int = 1,
+                    left: np.ndarray | None = None) -> list[ShardSlice]:
+        """The slices ``worker`` reads this epoch, in order."""
+        rows = self.worker_order(epoch, worker, num_workers, split_batch=split_batch, left=left).rows
+        return indices_to_slices(rows, shard_offsets(self.split_info.shard_sizes))
 
     def sample_seeds(self, epoch: int, worker: int) -> Iterator[int]:
         """The augmentation seed of each sample a worker yields, in order: ``base(seed, epoch, rank, worker) +
@@ -263,10 +201,16 @@ class ShardDataset(IterableDataset):
         base = int(rng_for(c.seed, STREAM_TRANSFORM, epoch, c.rank, worker).integers(0, 2**62))
         return itertools.count(base)
 
-    def _worker_stream(self, epoch: int, worker: int, num_workers: int, skip: int) -> Iterator[Any]:
-        tally = StageTally(self._stage_times, self.plan_batch_size) if self.time_stages else None
+    def worker_stream(self, epoch: int, worker: int, num_workers: int, *, split_batch: int = 1, skip: int = 0,
+                      left: np.ndarray | None = None, timed: bool | None = None) -> Iterator[Any]:
+        """What logical ``worker`` of ``num_workers`` yields in ``epoch``, after ``skip`` samples a resumed run had
+        consumed; ``split_batch``: the loader's batch size (the unit of the worker split); ``timed``: add stage
+        seconds (default: the class's ``time_stages``)."""
+        timed = self.time_stages if timed is None else timed
+        tally = StageTally(self._stage_times, split_batch) if timed else None
+        order = self.worker_order(epoch, worker, num_workers, split_batch=split_batch, left=left)
         try:
-            yield from self._worker_samples(epoch, worker, num_workers, skip, tally)
+            yield from self._worker_samples(order, epoch, worker, skip, tally)
         finally:
             if tally is not None:
                 tally.flush()  # the samples since the last full batch, before the loader sees the stream end
@@ -298,17 +242,16 @@ class ShardDataset(IterableDataset):
             return None
         return self.shard_cache.lease(location, info.sha256, info.bytes)
 
-    def _worker_samples(self, epoch: int, worker: int, num_workers: int, skip: int,
+    def _worker_samples(self, order: WorkerOrder, epoch: int, worker: int, skip: int,
                         tally: StageTally | None = None) -> Iterator[Any]:
         c = self.config
-        ids = (epoch, c.rank, worker)
         policy = ErrorTally(c, self._state)
-        items: Iterator = self._planned_slices(self.worker_plan(epoch, worker, num_workers), policy)
+        plan = indices_to_slices(order.rows, shard_offsets(self.split_info.shard_sizes))
+        items: Iterator = self._planned_slices(plan, policy)
         if c.class_weights is not None:
             items = weighted_windows(items, c.class_weights, c.weight_window,
-                                     rng_for(c.seed, STREAM_CLASS_WEIGHTS, *ids))
-        if c.shuffle:
-            items = shuffle_buffer(items, c.shuffle_buffer, rng_for(c.seed, STREAM_SHUFFLE_BUFFER, *ids))
+                                     rng_for(c.seed, STREAM_CLASS_WEIGHTS, epoch, c.rank, worker))
+        items = order.arrange(items)
         if tally is not None:
             items = tally.timed_read(items)
         for position, ((where, sample, row), seed) in enumerate(zip(items, self.sample_seeds(epoch, worker))):
@@ -342,6 +285,15 @@ class ShardDataset(IterableDataset):
         """The object whose ``decoded_at`` (a ``time.perf_counter()`` value it sets) marks where, inside the last
         decode call, decoding ended and transforming began; None: the whole call counts as decode."""
         return None
+
+    def normalizer(self, **options: Any) -> Callable:
+        """The per-batch step from what this dataset yields to the model's input (a module: ``.to(device)``
+        works). Here the identity: samples come ready (feature rows; images a standard transform normalised in
+        the workers); a pipeline that leaves work for the consuming device overrides it. ``options``
+        (``dtype``, ``channels_last``) shape a normaliser that has work to do; the identity passes batches on."""
+        import torch  # loaded with the IterableDataset already; the name is only needed here
+
+        return torch.nn.Identity()
 
     def _pack(self, output: Any, sample: Any) -> tuple:
         if self.config.return_keys:

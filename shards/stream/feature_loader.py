@@ -9,29 +9,30 @@ it turns the rank's rows into one index tensor, permutes it fully, and gathers `
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
 
 from shards.errors import InputError
 from shards.formats.features import FeatureShard, stack_rows
-from shards.stream.elastic import Continuation, continuation, permuted_rows
+from shards.stream.cursor import Cursor
 from shards.stream.feature_stream import FeatureShardDataset
-from shards.stream.plan import STREAM_CLASS_WEIGHTS, STREAM_SHUFFLE_BUFFER, rng_for
-from shards.stream.resume import FEATURE_BATCHES, LoaderState, consumed_batches
+from shards.stream.loader_base import Loader
+from shards.stream.plan import STREAM_CLASS_WEIGHTS, rng_for
+from shards.stream.resume import FEATURE_BATCHES
 from shards.stream.stages import systematic_resample
 from shards.stream.stage_times import zero_stages
 
 
-class FeatureBatchLoader:
+class FeatureBatchLoader(Loader):
     """In-process batches ``(features[B, D], labels[B])`` (plus ``keys`` with ``return_keys``) for one rank; for a
     regression table ``(features[B, D], targets[B])``, float32.
 
-    Order: the rank's planned rows (equal counts on every rank), resampled by class weight over the whole epoch
-    when asked, then fully permuted from ``(seed, epoch, rank)``. ``state_dict`` counts batches, so a resumed run
-    yields exactly the batches the interrupted epoch had left; with another world size or batch size, exactly the
-    rows it had left, dealt to the new ranks (``shards.stream.elastic``).
+    Order: the rank's rows (``shards.stream.order``, equal counts on every rank), resampled by class weight over the
+    whole epoch when asked, then permuted whole from ``(seed, epoch, rank)``. ``state_dict`` counts batches, so a
+    resumed run yields exactly the batches the interrupted epoch had left; with another world size or batch size,
+    exactly the rows it had left, dealt to the new ranks (``shards.stream.elastic``).
 
     ``stage_seconds()``: the seconds spent planning the epoch's rows and gathering batches (loading shards on first
     use included) count as read, the one worker stage an in-process loader of ready rows has.
@@ -47,35 +48,16 @@ class FeatureBatchLoader:
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.stage_times = stage_times
+        self.cursor = Cursor(dataset, FEATURE_BATCHES, batch_size=batch_size, num_workers=0, drop_last=drop_last,
+                             split_batch=1)
         # A plain float: only this loader's thread (or a prefetch thread) adds to it, no worker process does.
         self._read_s = 0.0
         self._table: FeatureShard | None = None
         self._key_list: list[str] | None = None
         self._offsets = np.cumsum([0] + dataset.split_info.shard_sizes)
-        self._consumed = 0  # batches handed out in the current epoch
-        self._pending: Continuation | None = None  # a loaded position, for the next iteration only
-        self._active: Continuation | None = None  # the current iteration's, when it reads a remainder
-
-    def __len__(self) -> int:
-        """Batches of this epoch, counting those handed out before a resume in another layout."""
-        remainder = self._remainder()
-        if remainder is None:
-            return self._batches(len(self.dataset))
-        return remainder.position.prior["batches"] + self._batches(len(remainder.rank_indices))
 
     def _batches(self, rows: int) -> int:
         return rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
-
-    def _remainder(self) -> Continuation | None:
-        """The continuation whose remainder the current (or next) iteration of this epoch reads, if any."""
-        continued = self._pending if self._pending is not None else self._active
-        if continued is not None and continued.rank_indices is not None \
-                and continued.position.epoch == self.dataset.epoch:
-            return continued
-        return None
-
-    def set_epoch(self, epoch: int) -> None:
-        self.dataset.set_epoch(epoch)
 
     def stage_seconds(self) -> dict[str, float]:
         """Seconds per worker stage since the last reset, all epochs: only ``read`` is ever non-zero."""
@@ -84,59 +66,32 @@ class FeatureBatchLoader:
     def reset_stage_seconds(self) -> None:
         self._read_s = 0.0
 
-    def state_dict(self, batches_consumed: int | None = None) -> dict[str, Any]:
-        """The position in the current epoch: after the batches handed out, or after ``batches_consumed`` of them
-        when the consumer lags behind (a prefetch thread draws ahead of the training step)."""
-        remainder = self._remainder()
-        prior = remainder.position.prior if remainder is not None else None
-        return self._position(consumed_batches(batches_consumed, self._consumed), prior).to_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the saved epoch at the next batch it had not yet handed out (in another layout: over the rows
-        the interrupted epoch had not yet yielded)."""
-        d = self.dataset
-        self._pending = continuation(state, self._position(0), d.epoch_source(), d.config.rank)
-        self._consumed = self._pending.position.batches
-        d.set_epoch(self._pending.position.epoch)
-
-    def _position(self, batches: int, prior: dict[str, Any] | None = None) -> LoaderState:
-        return self.dataset.loader_state(FEATURE_BATCHES, batches, batch_size=self.batch_size,
-                                         num_workers=self.num_workers, drop_last=self.drop_last, split_batch=1,
-                                         prior=prior)
-
-    def epoch_rows(self, epoch: int) -> torch.Tensor:
-        """Global row indices of this rank's epoch, in the order they are served."""
+    def epoch_rows(self, epoch: int, left: np.ndarray | None = None) -> torch.Tensor:
+        """Global row indices of this rank's epoch, in the order they are served (``left``: the rows an epoch
+        continued in another layout has left)."""
         d = self.dataset
         c = d.config
-        remainder = self._remainder()
-        if remainder is not None and remainder.position.epoch == epoch:
-            return torch.from_numpy(permuted_rows(remainder.rank_indices, d.epoch_source(), epoch, c.rank).copy())
-        pieces = d.worker_plan(epoch, 0, 1)
-        rows = np.concatenate([np.arange(p.start, p.stop) + self._offsets[p.shard] for p in pieces] or [[]])
-        rows = rows.astype(np.int64)
+        order = d.worker_order(epoch, 0, 1, left=left, whole=True)
+        rows = order.rows
         if c.class_weights is not None and len(rows):
             labels = self._labels()[torch.from_numpy(rows)].numpy()
             rows = rows[systematic_resample(labels, c.class_weights, rng_for(c.seed, STREAM_CLASS_WEIGHTS, epoch,
                                                                                 c.rank, 0))]
-        if c.shuffle:
-            rows = rows[rng_for(c.seed, STREAM_SHUFFLE_BUFFER, epoch, c.rank, 0).permutation(len(rows))]
-        return torch.from_numpy(rows)
+        return torch.from_numpy(order.served(rows).astype(np.int64))
 
     def __iter__(self) -> Iterator[tuple]:
         epoch = self.dataset.epoch
-        pending, self._pending = self._pending, None
-        continues = pending is not None and pending.position.epoch == epoch
-        self._active = pending if continues and pending.rank_indices is not None else None
-        start = pending.position.batches if continues else 0
-        before = self._active.position.prior["batches"] if self._active is not None else 0
-        self._consumed = start
+        cursor = self.cursor
+        continued = cursor.begin()
+        start = continued.position.layout_batches if continued is not None else 0
+        before = cursor.batches_before()
         clock = time.perf_counter if self.stage_times else None
         began = clock() if clock else 0.0
-        rows = self.epoch_rows(epoch)
-        for batch in range(start - before, self._batches(len(rows))):
+        rows = self.epoch_rows(epoch, continued.left if continued is not None else None)
+        for batch in range(start, self._batches(len(rows))):
             index = rows[batch * self.batch_size:(batch + 1) * self.batch_size]
             features, labels = self._gather(index)
-            self._consumed = before + batch + 1
+            cursor.handed = before + batch + 1
             out = (features, labels)
             if self.dataset.config.return_keys:
                 keys = self._keys()

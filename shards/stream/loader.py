@@ -7,8 +7,9 @@ that count and a resumed run tells each worker how many samples to skip and whic
 and the arithmetic live in ``shards.stream.resume``). A state saved with another world size, worker count or batch
 size continues over the samples its epoch had left (``shards.stream.elastic``).
 
-The epoch plan splits each rank's share between workers in whole batches (the loader tells the dataset its batch
-size), so a rank has at most one partial batch and ``drop_last`` loses fewer than ``batch_size`` samples.
+The epoch plan splits each rank's share between workers in whole batches (the loader's ``WorkerFeed`` hands its
+batch size to the workers), so a rank has at most one partial batch and ``drop_last`` loses fewer than
+``batch_size`` samples.
 
 Stage timing (``shards.stream.stage_times``, on unless ``stage_times=False``): the workers add their read, decode
 and transform seconds to the dataset's shared block, and the collate function is wrapped to add its own, so
@@ -23,15 +24,17 @@ import time
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
+from shards.stream.cursor import Cursor
 from shards.stream.dataset import ShardDataset
 from shards.errors import InputError
 from shards.lock import pid_alive
 from shards.stream.feature_loader import FeatureBatchLoader
 from shards.stream.feature_stream import FeatureShardDataset
-from shards.stream.resume import STREAM, LoaderState, consumed_batches, worker_batches
+from shards.stream.loader_base import Loader
+from shards.stream.resume import STREAM, SharedResume
 
 MAX_DEFAULT_WORKERS = 8
 
@@ -73,9 +76,34 @@ class OrphanGuard:
         os._exit(1)  # the loader's process is gone: nobody will read what this worker makes
 
 
-class ShardLoader:
-    """The DataLoader wrapper: ``len`` right for the rank, ``set_epoch``, ``state_dict``/``load_state_dict``,
-    ``stage_seconds``."""
+class WorkerFeed(IterableDataset):
+    """What the DataLoader's workers iterate: the dataset, with the loader's settings and the resume of the current
+    iteration, so the loader never writes its settings into the dataset it wraps."""
+
+    def __init__(self, dataset: ShardDataset, split_batch: int, timed: bool):
+        super().__init__()
+        self.dataset = dataset
+        self.split_batch = split_batch
+        self.timed = timed
+        self.resume = SharedResume()  # skips and rotation: reach persistent workers too
+        self.left = None  # an epoch continued in another layout: its rows left (a new DataLoader carries them)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        physical, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        epoch = self.dataset.epoch
+        resume = self.resume.read(epoch, num_workers)
+        worker = (physical + (resume.rotation if resume else 0)) % num_workers
+        yield from self.dataset.worker_stream(
+            epoch, worker, num_workers, split_batch=self.split_batch, skip=resume.skips[worker] if resume else 0,
+            left=self.left if resume is not None and resume.remainder else None, timed=self.timed)
+
+
+class ShardLoader(Loader):
+    """A DataLoader over the dataset's workers, with exact resume (see the module docstring)."""
 
     def __init__(self, dataset: ShardDataset, batch_size: int, *, num_workers: int, drop_last: bool,
                  collate_fn: Callable | None, pin_memory: bool, persistent_workers: bool,
@@ -86,13 +114,13 @@ class ShardLoader:
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.drop_last = drop_last
-        dataset.plan_batch_size = batch_size  # whole batches per worker (see the module docstring)
-        dataset.time_stages = stage_times
+        # Whole batches per worker (see the module docstring): the split unit is the batch size.
+        self.cursor = Cursor(dataset, STREAM, batch_size=batch_size, num_workers=num_workers, drop_last=drop_last,
+                             split_batch=batch_size)
+        self.feed = WorkerFeed(dataset, batch_size, stage_times)
         collate_fn = collate_fn if collate_fn is not None else default_collate
         if stage_times:
             collate_fn = dataset.timed_collate(collate_fn)
-        self._consumed = 0  # batches handed out in the current epoch
-        self._starting_batches = 0  # where the next iteration starts counting: a loaded state's position
         if num_workers > 0:
             dataloader_options["worker_init_fn"] = OrphanGuard(dataloader_options.get("worker_init_fn"))
         self._dataloader_options = dict(
@@ -103,71 +131,27 @@ class ShardLoader:
         self.loader = self._new_dataloader()
 
     def _new_dataloader(self) -> DataLoader:
-        return DataLoader(self.dataset, **self._dataloader_options)
-
-    def batches_per_worker(self) -> list[int]:
-        """Batches each (logical) worker yields this epoch (of the remainder, in an epoch continued in another
-        layout): whole batches, and at most one partial batch per rank."""
-        remainder = self.dataset.active_remainder()
-        per_rank = len(remainder.rank_indices) if remainder is not None else len(self.dataset)
-        return worker_batches(per_rank, self.num_workers, self.batch_size, self.drop_last, self.batch_size)
-
-    def __len__(self) -> int:
-        """Batches of this epoch, counting those handed out before a resume in another layout."""
-        remainder = self.dataset.active_remainder()
-        before = remainder.position.prior["batches"] if remainder is not None else 0
-        return before + sum(self.batches_per_worker())
-
-    def set_epoch(self, epoch: int) -> None:
-        self.dataset.set_epoch(epoch)
-
-    @property
-    def epoch(self) -> int:
-        return self.dataset.epoch
-
-    def stage_seconds(self) -> dict[str, float]:
-        """This rank's busy seconds per worker stage (``read``, ``decode``, ``transform``, ``collate``), summed over
-        its workers and all epochs since the last ``reset_stage_seconds``; a consumer takes differences per epoch."""
-        return self.dataset.stage_seconds()
-
-    def reset_stage_seconds(self) -> None:
-        self.dataset.reset_stage_seconds()
+        return DataLoader(self.feed, **self._dataloader_options)
 
     def __iter__(self) -> Iterator[Any]:
-        self.dataset.plan_batch_size = self.batch_size
-        if self.num_workers > 0:
-            self.dataset.publish_resume()  # before the workers start; with none, the dataset publishes itself
-        self._consumed = self._starting_batches
-        self._starting_batches = 0
+        cursor = self.cursor
+        continued = cursor.begin()
+        self.feed.left = continued.left if continued is not None else None
+        self.feed.resume.write(cursor.resume(continued))  # before the workers start their epoch
         for batch in self.loader:
-            self._consumed += 1
+            cursor.handed += 1
             yield batch
 
-    def state_dict(self, batches_consumed: int | None = None) -> dict[str, Any]:
-        """The position in the current epoch: after the batches handed out, or after ``batches_consumed`` of them
-        when the consumer lags behind (a prefetcher that drew batches the training step has not used)."""
-        remainder = self.dataset.active_remainder()
-        prior = remainder.position.prior if remainder is not None else None
-        return self._position(consumed_batches(batches_consumed, self._consumed), prior).to_dict()
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the saved epoch at the next batch it had not yet handed out: in the same layout exactly as the
-        interrupted run would have, in another (world size, workers, batch size) with exactly the samples the
-        interrupted epoch had not yet yielded."""
-        position = self.dataset.continue_from(state, self._position(0))
-        self._starting_batches = self._consumed = position.batches
-        if position.prior is not None and self.loader.persistent_workers:
-            self.loader = self._new_dataloader()  # running workers hold a dataset copy without the remainder
-
-    def _position(self, batches: int, prior: dict[str, Any] | None = None) -> LoaderState:
-        return self.dataset.loader_state(STREAM, batches, batch_size=self.batch_size, num_workers=self.num_workers,
-                                         drop_last=self.drop_last, split_batch=self.batch_size, prior=prior)
+        continued = self.cursor.load(state)
+        if continued.left is not None and self.loader.persistent_workers:
+            self.loader = self._new_dataloader()  # running workers hold a feed without the rows left
 
 
 def make_loader(dataset: ShardDataset, batch_size: int = 256, *, num_workers: int | None = None,
                 drop_last: bool | None = None, collate_fn: Callable | None = None, pin_memory: bool | None = None,
                 persistent_workers: bool = True, prefetch_factor: int = 4, stage_times: bool = True,
-                **dataloader_options: Any) -> ShardLoader | FeatureBatchLoader:
+                **dataloader_options: Any) -> Loader:
     """Batches from a dataset of ``open_dataset``, with defaults that suit it.
 
     Workers default to the usable CPUs minus one (max 8), ``pin_memory`` to whether CUDA is present, ``drop_last``

@@ -30,7 +30,6 @@ deals the samples an interrupted epoch had left (``shards.stream.elastic``) exac
 
 from __future__ import annotations
 
-import bisect
 import heapq
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
@@ -247,40 +246,16 @@ def plan_epoch(
     nodes: int = 1,
     rotate_every: int = 0,
 ) -> list[ShardSlice]:
-    """The ordered slices ``worker`` of ``rank`` reads this epoch (before any shuffle buffer); ``batch_size`` is
-    the unit of the split between workers (the loader's batch size); ``nodes`` and ``rotate_every`` give the shard
-    order node affinity (``shard_order``)."""
-    if not 0 <= rank < world_size:
-        raise InputError(f"rank {rank} is outside 0..{world_size - 1}")
-    check_nodes(nodes, world_size, rotate_every)
+    """The ordered slices ``worker`` of ``rank`` reads this epoch (before any shuffle buffer): ``share_of`` the
+    ``epoch_stream``, as slices. ``batch_size`` is the unit of the split between workers (the loader's batch size);
+    ``nodes`` and ``rotate_every`` give the shard order node affinity (``shard_order``)."""
     if any(size < 0 for size in shard_sizes):
         raise InputError(f"shard sizes must be non-negative, got {list(shard_sizes)}")
-    sizes = epoch_sizes(sum(shard_sizes), world_size, drop_last)
-    usable = _trimmed_sizes(shard_sizes, sizes.dropped)
-    order = [i for i in shard_order(len(usable), seed=seed, epoch=epoch, shuffle=shuffle, nodes=nodes,
-                                    rotate_every=rotate_every, shard_sizes=usable,
-                                    node_block=sizes.per_rank * (world_size // nodes)) if usable[i] > 0]
-    start, stop = worker_range(sizes.per_rank, worker, num_workers, batch_size)
-    offset = rank * sizes.per_rank
-    return _positions_to_slices([usable[i] for i in order], order, offset + start, offset + stop)
-
-
-def _positions_to_slices(ordered_sizes: list[int], order: list[int], first: int, last: int) -> list[ShardSlice]:
-    """Map positions ``[first, last)`` of the (cyclically padded) epoch stream to shard slices."""
-    total = sum(ordered_sizes)
-    if total == 0 or first >= last:
-        return []
-    ends = np.cumsum(ordered_sizes).tolist()
-    slices: list[ShardSlice] = []
-    position = first
-    while position < last:
-        local = position % total
-        k = bisect.bisect_right(ends, local)
-        shard_begin = ends[k] - ordered_sizes[k]
-        take = min(last - position, ends[k] - local)
-        slices.append(ShardSlice(order[k], local - shard_begin, local - shard_begin + take))
-        position += take
-    return slices
+    stream = epoch_stream(shard_sizes, seed=seed, epoch=epoch, world_size=world_size, drop_last=drop_last,
+                          shuffle=shuffle, nodes=nodes, rotate_every=rotate_every)
+    rows = share_of(stream, rank=rank, world_size=world_size, worker=worker, num_workers=num_workers,
+                    drop_last=drop_last, batch_size=batch_size)
+    return indices_to_slices(rows, shard_offsets(shard_sizes))
 
 
 def epoch_stream(shard_sizes: Sequence[int], *, seed: int, epoch: int, world_size: int = 1,

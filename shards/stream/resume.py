@@ -12,9 +12,10 @@ A state continues its epoch bitwise exactly in the layout that saved it (world s
 state saved during such a continued epoch carries the state it continued (``prior``), so the chain replays again.
 
 A DataLoader copies the dataset into each worker (fork or spawn) and keeps the copies alive with
-``persistent_workers``; an epoch stored as a plain attribute would be lost there (webdataset #172). The block of
-shared integers in ``SharedEpochState`` is what the main process writes (``set_epoch``, a resume to apply) and
-every worker reads when it starts an epoch; workers write back only the count of skipped samples.
+``persistent_workers``; an epoch stored as a plain attribute would be lost there (webdataset #172). So the epoch
+(``SharedEpochState``, the dataset's: ``set_epoch``, and the skipped count workers write back) and the resume of
+one iteration (``SharedResume``, the loader's cursor's) are blocks of shared integers that every worker reads when
+it starts an epoch.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from shards.stream.plan import round_robin_consumed, worker_sample_counts
 from shards.stream.shared_values import SharedValues
 
 MAX_WORKERS = 256
-_EPOCH, _RESUME_EPOCH, _RESUME_WORKERS, _ROTATION, _SKIPPED, _REMAINDER, _SKIPS = range(7)
+_EPOCH, _SKIPPED = range(2)
+_RESUME_EPOCH, _RESUME_WORKERS, _ROTATION, _REMAINDER, _SKIPS = range(5)
 NO_RESUME = -1
 
 
@@ -35,7 +37,7 @@ NO_RESUME = -1
 class Resume:
     """Where an interrupted epoch stopped: per logical worker, how many samples were consumed, and which worker's
     batch came next (DataLoader starts its round robin at worker 0, so a resumed run rotates the workers).
-    ``remainder``: the epoch continues in another layout, over the samples the dataset's ``remainder`` holds."""
+    ``remainder``: the epoch continues in another layout, over the rows its continuation has left."""
 
     epoch: int
     skips: tuple[int, ...]
@@ -44,10 +46,11 @@ class Resume:
 
 
 class SharedEpochState(SharedValues):
+    """The dataset's numbers its worker copies share: the epoch to stream (``set_epoch``) and the samples skipped."""
+
     def __init__(self, epoch: int = 0):
-        super().__init__("q", _SKIPS + MAX_WORKERS)
+        super().__init__("q", 2)
         self._array[_EPOCH] = epoch
-        self._array[_RESUME_EPOCH] = NO_RESUME
 
     @property
     def epoch(self) -> int:
@@ -59,7 +62,23 @@ class SharedEpochState(SharedValues):
             raise InputError(f"epoch must be non-negative, got {value}")
         self._array[_EPOCH] = int(value)
 
-    def write_resume(self, resume: Resume | None) -> None:
+    def add_skipped(self, count: int = 1) -> None:
+        with self._array.get_lock():
+            self._array[_SKIPPED] += count
+
+    @property
+    def skipped(self) -> int:
+        return int(self._array[_SKIPPED])
+
+
+class SharedResume(SharedValues):
+    """The resume a loader's main process hands to its workers for one iteration (persistent ones included)."""
+
+    def __init__(self) -> None:
+        super().__init__("q", _SKIPS + MAX_WORKERS)
+        self._array[_RESUME_EPOCH] = NO_RESUME
+
+    def write(self, resume: Resume | None) -> None:
         with self._array.get_lock():
             if resume is None:
                 self._array[_RESUME_EPOCH] = NO_RESUME
@@ -73,7 +92,7 @@ class SharedEpochState(SharedValues):
                 self._array[_SKIPS + worker] = skip
             self._array[_RESUME_EPOCH] = resume.epoch
 
-    def read_resume(self, epoch: int, num_workers: int) -> Resume | None:
+    def read(self, epoch: int, num_workers: int) -> Resume | None:
         with self._array.get_lock():
             if self._array[_RESUME_EPOCH] != epoch:
                 return None
@@ -85,14 +104,6 @@ class SharedEpochState(SharedValues):
                 )
             skips = tuple(int(self._array[_SKIPS + w]) for w in range(workers))
             return Resume(epoch, skips, int(self._array[_ROTATION]), bool(self._array[_REMAINDER]))
-
-    def add_skipped(self, count: int = 1) -> None:
-        with self._array.get_lock():
-            self._array[_SKIPPED] += count
-
-    @property
-    def skipped(self) -> int:
-        return int(self._array[_SKIPPED])
 
 
 # -- what a loader saves -------------------------------------------------------------------------------------------

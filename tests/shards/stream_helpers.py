@@ -41,12 +41,13 @@ def write_labelled_shards(out: Path, labels_per_shard: Sequence[Sequence[int]], 
 
 
 def write_feature_dataset(out: Path, shard_sizes: Sequence[int], *, dim: int = 4, classes=("a", "b", "c"),
-                          storage: str = "pt", split: str = "train") -> FeatureManifest:
-    """Feature shards whose first feature column is the global row number, so order is easy to check."""
+                          storage: str = "pt", split: str = "train", first_row: int = 0) -> FeatureManifest:
+    """Feature shards whose first feature column is the global row number (plus ``first_row``, to tell the
+    sources of a mixture apart), so order is easy to check."""
     out.mkdir(parents=True, exist_ok=True)
     shards, counts, n = [], [0] * len(classes), 0
     for index, size in enumerate(shard_sizes):
-        rows = torch.arange(n, n + size, dtype=torch.float32)
+        rows = torch.arange(first_row + n, first_row + n + size, dtype=torch.float32)
         features = torch.stack([rows] + [rows * 0 + j for j in range(1, dim)], dim=1).to(torch.float16)
         labels = torch.arange(n, n + size) % len(classes)
         keys = [f"f{i:05d}" for i in range(n, n + size)]

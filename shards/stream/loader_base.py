@@ -1,0 +1,64 @@
+"""The one loader type: what every loader of a shardcache dataset offers, whatever makes its batches.
+
+``ShardLoader`` (DataLoader workers over image or feature shards) and ``FeatureBatchLoader`` (in-process batches of
+feature rows) differ only in how they make batches; both keep their position in a ``Cursor``
+(``shards.stream.cursor``) and answer the same methods, so a training loop, a checkpoint
+(``torch.distributed.checkpoint``'s ``Stateful``: ``state_dict``/``load_state_dict``) or a trainer integration
+never asks which one it holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shards.stream.cursor import Cursor
+from shards.stream.resume import worker_batches
+
+
+class Loader:
+    """What every loader of a shardcache dataset offers, images and features alike: iteration over the epoch's
+    batches, ``len`` right for the rank, ``set_epoch``/``epoch``, ``state_dict``/``load_state_dict`` (the
+    ``torch.distributed.checkpoint`` ``Stateful`` protocol) and ``stage_seconds``. Subclasses say how batches are
+    made; the position is the ``cursor``'s (``shards.stream.cursor``)."""
+
+    dataset: Any  # a ShardDataset
+    batch_size: int
+    num_workers: int
+    drop_last: bool
+    cursor: Cursor
+
+    def __len__(self) -> int:
+        """Batches of this epoch, counting those handed out before a resume in another layout."""
+        return self.cursor.batches_before() + sum(self.batches_per_worker())
+
+    def batches_per_worker(self) -> list[int]:
+        """Batches each (logical) worker yields this epoch (of the remainder, in an epoch continued in another
+        layout): whole batches, and at most one partial batch per rank."""
+        return worker_batches(self.cursor.rank_samples(), self.num_workers, self.batch_size, self.drop_last,
+                              self.cursor.split_batch)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)
+
+    @property
+    def epoch(self) -> int:
+        return self.dataset.epoch
+
+    def state_dict(self, batches_consumed: int | None = None) -> dict[str, Any]:
+        """The position in the current epoch: after the batches handed out, or after ``batches_consumed`` of them
+        when the consumer lags behind (a prefetcher that drew batches the training step has not used)."""
+        return self.cursor.state_dict(batches_consumed)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the saved epoch at the next batch it had not yet handed out: in the same layout exactly as the
+        interrupted run would have, in another (world size, workers, batch size) with exactly the samples the
+        interrupted epoch had not yet yielded."""
+        self.cursor.load(state)
+
+    def stage_seconds(self) -> dict[str, float]:
+        """This rank's busy seconds per worker stage (``read``, ``decode``, ``transform``, ``collate``), summed over
+        its workers and all epochs since the last ``reset_stage_seconds``; a consumer takes differences per epoch."""
+        return self.dataset.stage_seconds()
+
+    def reset_stage_seconds(self) -> None:
+        self.dataset.reset_stage_seconds()

@@ -1,0 +1,156 @@
+"""The one order function (``shards.stream.order.worker_order``) against what iteration really yields and what
+elastic replay says was yielded, over random layouts, sizes, seeds, shuffles, mixtures and subsets.
+
+Iteration reads shards (covering reads, a subset's scattered rows, a mixture's repeated passes) and puts what it
+read in yield order; replay never reads. Feature shards carry their row number in their first column, so what a
+worker yielded is known exactly; an image case checks the same through keys.
+"""
+
+import collections
+import random
+
+import numpy as np
+import pytest
+
+import shards
+from shards.stream.elastic import remaining_after
+from shards.stream.resume import LoaderState
+from tests.helpers import make_shard_dataset
+from tests.shards.stream_helpers import write_feature_dataset
+
+SOURCE_B_ROW = 1000  # source B's first-column values start here (float16 is exact to 2048)
+CASES = 40
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("order")
+    rng = random.Random(5)
+    write_feature_dataset(root / "a", [rng.randint(1, 9) for _ in range(7)])
+    write_feature_dataset(root / "b", [rng.randint(1, 6) for _ in range(4)], first_row=SOURCE_B_ROW)
+    make_shard_dataset(root / "img", shard_sizes={"train": [7, 5, 9, 3, 6]}, size=(8, 8))
+    return root
+
+
+def layout(case: int) -> dict:
+    rng = random.Random(case)
+    return dict(world=rng.choice([1, 2, 3]), workers=rng.choice([1, 2, 3]), batch=rng.choice([1, 2, 3, 5]),
+                buffer=rng.choice([0, 1, 4, 50]), shuffle=rng.random() < 0.8, seed=rng.randrange(1000),
+                epoch=rng.randrange(5), balance=rng.choice(["pad", "drop"]),
+                source=rng.choice(["plain", "subset", "mixture", "mixture_subset"]))
+
+
+def open_features(folders, case: dict, rank: int):
+    subset = {"subset": shards.Subset(classes=["a", "c"])} if case["source"].endswith("subset") else {}
+    path = shards.SourceSpec(str(folders / "a"), **subset) if subset else folders / "a"
+    if case["source"].startswith("mixture"):
+        path = [shards.SourceSpec(str(folders / "a"), weight=2, **subset),
+                shards.SourceSpec(str(folders / "b"), weight=1, **subset)]
+    return shards.open_dataset(path, "train", seed=case["seed"],
+                               sampling=shards.Sampling(shuffle=case["shuffle"], shuffle_buffer=case["buffer"],
+                                                        balance=case["balance"]),
+                               distributed=shards.Distributed(rank=rank, world_size=case["world"]))
+
+
+def combined_row(dataset, value: float) -> int:
+    """A feature row's first column -> its row in the dataset's (possibly combined) split."""
+    value = int(value)
+    if value >= SOURCE_B_ROW:
+        return sum(dataset.split_info.shard_sizes[:7]) + value - SOURCE_B_ROW
+    return value
+
+
+def yielded_rows(dataset, epoch: int, worker: int, workers: int, batch: int) -> list[int]:
+    return [combined_row(dataset, features[0]) for features, _ in
+            dataset.worker_stream(epoch, worker, workers, split_batch=batch, timed=False)]
+
+
+@pytest.mark.parametrize("index", range(CASES))
+def test_each_worker_yields_exactly_the_order_functions_rows(folders, index):
+    case = layout(index)
+    for rank in range(case["world"]):
+        dataset = open_features(folders, case, rank)
+        for worker in range(case["workers"]):
+            order = dataset.worker_order(case["epoch"], worker, case["workers"], split_batch=case["batch"])
+            assert yielded_rows(dataset, case["epoch"], worker, case["workers"], case["batch"]) == \
+                order.served().tolist(), case
+
+
+def dataloader_consumed(streams: list[list[int]], batch: int, drop_last: bool, batches: int) -> list[int]:
+    """A DataLoader's in-order round robin over workers' streams, modelled step by step: the rows of the first
+    ``batches`` batches."""
+    chunks = [[s[i:i + batch] for i in range(0, len(s), batch)] for s in streams]
+    chunks = [[c for c in worker if len(c) == batch or not drop_last] for worker in chunks]
+    taken, pointer, out = [0] * len(chunks), 0, []
+    while batches > 0 and any(t < len(c) for t, c in zip(taken, chunks)):
+        if taken[pointer] < len(chunks[pointer]):
+            out += chunks[pointer][taken[pointer]]
+            taken[pointer] += 1
+            batches -= 1
+        pointer = (pointer + 1) % len(chunks)
+    return out
+
+
+@pytest.mark.parametrize("index", range(CASES))
+def test_replay_finds_what_iteration_left(folders, index):
+    """Stop every rank after the same random number of batches: the rows replay says are left are the epoch's rows
+    that no rank's workers had yielded, as a multiset."""
+    case = layout(index)
+    rng = random.Random(1000 + index)
+    drop_last = rng.random() < 0.5
+    consumed, state = collections.Counter(), None
+    for rank in range(case["world"]):
+        dataset = open_features(folders, case, rank)
+        dataset.set_epoch(case["epoch"])
+        streams = [yielded_rows(dataset, case["epoch"], w, case["workers"], case["batch"])
+                   for w in range(case["workers"])]
+        loader = shards.make_loader(dataset, case["batch"], num_workers=case["workers"], drop_last=drop_last,
+                                    persistent_workers=False)
+        if rank == 0:
+            stop = rng.randint(0, len(loader))
+            state = LoaderState.from_dict(loader.cursor.position(stop).to_dict())
+            source = dataset.epoch_source()
+            epoch_rows = source.epoch_stream(case["epoch"], case["world"], 1)
+        consumed.update(dataloader_consumed(streams, case["batch"], drop_last, stop))
+    left = remaining_after(source, state)
+    expected = collections.Counter(epoch_rows.tolist())
+    expected.subtract(consumed)
+    assert collections.Counter(left.tolist()) == +expected, case
+
+
+@pytest.mark.parametrize("index", range(0, CASES, 4))
+def test_the_in_process_feature_loader_serves_its_order(folders, index):
+    case = layout(index)
+    for rank in range(case["world"]):
+        dataset = open_features(folders, case, rank)
+        dataset.set_epoch(case["epoch"])
+        loader = shards.make_loader(dataset, case["batch"], drop_last=False)
+        served = [combined_row(dataset, row[0]) for features, _ in loader for row in features]
+        order = dataset.worker_order(case["epoch"], 0, 1, whole=True)
+        assert served == order.served().tolist()
+        assert len(served) == len(dataset)
+
+
+@pytest.mark.parametrize("subset", [None, "classes"])
+def test_image_iteration_follows_the_order_function(folders, subset):
+    path = folders / "img" if subset is None else shards.SourceSpec(str(folders / "img"),
+                                                                   subset=shards.Subset(classes=["a", "b"]))
+    dataset = shards.open_dataset(path, "train", seed=4,
+                                  return_keys=True,
+                                  decode=shards.Decode(decoder=lambda sample, seed: 0),
+                                  sampling=shards.Sampling(shuffle_buffer=5),
+                                  distributed=shards.Distributed(rank=1, world_size=2))
+    for worker in range(3):
+        got = [int(key.split("_")[1]) for _, _, key in dataset.worker_stream(2, worker, 3, split_batch=2)]
+        assert got == dataset.worker_order(2, worker, 3, split_batch=2).served().tolist()
+        assert got  # every worker of this layout reads something
+
+
+def test_the_order_is_a_pure_function_of_its_inputs(folders):
+    case = layout(7)
+    first = open_features(folders, case, 0).worker_order(1, 0, 2, split_batch=3).served()
+    again = open_features(folders, case, 0).worker_order(1, 0, 2, split_batch=3).served()
+    other = open_features(folders, {**case, "seed": case["seed"] + 1}, 0).worker_order(1, 0, 2, split_batch=3)
+    assert np.array_equal(first, again)
+    if case["shuffle"]:
+        assert not np.array_equal(first, other.served())
