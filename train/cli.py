@@ -7,6 +7,7 @@ import os
 import click
 
 from shards.cli.common import ByteSize, class_names, cache_options, emit_json, handle_errors, quiet_option, s3_options
+from shards.formats.location import locate
 from shards.stream.options import STREAM_DECODES
 from train.config import CLASS_MAPS, DATA_KINDS, DEFAULT_DECODE, DEVICES, HEADS, LOSSES, OPTIMIZERS, TASKS, TrainConfig
 
@@ -121,7 +122,7 @@ def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...],
         checkpoint_every=checkpoint_every, resume=resume, overwrite=overwrite, dry_run=dry_run, quiet=quiet,
         stop_after_steps=stop_after_steps, report=not no_report, cache_images=cache_images,
         memory_limit=memory_limit,
-        storage_options=s3.to_dict() if any(s["path"].startswith("s3://") for s in sources) else None,
+        storage_options=s3.to_dict() if any(locate(s["path"]).uses_storage_options for s in sources) else None,
         cache_dir=None if cache is None else os.path.abspath(cache.dir),
         cache_limit=None if cache is None else cache.limit,
         cache_fallback=cache is not None and cache.fallback, cache_local=cache is not None and bool(cache.local))
@@ -145,7 +146,7 @@ def data_sources(path: str | None, data_options: tuple[str, ...]) -> tuple[str, 
         raise click.UsageError("give a PATH or at least one --data PATH[:WEIGHT]")
     sources = []
     for spec in specs:
-        row = {"path": spec.path if spec.path.startswith("s3://") else os.path.abspath(spec.path)}
+        row = {"path": locate(spec.path).record()}  # a local path made absolute, a URL as it is
         row.update({k: getattr(spec, k) for k in ("weight", "repeat", "choose") if getattr(spec, k) is not None})
         sources.append(row)
     return (kinds[0] if kinds else "auto"), sources

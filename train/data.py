@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,16 +16,9 @@ import torch
 import shards
 from shards.check.freshness import check_features_fresh
 from shards.errors import InputError, ManifestError
-from shards.manifest import (
-    DATASET_FILE,
-    FEATURES_FILE,
-    DatasetManifest,
-    FeatureManifest,
-    load_dataset_manifest,
-    load_feature_manifest,
-    load_manifest,
-)
-from shards.image.fast import Normalize
+from shards.formats.location import locate
+from shards.formats.manifest_io import load_manifest_at
+from shards.manifest import DATASET_FILE, FEATURES_FILE, DatasetManifest, FeatureManifest
 from shards.image.transforms import TransformSpec
 from shards.stream.mixture import MixOptions, SourceSpec, Subset, unweighted
 from shards.stream.options import Decode, Distributed, MemoryCache, Remote, Sampling
@@ -101,27 +93,19 @@ class RunData:
                 "dtype": m.dtype, "views": m.views, "dataset_sha256": m.dataset_sha256}
 
 
-def read_manifest(path: str, data: str, storage_options: dict | None = None) -> DatasetManifest | FeatureManifest:
-    """The manifest the ``--data`` choice asks for, with a clear error when the folder holds the other kind."""
-    if path.startswith("s3://"):
-        from shards.stream.reader import load_s3_manifest
+# What a folder holds when it is not the kind ``--data`` asks for: how to go on.
+_OTHER_KIND = {"features": "holds image shards (dataset.json), not features; use --data images or auto",
+               "images": "holds features (features.json), not image shards; use --data features or pass the dataset "
+                         "folder it was computed from"}
 
-        manifest = load_s3_manifest(path, storage_options=storage_options)[0]
-        if data != "auto" and manifest.kind != data:
-            raise InputError(f"holds {manifest.kind}, not {data}; use --data {manifest.kind} or auto", path=path)
-        return manifest
-    folder = Path(path)
-    if data == "auto":
-        return load_manifest(folder)
-    if data == "features":
-        if not (folder / FEATURES_FILE).exists() and (folder / DATASET_FILE).exists():
-            raise InputError("holds image shards (dataset.json), not features; use --data images or auto",
-                             path=str(folder))
-        return load_feature_manifest(folder)
-    if not (folder / DATASET_FILE).exists() and (folder / FEATURES_FILE).exists():
-        raise InputError("holds features (features.json), not image shards; use --data features or pass the "
-                         "dataset folder it was computed from", path=str(folder))
-    return load_dataset_manifest(folder)
+
+def read_manifest(path: str, data: str, storage_options: dict | None = None) -> DatasetManifest | FeatureManifest:
+    """The manifest the ``--data`` choice asks for (wherever the folder is: ``shards.formats.manifest_io``), with a
+    clear error when the folder holds the other kind."""
+    manifest = load_manifest_at(path, storage_options=storage_options)[0]
+    if data != "auto" and manifest.kind != data:
+        raise InputError(_OTHER_KIND[data], path=path)
+    return manifest
 
 
 def source_paths(cfg: TrainConfig) -> list[str]:
@@ -144,8 +128,8 @@ def check_splits(manifest: DatasetManifest | FeatureManifest, cfg: TrainConfig, 
             option = "--val-split" if role == "val" else "--train-split"
             raise ManifestError(f"no {role} split {name!r} (splits: {', '.join(sorted(manifest.splits))}); "
                                 f"pack one or choose another with {option}",
-                                path=str(Path(path or cfg.data_path) / (FEATURES_FILE if manifest.kind == "features"
-                                                                        else DATASET_FILE)))
+                                path=str(locate(path or cfg.data_path).file(
+                                    FEATURES_FILE if manifest.kind == "features" else DATASET_FILE)))
         if manifest.splits[name].samples == 0:
             raise ManifestError(f"the {role} split {name!r} holds no samples", path=path or cfg.data_path)
 
@@ -179,19 +163,19 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
         eval_spec = TransformSpec(preset="eval", size=cfg.image_size)
         decode = Decode(cfg.decode, draft=cfg.fast_decode)
     sampling = Sampling(class_weights="balanced") if cfg.balanced_sampler else Sampling()
-    remote = Remote(storage_options=cfg.storage_options)
+    remote = Remote(storage_options=cfg.storage_options, shard_cache=cfg.shard_cache)
     train_images, val_images = image_caches(cfg, manifest, ctx)
     specs = source_specs(cfg)
     nodes = None if specs else affinity_nodes(cfg, manifest, ctx)
     train_set = shards.open_dataset(specs or cfg.data_path, cfg.train_split, transform=train_spec, seed=cfg.seed,
                                     sampling=sampling, decode=decode, remote=remote, cache=train_images,
-                                    shard_cache=cfg.shard_cache, distributed=Distributed(rank, world, nodes=nodes),
+                                    distributed=Distributed(rank, world, nodes=nodes),
                                     mix=MixOptions(cfg.class_map, cfg.epoch_size))
     # Validation reads every selected sample of every source once, whatever the weights.
     val_set = shards.open_dataset(source_specs(cfg, weighted=False) or cfg.data_path, cfg.val_split,
                                   transform=eval_spec, seed=cfg.seed, sampling=Sampling(shuffle=False), decode=decode,
-                                  remote=remote, cache=val_images, shard_cache=cfg.shard_cache,
-                                  distributed=Distributed(rank, world), mix=MixOptions(cfg.class_map))
+                                  remote=remote, cache=val_images, distributed=Distributed(rank, world),
+                                  mix=MixOptions(cfg.class_map))
     if specs:
         manifest = manifest.replace(splits={cfg.train_split: train_set.split_info, cfg.val_split: val_set.split_info})
     train_loader = _loader(train_set, cfg, ctx, drop_last=True)
@@ -202,7 +186,7 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
     workers = int(getattr(train_loader, "num_workers", cfg.workers or 0))
     normalize = None
     if kind == "images" and cfg.decode == "fast":
-        normalize = Normalize(eval_spec.mean, eval_spec.std, channels_last=ctx.device.type == "cuda").to(ctx.device)
+        normalize = val_set.normalizer(channels_last=ctx.device.type == "cuda").to(ctx.device)
     return RunData(kind, manifest, train_loader, val_loader, workers, eval_spec, normalize)
 
 

@@ -21,7 +21,7 @@ from shards.lock import claim_output
 from shards.cli.common import ByteSize, emit_json, handle_errors, quiet_option, s3_options, task_options
 from shards.image.decode import DEFAULT_MAX_PIXELS
 from shards.errors import InputError
-from shards.formats.s3 import is_s3
+from shards.formats.location import locate
 from shards.formats.storage import STORAGES
 
 log = logging.getLogger("shardcache.pack")
@@ -124,7 +124,7 @@ def pack_shards_command(source, out, storage, max_samples, max_bytes, val_fracti
     if source is None or out is None:
         raise InputError("give SOURCE and --out OUT (or --merge OUT to merge part manifests)")
     staged = None
-    if is_s3(out):
+    if locate(out).publishable:  # staged here, then uploaded (preprocess.staging)
         if append_new:
             raise InputError(f"--out {out}: --append works on local folders only; append locally, then upload")
         staged = resolve_stage(out, stage_dir, stage_root(), num_tasks=num_tasks, options=s3,

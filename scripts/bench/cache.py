@@ -93,7 +93,7 @@ def rank_main(rank: int, location: str, cache_dir: str | None, args, start, resu
     s3.share_stats()  # this rank's workers add their GETs to its counters
     dataset = shards.open_dataset(location, transform=bench.SPEC, decode=shards.Decode("fast"), seed=0,
                                   distributed=shards.Distributed(rank=rank, world_size=2),
-                                  shard_cache=shards.ShardCache(cache_dir))
+                                  remote=shards.Remote(shard_cache=shards.ShardCache(cache_dir)))
     loader = shards.make_loader(dataset, batch_size=args.batch_size, num_workers=args.workers, drop_last=False)
     start.wait()
     seconds, seen = [], 0
@@ -168,7 +168,8 @@ def verify_cost(args) -> None:
         files = bench.build_corpus(workdir / "images", args.images)
         folder = workdir / "tar"
         bench.pack(files, folder, "tar", args.per_shard)
-        options = dict(seed=0, shard_cache=shards.ShardCache(workdir / "node-cache", local=True))
+        node_cache = shards.ShardCache(workdir / "node-cache", local=True)
+        options = dict(seed=0, remote=shards.Remote(shard_cache=node_cache))
         pipelines = {"io_only": dict(decode=shards.Decode(decoder=bench.ByteCount())),
                      "fast": dict(transform=bench.SPEC, decode=shards.Decode("fast"))}
         _epoch_seconds(shards.open_dataset(folder, **pipelines["io_only"], **options))  # fills the cache

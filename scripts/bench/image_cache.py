@@ -70,7 +70,7 @@ def elpv_shards(args, workdir: Path) -> Path | None:
 def epoch_rates(folder: Path, spec: shards.TransformSpec, cache: str, args) -> list[float]:
     """img/s of each epoch of one loader (workers persist across epochs, so only epoch 1 starts them)."""
     dataset = shards.open_dataset(folder, "train", transform=spec, decode=shards.Decode("fast"), seed=0, cache=cache)
-    normalize = dataset.decoder.normalizer() if args.consumer == "normalize" else None
+    normalize = dataset.normalizer() if args.consumer == "normalize" else None
     loader = shards.make_loader(dataset, batch_size=args.batch_size, num_workers=args.workers, drop_last=False)
     drop_cache(sorted(folder.glob("*.tar")))
     rates = []

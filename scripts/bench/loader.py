@@ -211,7 +211,7 @@ def fast_batches(folder: Path, args, use_simplejpeg: bool = True, consumer: str 
     """
     dataset = shards.open_dataset(folder, transform=SPEC, decode=shards.Decode("fast"), seed=0)
     dataset.verify_sha256 = verify_sha256
-    normalize = dataset.decoder.normalizer() if consumer != "uint8" else torch.nn.Identity()
+    normalize = dataset.normalizer() if consumer != "uint8" else torch.nn.Identity()
     confirmed = multiprocessing.Value("i", 0)
     check = functools.partial(_check_decoder, use_simplejpeg and fast.simplejpeg is not None, confirmed)
     loader = shards.make_loader(dataset, batch_size=args.batch_size, num_workers=args.workers, drop_last=False,

@@ -146,9 +146,9 @@ def pass_specs(folders: dict[str, Path], sizes: tuple[int, int], spec: shards.Tr
     sources = {
         "plain": (str(folders["A"]), {}, [folders["A"]]),
         "mix": (mix, {}, [folders["A1"], folders["A2"]]),
-        "where": (str(folders["A"]), {"subset": shards.Subset(where="width >= 0")}, [folders["A"]]),
-        "classes": (str(folders["A"]), {"subset": half}, [folders["A"]]),
-        "classes_sorted": (str(folders["A_sorted"]), {"subset": half}, [folders["A_sorted"]]),
+        "where": (shards.SourceSpec(folders["A"], subset=shards.Subset(where="width >= 0")), {}, [folders["A"]]),
+        "classes": (shards.SourceSpec(folders["A"], subset=half), {}, [folders["A"]]),
+        "classes_sorted": (shards.SourceSpec(folders["A_sorted"], subset=half), {}, [folders["A_sorted"]]),
     }
     passes = {}
     for name, (source, options, read) in sources.items():
@@ -159,8 +159,8 @@ def pass_specs(folders: dict[str, Path], sizes: tuple[int, int], spec: shards.Tr
             passes[f"{prefix}{name}"] = (source, {**options, "decode": shards.Decode(decoder=no_decode)}, read)
     # Half the classes of a shuffled pack without byte indexes: scattered rows, every read a header walk from the
     # shard's start unless one read covers a shard's rows (plan.covering_reads). Reads less: reported, not counted.
-    passes["io0_classes_bare"] = (str(folders["A_bare"]), {"subset": half, "decode": shards.Decode(
-        decoder=no_decode)}, [folders["A_bare"]])
+    passes["io0_classes_bare"] = (shards.SourceSpec(folders["A_bare"], subset=half),
+                                  {"decode": shards.Decode(decoder=no_decode)}, [folders["A_bare"]])
     return passes
 
 
@@ -173,7 +173,7 @@ def timed_pass(name: str, source: Any, options: dict, read: list[Path], args) ->
     began = time.perf_counter()
     dataset = shards.open_dataset(source, "train", seed=0, **options)
     opened, cpu_began = time.perf_counter(), cpu_seconds()
-    normalize = dataset.decoder.normalizer() if args.consumer == "normalize" and not name.startswith("io") else None
+    normalize = dataset.normalizer() if args.consumer == "normalize" and not name.startswith("io") else None
     loader = shards.make_loader(dataset, batch_size=args.batch_size, num_workers=workers, drop_last=False,
                                 persistent_workers=epochs > 1 and workers > 0)
     seen = 0
@@ -219,20 +219,20 @@ def alternating_rounds(passes: dict[str, tuple], args, noindex: Path) -> dict[st
 def open_only(folder: Path, subset: shards.Subset) -> dict[str, Any]:
     drop_cache([folder])
     began = time.perf_counter()
-    dataset = shards.open_dataset(str(folder), "train", subset=subset, transform=None, seed=0)
+    dataset = shards.open_dataset(shards.SourceSpec(folder, subset=subset), "train", transform=None, seed=0)
     result = {"open_s": time.perf_counter() - began, "images": len(dataset), "shards": len(dataset.split_info.shards)}
     dataset.close()
     return result
 
 
-def plan_us_per_sample(dataset: ShardDataset, workers: int, epochs: int = 20) -> float:
+def plan_us_per_sample(dataset: ShardDataset, workers: int, batch_size: int, epochs: int = 20) -> float:
     """Microseconds per sample to deal epochs to ``workers`` workers (a new epoch each time: nothing cached)."""
     best = float("inf")
     for repeat in range(3):
         began = time.perf_counter()
         for epoch in range(epochs):
             for worker in range(workers):
-                dataset.worker_plan(1000 * repeat + epoch, worker, workers)
+                dataset.worker_plan(1000 * repeat + epoch, worker, workers, split_batch=batch_size)
         best = min(best, time.perf_counter() - began)
     return best / (epochs * len(dataset)) * 1e6
 
@@ -244,9 +244,9 @@ def plan_shapes(passes: dict[str, tuple], args) -> tuple[dict[str, float], dict[
     for name in ("plain", "mix", "where"):
         source, options, _ = passes[name]
         dataset = shards.open_dataset(source, "train", seed=0, **options)
-        dataset.plan_batch_size = args.batch_size
-        costs[name] = plan_us_per_sample(dataset, args.workers)
-        pieces = [p for w in range(args.workers) for p in dataset.worker_plan(0, w, args.workers)]
+        costs[name] = plan_us_per_sample(dataset, args.workers, args.batch_size)
+        pieces = [p for w in range(args.workers) for p in dataset.worker_plan(0, w, args.workers,
+                                                                              split_batch=args.batch_size)]
         sizes = dataset.split_info.shard_sizes
         shapes[name] = {"slices": len(pieces),
                         "whole_shards": sum(p.start == 0 and p.stop >= sizes[p.shard] for p in pieces)}

@@ -2,10 +2,11 @@
 the prefetch of a worker's next shard.
 
 The cache itself (``shards.cache.node``) knows nothing of sources: it is handed a function that writes a
-shard's bytes. This module chooses that function per location (``s3://`` by ranged GETs with retries, ``http(s)://``
-as one stream, a path on a network file system as a file copy) and decides what is worth caching: object storage
-and web locations always, local paths only on a network file system (NFS, Lustre, CIFS, GPFS, BeeGFS, CephFS, FUSE
-mounts) unless the caller says otherwise; ``pipe:`` commands never (their output is not addressable).
+shard's bytes, here the location's own stream (``shards.formats.location``: ``s3://`` by ranged GETs with retries,
+``http(s)://`` as one stream, a path on a network file system as a file copy). This module decides what is worth
+caching: every remote location whose bytes can be fetched again by name (object storage, the web), local paths
+only on a network file system (NFS, Lustre, CIFS, GPFS, BeeGFS, CephFS, FUSE mounts) unless the caller says
+otherwise; ``pipe:`` commands never (their output is not addressable).
 
 A dataset holds a ``CachedShards`` made in the main process (the settings and the counters shared with its
 DataLoader workers); each process opens its own ``NodeCache`` and prefetch thread on first use.
@@ -23,9 +24,7 @@ from typing import Any, BinaryIO, Callable, Sequence
 
 from shards.cache.node import Lease, NodeCache, ShardCache, check_limit
 from shards.cache.node_index import CacheStats
-from shards.formats.locations import is_remote
-from shards.formats.remote import open_remote
-from shards.formats.s3 import is_s3
+from shards.formats.location import Location, locate
 from shards.units import human_bytes
 
 log = logging.getLogger("shardcache.cache")
@@ -86,12 +85,14 @@ class CachedShards:
     def check_limit(self, largest_shard_bytes: int, where: str) -> None:
         check_limit(self.request, largest_shard_bytes, where)
 
+    def _where(self, location: str) -> Location:
+        return locate(location, storage_options=self.storage_options, origins=self.url_origins)
+
     def cached(self, location: str) -> bool:
         """Whether reads of ``location`` go through the cache."""
-        if is_s3(location) or location.startswith(("http://", "https://")):
-            return True
-        if is_remote(location):  # pipe: and other caller-given commands
-            return False
+        where = self._where(location)
+        if not where.is_local:
+            return where.addressable
         if self.request.local is not None:
             return self.request.local
         folder = os.path.dirname(location)
@@ -141,26 +142,12 @@ class CachedShards:
                 lease.release()
 
     def _fetcher(self, location: str) -> Callable[[BinaryIO], None]:
-        if is_s3(location):
-            from shards.formats.s3 import S3Options
-            from shards.formats.s3_ranges import open_range
+        where = self._where(location)
 
-            options = S3Options.from_mapping(self.storage_options)
-
-            def fetch_s3(out: BinaryIO) -> None:
-                with open_range(location, 0, None, options) as stream:
-                    shutil.copyfileobj(stream, out, COPY_CHUNK)
-            return fetch_s3
-        if is_remote(location):
-            def fetch_url(out: BinaryIO) -> None:
-                with open_remote(location, origins=self.url_origins) as stream:
-                    shutil.copyfileobj(stream, out, COPY_CHUNK)
-            return fetch_url
-
-        def fetch_file(out: BinaryIO) -> None:
-            with open(location, "rb") as stream:
+        def fetch(out: BinaryIO) -> None:
+            with where.open() as stream:
                 shutil.copyfileobj(stream, out, COPY_CHUNK)
-        return fetch_file
+        return fetch
 
     def summary(self) -> dict[str, Any]:
         """The counters, with the hit rate, for logs and metrics."""

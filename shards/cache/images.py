@@ -67,7 +67,7 @@ class ImageCacheRequest:
     mode: str = "auto"
     memory_limit: int | str | None = None
     cache_side: int | None = None
-    pipeline: str = "fast"
+    decode: str = "fast"
 
     def __post_init__(self) -> None:
         if self.mode not in CACHE_MODES:
@@ -76,7 +76,7 @@ class ImageCacheRequest:
             if self.memory_limit is not None or self.cache_side is not None:
                 raise InputError("memory_limit and cache_side size the decoded-image cache: pass cache='memory'")
             return
-        if self.pipeline != "fast":
+        if self.decode != "fast":
             raise InputError("cache='memory' on image shards needs decode=Decode('fast'): the standard pipeline's "
                              "float outputs would take 4x the memory")
         if self.memory_limit is not None:

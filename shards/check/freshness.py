@@ -8,25 +8,25 @@ every such problem (``feature_staleness``), ``train-from-shards`` refuses to sta
 (``shard_staleness``).
 
 The dataset may be on object storage (``dataset_dir`` is ``s3://bucket/prefix``): its ``dataset.json`` is then read
-with the caller's storage options and hashed as bytes; nothing else of it is read (``dataset_location`` in
-``shards.formats.locations`` says when such a URL is followed at all). A dataset that cannot be reached (gone,
-403, 404, network) is a warning for ``check_features_fresh``, as a deleted local one is.
+with the caller's storage options (``shards.formats.manifest_io``); nothing else of it is read
+(``dataset_location`` in ``shards.formats.locations`` says when such a URL is followed at all). A dataset that is
+gone or cannot be reached (403, 404, network) is a warning for ``check_features_fresh``; a ``dataset.json`` that
+is there but malformed is an error.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from shards.bounded_read import JSONError, parse_json
 from shards.errors import ManifestError, ShardcacheError, StaleCacheError
 from shards.formats.feature_names import from_table
+from shards.formats.location import Location, locate
 from shards.formats.locations import dataset_location
-from shards.manifest import (DATASET_FILE, FEATURES_FILE, DatasetManifest, FeatureManifest, ShardInfo,
-                             dataset_manifest_sha256, load_dataset_manifest)
+from shards.formats.manifest_io import dataset_sha256_at, read_dataset_manifest
+from shards.manifest import DATASET_FILE, FEATURES_FILE, DatasetManifest, FeatureManifest, ShardInfo
 
 log = logging.getLogger("shardcache.check")
 
@@ -42,42 +42,7 @@ def shard_staleness(info: ShardInfo, source_sha256: str | None) -> str | None:
     return None
 
 
-def _is_s3(location: object) -> bool:
-    return str(location).startswith("s3://")
-
-
-def _join(folder: str | os.PathLike, name: str) -> str:
-    """``folder/name`` for messages; an ``s3://`` folder stays a URL (``Path`` would fold its ``//``)."""
-    return f"{str(folder).rstrip('/')}/{name}" if _is_s3(folder) else str(Path(folder) / name)
-
-
-def read_s3_dataset(url: str, storage_options: Any = None) -> tuple[DatasetManifest, str]:
-    """The ``dataset.json`` under ``s3://bucket/prefix`` and the sha256 of its bytes (one GET: the manifest and its
-    digest come from the same bytes). Shard paths in it must be relative names (no URLs, no ``pipe:``)."""
-    from shards.formats.s3 import S3Options
-    from shards.formats.s3_ranges import read_object
-
-    where = _join(url, DATASET_FILE)
-    payload = read_object(where, S3Options.from_mapping(storage_options))
-    try:
-        data = parse_json(payload)
-    except JSONError as exc:
-        raise ManifestError(str(exc), path=where) from None
-    return DatasetManifest.from_dict(data, where=where), hashlib.sha256(payload).hexdigest()
-
-
-def dataset_sha256_at(dataset_dir: str | os.PathLike, storage_options: Any = None) -> str:
-    """The sha256 of the ``dataset.json`` bytes in a local folder or under an ``s3://`` prefix."""
-    if _is_s3(dataset_dir):
-        from shards.formats.s3 import S3Options
-        from shards.formats.s3_ranges import read_object
-
-        payload = read_object(_join(dataset_dir, DATASET_FILE), S3Options.from_mapping(storage_options))
-        return hashlib.sha256(payload).hexdigest()
-    return dataset_manifest_sha256(dataset_dir)
-
-
-def feature_staleness(folder: str | Path, manifest: FeatureManifest, dataset_dir: str | Path,
+def feature_staleness(folder: str | Path | Location, manifest: FeatureManifest, dataset_dir: str | Path | Location,
                       dataset: DatasetManifest | None = None, *, deep: bool = True,
                       storage_options: Any = None) -> list[str]:
     """Every reason the features in ``folder`` are stale against the dataset in ``dataset_dir`` ([] if fresh).
@@ -87,16 +52,16 @@ def feature_staleness(folder: str | Path, manifest: FeatureManifest, dataset_dir
     ``folder`` and ``dataset_dir`` may be ``s3://`` prefixes (read with ``storage_options``).
     """
     problems = []
-    if _is_s3(dataset_dir) and deep and dataset is None:
-        dataset, current = read_s3_dataset(str(dataset_dir), storage_options)
+    source = locate(dataset_dir, storage_options=storage_options)
+    if deep and dataset is None:  # the manifest and its digest from the same bytes
+        dataset, current = read_dataset_manifest(source)
     else:
-        current = dataset_sha256_at(dataset_dir, storage_options)
+        current = dataset_sha256_at(source)
     if current != manifest.dataset_sha256:
-        problems.append(f"{folder}: stale: {_join(dataset_dir, DATASET_FILE)} changed since the features were "
+        problems.append(f"{folder}: stale: {source.file(DATASET_FILE)} changed since the features were "
                         f"computed (sha256 {manifest.dataset_sha256[:12]}... then, {current[:12]}... now)")
     if not deep:
         return problems
-    dataset = load_dataset_manifest(dataset_dir) if dataset is None else dataset
     for name, split in manifest.splits.items():
         if name not in dataset.splits:
             problems.append(f"{folder}: stale: split {name!r} is no longer in the source dataset")
@@ -108,7 +73,7 @@ def feature_staleness(folder: str | Path, manifest: FeatureManifest, dataset_dir
             source = sources.get(info.source or "")
             reason = shard_staleness(info, None if source is None else source.sha256)
             if reason is not None:
-                problems.append(f"{_join(folder, info.path)}: stale: {reason}")
+                problems.append(f"{locate(folder).file(info.path)}: stale: {reason}")
         new = [path for path in sources if path not in covered]
         if new:
             problems.append(f"{folder}: stale: split {name!r} has {len(new)} image shard(s) without features "
@@ -129,36 +94,14 @@ def check_features_fresh(folder: str | Path, manifest: FeatureManifest, *, stora
     if location is None:
         log.warning("%s: cannot check freshness: %s", folder, why_not)
         return
-    if not _is_s3(location) and not (Path(location) / DATASET_FILE).exists():
-        log.warning("%s: the dataset it was computed from (%s) is gone; cannot check freshness",
-                    folder, location)
-        return
     try:
         problems = feature_staleness(folder, manifest, location, deep=False, storage_options=storage_options)
-    except ShardcacheError as exc:
-        if not _is_s3(location):
-            raise
-        log.warning("%s: cannot check freshness: the dataset it was computed from is unreachable (%s)", folder,
-                    " ".join(str(exc).split()))
+    except ManifestError:
+        raise  # there but malformed, or too large for a manifest: an error, as for any manifest
+    except ShardcacheError as exc:  # gone (a deleted folder, 404), refused (403) or unreachable
+        log.warning("%s: cannot check freshness: the dataset it was computed from (%s) is gone or unreachable (%s)",
+                    folder, location, " ".join(str(exc).split()))
         return
     if problems:
         raise StaleCacheError(f"stale features: {problems[0].split(': stale: ', 1)[-1]}; rerun precompute-features",
-                              path=_join(folder, FEATURES_FILE))
-
-
-def staleness_or_warn(folder: str | Path, manifest: FeatureManifest, *, storage_options: Any = None,
-                      dataset_dir: str | os.PathLike | None = None) -> list[str]:
-    """``feature_staleness`` (deep) against the dataset ``dataset_location`` follows, for ``shards verify`` of a
-    feature folder on ``s3://``: [] with a warning when that dataset is not followed or cannot be reached."""
-    if from_table(manifest.config):
-        return []
-    location, why_not = dataset_location(folder, manifest.dataset_dir, dataset_dir)
-    if location is None:
-        log.warning("%s: cannot check staleness: %s", folder, why_not)
-        return []
-    try:
-        return feature_staleness(folder, manifest, location, storage_options=storage_options)
-    except ShardcacheError as exc:
-        log.warning("%s: cannot check staleness: the dataset it was computed from is unreadable (%s)", folder,
-                    " ".join(str(exc).split()))
-        return []
+                              path=str(locate(folder).file(FEATURES_FILE)))

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from shards.atomic import atomic_output
 from shards.errors import CorruptDataError, InputError
-from shards.manifest import DatasetManifest, load_dataset_manifest, load_manifest
+from shards.formats.manifest_io import load_manifest_at
+from shards.manifest import DatasetManifest
 
 if TYPE_CHECKING:  # the reader (torch) loads only when a mixture is inspected: the CLI stays light
     import numpy as np
@@ -30,15 +31,11 @@ if TYPE_CHECKING:  # the reader (torch) loads only when a mixture is inspected: 
 
 
 def _manifest(folder: str | os.PathLike, storage_options: Any = None, *, images: bool = False):
-    """The folder's manifest; ``s3://bucket/prefix`` is read from object storage."""
-    if str(folder).startswith("s3://"):
-        from shards.stream.reader import load_s3_manifest
-
-        manifest = load_s3_manifest(str(folder), storage_options=storage_options)[0]
-        if images and not isinstance(manifest, DatasetManifest):
-            raise InputError("needs an image dataset (dataset.json), not a feature folder", path=str(folder))
-        return manifest
-    return load_dataset_manifest(folder) if images else load_manifest(folder)
+    """The folder's manifest, wherever it is (``shards.formats.manifest_io``; ``storage_options`` for ``s3://``)."""
+    manifest = load_manifest_at(folder, storage_options=storage_options)[0]
+    if images and not isinstance(manifest, DatasetManifest):
+        raise InputError("needs an image dataset (dataset.json), not a feature folder", path=str(folder))
+    return manifest
 
 
 def summarize(folder: str | os.PathLike, *, storage_options: Any = None) -> dict[str, Any]:
@@ -109,7 +106,6 @@ def batch_report(folder: str | os.PathLike, *, split: str | None = None, batch_s
     """One batch through the eval transform: shape, dtype, value range, label distribution."""
     from shards.image.transforms import build_transform
 
-    folder = folder if str(folder).startswith("s3://") else Path(folder)
     manifest = _manifest(folder, storage_options, images=True)
     split = _pick_split(manifest, split, "val")
     loader = _loader(folder, split, build_transform("eval", size=image_size), batch_size,
@@ -184,7 +180,6 @@ def save_grid(folder: str | os.PathLike, out_path: str | os.PathLike, *, split: 
 
     from shards.image.transforms import TransformSpec, build_transform
 
-    folder = folder if str(folder).startswith("s3://") else Path(folder)
     manifest = _manifest(folder, storage_options, images=True)
     split = _pick_split(manifest, split, "train")
     spec = TransformSpec(preset="train", size=image_size)

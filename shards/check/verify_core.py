@@ -1,8 +1,6 @@
-"""What ``shards verify`` checks of a dataset's samples, wherever its shards are read from (a local folder,
-``shards.check.verify``; object storage, ``shards.check.s3_verify``): the report, the running tally, the check of
-one shard's samples and of a split's totals.
-
-Kept below both readers so that each checks the same things in the same words, and neither imports the other.
+"""What ``shards verify`` checks of a dataset's samples, kept apart from where the bytes come from
+(``shards.check.verify`` reads them through the location layer): the report, the running tally, the check of one
+shard's samples and of a split's totals, in the same words for every location.
 """
 
 from __future__ import annotations
@@ -12,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from shards.errors import CorruptDataError
-from shards.formats.locations import local_shard_path
 from shards.formats.sample import label_problem
 from shards.formats.storage import get_storage
 from shards.image.decode import decode_image
@@ -66,19 +63,17 @@ class Tally:
         self.n_classes = n_classes
 
 
-def check_samples(folder: Path, storage: str, split: str, shard: ShardInfo, decode_wanted: int | None,
-                  tally: Tally, samples: Any = None) -> None:
-    """Read one shard's samples: unique keys, labels in range, the recorded sample and class counts, and the images
-    at the ``decode_wanted`` spread positions (every one with ``None``) decode. ``samples``: the shard's samples when
-    they come from elsewhere (object storage), else read from ``folder``."""
+def check_samples(path: Path, storage: str, split: str, shard: ShardInfo, decode_wanted: int | None,
+                  tally: Tally) -> None:
+    """Read the samples of one shard (the file at ``path``: the shard itself, or a copy of it): unique keys, labels
+    in range, the recorded sample and class counts, and the images at the ``decode_wanted`` spread positions (every
+    one with ``None``) decode."""
     counts = tally.class_counts.setdefault(split, [0] * tally.n_classes)
     positions = None if decode_wanted is None else decode_positions(shard.samples, decode_wanted)
     seen, last_key = 0, None
     own = [0] * tally.n_classes  # this shard's, against its recorded class_counts (what subsets skip shards by)
     try:
-        if samples is None:
-            samples = get_storage(storage).read(local_shard_path(folder, shard.path))
-        for position, sample in enumerate(samples):
+        for position, sample in enumerate(get_storage(storage).read(path)):
             seen, last_key = seen + 1, sample.key
             where = f"{shard.path} [sample {sample.key}]"
             if sample.key in tally.keys:

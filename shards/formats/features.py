@@ -146,6 +146,17 @@ def verify_feature_file(path: str | os.PathLike, expected_bytes: int, expected_s
         raise ChecksumError("sha256 does not match features.json (corrupt or replaced)", path=str(path))
 
 
+def load_checked(where: Any, info: Any, *, checked: bool = False) -> FeatureShard:
+    """The feature shard at location ``where`` (``shards.formats.location``), its size and sha256 checked against
+    its ``features.json`` entry ``info`` before a byte is parsed (``checked``: this process already checked this
+    file). A local file is mmap'ed (paged in lazily); elsewhere it is fetched whole into memory, hashed on the way."""
+    if where.is_local:
+        if not checked:
+            verify_feature_file(where.path, info.bytes, info.sha256)
+        return load_feature_shard(where.path, mmap=True)
+    return load_feature_bytes(where.fetch_checked(info.bytes, info.sha256), where.text)
+
+
 @dataclass(frozen=True)
 class FeatureSpec:
     """What ``features.json`` promises about every shard's content."""

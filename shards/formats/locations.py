@@ -191,13 +191,14 @@ def check_redirect(url: str, target: str, origins: Iterable[str]) -> None:
 def request_origins(manifests: Iterable[str | os.PathLike], url_origins: Iterable[str] = ()) -> tuple[str, ...]:
     """The origins every hop of a dataset's ``http(s)`` requests may reach: the own origin of each manifest in
     ``manifests`` that is an ``http(s)`` URL (the sources of one ``open_dataset`` call), then the caller's
-    ``url_origins``; lower-cased, each once. A request's own URL's origin is allowed besides (``open_remote``)."""
+    ``url_origins``; lower-cased, each once. A request's own URL's origin is allowed besides (``remote.open_url``)."""
     found = [url_origin(str(m)) for m in manifests] + [str(o).lower() for o in url_origins]
     return tuple(dict.fromkeys(o for o in found if o))
 
 
-def shard_location(base: str, name: str, *, where: str | None = None) -> str:
-    """Where shard ``name`` is, given the base its manifest (or the caller's ``base_url``) sets.
+def shard_location(base: str, name: str, *, where: str | None = None, what: str = "shard") -> str:
+    """Where shard ``name`` (or another file its manifest names: ``what``) is, given the base its manifest (or the
+    caller's ``base_url``) sets.
 
     ``name`` was checked when its manifest was loaded; an ``http(s)`` URL there stays as it is. Relative names go
     under a remote base (percent-quoted, so ``?`` or ``#`` cannot change the URL's meaning) or into a local
@@ -206,12 +207,12 @@ def shard_location(base: str, name: str, *, where: str | None = None) -> str:
     base = str(base)
     if _SCHEME.match(name):
         if url_origin(name) is None:
-            raise ManifestError(f"shard path {_shown(name)} is not a relative file name", path=where)
+            raise ManifestError(f"{what} path {_shown(name)} is not a relative file name", path=where)
         return name
     if base.startswith("pipe:"):
-        raise ManifestError("a pipe: location cannot hold relative shard paths", path=base)
+        raise ManifestError(f"a pipe: location cannot hold relative {what} paths", path=base)
     if base.startswith("s3://"):  # an object key, not a URL path: nothing to quote
-        return base.rstrip("/") + "/" + check_shard_path(name, where=where)
+        return base.rstrip("/") + "/" + check_shard_path(name, where=where, what=what)
     if is_remote(base):
-        return base.rstrip("/") + "/" + urllib.parse.quote(check_shard_path(name, where=where), safe="/")
-    return str(local_shard_path(base, name, where=where))
+        return base.rstrip("/") + "/" + urllib.parse.quote(check_shard_path(name, where=where, what=what), safe="/")
+    return str(local_shard_path(base, name, where=where, what=what))

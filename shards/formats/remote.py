@@ -1,12 +1,9 @@
-"""Shard locations that are not local files: ``http(s)://`` and ``s3://`` URLs, and ``pipe:`` shell commands.
+"""Reading ``http(s)://`` locations: one stream per request, every redirect held to the allowed origins.
 
 HTTP goes through ``urllib`` (no ``curl`` needed), following a redirect only to an allowed origin (the requested
 URL's own, plus any the caller names), at most ``MAX_REDIRECTS`` hops: a server on an allowed origin cannot hand
-the reader to another host (``shards.formats.locations.check_redirect``). ``pipe:`` uses webdataset's opener,
-which runs the command and reads its stdout, so any tool (``gsutil cat``) can feed shards. ``s3://`` goes through
-``shards.formats.s3`` (ranged GETs, retried and resumed). A remote tar is a stream: reaching sample ``start``
-reads through the samples before it (on S3, a tar with a byte index reads only the slice:
-``shards.formats.s3shards``).
+the reader to another host (``shards.formats.locations.check_redirect``). The location kinds that use it are in
+``shards.formats.location`` (docs/design.md, section 4).
 """
 
 from __future__ import annotations
@@ -17,9 +14,8 @@ import urllib.request
 from contextlib import contextmanager
 from typing import Any, BinaryIO, Iterable, Iterator
 
-from shards.bounded_read import JSONError, parse_json, read_capped
 from shards.errors import CorruptDataError, ManifestError, MissingInputError
-from shards.formats.locations import check_redirect, shard_location, url_origin
+from shards.formats.locations import check_redirect, url_origin
 
 TIMEOUT_S = 60.0
 MAX_REDIRECTS = 5
@@ -56,56 +52,25 @@ class _OriginRedirects(urllib.request.HTTPRedirectHandler):
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
-def _open_url(location: str, origins: Iterable[str]) -> BinaryIO:
-    allowed = (*filter(None, [url_origin(location)]), *origins)
-    return urllib.request.build_opener(_OriginRedirects(location, allowed)).open(location, timeout=TIMEOUT_S)
-
-
-def join_location(base: str, relative: str) -> str:
-    """A shard's location under ``base`` (see ``shards.formats.locations``: a manifest never yields a ``pipe:``)."""
-    return shard_location(base, relative)
-
-
 @contextmanager
-def open_remote(location: str, storage_options: Any = None, *, origins: Iterable[str] = ()) -> Iterator[BinaryIO]:
-    """Open a remote shard for sequential reading; errors name the location. ``storage_options``: for ``s3://``
-    (``shards.formats.s3.S3Options`` or a mapping of its fields). ``origins``: for ``http(s)``, where redirects may
-    lead besides the location's own origin (a dataset's ``shards.formats.locations.request_origins``: its
+def open_url(location: str, *, origins: Iterable[str] = ()) -> Iterator[BinaryIO]:
+    """An ``http(s)`` location opened for sequential reading; errors name the location. ``origins``: where redirects
+    may lead besides the location's own origin (a dataset's ``shards.formats.locations.request_origins``: its
     manifest's own and the caller's ``Remote(url_origins=...)``); any other target is a ``ManifestError``."""
-    if location.startswith("s3://"):
-        import io
-
-        from shards.formats.s3 import S3Options
-        from shards.formats.s3_ranges import open_range
-
-        stream = io.BufferedReader(open_range(location, 0, None, S3Options.from_mapping(storage_options)), 1 << 20)
-    elif location.startswith("pipe:"):
-        from webdataset.gopen import gopen_pipe
-
-        stream = gopen_pipe(location, "rb", bufsize=1 << 20)
-    else:
-        try:
-            stream = _open_url(location, origins)
-        except urllib.error.HTTPError as exc:
-            if exc.code == 404:
-                raise MissingInputError("not found (HTTP 404)", path=location) from exc
-            if 300 <= exc.code < 400:  # urllib's message for a redirect loop spans lines: keep its first
-                first = (str(exc.reason).splitlines() or [""])[0]
-                raise CorruptDataError(f"HTTP {exc.code}: redirect not followed ({first}; at most {MAX_REDIRECTS} "
-                                       "hops are followed)", path=location) from exc
-            raise CorruptDataError(f"HTTP {exc.code} {exc.reason}", path=location) from exc
-        except (urllib.error.URLError, OSError) as exc:
-            raise CorruptDataError(f"cannot open ({exc})", path=location) from exc
+    allowed = (*filter(None, [url_origin(location)]), *origins)
+    try:
+        stream = urllib.request.build_opener(_OriginRedirects(location, allowed)).open(location, timeout=TIMEOUT_S)
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            raise MissingInputError("not found (HTTP 404)", path=location) from exc
+        if 300 <= exc.code < 400:  # urllib's message for a redirect loop spans lines: keep its first
+            first = (str(exc.reason).splitlines() or [""])[0]
+            raise CorruptDataError(f"HTTP {exc.code}: redirect not followed ({first}; at most {MAX_REDIRECTS} "
+                                   "hops are followed)", path=location) from exc
+        raise CorruptDataError(f"HTTP {exc.code} {exc.reason}", path=location) from exc
+    except (urllib.error.URLError, OSError) as exc:
+        raise CorruptDataError(f"cannot open ({exc})", path=location) from exc
     try:
         yield stream
     finally:
         stream.close()
-
-
-def read_remote_json(location: str, storage_options: Any = None, *, origins: Iterable[str] = ()) -> Any:
-    with open_remote(location, storage_options, origins=origins) as stream:
-        payload = read_capped(stream, location)
-    try:
-        return parse_json(payload)
-    except JSONError as exc:
-        raise ManifestError(str(exc), path=location) from None

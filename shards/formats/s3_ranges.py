@@ -121,6 +121,8 @@ class RangeReader(io.RawIOBase):
                 data = self._read_some(wanted)
             except self._retryable as exc:
                 self._close_body()
+                if isinstance(exc, CorruptDataError):
+                    raise  # this module's own verdict on the object (shorter than asked): a retry reads the same
                 final = s3.final_error(exc, self.url)
                 if final is not None:
                     raise final from None

@@ -6,27 +6,29 @@
   streams from byte 0 and the samples before ``start`` are read and dropped, as over ``http(s)``.
 - HDF5: ``S3File``, a seekable read-only file object over ranged GETs with a block cache, handed to h5py, which
   reads the metadata and then only the data chunks of the slice (sequential misses fetch growing read-ahead).
-- Feature shards: fetched whole once per process, size and sha256 checked against ``features.json`` before
-  ``torch.load(..., weights_only=True)`` sees a byte.
-- Whole-shard reads (``shards verify``, featurising): ``fetch_checked``, one streaming GET hashed on the way.
+
+Whole objects (feature shards, ``shards verify``, the node cache) are one streaming GET through the location
+(``shards.formats.location.S3Object``: ``fetch_checked`` hashes it on the way).
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import itertools
+import logging
 import os
 from collections import OrderedDict
 from typing import Any, Iterator
 
 import numpy as np
 
-from shards.errors import ChecksumError, CorruptDataError
-from shards.formats.s3 import RANGE_CHUNK, S3Options
+from shards.errors import CorruptDataError, MissingInputError
+from shards.formats.s3 import S3Options
 from shards.formats.s3_ranges import head_object, open_range
 from shards.formats.sample import RawSample
 from shards.formats.tarseek import iter_tar_stream
+
+log = logging.getLogger("shardcache.tarindex")  # the logger a local missing sidecar is reported on
 
 BLOCK = 1 << 20  # HDF5 block cache granularity (the writer's data chunks are 1 MiB)
 MAX_READAHEAD = 32 << 20
@@ -35,23 +37,22 @@ CACHE_BYTES = 64 << 20  # per open S3File
 
 # -- tar ------------------------------------------------------------------------------------------------------------
 def load_s3_index(location: str, info: Any, options: S3Options) -> np.ndarray | None:
-    """The checked offsets of the tar shard at ``location`` (``info``: its ``ShardInfo``), None without an index."""
-    from shards.formats.tarindex import INDEX_SUFFIX, index_name, read_index
+    """The checked offsets of the tar shard at ``location`` (``info``: its ``ShardInfo``), None without an index
+    (none recorded, or the sidecar object gone: the shard is then read by scanning, as a local one is). Read to at
+    most one byte more than a correct sidecar holds, then held to the same checks as a local one
+    (``shards.formats.tarindex.checked_index``)."""
+    from shards.formats.tarindex import checked_index, index_size, sidecar_of
 
     if getattr(info, "index", None) is None:
         return None
-    where = location + INDEX_SUFFIX
-    if info.index != index_name(info.path):
-        raise CorruptDataError(f"the manifest names index {info.index!r} for shard {info.path!r}; expected "
-                               f"{index_name(info.path)!r}", path=where)
-    expected = 16 + (info.samples + 1) * 8
-    with open_range(where, 0, expected, options) as stream:
-        data = stream.read()
-    if len(data) != expected:
-        raise CorruptDataError(f"bad tar index ({len(data)} bytes, expected {expected})", path=where)
-    if getattr(info, "index_sha256", None) is not None and hashlib.sha256(data).hexdigest() != info.index_sha256:
-        raise ChecksumError("sha256 of the tar index does not match the manifest", path=where)
-    return read_index(data, where, info.samples, info.bytes)
+    where = sidecar_of(location, info)
+    try:
+        with open_range(where, 0, None, options) as stream:
+            data = stream.read(index_size(info) + 1)
+    except MissingInputError:
+        log.warning("%s: tar index missing; reading the shard by scanning its headers", where)
+        return None
+    return checked_index(data, where, info)
 
 
 def iter_s3_tar_slice(location: str, start: int, stop: int, options: S3Options, offsets: np.ndarray | None, *,
@@ -139,30 +140,3 @@ def iter_s3_hdf5_slice(location: str, start: int, stop: int, options: S3Options,
 
     with S3File(location, options, size=size) as handle:
         yield from iter_hdf5_slice(handle, start, stop, resync=resync)
-
-
-# -- whole objects --------------------------------------------------------------------------------------------------
-def fetch_checked(location: str, expected_bytes: int, expected_sha256: str | None, options: S3Options) -> bytes:
-    """The whole object in one streaming GET, its size and sha256 checked against the manifest."""
-    digest = hashlib.sha256()
-    parts = []
-    with open_range(location, 0, None, options) as stream:
-        while data := stream.read(min(RANGE_CHUNK, 8 << 20)):
-            digest.update(data)
-            parts.append(data)
-            if sum(map(len, parts)) > expected_bytes:
-                break
-    data = b"".join(parts)
-    if len(data) != expected_bytes:
-        raise ChecksumError(f"{'more than ' if len(data) > expected_bytes else ''}{len(data)} bytes, the manifest "
-                            f"records {expected_bytes} (truncated or replaced)", path=location)
-    if expected_sha256 is not None and digest.hexdigest() != expected_sha256:
-        raise ChecksumError("sha256 does not match the manifest (corrupt or replaced)", path=location)
-    return data
-
-
-def load_s3_feature_shard(location: str, info: Any, options: S3Options):
-    """A feature shard from S3, checked against its ``features.json`` entry before it is parsed."""
-    from shards.formats.features import load_feature_bytes
-
-    return load_feature_bytes(fetch_checked(location, info.bytes, info.sha256, options), location)

@@ -79,34 +79,53 @@ def read_index(data: bytes, where: str, samples: int, shard_bytes: int) -> np.nd
     return offsets
 
 
+def index_size(info: Any) -> int:
+    """The byte size of a correct sidecar for the shard ``info`` describes (its ``ShardInfo``)."""
+    return _HEADER + (info.samples + 1) * _OFFSET.itemsize
+
+
+def sidecar_of(location: str, info: Any) -> str:
+    """Where the sidecar of the shard at ``location`` is (``<shard>.idx``, for messages and object keys), once the
+    manifest's name for it is the one its shard implies (else ``CorruptDataError``)."""
+    where = f"{location}{INDEX_SUFFIX}"
+    if info.index != index_name(info.path):
+        raise CorruptDataError(f"the manifest names index {info.index!r} for shard {info.path!r}; expected "
+                               f"{index_name(info.path)!r}", path=where)
+    return where
+
+
+def checked_index(data: bytes, where: str, info: Any) -> np.ndarray:
+    """The offsets in a sidecar's bytes ``data``, wherever they were read: the size its sample count implies, the
+    manifest's ``index_sha256``, then the layout (``read_index``); else ``CorruptDataError``/``ChecksumError``."""
+    expected = index_size(info)
+    if len(data) != expected:
+        raise CorruptDataError(f"bad tar index ({len(data)} bytes, expected {expected} for {info.samples} samples)",
+                               path=where)
+    if info.index_sha256 is not None and hashlib.sha256(data).hexdigest() != info.index_sha256:
+        raise ChecksumError("sha256 of the tar index does not match the manifest", path=where)
+    return read_index(data, where, info.samples, info.bytes)
+
+
 def load_local_index(location: str | os.PathLike, info: Any) -> np.ndarray | None:
     """The checked offsets of the local shard at ``location`` (``info``: its ``ShardInfo``), or None when the
     manifest records no index (older datasets) or the sidecar file is gone: the caller then scans the headers.
 
     The sidecar must be named ``<shard>.idx`` and lie inside the dataset folder after symlinks are followed (the
-    shards' rule, ``local_shard_path``: else ``ManifestError``), have the size its sample count implies and the
-    manifest's ``index_sha256``; else ``CorruptDataError``/``ChecksumError``.
+    shards' rule, ``local_shard_path``: else ``ManifestError``), and pass ``checked_index``.
     """
     if getattr(info, "index", None) is None:
         return None
-    where = f"{location}{INDEX_SUFFIX}"
-    if info.index != index_name(info.path):
-        raise CorruptDataError(f"the manifest names index {info.index!r} for shard {info.path!r}; expected "
-                               f"{index_name(info.path)!r}", path=where)
+    where = sidecar_of(str(location), info)
     path = local_shard_path(_names_root(Path(location), info.path), info.index, where=where, what="tar index")
-    expected = _HEADER + (info.samples + 1) * _OFFSET.itemsize
     try:
         size = path.stat().st_size
     except FileNotFoundError:
         log.warning("%s: tar index missing; reading the shard by scanning its headers", where)
         return None
-    if size != expected:
-        raise CorruptDataError(f"bad tar index ({size} bytes, expected {expected} for {info.samples} samples)",
-                               path=where)
-    data = path.read_bytes()[:expected]
-    if info.index_sha256 is not None and hashlib.sha256(data).hexdigest() != info.index_sha256:
-        raise ChecksumError("sha256 of the tar index does not match the manifest", path=where)
-    return read_index(data, where, info.samples, info.bytes)
+    if size != index_size(info):  # refused before reading: a sidecar swapped for a large file is never read
+        raise CorruptDataError(f"bad tar index ({size} bytes, expected {index_size(info)} for {info.samples} "
+                               "samples)", path=where)
+    return checked_index(path.read_bytes()[:size], where, info)
 
 
 def _names_root(shard: Path, name: str) -> Path:
@@ -116,4 +135,5 @@ def _names_root(shard: Path, name: str) -> Path:
     return shard.parents[len(parts) - 1] if shard.parts[-len(parts):] == parts else shard.parent
 
 
-__all__ = ["INDEX_SUFFIX", "MAGIC", "index_bytes", "index_name", "load_local_index", "read_index"]
+__all__ = ["INDEX_SUFFIX", "MAGIC", "checked_index", "index_bytes", "index_name", "index_size", "load_local_index",
+           "read_index", "sidecar_of"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from shards.formats.locations import is_remote
+from shards.formats.location import locate
 from shards.report.stages import LOOP_STAGES, WORKER_STAGES
 
 WAIT_WARNING_SHARE = 0.20
@@ -42,7 +42,7 @@ def reads_over_network(data_kind: str | None, paths: Iterable[str], *, cache_ima
                        cache_dir: str | None) -> bool:
     """Whether every epoch reads image shards over the network (``s3://``, ``http(s)://``, ``pipe:``) uncached: the
     one case where a node-local cache or a local copy helps."""
-    return data_kind == "images" and not cache_images and not cache_dir and any(is_remote(p) for p in paths)
+    return data_kind == "images" and not cache_images and not cache_dir and any(not locate(p).is_local for p in paths)
 
 
 def dominant_worker_stage(stages: Mapping[str, float] | None) -> tuple[str, float] | None:

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Sequence
 
 from shards.atomic import write_text_shared
 from shards.errors import InputError, MissingInputError, ShardcacheError
-from shards.formats.locations import is_remote
+from shards.formats.location import locate
 from shards.manifest import (DATASET_FILE, FEATURES_FILE, TOOL, DatasetManifest, FeatureManifest, load_manifest,
                              utc_now)
 from shards.report.html import GENERATOR_META, Markup, Section, esc, note, page, tag
@@ -57,7 +57,7 @@ def folder_kind(path: str | os.PathLike) -> tuple[Path, str]:
     from shards.report.run import is_run_folder
 
     text = str(path)
-    if is_remote(text):
+    if not locate(text).is_local:
         raise InputError("is remote; a report reads local folders only (copy the manifests, or mount it)", path=text)
     folder = Path(path)
     if folder.is_file():
@@ -136,7 +136,7 @@ class _Builder:
         run = read_run(folder)
         links, classes, kind = Markup(""), None, None
         for data_path in trained_on(run.config):
-            if is_remote(data_path):
+            if not locate(data_path).is_local:
                 links += note(f"Trained on {data_path}: remote, not included (a report reads local folders only).")
                 continue
             # Relative to where training ran: where write_run_report runs, and usually where one runs the CLI.

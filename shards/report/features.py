@@ -28,6 +28,7 @@ class Freshness:
 def freshness(folder: Path, manifest: FeatureManifest) -> Freshness:
     """Fresh, stale (with every reason) or unknown (with why it could not be checked)."""
     from shards.check.freshness import feature_staleness
+    from shards.formats.location import locate
     from shards.formats.locations import dataset_location
 
     if from_table(manifest.config):
@@ -36,8 +37,8 @@ def freshness(folder: Path, manifest: FeatureManifest) -> Freshness:
     location, why_not = dataset_location(folder, manifest.dataset_dir)
     if location is None:
         return Freshness("unknown", (str(why_not),), None)
-    if str(location).startswith("s3://"):
-        why = f"the dataset is on object storage ({location}); a report reads local folders only"
+    if not locate(location).is_local:
+        why = f"the dataset is not on this machine ({location}); a report reads local folders only"
         return Freshness("unknown", (why,), None)
     location = Path(location)
     if not (location / DATASET_FILE).is_file():

@@ -90,7 +90,7 @@ def _read_thumbs(folder: Path, manifest: DatasetManifest, split: str, options: G
     wanted = {label: options.per_class for label in range(min(len(manifest.classes), options.max_classes))}
     dataset = open_dataset(folder, split, sampling=Sampling(shuffle=False), return_keys=True,
                            distributed=Distributed(rank=0, world_size=1),
-                           decode=Decode(pipeline="standard", decoder=_keep_encoded))
+                           decode=Decode(mode="standard", decoder=_keep_encoded))
     thumbs: list[Thumb] = []
     deadline = time.monotonic() + options.max_seconds
     for scanned, (raw, label, key) in enumerate(dataset):

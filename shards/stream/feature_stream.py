@@ -11,20 +11,17 @@ its float32 ``targets`` where a classification folder yields labels, and nothing
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 from shards.stream.dataset import ShardDataset, StreamConfig
-from shards.errors import CorruptDataError, InputError, MissingInputError
-from shards.formats.features import (FeatureShard, FeatureSpec, check_feature_shard, load_feature_shard,
-                                     verify_feature_file)
+from shards.errors import CorruptDataError, InputError
+from shards.formats.features import FeatureShard, FeatureSpec, check_feature_shard, load_checked, load_feature_shard
+from shards.formats.location import Location, locate
 from shards.manifest import SplitInfo
 from shards.stream.plan import ShardSlice
-from shards.formats.locations import is_remote
-from shards.formats.s3 import is_s3
 from shards.cache.cached_shards import CachedShards
 
 CACHE_MODES = ("auto", "memory", "none")
@@ -55,12 +52,7 @@ class FeatureShardDataset(ShardDataset):
         if cache not in CACHE_MODES:
             raise InputError(f"cache must be one of {list(CACHE_MODES)}, got {cache!r}")
         for location in self.locations:
-            if is_s3(location):
-                continue  # fetched whole and checked on first use (shards.formats.s3shards)
-            if is_remote(location):
-                raise InputError("feature shards must be local files or on s3://", path=location)
-            if not Path(location).is_file():
-                raise MissingInputError("feature shard listed in the manifest is missing", path=location)
+            self._where(location).check_feature_shard()
         total_bytes = sum(s.bytes for s in split.shards)
         self.cache = cache if cache != "auto" else ("memory" if total_bytes <= AUTO_CACHE_BYTES else "none")
         self._shards: dict[int, FeatureShard] = {}
@@ -76,19 +68,13 @@ class FeatureShardDataset(ShardDataset):
         if index in self._shards:
             return self._shards[index]
         location, info = self.locations[index], self.split_info.shards[index]
+        where = self._where(location)
         lease = self._cached_copy(index)
         if lease is not None:  # checked against the manifest's sha256 when fetched; read whole, then released
             with lease:
                 loaded = load_feature_shard(str(lease.path), mmap=False)
-        elif is_s3(location):
-            from shards.formats.s3 import S3Options
-            from shards.formats.s3shards import load_s3_feature_shard
-
-            loaded = load_s3_feature_shard(location, info, S3Options.from_mapping(self.storage_options))
-        else:
-            if index not in self._verified:
-                verify_feature_file(location, info.bytes, info.sha256)
-            loaded = load_feature_shard(location, mmap=True)
+        else:  # a local file mmap'ed, else fetched whole; size and sha256 checked first (once per process)
+            loaded = load_checked(where, info, checked=index in self._verified)
         if index not in self._verified:
             dim = self.features_dim
             if dim is None:
@@ -100,9 +86,13 @@ class FeatureShardDataset(ShardDataset):
         mapping = self.label_maps[index] if self.label_maps is not None else None
         if mapping is not None:  # a mixture's source: its labels onto the combined classes
             loaded = relabel_shard(loaded, mapping, location)
-        if self.cache == "memory" or is_s3(location) or lease is not None:  # fetched once per process, then held
+        if self.cache == "memory" or not where.is_local or lease is not None:  # asked for, or read whole: held
             self._shards[index] = loaded
         return loaded
+
+    def _where(self, location: str) -> Location:
+        """The location ``location`` names, reached with the caller's storage options."""
+        return locate(location, storage_options=self.storage_options)
 
     def read_slice(self, piece: ShardSlice) -> Iterator[FeatureRow]:
         shard = self.shard(piece.shard)

@@ -8,19 +8,14 @@ anything uses its label (``checked_labels``, which also maps a mixture's class l
 
 from __future__ import annotations
 
-import itertools
 import logging
-from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from shards.cache.cached_shards import CachedShards
-from shards.errors import CorruptDataError, InputError, MissingInputError
-from shards.formats.locations import is_remote
-from shards.formats.remote import open_remote
-from shards.formats.s3 import is_s3
+from shards.errors import CorruptDataError
+from shards.formats.location import LocalFile, Location, locate
 from shards.formats.sample import RawSample, label_problem
 from shards.formats.storage import get_storage
-from shards.formats.tarindex import load_local_index
 from shards.image.decode import ImageDecoder
 from shards.manifest import SplitInfo
 from shards.stream.dataset import ShardDataset, StreamConfig
@@ -52,7 +47,7 @@ MERGE_GAP = 32  # unwanted rows a read may pass over (shards.stream.plan.coverin
 
 
 class ImageShardDataset(ShardDataset):
-    """Image shards (tar or HDF5, local, ``http(s)://`` or ``pipe:``) -> ``(image, label[, key])``.
+    """Image shards (tar or HDF5, wherever ``shards.formats.location`` reaches) -> ``(image, label[, key])``.
 
     ``verify_sha256 = True``: a slice that covers a whole local tar shard is hashed as it is read and checked
     against the manifest after its last sample. Off by default: it costs about 1% of a decoding pipeline but 22% of
@@ -75,14 +70,7 @@ class ImageShardDataset(ShardDataset):
         self.storage_options = storage_options  # for s3:// (an S3Options, picklable: each worker makes its client)
         self.url_origins = tuple(url_origins)  # where http(s) redirects may lead (locations.request_origins)
         for location in self.locations:
-            if is_s3(location):
-                continue  # every format reads by byte range from object storage (shards.formats.s3shards)
-            if is_remote(location):
-                if self.storage.read_stream is None:
-                    raise InputError(f"{self.storage.name} shards must be local files; stream tar shards instead",
-                                     path=location)
-            elif not Path(location).is_file():
-                raise MissingInputError("shard listed in the manifest is missing", path=location)
+            self._where(location).check_image_shard(self.storage)
 
     def decode(self, sample: RawSample, seed: int) -> Any:
         return self.decoder(sample, seed)
@@ -96,6 +84,13 @@ class ImageShardDataset(ShardDataset):
         if self.image_cache is not None:
             return self.image_cache
         return self.decoder  # ImageDecoder and FastDecoder set decoded_at; a user's decoder may too
+
+    def normalizer(self, **options: Any) -> Callable:
+        """The decoder's own per-batch step when it leaves one (the fast pipeline's uint8 batches -> the spec's
+        normalised floats, ``shards.image.fast.Normalize``), else the identity (a standard transform normalised
+        in the workers)."""
+        own = getattr(self.decoder, "normalizer", None)
+        return super().normalizer(**options) if own is None else own(**options)
 
     def close(self) -> None:
         """Release the image cache's memory in this process now (workers let go when they exit)."""
@@ -123,37 +118,41 @@ class ImageShardDataset(ShardDataset):
                               self.num_classes if mapping is None else len(mapping),
                               shard_counts=info.class_counts, mapping=mapping, resync=resync)
 
+    def _where(self, location: str) -> Location:
+        """The location ``location`` names, reached with this dataset's storage options and origins (the
+        caller's, never a manifest's)."""
+        return locate(location, storage_options=self.storage_options, origins=self.url_origins)
+
     def _read_source_slice(self, piece: ShardSlice, resync: bool) -> Iterator[Any]:
-        location = self.locations[piece.shard]
+        """A slice from wherever the shard is (``shards.formats.location``): a local file by one seek, ``s3://``
+        by byte range (a tar by its byte index in one GET), ``http(s)``/``pipe:`` as a stream; the node-local copy
+        when the cache holds one. ``verify_sha256``: a read of a whole local shard checks its sha256."""
         lease = self._cached_copy(piece.shard)
         if lease is not None:
-            return self._read_cached(lease, location, piece, resync)
-        if is_s3(location):
-            return self._read_s3(location, piece, resync)
-        if is_remote(location):
-            return self._read_remote(location, piece, resync)
+            return self._read_cached(lease, piece, resync)
         info = self.split_info.shards[piece.shard]
         whole = self.verify_sha256 and piece.start == 0 and piece.stop >= info.samples
-        sha256 = info.sha256 if whole else None
-        return self.storage.read_slice(location, piece.start, piece.stop, sha256=sha256, resync=resync,
-                                       **self._index_of(piece.shard))
+        return self._where(self.locations[piece.shard]).read_slice(
+            self.storage, piece.start, piece.stop, size=info.bytes, offsets=self._index_of(piece.shard),
+            sha256=info.sha256 if whole else None, resync=resync)
 
-    def _index_of(self, shard: int) -> dict[str, Any]:
-        """``offsets=`` for a reader of an indexed format whose shard has its byte index: where a slice starts,
-        and where reading resumes after a damaged sample."""
+    def _index_of(self, shard: int) -> Any:
+        """The byte index of a shard in an indexed format that records one (where a slice starts, and where
+        reading resumes after a damaged sample), else None."""
         if not self.storage.indexed or self.split_info.shards[shard].index is None:
-            return {}
-        return {"offsets": self._offsets(shard)}
+            return None
+        return self._offsets(shard)
 
-    def _read_cached(self, lease: Any, location: str, piece: ShardSlice, resync: bool) -> Iterator[Any]:
+    def _read_cached(self, lease: Any, piece: ShardSlice, resync: bool) -> Iterator[Any]:
         """A slice of the node-local copy (checked against the manifest's sha256 when it was fetched), held
         against eviction until the slice is read."""
         try:
-            # The index only to seek (none over http(s)): the copy matched the manifest's sha256 when fetched, so
-            # damage in it was packed in, rare enough to resync by scanning rather than fetch indexes from S3 for.
-            seeks = piece.start > 0 and (is_s3(location) or not is_remote(location))
-            extra = self._index_of(piece.shard) if seeks else {}
-            yield from self.storage.read_slice(str(lease.path), piece.start, piece.stop, resync=resync, **extra)
+            # The index only to seek (a stream's location has none to give): the copy matched the manifest's
+            # sha256 when fetched, so damage in it was packed in, rare enough to resync by scanning.
+            offsets = self._index_of(piece.shard) if piece.start > 0 else None
+            yield from LocalFile(str(lease.path)).read_slice(self.storage, piece.start, piece.stop,
+                                                             size=self.split_info.shards[piece.shard].bytes,
+                                                             offsets=offsets, resync=resync)
         finally:
             lease.release()
 
@@ -163,36 +162,9 @@ class ImageShardDataset(ShardDataset):
         speeds reads up, so its shard is then read by scanning its headers (``shards verify`` reports it)."""
         cache = self.__dict__.setdefault("_offsets_cache", {})
         if shard not in cache:
-            location, info = self.locations[shard], self.split_info.shards[shard]
             try:
-                if is_s3(location):
-                    from shards.formats.s3shards import load_s3_index
-
-                    cache[shard] = load_s3_index(location, info, self._s3_options())
-                else:
-                    cache[shard] = load_local_index(location, info)
+                cache[shard] = self._where(self.locations[shard]).load_index(self.split_info.shards[shard])
             except CorruptDataError as exc:
                 log.warning("%s; reading the shard by scanning its headers", exc)
                 cache[shard] = None
         return cache[shard]
-
-    def _s3_options(self) -> Any:
-        """The ``S3Options`` in effect, made once per process copy."""
-        if "_s3_options_value" not in self.__dict__:
-            from shards.formats.s3 import S3Options
-
-            self.__dict__["_s3_options_value"] = S3Options.from_mapping(self.storage_options)
-        return self.__dict__["_s3_options_value"]
-
-    def _read_s3(self, location: str, piece: ShardSlice, resync: bool) -> Iterator[Any]:
-        """A slice from object storage: tar by its byte index (fetched once per worker) in one ranged GET, HDF5
-        through a block-cached file object; see ``shards.formats.s3shards``."""
-        info = self.split_info.shards[piece.shard]
-        offsets = self._offsets(piece.shard) if self.storage.indexed else None
-        return self.storage.read_s3_slice(location, piece.start, piece.stop, self._s3_options(), size=info.bytes,
-                                          offsets=offsets, resync=resync)
-
-    def _read_remote(self, location: str, piece: ShardSlice, resync: bool) -> Iterator[Any]:
-        with open_remote(location, origins=self.url_origins) as stream:
-            samples = self.storage.read_stream(stream, location, resync=resync)
-            yield from itertools.islice(samples, piece.start, piece.stop)

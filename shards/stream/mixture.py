@@ -96,7 +96,8 @@ class Subset:
 class SourceSpec:
     """One source of a mixture: a dataset or feature folder (or ``s3://`` prefix) and how much of each epoch it
     fills: ``weight`` (a share; then every source needs one), ``repeat`` (times its samples; 1 by default) or
-    ``choose`` (samples per epoch). ``subset`` reads only part of it."""
+    ``choose`` (samples per epoch). ``subset`` reads only part of it (None: all of it); one folder's part is
+    ``open_dataset(SourceSpec(path, subset=...))``."""
 
     path: str
     weight: float | None = None
@@ -106,6 +107,11 @@ class SourceSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", os.fspath(self.path))
+        if self.subset is None:  # None: the whole source, as Subset() says
+            object.__setattr__(self, "subset", Subset())
+        elif not isinstance(self.subset, Subset):
+            raise InputError(f"source {self.path}: subset={self.subset!r} must be a Subset(classes=, keys=, where=, "
+                             "max_samples=)")
         given = [name for name in ("weight", "repeat", "choose") if getattr(self, name) is not None]
         if len(given) > 1:
             raise InputError(f"source {self.path}: give one of weight, repeat or choose, not {' and '.join(given)}")
@@ -267,22 +273,16 @@ def epoch_rows(runs: Sequence[Sequence[np.ndarray]], draw: Sequence[int], *, see
     return np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, dtype=np.int64)
 
 
-def as_specs(path: Any, subset: Subset | None) -> tuple[SourceSpec, ...] | None:
-    """The sources of an ``open_dataset`` call, or None for one plain folder (the unchanged path)."""
+def as_specs(path: Any) -> tuple[SourceSpec, ...] | None:
+    """The sources of an ``open_dataset`` call, or None for one plain folder (the unchanged path). A subset is
+    a source's own (``SourceSpec(path, subset=...)``): it says which part of that source is read."""
     if isinstance(path, SourceSpec):
         specs: Iterable = [path]
     elif isinstance(path, (list, tuple)):
         specs = path
-    elif subset is None or subset.empty:
-        return None
     else:
-        specs = [path]
-    out = []
-    for item in specs:
-        spec = item if isinstance(item, SourceSpec) else SourceSpec(os.fspath(item))
-        if subset is not None and not subset.empty and spec.subset.empty:
-            spec = SourceSpec(spec.path, spec.weight, spec.repeat, spec.choose, subset)
-        out.append(spec)
+        return None
+    out = [item if isinstance(item, SourceSpec) else SourceSpec(os.fspath(item)) for item in specs]
     if not out:
         raise InputError("open_dataset() got an empty list of sources")
     return tuple(out)

@@ -3,10 +3,10 @@
 ``open_dataset`` keeps the everyday options flat (split, transform, seed, ...); the rest come in groups, so a call
 states only what it changes: ``ErrorPolicy`` (what a corrupt sample does), ``Sampling`` (shuffling, class
 weighting, how ranks are balanced), ``Decode`` (which image pipeline, PIL draft decoding, a custom decoder),
-``Remote`` (where shards are fetched from when not beside the manifest, which hosts a manifest may name, and how
-to reach object storage), ``Distributed`` (this process's rank and the job's nodes) and ``MemoryCache`` (the
-decoded-image cache's size). The node-local shard cache's ``ShardCache`` lives with that cache
-(``shards.cache.node``).
+``Remote`` (how shards are reached: where they are fetched from when not beside the manifest, which hosts a
+manifest may name, object storage's options, and the node-local shard cache between them and the reader),
+``Distributed`` (this process's rank and the job's nodes) and ``MemoryCache`` (the decoded-image cache's size).
+The node cache's own record, ``ShardCache``, lives with that cache (``shards.cache.node``).
 A bad value raises a one-line ``InputError`` naming the group and field. This module imports nothing heavy, so
 command-line modules can share ``DECODES`` without loading torch.
 """
@@ -16,12 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from shards.cache.node import ShardCache
 from shards.errors import InputError
 
 # The decode modes, one vocabulary for every command and the Python API. "standard" (PIL + torchvision ops, the
 # reference) yields float tensors normalised in the workers, so any model takes them: it is the library default.
 # "fast" (uint8, DCT-scaled JPEG decoding) yields uint8 tensors that the consumer normalises on its device
-# (``dataset.decoder.normalizer()``), so only a caller that does that (train-from-shards) may default to it.
+# (``dataset.normalizer()``), so only a caller that does that (train-from-shards) may default to it.
 # "device" decodes and resizes batches on the model's device: only precompute-features has that path.
 DECODES = ("standard", "fast", "device")
 STREAM_DECODES = ("standard", "fast")  # what open_dataset (and so train-from-shards) can do
@@ -94,24 +95,24 @@ class Sampling:
 
 @dataclass(frozen=True)
 class Decode:
-    """How image shards become samples. ``pipeline`` is one of ``STREAM_DECODES``; ``draft=True`` (standard pipeline,
+    """How image shards become samples. ``mode`` is one of ``STREAM_DECODES``; ``draft=True`` (standard pipeline,
     transform given as a preset name or ``TransformSpec``) lets PIL decode JPEGs at reduced size when the transform
     needs far fewer pixels; ``decoder`` replaces decoding and transform altogether (a callable taking a
     ``RawSample``; for a fixed draft size with a custom transform use ``ImageDecoder(transform, draft_size=...)``)."""
 
-    pipeline: str = DEFAULT_DECODE
+    mode: str = DEFAULT_DECODE
     draft: bool = False
     decoder: Callable | None = None
 
     def __post_init__(self) -> None:
-        check_decode(self.pipeline, field="Decode.pipeline", where="open_dataset (Decode)")
+        check_decode(self.mode, field="Decode.mode", where="open_dataset (Decode)")
         if not isinstance(self.draft, bool):
             raise InputError(f"Decode.draft={self.draft!r} must be True or False; for a fixed minimum size pass "
                              "decoder=ImageDecoder(transform, draft_size=(width, height))")
         if self.decoder is not None and not callable(self.decoder):
             raise InputError(f"Decode.decoder={self.decoder!r} is not callable")
-        if self.pipeline == "fast" and (self.draft or self.decoder is not None):
-            raise InputError("Decode.pipeline='fast' chooses its own decoder and draft; drop decoder/draft")
+        if self.mode == "fast" and (self.draft or self.decoder is not None):
+            raise InputError("Decode.mode='fast' chooses its own decoder and draft; drop decoder/draft")
         if self.draft and self.decoder is not None:
             raise InputError("Decode.draft applies to the built-in decoder; a custom decoder drafts itself")
 
@@ -129,16 +130,20 @@ class Remote:
     only from the caller: a manifest never chooses a command or another host (see ``shards.formats.locations``).
     ``storage_options`` configures ``s3://`` access: a mapping of ``shards.formats.s3.S3Options`` fields
     (``{"endpoint_url": ..., "profile": ..., "unsigned": True}``) or an ``S3Options``; credentials are never
-    options, they come from the AWS chain. Keeping fetched shards on the node's disk is
-    ``open_dataset(shard_cache=ShardCache(...))``'s."""
+    options, they come from the AWS chain. ``shard_cache`` is the storage tier on the node's own disk: whole
+    shards fetched once and shared by every rank and worker there (``ShardCache(dir=, limit=, fallback=,
+    local=)``; the default takes its folder from ``$SHARDCACHE_CACHE_DIR``, else there is none)."""
 
     base_url: str | None = None
     url_origins: tuple[str, ...] = ()
     storage_options: Any = None
+    shard_cache: ShardCache = ShardCache()
 
     def __post_init__(self) -> None:
         if self.base_url is not None and not isinstance(self.base_url, str):
             raise InputError(f"Remote.base_url={self.base_url!r} must be a string")
+        if not isinstance(self.shard_cache, ShardCache):
+            raise InputError(f"Remote.shard_cache={self.shard_cache!r} must be a ShardCache(dir=, limit=, ...)")
         if isinstance(self.url_origins, str):
             raise InputError(f"Remote.url_origins={self.url_origins!r} must be a list of origins, not one string")
         object.__setattr__(self, "url_origins", tuple(str(o) for o in self.url_origins))

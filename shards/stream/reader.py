@@ -11,12 +11,11 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from shards.stream.dataset import ShardDataset, StreamConfig
 from shards.stream.image_dataset import ImageShardDataset
-from shards.stream.mixture import MixOptions, SourceSpec, Subset, as_specs
+from shards.stream.mixture import MixOptions, SourceSpec, as_specs
 from shards.stream.plan import ShardSlice
 from shards.stream.selection import LoadedSource, combine
 from shards.image.decode import ImageDecoder
@@ -26,9 +25,10 @@ from shards.stream.feature_stream import FeatureShardDataset
 from shards.cache.images import ImageCacheRequest
 from shards.cache.node import ShardCache
 from shards.formats.features import FeatureSpec
-from shards.manifest import DATASET_FILE, FEATURES_FILE, DatasetManifest, FeatureManifest, Manifest, load_manifest
-from shards.formats.locations import is_remote, request_origins, shard_location
-from shards.formats.remote import read_remote_json
+from shards.manifest import FeatureManifest, Manifest
+from shards.formats.location import locate
+from shards.formats.locations import request_origins, shard_location
+from shards.formats.manifest_io import load_manifest_at
 from shards.stream.options import Decode, Distributed, ErrorPolicy, MemoryCache, Remote, Sampling
 from shards.stream.stages import class_weights_from_counts
 from shards.image.transforms import TransformSpec, build_transform
@@ -41,48 +41,6 @@ def distributed_rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _load(path: str | os.PathLike, url_origins: Sequence[str] = (), storage_options: Any = None
-          ) -> tuple[Manifest, str]:
-    """The manifest and the base its shard paths are relative to. Shard URLs in it are followed only on a remote
-    manifest's own origin and on ``url_origins`` (the caller's explicit opt-in), and so is every redirect the
-    manifest's request meets; see ``shards.formats.locations``.
-    Under ``s3://bucket/prefix`` the manifest (``dataset.json``, else ``features.json``) may name only relative
-    shard names: an ``s3:`` URL has no origin, so ``check_shard_path`` refuses it."""
-    text = str(path)
-    if text.startswith("s3://"):
-        return load_s3_manifest(text, url_origins, storage_options)
-    if is_remote(text):
-        url = text if text.endswith(".json") else text.rstrip("/") + "/" + DATASET_FILE
-        origins = request_origins([url], url_origins)
-        return (DatasetManifest.from_dict(read_remote_json(url, origins=origins), where=url, url_origins=origins),
-                url.rsplit("/", 1)[0])
-    manifest = load_manifest(path, url_origins=url_origins)
-    folder = Path(path)
-    return manifest, str(folder.parent if folder.is_file() else folder)
-
-
-def load_s3_manifest(url: str, url_origins: Sequence[str] = (), storage_options: Any = None
-                     ) -> tuple[Manifest, str]:
-    """``s3://bucket/prefix`` (or ``.../dataset.json``, ``.../features.json``) -> the manifest and its prefix."""
-    from shards.errors import MissingInputError
-
-    if url.endswith(".json"):
-        candidates = [url]
-    else:
-        candidates = [url.rstrip("/") + "/" + name for name in (DATASET_FILE, FEATURES_FILE)]
-    for candidate in candidates:
-        try:
-            data = read_remote_json(candidate, storage_options)
-        except MissingInputError:
-            if candidate is candidates[-1]:
-                names = " or ".join(c.rsplit("/", 1)[1] for c in candidates)
-                raise MissingInputError(f"not found (HTTP 404): no {names} under this prefix", path=url) from None
-            continue
-        kind = FeatureManifest if candidate.endswith(FEATURES_FILE) else DatasetManifest
-        return kind.from_dict(data, where=candidate, url_origins=url_origins), candidate.rsplit("/", 1)[0]
-    raise AssertionError("unreachable")
 
 
 def _resolve_weights(option: str | tuple[float, ...] | None, class_counts: Sequence[int]) -> tuple[float, ...] | None:
@@ -121,27 +79,27 @@ def open_dataset(path: str | os.PathLike | SourceSpec | Sequence[str | os.PathLi
                  split: str = "train", *,
                  transform: Callable | str | TransformSpec | None = None, seed: int = 0, return_keys: bool = False,
                  sampling: Sampling = Sampling(), errors: ErrorPolicy = ErrorPolicy(), decode: Decode = Decode(),
-                 remote: Remote = Remote(), cache: str | MemoryCache = "auto", shard_cache: ShardCache = ShardCache(),
-                 distributed: Distributed = Distributed(), subset: Subset | None = None,
-                 mix: MixOptions = MixOptions()) -> ShardDataset:
+                 remote: Remote = Remote(), cache: str | MemoryCache = "auto",
+                 distributed: Distributed = Distributed(), mix: MixOptions = MixOptions()) -> ShardDataset:
     """Stream one split of a ``dataset.json`` (images) or ``features.json`` (features).
 
     Yields ``(sample, label)`` or ``(sample, label, key)`` (``return_keys=True``); the sample is an RGB PIL image
     (or ``transform`` of it) for image shards and a feature tensor for feature shards. Everything else comes
     grouped, so a call states only what it changes: ``sampling=Sampling(shuffle=, shuffle_buffer=, class_weights=,
     balance=)`` (order and how ranks are balanced), ``errors=ErrorPolicy(...)``, ``decode=Decode(...)``,
-    ``remote=Remote(base_url=, url_origins=, storage_options=)`` (``base_url`` fetches shards from
-    ``base_url/<shard path>`` instead of next to the manifest), ``distributed=Distributed(rank=, world_size=,
-    nodes=, rotate_every=)`` (rank and world size default to ``torch.distributed``'s; ``nodes`` keeps each shard on
-    one node across epochs, see ``shards.Distributed``), ``shard_cache=ShardCache(...)`` and ``cache``.
+    ``remote=Remote(base_url=, url_origins=, storage_options=, shard_cache=)`` (how shards are reached:
+    ``base_url`` fetches them from ``base_url/<shard path>`` instead of next to the manifest),
+    ``distributed=Distributed(rank=, world_size=, nodes=, rotate_every=)`` (rank and world size default to
+    ``torch.distributed``'s; ``nodes`` keeps each shard on one node across epochs, see ``shards.Distributed``),
+    ``cache`` (in memory) and ``mix`` (how several sources combine).
 
     ``decode=Decode("fast")`` (image shards, ``transform`` a preset name or ``TransformSpec``) yields uint8
     [3, size, size] tensors made by crop-then-resize with DCT-scaled JPEG decoding; normalise each batch on the
-    consuming device with ``shards.image.fast.Normalize(spec.mean, spec.std)`` (or ``dataset.decoder.normalizer()``).
+    consuming device with ``dataset.normalizer()`` (every dataset has one: the identity where samples come ready).
 
-    ``shard_cache=ShardCache(dir=, limit=, fallback=, local=)`` keeps whole shards fetched from ``s3://``,
-    ``http(s)://`` or a network file system on local disk, shared by every rank and worker of the node, at most
-    ``limit`` bytes (``"200G"``); ``dir`` defaults to ``$SHARDCACHE_CACHE_DIR`` (else no cache); see
+    ``remote=Remote(shard_cache=ShardCache(dir=, limit=, fallback=, local=))`` keeps whole shards fetched from
+    ``s3://``, ``http(s)://`` or a network file system on local disk, shared by every rank and worker of the node,
+    at most ``limit`` bytes (``"200G"``); ``dir`` defaults to ``$SHARDCACHE_CACHE_DIR`` (else no cache); see
     ``shards.cache.cached_shards``. ``dataset.shard_cache.summary()`` counts hits, misses and bytes fetched.
 
     ``cache="memory"`` (or ``cache=MemoryCache(limit=, side=)``) on image shards (fast pipeline only) keeps each
@@ -153,12 +111,13 @@ def open_dataset(path: str | os.PathLike | SourceSpec | Sequence[str | os.PathLi
     ``"auto"`` caches only feature folders (under 4 GiB); ``"none"`` nothing.
 
     Several sources (a list of folders or ``shards.SourceSpec(path, weight=|repeat=|choose=, subset=)``) are read
-    as one split: each fills its share of every epoch, drawn by whole shard runs from ``(seed, epoch)``, and
-    ``subset=Subset(classes=, keys=, where=, max_samples=)`` (or a source's own) reads only part of a source
-    without repacking; ``mix=MixOptions(class_map="union")`` mixes sources whose class lists differ. See
-    ``shards.stream.mixture``; ``dataset.mixture.composition()`` says what an epoch holds.
+    as one split: each fills its share of every epoch, drawn by whole shard runs from ``(seed, epoch)``. A
+    source's ``subset=Subset(classes=, keys=, where=, max_samples=)`` reads only part of it without repacking (one
+    folder's part: ``open_dataset(SourceSpec(path, subset=...))``); ``mix=MixOptions(class_map="union")`` mixes
+    sources whose class lists differ. See ``shards.stream.mixture``; ``dataset.mixture.composition()`` says what
+    an epoch holds.
     """
-    specs = as_specs(path, subset)
+    specs = as_specs(path)
     rank, world_size = distributed.rank, distributed.world_size
     if rank is None or world_size is None:
         auto_rank, auto_world = distributed_rank_world()
@@ -172,10 +131,10 @@ def open_dataset(path: str | os.PathLike | SourceSpec | Sequence[str | os.PathLi
         nodes=1 if distributed.nodes is None else distributed.nodes, rotate_every=distributed.rotate_every)
     # Every hop of an http(s) request for this dataset stays on a source manifest's own origin or the caller's.
     origins = request_origins([path] if specs is None else [spec.path for spec in specs], remote.url_origins)
-    node_cache = _node_cache(shard_cache, remote, origins)
+    node_cache = _node_cache(remote.shard_cache, remote, origins)
     combined = None
     if specs is None:
-        manifest, base = _load(path, remote.url_origins, remote.storage_options)
+        manifest, base = load_manifest_at(path, remote.url_origins, remote.storage_options)
         split_info = manifest.split(split)
         root = remote.base_url if remote.base_url is not None else base
         locations = [shard_location(root, s.path) for s in split_info.shards]
@@ -195,11 +154,11 @@ def open_dataset(path: str | os.PathLike | SourceSpec | Sequence[str | os.PathLi
 
 def _load_source(spec: SourceSpec, split: str, remote: Remote, config: StreamConfig, shard_cache: Any) -> LoadedSource:
     """One mixture source: its manifest, shard locations, and a plain reader for what a subset must look at."""
-    manifest, base = _load(spec.path, remote.url_origins, remote.storage_options)
+    manifest, base = load_manifest_at(spec.path, remote.url_origins, remote.storage_options)
     split_info = manifest.split(split, where=spec.path)
     root = remote.base_url if remote.base_url is not None else base
     locations = [shard_location(root, s.path) for s in split_info.shards]
-    folder = None if is_remote(root) or str(root).startswith("s3://") else str(root)
+    folder = str(root) if locate(root).is_local else None  # the source index is read from local folders only
     plain = dataclasses.replace(config, shuffle=False, class_weights=None, return_keys=False, rank=0, world_size=1,
                                 nodes=1, rotate_every=0)
     readers: list[ShardDataset] = []
@@ -244,9 +203,9 @@ def _build(manifest: Manifest, split_info: Any, locations: list[str], config: St
         # A regression table has no classes (None: no label range to check) and yields its float targets.
         return FeatureShardDataset(split_info, locations, config, spec=FeatureSpec.of(manifest), cache=caches.mode,
                                    storage_options=remote.storage_options, shard_cache=shard_cache)
-    images = ImageCacheRequest(caches.mode, caches.memory_limit, caches.cache_side, pipeline=decode.pipeline)
+    images = ImageCacheRequest(caches.mode, caches.memory_limit, caches.cache_side, decode=decode.mode)
     decoder = decode.decoder
-    if decode.pipeline == "fast":
+    if decode.mode == "fast":
         spec = _fast_spec(transform)
         decoder = FastDecoder(spec, source_side=images.source_side(spec))
     elif decoder is None:

@@ -114,6 +114,7 @@ def test_old_manifests_without_an_index_still_read(packed):
 
 
 def test_streaming_reader_seeks_with_the_sidecar(packed, monkeypatch):
+    from shards.formats import tarindex as index_module
     from shards.stream import image_dataset as dataset_module
     from shards.stream.dataset import StreamConfig
     from shards.stream.plan import ShardSlice
@@ -123,8 +124,8 @@ def test_streaming_reader_seeks_with_the_sidecar(packed, monkeypatch):
     locations = [str(packed / s.path) for s in split.shards]
     ds = dataset_module.ImageShardDataset(split, locations, StreamConfig(), storage="tar")
     loads = []
-    real = dataset_module.load_local_index
-    monkeypatch.setattr(dataset_module, "load_local_index", lambda *a: loads.append(a) or real(*a))
+    real = index_module.load_local_index
+    monkeypatch.setattr(index_module, "load_local_index", lambda *a: loads.append(a) or real(*a))
     first = [s.key for s in ds.read_slice(ShardSlice(0, 2, 5))]
     again = [s.key for s in ds.read_slice(ShardSlice(0, 3, 4))]
     walked = [s.key for s in iter_tar_slice(locations[0], 2, 5)]

@@ -26,7 +26,7 @@ def test_two_epochs_from_s3_fetch_each_shard_once(bucket, tmp_path: Path, storag
     url = bucket.upload(folder, "data")
     local = shards.open_dataset(folder, transform=lambda image: 0, return_keys=True, seed=1)
     cached = shards.open_dataset(url, transform=lambda image: 0, return_keys=True, seed=1,
-                                 shard_cache=shards.ShardCache(dir=tmp_path / "node-cache"))
+                                 remote=shards.Remote(shard_cache=shards.ShardCache(dir=tmp_path / "node-cache")))
     s3.share_stats()
     s3.FETCH_STATS.reset()  # after the manifest: count the shard bytes
     for epoch in (0, 1):

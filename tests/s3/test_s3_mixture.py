@@ -34,7 +34,7 @@ def test_a_local_and_an_s3_source_mix_like_two_local_ones(bucket, tmp_path):
 def test_a_subset_of_an_s3_source_reads_only_shards_that_may_match(bucket, tmp_path):
     write_images(tmp_path / "d", "d", [[0, 0, 0], [2, 2], [0, 2, 0, 2]])
     url = bucket.upload(tmp_path / "d", "d")
-    subset = shards.open_dataset(url, "train", subset=Subset(classes=["c"]), return_keys=True,
+    subset = shards.open_dataset(shards.SourceSpec(url, subset=Subset(classes=["c"])), "train", return_keys=True,
                                  decode=shards.Decode(decoder=zero))
     assert sorted(keys(subset)) == ["d-00003", "d-00004", "d-00006", "d-00008"]
     assert [s.path for s in subset.split_info.shards] == ["train-000001.tar", "train-000002.tar"]

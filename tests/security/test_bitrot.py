@@ -159,8 +159,8 @@ def reach(read_path: str, folder: Path, tmp_path: Path):
     if read_path == "node-cache":  # a copy must match dataset.json's sha256: the shard was packed damaged
         shard = folder / "train-000000.tar"
         rewrite(folder, shard.name, shard.read_bytes())
-        return contextlib.nullcontext(folder), {"shard_cache": shards.ShardCache(tmp_path / "cache",
-                                                                                  local=True)}
+        node_cache = shards.ShardCache(tmp_path / "cache", local=True)
+        return contextlib.nullcontext(folder), {"remote": shards.Remote(shard_cache=node_cache)}
     if read_path == "http":
         return served(folder), {}
     return contextlib.nullcontext(folder), {}

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import http.server
 import json
@@ -31,7 +32,7 @@ from preprocess.pack.packer import PackConfig, pack_shards
 from shards.check.verify import verify_dataset
 from shards.cli.main import main as shards_cli
 from shards.errors import CorruptDataError, ManifestError
-from shards.formats.remote import MAX_REDIRECTS, open_remote
+from shards.formats.remote import MAX_REDIRECTS, open_url
 from shards.formats.tarindex import load_local_index
 from shards.manifest import load_dataset_manifest
 from shards.stream.mixture import Subset
@@ -119,7 +120,7 @@ def test_a_redirect_through_the_node_cache_is_refused_and_caches_nothing(servers
     origin, foreign, folder = servers
     origin.redirects[SHARD] = (302, f"{foreign.url}{SHARD}")
     dataset = shards.open_dataset(origin.url, sampling=shards.Sampling(shuffle=False),
-                                  shard_cache=shards.ShardCache(dir=tmp_path / "cache"))
+                                  remote=shards.Remote(shard_cache=shards.ShardCache(dir=tmp_path / "cache")))
     with pytest.raises(ManifestError, match="not on an allowed origin"):
         list(dataset)
     assert foreign.requests == []
@@ -175,9 +176,9 @@ def test_another_origin_only_with_the_callers_opt_in(servers):
     origin, foreign, _ = servers
     origin.redirects[SHARD] = (302, f"{foreign.url}{SHARD}")
     with pytest.raises(ManifestError):
-        open_remote(f"{origin.url}{SHARD}").__enter__()
+        open_url(f"{origin.url}{SHARD}").__enter__()
     assert foreign.requests == []
-    with open_remote(f"{origin.url}{SHARD}", origins=[foreign.url]) as stream:
+    with open_url(f"{origin.url}{SHARD}", origins=[foreign.url]) as stream:
         assert stream.read() == (servers[2] / SHARD[1:]).read_bytes()
     assert foreign.requests == [SHARD]
 
@@ -195,7 +196,8 @@ def read_through(how: str, url: str, tmp_path: Path, **options) -> list[str]:
     """The keys of ``url``'s train split read directly, through the node cache, or by a pickled copy of the dataset
     (what a DataLoader worker started with ``spawn`` gets)."""
     if how == "cache":
-        options["shard_cache"] = shards.ShardCache(tmp_path / "cache")
+        remote = options.get("remote", shards.Remote())
+        options["remote"] = dataclasses.replace(remote, shard_cache=shards.ShardCache(tmp_path / "cache"))
     dataset = shards.open_dataset(url, return_keys=True, **options, sampling=shards.Sampling(shuffle=False))
     return keys(pickle.loads(pickle.dumps(dataset)) if how == "worker" else dataset)
 
@@ -285,7 +287,7 @@ def test_a_source_index_symlinked_outside_is_refused_not_read(packed: Path, tmp_
     set_source_index(packed, sha256=hashlib.sha256(outside.read_bytes()).hexdigest())
     where = Subset(where="width > 0")
     with pytest.raises(ManifestError, match="outside the dataset folder") as caught:
-        shards.open_dataset(packed, "train", subset=where)
+        shards.open_dataset(shards.SourceSpec(packed, subset=where), "train")
     message = str(caught.value)
     assert "source index 'source-index.jsonl'" in message and str(outside) in message and "\n" not in message
 
@@ -319,7 +321,7 @@ def test_a_source_index_linked_to_etc_passwd_is_refused(packed: Path, tmp_path: 
 def test_a_source_index_named_outside_is_refused(packed: Path, name: str, why: str):
     set_source_index(packed, path=name)
     with pytest.raises(ManifestError, match=why) as caught:
-        shards.open_dataset(packed, "train", subset=Subset(where="width > 0"))
+        shards.open_dataset(shards.SourceSpec(packed, subset=Subset(where="width > 0")), "train")
     assert f"source index path {name!r}" in str(caught.value)
 
 
@@ -327,9 +329,9 @@ def test_a_source_index_in_a_subfolder_or_linked_inside_is_fine(packed: Path):
     (packed / "meta").mkdir()
     shutil.move(packed / "source-index.jsonl", packed / "meta" / "index.jsonl")
     (packed / "source-index.jsonl").symlink_to(Path("meta") / "index.jsonl")
-    assert len(shards.open_dataset(packed, "train", subset=Subset(where="width > 0"))) > 0
+    assert len(shards.open_dataset(shards.SourceSpec(packed, subset=Subset(where="width > 0")), "train")) > 0
     set_source_index(packed, path="meta/index.jsonl")
-    assert len(shards.open_dataset(packed, "train", subset=Subset(where="width > 0"))) > 0
+    assert len(shards.open_dataset(shards.SourceSpec(packed, subset=Subset(where="width > 0")), "train")) > 0
     assert verify_dataset(packed).ok
     (packed / "meta" / "index.jsonl").write_text("{}\n")
     assert any("checksum" in p for p in verify_dataset(packed).problems)
@@ -379,7 +381,7 @@ def test_a_cached_copy_changed_in_place_is_not_served(tmp_path: Path, caplog):
     data = tmp_path / "data"
     make_shard_dataset(data, shard_sizes={"train": [3, 2]}, size=(16, 16))
     options = dict(return_keys=True, sampling=shards.Sampling(shuffle=False),
-                   shard_cache=shards.ShardCache(tmp_path / "cache", local=True),
+                   remote=shards.Remote(shard_cache=shards.ShardCache(tmp_path / "cache", local=True)),
                    decode=shards.Decode(decoder=raw_bytes))
     truth = {key: image for image, _, key in shards.open_dataset(data, **options)}
     (copy,) = [p for p in (tmp_path / "cache" / "v1").glob("??/*.tar")

@@ -31,7 +31,7 @@ def keys_of(dataset, epoch: int, workers: int = 2) -> list[str]:
 
 def open_cached(data: Path, cache: Path, limit: int | None = None, **options):
     return shards.open_dataset(data, "train", transform=lambda image: 0, return_keys=True, seed=3, **options,
-                               shard_cache=shards.ShardCache(dir=cache, limit=limit, local=True))
+                               remote=shards.Remote(shard_cache=shards.ShardCache(dir=cache, limit=limit, local=True)))
 
 
 def shard_bytes(data: Path) -> int:
@@ -83,7 +83,7 @@ def test_a_limit_below_the_largest_shard_is_refused_at_open(data: Path, tmp_path
 def test_cache_limit_without_a_folder_is_refused(data: Path, monkeypatch):
     monkeypatch.delenv("SHARDCACHE_CACHE_DIR", raising=False)
     with pytest.raises(InputError, match="ShardCache.dir"):
-        shards.open_dataset(data, "train", shard_cache=shards.ShardCache(limit="1G"))
+        shards.open_dataset(data, "train", remote=shards.Remote(shard_cache=shards.ShardCache(limit="1G")))
 
 
 def test_the_folder_defaults_to_the_environment(data: Path, tmp_path: Path, monkeypatch):

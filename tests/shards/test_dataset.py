@@ -104,10 +104,10 @@ def test_drop_last_reports_the_dropped_samples(folder):
     assert len(set(seen)) == 20 and not {f"train_{i:05d}" for i in range(20, 24)} & set(seen)
 
 
-@pytest.mark.parametrize("options,field", [({"pipeline": "turbo"}, "Decode.pipeline"),
-                                           ({"pipeline": "device"}, "Decode.pipeline='device' is not available"),
+@pytest.mark.parametrize("options,field", [({"mode": "turbo"}, "Decode.mode"),
+                                           ({"mode": "device"}, "Decode.mode='device' is not available"),
                                            ({"draft": 256}, "Decode.draft"),
-                                           ({"pipeline": "fast", "draft": True}, "Decode.pipeline"),
+                                           ({"mode": "fast", "draft": True}, "Decode.mode"),
                                            ({"draft": True, "decoder": str}, "Decode.draft"),
                                            ({"decoder": 42}, "Decode.decoder")])
 def test_bad_decode_options_are_one_line_naming_the_field(options, field):

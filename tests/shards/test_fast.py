@@ -119,7 +119,7 @@ def test_fast_pipeline_streams_uint8_matching_the_standard_pipeline(tmp_path):
     assert [r[1] for r in fast_rows] == [r[1] for r in standard_rows]
     batch = torch.stack([r[0] for r in fast_rows])
     assert batch.dtype == torch.uint8 and batch.shape[1:] == (3, 64, 64)
-    normalized = fast_set.decoder.normalizer()(batch)
+    normalized = fast_set.normalizer()(batch)
     reference = torch.stack([r[0] for r in standard_rows])
     assert (normalized - reference).abs().mean().item() < 1.0 / (255 * 0.225)
 

@@ -137,10 +137,10 @@ def test_options_that_do_not_fit_together_are_usage_errors(folders):
 
 def test_mixture_report_takes_an_opened_dataset_or_the_specs(folders):
     specs = [SourceSpec(str(folders["A"]), weight=1), SourceSpec(str(folders["B"]), weight=1)]
-    dataset = shards.open_dataset(specs, "train", seed=3, subset=Subset(classes=["a", "c"]), cache="none",
+    subset_specs = [SourceSpec(s.path, weight=1, subset=Subset(classes=["a", "c"])) for s in specs]
+    dataset = shards.open_dataset(subset_specs, "train", seed=3, cache="none",
                                   distributed=shards.Distributed(rank=0, world_size=1))
     from_dataset = mixture_report(dataset, epochs=2, exact_classes=True)
-    subset_specs = [SourceSpec(s.path, weight=1, subset=Subset(classes=["a", "c"])) for s in specs]
     assert mixture_report(subset_specs, seed=3, epochs=2, exact_classes=True) == from_dataset
     assert from_dataset["seed"] == 3 and len(from_dataset["epochs"]) == 2
 

@@ -209,7 +209,7 @@ def read_log(monkeypatch):
 def test_a_class_subset_yields_that_class_and_never_opens_other_shards(tmp_path, read_log):
     # Shard 0 holds only class 0, shard 1 only class 2, shard 2 both.
     write_images(tmp_path / "d", "d", [[0, 0, 0], [2, 2], [0, 2, 0, 2]])
-    subset = shards.open_dataset(tmp_path / "d", "train", subset=Subset(classes=["a"]), return_keys=True,
+    subset = shards.open_dataset(SourceSpec(tmp_path / "d", subset=Subset(classes=["a"])), "train", return_keys=True,
                                  decode=shards.Decode(decoder=zero))
     assert len(subset) == 5
     assert read_log == ["train-000002.tar"]  # the mixed shard is read once at open to find its rows
@@ -223,8 +223,8 @@ def test_a_class_subset_yields_that_class_and_never_opens_other_shards(tmp_path,
 
 def test_an_old_manifest_without_class_counts_still_subsets_by_reading(tmp_path, read_log):
     write_images(tmp_path / "old", "o", [[0, 0], [1, 1, 0]], classes=("a", "b"), class_counts=False)
-    subset = shards.open_dataset(tmp_path / "old", "train", subset=Subset(classes=["b"]), return_keys=True,
-                                 decode=shards.Decode(decoder=zero))
+    subset = shards.open_dataset(SourceSpec(tmp_path / "old", subset=Subset(classes=["b"])), "train",
+                                 return_keys=True, decode=shards.Decode(decoder=zero))
     assert sorted(k for _, _, k in subset) == ["o-00002", "o-00003"]
     assert sorted(set(read_log)) == ["train-000000.tar", "train-000001.tar"]
 
@@ -232,22 +232,22 @@ def test_an_old_manifest_without_class_counts_still_subsets_by_reading(tmp_path,
 def test_keys_where_and_max_samples(tmp_path):
     write_images(tmp_path / "d", "d", [[0, 1, 2, 0], [1, 2, 0, 1]], sizes=[10, 300, 256, 40, 500, 7, 9, 260])
     (tmp_path / "keys.txt").write_text("\ufeffd-00001\nd-00004\n\nd-00006\n", encoding="utf-8")
-    by_keys = shards.open_dataset(tmp_path / "d", "train", return_keys=True, decode=shards.Decode(decoder=zero),
-                                  subset=Subset(keys=tmp_path / "keys.txt"))
+    by_keys = shards.open_dataset(SourceSpec(tmp_path / "d", subset=Subset(keys=tmp_path / "keys.txt")), "train",
+                                  return_keys=True, decode=shards.Decode(decoder=zero))
     assert sorted(k for _, _, k in by_keys) == ["d-00001", "d-00004", "d-00006"]
     once = Subset(keys=iter(["d-00002", "d-00003"]))  # an iterator from Python: read once, usable again
     for _ in range(2):  # (train and validation open the same subset)
-        again = shards.open_dataset(tmp_path / "d", "train", return_keys=True, subset=once,
+        again = shards.open_dataset(SourceSpec(tmp_path / "d", subset=once), "train", return_keys=True,
                                     decode=shards.Decode(decoder=zero))
         assert sorted(k for _, _, k in again) == ["d-00002", "d-00003"]
-    wide = shards.open_dataset(tmp_path / "d", "train", return_keys=True, decode=shards.Decode(decoder=zero),
-                               subset=Subset(where="width >= 256 and class != 'c'"))
+    wide = shards.open_dataset(SourceSpec(tmp_path / "d", subset=Subset(where="width >= 256 and class != 'c'")),
+                               "train", return_keys=True, decode=shards.Decode(decoder=zero))
     assert sorted(k for _, _, k in wide) == ["d-00001", "d-00004", "d-00007"]
-    called = shards.open_dataset(tmp_path / "d", "train", return_keys=True, decode=shards.Decode(decoder=zero),
-                                 subset=Subset(where=lambda f: f["width"] < 10))
+    called = shards.open_dataset(SourceSpec(tmp_path / "d", subset=Subset(where=lambda f: f["width"] < 10)), "train",
+                                 return_keys=True, decode=shards.Decode(decoder=zero))
     assert sorted(k for _, _, k in called) == ["d-00005", "d-00006"]
-    first = shards.open_dataset(tmp_path / "d", "train", return_keys=True, decode=shards.Decode(decoder=zero),
-                                subset=Subset(max_samples=5))
+    first = shards.open_dataset(SourceSpec(tmp_path / "d", subset=Subset(max_samples=5)), "train", return_keys=True,
+                                decode=shards.Decode(decoder=zero))
     assert sorted(k for _, _, k in first) == [f"d-{i:05d}" for i in range(5)]
 
 
@@ -268,13 +268,13 @@ def test_where_is_parsed_not_evaluated():
 def test_no_matching_sample_is_a_clear_error(tmp_path):
     write_images(tmp_path / "d", "d", [[0, 0]])
     with pytest.raises(InputError, match="no sample of this source matches"):
-        shards.open_dataset(tmp_path / "d", "train", subset=Subset(where="width > 1000000"))
+        shards.open_dataset(SourceSpec(tmp_path / "d", subset=Subset(where="width > 1000000")), "train")
 
 
 def test_an_unknown_class_is_a_clear_error(tmp_path):
     write_images(tmp_path / "d", "d", [[0, 1]])
     with pytest.raises(InputError, match="no class 'zebra'"):
-        shards.open_dataset(tmp_path / "d", "train", subset=Subset(classes=["zebra"]))
+        shards.open_dataset(SourceSpec(tmp_path / "d", subset=Subset(classes=["zebra"])), "train")
 
 
 def test_packed_datasets_filter_from_their_source_index_without_reading_shards(tmp_path, read_log):
@@ -282,8 +282,8 @@ def test_packed_datasets_filter_from_their_source_index_without_reading_shards(t
     for i in range(3):  # wider images
         (tree / "dog" / f"wide_{i}.jpg").write_bytes(class_image(1, 100 + i, (64, 16)))
     pack_shards(PackConfig(str(tree), str(tmp_path / "out"), max_samples=5, seed=1, quiet=True))
-    wide = shards.open_dataset(tmp_path / "out", "train", return_keys=True, decode=shards.Decode(decoder=zero),
-                               subset=Subset(where="width >= 64"))
+    wide = shards.open_dataset(SourceSpec(tmp_path / "out", subset=Subset(where="width >= 64")), "train",
+                               return_keys=True, decode=shards.Decode(decoder=zero))
     assert read_log == []  # rows came from source-index.jsonl
     assert len(wide) == 3
     keys = [k for _, _, k in wide]
@@ -371,7 +371,7 @@ def test_a_mixture_reads_through_the_node_cache_once_per_shard(image_sources, tm
         return dataset, out
 
     _, plain = epochs()
-    cached, through_cache = epochs(shard_cache=shards.ShardCache(tmp_path / "cache", local=True))
+    cached, through_cache = epochs(remote=shards.Remote(shard_cache=shards.ShardCache(tmp_path / "cache", local=True)))
     assert through_cache == plain
     counts = cached.shard_cache.stats.snapshot()
     offsets = np.cumsum([0] + cached.split_info.shard_sizes)
@@ -396,5 +396,5 @@ def test_a_malformed_source_index_is_a_manifest_error_naming_the_line(tmp_path):
     manifest["source_index"]["sha256"] = hashlib.sha256(index.read_bytes()).hexdigest()  # as an attacker would
     (tmp_path / "out" / "dataset.json").write_text(json.dumps(manifest))
     with pytest.raises(ManifestError, match="line 2 has no string key") as failure:
-        shards.open_dataset(tmp_path / "out", "train", subset=Subset(where="width > 0"))
+        shards.open_dataset(SourceSpec(tmp_path / "out", subset=Subset(where="width > 0")), "train")
     assert "source-index.jsonl" in str(failure.value) and "\n" not in str(failure.value)

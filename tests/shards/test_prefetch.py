@@ -33,7 +33,7 @@ def cached_dataset(tmp_path: Path, *, shuffle: bool):
     return shards.open_dataset(tmp_path / "data", "train", seed=5, return_keys=True, decode=shards.Decode(decoder=raw),
                                sampling=shards.Sampling(shuffle=shuffle),
                                distributed=shards.Distributed(rank=0, world_size=1),
-                               shard_cache=shards.ShardCache(dir=tmp_path / "cache", local=True))
+                               remote=shards.Remote(shard_cache=shards.ShardCache(dir=tmp_path / "cache", local=True)))
 
 
 def shard_order(dataset) -> list[int]:

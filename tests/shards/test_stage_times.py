@@ -15,8 +15,9 @@ from torch.utils.data._utils.collate import default_collate
 import shards
 from shards.image.decode import ImageDecoder
 from shards.image.fast import FastDecoder
-from shards.image.transforms import TransformSpec
+from shards.image.transforms import TransformSpec, build_transform
 from shards.formats.sample import RawSample
+from shards.stream.feature_loader import FeatureBatchLoader
 from shards.stream.stage_times import WORKER_STAGES, SharedStageTimes, StageTally
 from tests.helpers import class_image, make_shard_dataset
 from tests.shards.stream_helpers import write_feature_dataset
@@ -116,7 +117,7 @@ def test_outputs_are_bit_identical_with_and_without_stage_times(folder: Path, pi
 def test_built_in_decoders_mark_the_end_of_decoding_inside_the_call():
     sample = RawSample("k", class_image(0, 0, (64, 48)), "jpg", 0, b"")
     spec = TransformSpec(preset="train", size=32)
-    for decoder in (ImageDecoder(), ImageDecoder(shards.build_transform(spec)), FastDecoder(spec),
+    for decoder in (ImageDecoder(), ImageDecoder(build_transform(spec)), FastDecoder(spec),
                     FastDecoder(TransformSpec(preset="eval", size=32))):
         began = time.perf_counter()
         decoder(sample, 5)
@@ -146,7 +147,7 @@ def test_in_process_iteration_counts_too(folder: Path):
 def test_feature_loaders_report_read_only(tmp_path: Path):
     write_feature_dataset(tmp_path / "features", [30, 20])
     in_process = shards.make_loader(shards.open_dataset(tmp_path / "features", "train", seed=0), batch_size=8)
-    assert isinstance(in_process, shards.FeatureBatchLoader)
+    assert isinstance(in_process, FeatureBatchLoader)
     assert drain(in_process) == 48  # drop_last: 50 rows in batches of 8
     seconds = in_process.stage_seconds()
     assert seconds["read"] > 0 and seconds["decode"] == seconds["transform"] == seconds["collate"] == 0.0

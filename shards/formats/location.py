@@ -1,0 +1,315 @@
+"""Locations: where a shard's (or a manifest's) bytes are, and how to read them (docs/design.md, section 4).
+
+Code above ``shards.formats`` never asks whether a path is local, ``http(s)://``, ``s3://`` or ``pipe:``: it asks a
+location. ``locate`` is the one place that looks at the scheme; it returns one of four kinds:
+
+- ``LocalFile``: a file or folder on this machine (the node cache's copy of any shard is one: its lease's path);
+- ``S3Object``: ``s3://bucket/key``, read by ranged GETs, retried and resumed (``shards.formats.s3_ranges``), a
+  slice of a tar by its byte index in one GET (``shards.formats.s3shards``);
+- ``HttpUrl``: ``http(s)://``, read as one stream, every redirect held to the allowed origins
+  (``shards.formats.remote``);
+- ``PipeCommand``: ``pipe:CMD``, a command the caller gave whose stdout is the shard (never from a manifest).
+
+Each knows how to read a slice of an image shard (``read_slice``, with resync, the byte index and the sha256
+check where the kind allows them), fetch a whole object checked against its size and sha256 (``fetch_checked``),
+read a small file whole with the bounded-read rules (``read_capped``, ``read_json``), join a name under it
+(``child``: a name a manifest gives, confined; ``file``: one of our own fixed names) and whether it is a local
+path (``is_local``, ``path``) for the few places that need one (mmap, the confinement of local sidecars).
+
+How remote kinds are reached comes only from the caller, never from a manifest: ``storage_options`` (an
+``S3Options`` or a mapping of its fields) for ``s3://``, ``origins`` (``shards.formats.locations.request_origins``)
+for the redirects of ``http(s)``. A location carries them to every location joined under it, and pickles with
+them into DataLoader workers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import itertools
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, BinaryIO, ContextManager, Iterable, Iterator
+
+from shards.bounded_read import JSONError, parse_json, read_capped, read_regular_file
+from shards.errors import ChecksumError, InputError, ManifestError, MissingInputError
+from shards.formats.locations import shard_location
+
+CHUNK = 8 << 20  # bytes per read when a whole object streams through (fetching, copying)
+
+
+class Location:
+    """Where bytes are (``text``), with the caller's means of reaching them. Subclasses say how each is read."""
+
+    is_local = False  # a path on this machine (``path``)
+    addressable = True  # the same bytes can be fetched again by name, so a node-local copy can stand for them
+    uses_storage_options = False  # reached with the caller's S3 options
+    publishable = False  # a writer may publish a finished output here (staged locally, then uploaded)
+
+    def __init__(self, text: str, *, storage_options: Any = None, origins: Iterable[str] = ()):
+        self.text = text
+        self.storage_options = storage_options
+        self.origins = tuple(origins)
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.text!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.text == self.text  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self.text))
+
+    # -- names ----------------------------------------------------------------------------------------------------
+    def _at(self, text: str) -> Location:
+        return locate(text, storage_options=self.storage_options, origins=self.origins)
+
+    @property
+    def path(self) -> Path:
+        """The local path; only a ``LocalFile`` has one."""
+        raise InputError("is not a path on this machine", path=self.text)
+
+    def child(self, name: str, *, where: str | None = None, what: str = "shard") -> Location:
+        """Where a file a manifest names (a shard, a sidecar, the source index: ``what``) is under this folder or
+        prefix: checked and confined (``shards.formats.locations.shard_location``); ``where`` names the manifest."""
+        return self._at(shard_location(self.text, name, where=where, what=what))
+
+    def file(self, name: str) -> Location:
+        """This folder's own file ``name`` (``dataset.json``, ``features.json``): a fixed name of ours, not one a
+        manifest chose, so it needs no confinement."""
+        return self._at(self.text.rstrip("/") + "/" + name)
+
+    @property
+    def parent(self) -> Location:
+        return self._at(self.text.rstrip("/").rsplit("/", 1)[0])
+
+    def record(self) -> str:
+        """How a configuration records this location (a local path made absolute, a URL as it is)."""
+        return self.text
+
+    # -- checks before reading ------------------------------------------------------------------------------------
+    def check_image_shard(self, storage: Any) -> None:
+        """Refuse, before an epoch starts, an image shard that cannot be read from here (missing, or a format that
+        needs seeking where the bytes come as a stream)."""
+
+    def check_feature_shard(self) -> None:
+        """Refuse, before an epoch starts, a feature shard that cannot be read from here."""
+
+    # -- reading --------------------------------------------------------------------------------------------------
+    def open(self) -> ContextManager[BinaryIO]:
+        """The whole object as one sequential stream (a context manager)."""
+        raise NotImplementedError
+
+    def read_slice(self, storage: Any, start: int, stop: int, *, size: int, offsets: Any = None,
+                   sha256: str | None = None, resync: bool = False) -> Iterator[Any]:
+        """Samples ``start:stop`` of an image shard in ``storage``'s format (``shards.formats.storage``), ``size``
+        bytes long, ``offsets`` its checked byte index (or None). ``sha256``: checked after the last sample where
+        the read passes over every byte of the shard (local files); ``resync``: a damaged sample is yielded as its
+        ``CorruptDataError`` and reading goes on."""
+        raise NotImplementedError
+
+    def load_index(self, info: Any) -> Any:
+        """The checked per-sample byte index of the tar shard here (``info``: its ``ShardInfo``), or None (none
+        recorded, a sidecar gone, or a stream that could not use one)."""
+        return None
+
+    def fetch_checked(self, size: int, sha256: str | None) -> bytes:
+        """The whole object in one streaming read, its size and sha256 checked against the manifest on the way
+        (reading stops once it is longer than ``size``); a mismatch is a ``ChecksumError`` naming it."""
+        digest, parts, total = hashlib.sha256(), [], 0
+        with self.open() as stream:
+            while total <= size and (data := stream.read(CHUNK)):
+                digest.update(data)
+                parts.append(data)
+                total += len(data)
+        if total != size:
+            raise ChecksumError(f"{'more than ' if total > size else ''}{total} bytes, the manifest records {size} "
+                                "(truncated or replaced)", path=self.text)
+        if sha256 is not None and digest.hexdigest() != sha256:
+            raise ChecksumError("sha256 does not match the manifest (corrupt or replaced)", path=self.text)
+        return b"".join(parts)
+
+    @contextmanager
+    def local_copy(self, limit: int | None = None) -> Iterator[Path]:
+        """A file on this machine holding these bytes, unchecked (the caller checks them): a local file itself,
+        else a temporary copy under the same file name (so messages still name the shard), made in one streaming
+        read of at most ``limit`` bytes and removed afterwards."""
+        with tempfile.TemporaryDirectory(prefix="shardcache-copy-") as folder:
+            path = Path(folder) / (self.text.rstrip("/").rsplit("/", 1)[-1] or "object")
+            with self.open() as stream, open(path, "wb") as out:
+                copied = 0
+                while (limit is None or copied < limit) and (data := stream.read(
+                        CHUNK if limit is None else min(CHUNK, limit - copied))):
+                    out.write(data)
+                    copied += len(data)
+            yield path
+
+    def read_capped(self) -> bytes:
+        """A small file's bytes whole (a manifest): at most ``shards.bounded_read.MAX_FILE_BYTES``, else a
+        ``ManifestError`` naming it."""
+        with self.open() as stream:
+            return read_capped(stream, self.text)
+
+    def read_json(self) -> Any:
+        """The JSON value of a small file (``read_capped``, then ``json_of``)."""
+        return self.json_of(self.read_capped())
+
+    def json_of(self, payload: bytes) -> Any:
+        """``payload`` (this file's bytes) parsed, at most 64 levels deep; ``ManifestError`` naming it if not."""
+        try:
+            return parse_json(payload)
+        except JSONError as exc:
+            raise ManifestError(str(exc), path=self.text) from None
+
+
+class LocalFile(Location):
+    """A file or folder on this machine."""
+
+    is_local = True
+
+    @property
+    def path(self) -> Path:
+        return Path(self.text)
+
+    def file(self, name: str) -> Location:
+        return self._at(str(Path(self.text) / name))
+
+    @property
+    def parent(self) -> Location:
+        return self._at(str(Path(self.text).parent))
+
+    def record(self) -> str:
+        return os.path.abspath(self.text)
+
+    def check_image_shard(self, storage: Any) -> None:
+        if not self.path.is_file():
+            raise MissingInputError("shard listed in the manifest is missing", path=self.text)
+
+    def check_feature_shard(self) -> None:
+        if not self.path.is_file():
+            raise MissingInputError("feature shard listed in the manifest is missing", path=self.text)
+
+    @contextmanager
+    def open(self) -> Iterator[BinaryIO]:
+        try:
+            stream = open(self.text, "rb")
+        except FileNotFoundError:
+            raise MissingInputError("no such file", path=self.text) from None
+        with stream:
+            yield stream
+
+    def read_slice(self, storage: Any, start: int, stop: int, *, size: int, offsets: Any = None,
+                   sha256: str | None = None, resync: bool = False) -> Iterator[Any]:
+        """One seek to ``start`` (by the byte index, or by walking the headers before it)."""
+        extra = {"offsets": offsets} if storage.indexed and offsets is not None else {}
+        return storage.read_slice(self.text, start, stop, sha256=sha256, resync=resync, **extra)
+
+    def load_index(self, info: Any) -> Any:
+        from shards.formats.tarindex import load_local_index
+
+        return load_local_index(self.text, info)
+
+    @contextmanager
+    def local_copy(self, limit: int | None = None) -> Iterator[Path]:
+        yield self.path
+
+    def read_capped(self) -> bytes:
+        """Only a regular file is opened (a FIFO or device is refused unopened), within the size limit."""
+        return read_regular_file(self.text, error=ManifestError)
+
+
+class S3Object(Location):
+    """``s3://bucket/key`` (``shards.formats.s3``): every format reads by byte range."""
+
+    uses_storage_options = True
+    publishable = True
+
+    def options(self) -> Any:
+        from shards.formats.s3 import S3Options
+
+        return S3Options.from_mapping(self.storage_options)
+
+    @contextmanager
+    def open(self) -> Iterator[BinaryIO]:
+        from shards.formats import s3_ranges
+
+        stream = io.BufferedReader(s3_ranges.open_range(self.text, 0, None, self.options()), 1 << 20)
+        try:
+            yield stream
+        finally:
+            stream.close()
+
+    def read_slice(self, storage: Any, start: int, stop: int, *, size: int, offsets: Any = None,
+                   sha256: str | None = None, resync: bool = False) -> Iterator[Any]:
+        """Tar by its byte index in one ranged GET, HDF5 through a block-cached file object
+        (``shards.formats.s3shards``)."""
+        return storage.read_s3_slice(self.text, start, stop, self.options(), size=size, offsets=offsets,
+                                     resync=resync)
+
+    def load_index(self, info: Any) -> Any:
+        from shards.formats.s3shards import load_s3_index
+
+        return load_s3_index(self.text, info, self.options())
+
+
+class _Stream(Location):
+    """A location read only as one stream from its first byte."""
+
+    def read_slice(self, storage: Any, start: int, stop: int, *, size: int, offsets: Any = None,
+                   sha256: str | None = None, resync: bool = False) -> Iterator[Any]:
+        """The stream from byte 0, the samples before ``start`` read and dropped: a stream cannot seek."""
+        with self.open() as stream:
+            yield from itertools.islice(storage.read_stream(stream, self.text, resync=resync), start, stop)
+
+    def check_image_shard(self, storage: Any) -> None:
+        if storage.read_stream is None:
+            raise InputError(f"{storage.name} shards must be local files; stream tar shards instead", path=self.text)
+
+    def check_feature_shard(self) -> None:
+        raise InputError("feature shards must be local files or on s3://", path=self.text)
+
+
+class HttpUrl(_Stream):
+    """``http(s)://``: redirects only to the URL's own origin and the caller's ``origins``."""
+
+    @contextmanager
+    def open(self) -> Iterator[BinaryIO]:
+        from shards.formats.remote import open_url
+
+        with open_url(self.text, origins=self.origins) as stream:
+            yield stream
+
+
+class PipeCommand(_Stream):
+    """``pipe:CMD`` (webdataset's opener runs it and reads its stdout): only ever the caller's own location."""
+
+    addressable = False  # a command's output has no name to fetch it again by: never cached
+
+    @contextmanager
+    def open(self) -> Iterator[BinaryIO]:
+        from webdataset.gopen import gopen_pipe
+
+        stream = gopen_pipe(self.text, "rb", bufsize=1 << 20)
+        try:
+            yield stream
+        finally:
+            stream.close()
+
+
+_KINDS = (("s3://", S3Object), ("http://", HttpUrl), ("https://", HttpUrl), ("pipe:", PipeCommand))
+
+
+def locate(where: str | os.PathLike | Location, *, storage_options: Any = None,
+           origins: Iterable[str] = ()) -> Location:
+    """The location ``where`` names (a location passes through as it is): the one place that reads a scheme.
+    Anything without one of the schemes above is a local path."""
+    if isinstance(where, Location):
+        return where
+    text = os.fspath(where)
+    kind = next((kind for scheme, kind in _KINDS if text.startswith(scheme)), LocalFile)
+    return kind(text, storage_options=storage_options, origins=origins)
