@@ -79,8 +79,8 @@ class CacheFullError(ShardcacheError, OSError):
 @dataclass(frozen=True)
 class ShardCache:
     """The node-local shard cache a caller asks for (``open_dataset(remote=Remote(shard_cache=...))``): the folder
-    (None: none, unless ``$SHARDCACHE_CACHE_DIR`` names one), at most ``limit`` bytes (or ``"200G"``), whether a
-    full disk falls back to reading the source (``fallback``) instead of failing the job, and whether local paths
+    (None: no cache; the CLIs default it to ``$SHARDCACHE_CACHE_DIR``), at most ``limit`` bytes (or ``"200G"``),
+    whether a full disk falls back to reading the source (``fallback``) instead of failing the job, and whether local paths
     are cached (``local``; None: only those on a network file system, see ``shards.cache.cached_shards``)."""
 
     dir: str | os.PathLike | None = None

@@ -132,7 +132,7 @@ class Remote:
     (``{"endpoint_url": ..., "profile": ..., "unsigned": True}``) or an ``S3Options``; credentials are never
     options, they come from the AWS chain. ``shard_cache`` is the storage tier on the node's own disk: whole
     shards fetched once and shared by every rank and worker there (``ShardCache(dir=, limit=, fallback=,
-    local=)``; the default takes its folder from ``$SHARDCACHE_CACHE_DIR``, else there is none)."""
+    local=)``; without a folder there is none)."""
 
     base_url: str | None = None
     url_origins: tuple[str, ...] = ()

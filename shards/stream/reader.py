@@ -99,7 +99,7 @@ def open_dataset(path: str | os.PathLike | SourceSpec | Sequence[str | os.PathLi
 
     ``remote=Remote(shard_cache=ShardCache(dir=, limit=, fallback=, local=))`` keeps whole shards fetched from
     ``s3://``, ``http(s)://`` or a network file system on local disk, shared by every rank and worker of the node,
-    at most ``limit`` bytes (``"200G"``); ``dir`` defaults to ``$SHARDCACHE_CACHE_DIR`` (else no cache); see
+    at most ``limit`` bytes (``"200G"``); without ``dir`` there is none; see
     ``shards.cache.cached_shards``. ``dataset.shard_cache.summary()`` counts hits, misses and bytes fetched.
 
     ``cache="memory"`` (or ``cache=MemoryCache(limit=, side=)``) on image shards (fast pipeline only) keeps each
@@ -131,7 +131,7 @@ def open_dataset(path: str | os.PathLike | SourceSpec | Sequence[str | os.PathLi
         nodes=1 if distributed.nodes is None else distributed.nodes, rotate_every=distributed.rotate_every)
     # Every hop of an http(s) request for this dataset stays on a source manifest's own origin or the caller's.
     origins = request_origins([path] if specs is None else [spec.path for spec in specs], remote.url_origins)
-    node_cache = _node_cache(remote.shard_cache, remote, origins)
+    node_cache = _node_cache(remote, origins)
     combined = None
     if specs is None:
         manifest, base = load_manifest_at(path, remote.url_origins, remote.storage_options)
@@ -219,15 +219,14 @@ def _build(manifest: Manifest, split_info: Any, locations: list[str], config: St
                              image_cache=images.open(decoder, split_info.samples, split))
 
 
-def _node_cache(request: ShardCache, remote: Remote, origins: Sequence[str] = ()):
-    """The node-local shard cache asked for, or None (``$SHARDCACHE_CACHE_DIR`` when no folder is given)."""
+def _node_cache(remote: Remote, origins: Sequence[str] = ()):
+    """The node-local shard cache ``remote`` asks for, or None. Only ``ShardCache.dir`` names its folder: the
+    library reads no environment (the CLIs turn ``$SHARDCACHE_CACHE_DIR`` into ``--cache-dir``)."""
     from shards.cache.cached_shards import CachedShards
 
+    request = remote.shard_cache
     if request.dir is None:
-        folder = os.environ.get("SHARDCACHE_CACHE_DIR") or None
-        if folder is None:
-            if request.limit is not None:
-                raise InputError("ShardCache.limit needs a ShardCache.dir (or $SHARDCACHE_CACHE_DIR)")
-            return None
-        request = dataclasses.replace(request, dir=folder)
+        if request.limit is not None:
+            raise InputError("ShardCache.limit needs a ShardCache.dir")
+        return None
     return CachedShards(request, remote.storage_options, origins)

@@ -86,12 +86,13 @@ def test_cache_limit_without_a_folder_is_refused(data: Path, monkeypatch):
         shards.open_dataset(data, "train", remote=shards.Remote(shard_cache=shards.ShardCache(limit="1G")))
 
 
-def test_the_folder_defaults_to_the_environment(data: Path, tmp_path: Path, monkeypatch):
+def test_the_library_reads_no_environment(data: Path, tmp_path: Path, monkeypatch):
+    """Only the CLIs turn $SHARDCACHE_CACHE_DIR into a cache folder; open_dataset takes what it is given."""
     monkeypatch.setenv("SHARDCACHE_CACHE_DIR", str(tmp_path / "env-cache"))
-    dataset = shards.open_dataset(data, "train")
-    assert dataset.shard_cache is not None and dataset.shard_cache.request.dir == str(tmp_path / "env-cache")
-    monkeypatch.delenv("SHARDCACHE_CACHE_DIR")
     assert shards.open_dataset(data, "train").shard_cache is None
+    given = shards.open_dataset(data, "train", remote=shards.Remote(shard_cache=shards.ShardCache(tmp_path / "c")))
+    assert given.shard_cache is not None and str(given.shard_cache.request.dir) == str(tmp_path / "c")
+    assert not (tmp_path / "env-cache").exists()
 
 
 def test_which_locations_go_through_the_cache(tmp_path: Path):
