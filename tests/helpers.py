@@ -2,17 +2,39 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import http.server
 import io
 import json
 import random
+import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from PIL import Image
 
 from shards.manifest import DatasetManifest, ShardInfo, SourceInfo, SplitInfo
 from shards.formats.sample import RawSample
 from shards.formats.storage import get_storage, shard_name
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def serve_folder(folder: Path) -> Iterator[str]:
+    """``folder`` over http on loopback: yields its base URL."""
+    handler = functools.partial(QuietHandler, directory=str(folder))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
 
 PALETTE = [(220, 30, 30), (30, 200, 40), (40, 60, 230), (230, 220, 40), (200, 40, 220), (40, 220, 220)]
 

@@ -14,9 +14,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from shards.errors import InputError
 from shards.formats.features import FeatureShard, stack_rows
-from shards.stream.cursor import Cursor
 from shards.stream.feature_stream import FeatureShardDataset
 from shards.stream.loader_base import Loader
 from shards.stream.plan import STREAM_CLASS_WEIGHTS, rng_for
@@ -38,18 +36,10 @@ class FeatureBatchLoader(Loader):
     use included) count as read, the one worker stage an in-process loader of ready rows has.
     """
 
-    num_workers = 0  # by design: see the module docstring
-
     def __init__(self, dataset: FeatureShardDataset, batch_size: int, *, drop_last: bool = False,
                  stage_times: bool = True):
-        if batch_size < 1:
-            raise InputError(f"batch_size must be at least 1, got {batch_size}")
-        self.dataset = dataset
-        self.batch_size = batch_size
-        self.drop_last = drop_last
+        super().__init__(dataset, batch_size, FEATURE_BATCHES, num_workers=0, drop_last=drop_last, split_batch=1)
         self.stage_times = stage_times
-        self.cursor = Cursor(dataset, FEATURE_BATCHES, batch_size=batch_size, num_workers=0, drop_last=drop_last,
-                             split_batch=1)
         # A plain float: only this loader's thread (or a prefetch thread) adds to it, no worker process does.
         self._read_s = 0.0
         self._table: FeatureShard | None = None

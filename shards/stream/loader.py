@@ -27,9 +27,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
-from shards.stream.cursor import Cursor
 from shards.stream.dataset import ShardDataset
-from shards.errors import InputError
 from shards.lock import pid_alive
 from shards.stream.feature_loader import FeatureBatchLoader
 from shards.stream.feature_stream import FeatureShardDataset
@@ -108,15 +106,9 @@ class ShardLoader(Loader):
     def __init__(self, dataset: ShardDataset, batch_size: int, *, num_workers: int, drop_last: bool,
                  collate_fn: Callable | None, pin_memory: bool, persistent_workers: bool,
                  prefetch_factor: int | None, stage_times: bool = True, **dataloader_options: Any):
-        if batch_size < 1:
-            raise InputError(f"batch_size must be at least 1, got {batch_size}")
-        self.dataset = dataset
-        self.batch_size = batch_size
-        self.num_workers = num_workers
-        self.drop_last = drop_last
         # Whole batches per worker (see the module docstring): the split unit is the batch size.
-        self.cursor = Cursor(dataset, STREAM, batch_size=batch_size, num_workers=num_workers, drop_last=drop_last,
-                             split_batch=batch_size)
+        super().__init__(dataset, batch_size, STREAM, num_workers=num_workers, drop_last=drop_last,
+                         split_batch=batch_size)
         self.feed = WorkerFeed(dataset, batch_size, stage_times)
         collate_fn = collate_fn if collate_fn is not None else default_collate
         if stage_times:

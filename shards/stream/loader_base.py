@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shards.errors import InputError
 from shards.stream.cursor import Cursor
 from shards.stream.resume import worker_batches
 
@@ -26,6 +27,17 @@ class Loader:
     num_workers: int
     drop_last: bool
     cursor: Cursor
+
+    def __init__(self, dataset: Any, batch_size: int, kind: str, *, num_workers: int, drop_last: bool,
+                 split_batch: int):
+        if batch_size < 1:
+            raise InputError(f"batch_size must be at least 1, got {batch_size}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.drop_last = drop_last
+        self.cursor = Cursor(dataset, kind, batch_size=batch_size, num_workers=num_workers, drop_last=drop_last,
+                             split_batch=split_batch)
 
     def __len__(self) -> int:
         """Batches of this epoch, counting those handed out before a resume in another layout."""

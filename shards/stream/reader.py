@@ -23,7 +23,6 @@ from shards.errors import InputError
 from shards.image.fast import FastDecoder
 from shards.stream.feature_stream import FeatureShardDataset
 from shards.cache.images import ImageCacheRequest
-from shards.cache.node import ShardCache
 from shards.formats.features import FeatureSpec
 from shards.manifest import FeatureManifest, Manifest
 from shards.formats.location import locate

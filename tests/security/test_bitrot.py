@@ -11,13 +11,10 @@ stream without it) and HDF5.
 from __future__ import annotations
 
 import contextlib
-import functools
-import http.server
 import json
 import logging
 import random
 import re
-import threading
 from pathlib import Path
 
 import h5py
@@ -28,7 +25,7 @@ from shards.errors import CorruptDataError
 from shards.formats.sample import RawSample
 from shards.formats.storage import get_storage, shard_name
 from shards.manifest import DatasetManifest, ShardInfo, SourceInfo, SplitInfo
-from tests.helpers import class_image
+from tests.helpers import class_image, serve_folder
 from tests.s3.conftest import bucket, s3_env, s3_server  # noqa: F401 (the S3 fixtures)
 from tests.security.test_corrupt_shards import header_offsets, rewrite
 
@@ -132,23 +129,6 @@ def order_with_stand_ins(keys: list[str], lost: str) -> list[str]:
     return keys[:at] + [keys[at - 1]] + keys[at + 1:]
 
 
-class QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def served(folder: Path):
-    """``folder`` over http on loopback."""
-    handler = functools.partial(QuietHandler, directory=str(folder))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 # -- damaged tar headers --------------------------------------------------------------------------------------------
@@ -162,7 +142,7 @@ def reach(read_path: str, folder: Path, tmp_path: Path):
         node_cache = shards.ShardCache(tmp_path / "cache", local=True)
         return contextlib.nullcontext(folder), {"remote": shards.Remote(shard_cache=node_cache)}
     if read_path == "http":
-        return served(folder), {}
+        return serve_folder(folder), {}
     return contextlib.nullcontext(folder), {}
 
 

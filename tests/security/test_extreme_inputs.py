@@ -28,7 +28,7 @@ from shards.manifest import DatasetManifest, ShardInfo, SourceInfo, SplitInfo
 from shards.formats.sample import RawSample
 from shards.formats.storage import get_storage, shard_name
 from shards.stream.where import MAX_WHERE_CHARS
-from tests.helpers import class_image, make_shard_dataset, write_image_folder
+from tests.helpers import class_image, make_shard_dataset, serve_folder, write_image_folder
 from tests.train.conftest import write_feature_folder
 from train.cli import train_command
 
@@ -225,24 +225,12 @@ def test_report_refuses_a_deep_run_config_in_one_line(tmp_path: Path):
 
 
 def test_deep_json_over_http_is_refused(dataset: Path):
-    import functools
-    import http.server
-    import threading
-
     import shards
     from shards.errors import ManifestError
 
     nest_in(dataset / "dataset.json", deep_json(100_000))
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(dataset))
-    http.server.SimpleHTTPRequestHandler.log_message = lambda *args: None
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        with pytest.raises(ManifestError, match=TOO_DEEP):
-            shards.open_dataset(f"http://127.0.0.1:{server.server_address[1]}")
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serve_folder(dataset) as url, pytest.raises(ManifestError, match=TOO_DEEP):
+        shards.open_dataset(url)
 
 
 # -- where= of extreme size -----------------------------------------------------------------------------------------

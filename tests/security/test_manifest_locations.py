@@ -7,12 +7,9 @@ line naming the manifest and the bad path, before anything is run or read.
 
 from __future__ import annotations
 
-import functools
-import http.server
 import json
 import re
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
@@ -25,7 +22,7 @@ from shards.cli.main import main as shards_cli
 from shards.errors import ManifestError
 from shards.formats.locations import check_shard_path, shard_location
 from shards.manifest import load_dataset_manifest, load_feature_manifest, load_manifest
-from tests.helpers import make_shard_dataset
+from tests.helpers import make_shard_dataset, serve_folder
 from tests.shards.stream_helpers import write_feature_dataset
 from train.cli import train_command
 
@@ -178,14 +175,8 @@ def test_symlinks_inside_the_folder_and_a_symlinked_folder_are_fine(dataset: Pat
 def served(tmp_path: Path):
     folder = tmp_path / "served"
     make_shard_dataset(folder, shard_sizes={"train": [3, 3]}, size=(16, 16))
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
-    http.server.SimpleHTTPRequestHandler.log_message = lambda *args: None
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield folder, server.server_address[1]
-    server.shutdown()
-    server.server_close()
+    with serve_folder(folder) as url:
+        yield folder, int(url.rsplit(":", 1)[1])
 
 
 def test_a_remote_manifest_may_name_shards_on_its_own_host_only(served):

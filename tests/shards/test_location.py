@@ -5,10 +5,7 @@ same checks in ``tests/s3/test_location_s3.py``."""
 
 from __future__ import annotations
 
-import functools
-import http.server
 import os
-import threading
 from pathlib import Path
 
 import pytest
@@ -18,7 +15,7 @@ from shards.formats.location import HttpUrl, LocalFile, PipeCommand, S3Object, l
 from shards.formats.manifest_io import dataset_sha256_at, load_manifest_at, read_dataset_manifest
 from shards.formats.storage import get_storage
 from shards.manifest import dataset_manifest_sha256, load_dataset_manifest
-from tests.helpers import make_shard_dataset
+from tests.helpers import make_shard_dataset, serve_folder
 
 SHARD = "train-000000.tar"
 
@@ -27,14 +24,8 @@ SHARD = "train-000000.tar"
 def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("served")
     make_shard_dataset(folder, shard_sizes={"train": [6, 3]}, size=(16, 16))
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
-    http.server.SimpleHTTPRequestHandler.log_message = lambda *args: None
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield folder, f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serve_folder(folder) as url:
+        yield folder, url
 
 
 def shard_at(kind: str, folder: Path, url: str):

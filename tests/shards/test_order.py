@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import shards
+import shards.errors as shards_errors
 from shards.stream.elastic import remaining_after
 from shards.stream.resume import LoaderState
 from tests.helpers import make_shard_dataset
@@ -154,3 +155,24 @@ def test_the_order_is_a_pure_function_of_its_inputs(folders):
     assert np.array_equal(first, again)
     if case["shuffle"]:
         assert not np.array_equal(first, other.served())
+
+
+def test_images_and_features_get_one_loader_type(folders):
+    """One type with one cursor: whatever makes the batches, a training loop or checkpoint sees the same methods."""
+    from shards.stream.loader_base import Loader
+
+    features = shards.open_dataset(folders / "a", "train")
+    images = shards.open_dataset(folders / "img", "train", decode=shards.Decode(decoder=lambda sample, seed: 0))
+    loaders = [shards.make_loader(features, 4), shards.make_loader(features, 4, num_workers=1),
+               shards.make_loader(images, 4, num_workers=0)]
+    assert {type(loader).__name__ for loader in loaders} == {"FeatureBatchLoader", "ShardLoader"}
+    for loader in loaders:
+        assert isinstance(loader, Loader)
+        batches = list(loader)
+        assert len(batches) == len(loader)
+        state = loader.state_dict()
+        assert state["batches"] == len(loader) and state["epoch"] == 0
+        with pytest.raises(shards_errors.InputError, match="batch_size"):
+            type(loader)(loader.dataset, 0, **({} if type(loader).__name__ == "FeatureBatchLoader" else dict(
+                num_workers=0, drop_last=False, collate_fn=None, pin_memory=False, persistent_workers=False,
+                prefetch_factor=None)))

@@ -1,28 +1,19 @@
 """Remote shards: the same samples over http:// (a local server started here) and through pipe: commands."""
 
-import functools
-import http.server
-import threading
 
 import pytest
 
 import shards
 from shards.errors import InputError
-from tests.helpers import make_shard_dataset
+from tests.helpers import make_shard_dataset, serve_folder
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("served")
     make_shard_dataset(folder, shard_sizes={"train": [4, 3, 5]}, size=(16, 16))
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
-    http.server.SimpleHTTPRequestHandler.log_message = lambda *args: None
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield folder, f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serve_folder(folder) as url:
+        yield folder, url
 
 
 def keys(dataset):
