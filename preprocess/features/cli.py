@@ -11,7 +11,8 @@ from preprocess.features.featurize import AMP_MODES, DTYPES, FeatureConfig, merg
 from preprocess.pack.cli import stage_root
 from preprocess.staging import features_spec, resolve_stage, run_staged
 from shards.cli.common import cache_options, emit_json, handle_errors, quiet_option, s3_options, task_options
-from shards.formats.s3 import S3Options, is_s3
+from shards.formats.location import locate
+from shards.formats.s3 import S3Options
 from shards.errors import InputError
 from shards.formats.features import FEATURE_SUFFIXES
 from shards.stream.options import DECODES
@@ -94,7 +95,7 @@ def precompute_features_command(data_dir: str | None, out_dir: Path | None, back
     if missing:
         raise InputError(f"missing {', '.join(missing)} (see precompute-features --help)")
     staged = None
-    if is_s3(out_dir):
+    if locate(out_dir).publishable:  # staged here, then uploaded (preprocess.staging)
         staged = resolve_stage(out_dir, stage_dir, stage_root(), num_tasks=num_tasks, options=s3,
                                overwrite=overwrite, break_lease=break_lease)
     elif stage_dir is not None or break_lease:
@@ -106,8 +107,7 @@ def precompute_features_command(data_dir: str | None, out_dir: Path | None, back
         resize=resize, crop=crop, mean=_triple("mean", mean), std=_triple("std", std), interpolation=interpolation,
         views=views, augment=augment, dtype=dtype, storage=storage, device=device, amp=amp, decode=decode,
         batch_size=batch_size, workers=workers, splits=tuple(splits) or None, task_index=task_index,
-        num_tasks=num_tasks, overwrite=overwrite, quiet=quiet, storage_options=s3 if is_s3(data_dir) else None,
-        cache=cache)
+        num_tasks=num_tasks, overwrite=overwrite, quiet=quiet, storage_options=s3, cache=cache)
     if staged is not None:
         _, summary = run_staged(staged, lambda stage: run_precompute(cfg), features_spec())
     else:

@@ -4,9 +4,13 @@ The config hash covers what changes the numbers: backbone, weights sha256 (or th
 transform, augmentation and views, output dtype, the resolved AMP mode, the resolved decoder (``pil``,
 ``decode_jpeg:cpu`` or ``decode_jpeg:cuda``: nvjpeg's pixels differ slightly from libjpeg's) and the file format.
 Device, batch size and worker count are not in it (they change speed, not features beyond float noise) and are
-recorded as provenance instead. The dataset may be an ``s3://bucket/prefix`` (read with
-``storage_options``): ``dataset_dir`` then records the URL, ``dataset_sha256`` is the sha256 of the remote
-``dataset.json`` bytes. Resume state and the assembly of ``features.json`` live in
+recorded as provenance instead. The dataset is wherever ``shards.formats.location`` reaches (a local folder, an
+``s3://bucket/prefix`` read with ``storage_options``): ``dataset_dir`` records where, ``dataset_sha256`` is the
+sha256 of the very ``dataset.json`` bytes the shards to featurise were listed from.
+
+The image shards are read by the training reader (``preprocess.features.loader``) and their features put together
+shard by shard (``preprocess.features.assembly``); a finished shard is checked against ``dataset.json`` and
+written on a thread beside the backbone. Resume state and the assembly of ``features.json`` live in
 ``preprocess.features.state``.
 """
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +27,8 @@ from typing import Any
 import torch
 
 from preprocess.features.backbones import Backbone, build_backbone
-from preprocess.features.loader import ShardBatches, ShardJob, make_loader, shard_jobs
+from preprocess.features.assembly import FeatureAssembly
+from preprocess.features.loader import FeatureDecoder, ShardJob, ShardReader, shard_jobs
 from preprocess.features.state import (STATE_DIR, assemble_manifest, check_output, config_hash, feature_path,
                                       finished_shard, prepare_output, read_config_record, write_shard_record)
 from preprocess.features.transforms import AugmentSpec, FeatureTransform, eval_tensors, views_tensors
@@ -30,27 +36,29 @@ from shards.devices import resolve_device
 from shards.image.device import Normalize, decode_images
 from shards.image.options import DEFAULT_INTERPOLATION, IMAGENET_MEAN, IMAGENET_STD
 from shards.atomic import check_local_output, remove_stale_tmp
-from shards.errors import CorruptDataError, InputError, MissingInputError, ShardcacheError
+from shards.errors import CorruptDataError, InputError, ShardcacheError
 from shards.lock import claim_output
 from shards.stream.options import DECODES
 from shards.formats.features import FEATURE_SUFFIXES, FeatureShard, write_feature_shard
-from shards.formats.s3 import is_s3
-from shards.check.freshness import read_s3_dataset
-from shards.manifest import (FEATURES_FILE, DatasetManifest, FeatureManifest, ShardInfo, dataset_manifest_sha256,
-                             load_dataset_manifest)
+from shards.formats.location import Location, locate
+from shards.formats.locations import check_dataset_dir
+from shards.formats.manifest_io import read_dataset_manifest
+from shards.formats.s3 import S3Options
+from shards.manifest import FEATURES_FILE, DatasetManifest, FeatureManifest, ShardInfo
 from shards.progress import progress
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float16": torch.float16, "float32": torch.float32}
 AMP_MODES = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}
+MAX_UNWRITTEN = 4  # finished shards waiting for their check and write: their features are held in memory
 
 
 @dataclass(frozen=True)
 class FeatureConfig:
     """Everything one ``precompute-features`` task needs; transform fields left None come from the weights."""
 
-    data_dir: Path | str  # a local folder, or an s3://bucket/prefix (kept as a str, without a trailing /)
+    data_dir: Path | str  # a local folder, or an s3://bucket/prefix (``source``: where, as a location)
     out_dir: Path
     backbone: str = "resnet50"
     weights: str = "none"
@@ -76,18 +84,14 @@ class FeatureConfig:
     quiet: bool = False
     storage_options: Any = None  # S3Options (or a mapping of its fields) for an s3:// data_dir
     cache: Any = None  # a shards.cache.node.ShardCache: keep fetched image shards on this node's disk
+    source: Location = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_local_output(self.out_dir)  # before Path(), which turns s3://b/x into s3:/b/x
-        if is_s3(self.data_dir):
-            from shards.formats.s3 import S3Options, parse_s3_url
-
-            url = str(self.data_dir).rstrip("/")
-            parse_s3_url(url)
-            object.__setattr__(self, "data_dir", url)
+        if locate(self.data_dir).uses_storage_options:
             object.__setattr__(self, "storage_options", S3Options.from_mapping(self.storage_options))
-        else:
-            object.__setattr__(self, "data_dir", Path(self.data_dir))
+        object.__setattr__(self, "source", locate(self.data_dir, storage_options=self.storage_options))
+        check_dataset_dir(_recorded(self.source))  # what features.json may record: a local folder or s3:// prefix
         object.__setattr__(self, "out_dir", Path(self.out_dir))
         choices = {"dtype": DTYPES, "storage": FEATURE_SUFFIXES, "decode": DECODES,
                    "amp": (*AMP_MODES, "auto")}
@@ -101,7 +105,7 @@ class FeatureConfig:
             raise InputError("--views K and --augment go together: K augmented views per image need both")
         if self.num_tasks < 1 or not 0 <= self.task_index < self.num_tasks:
             raise InputError(f"task index {self.task_index} is not in [0, {self.num_tasks})")
-        if not is_s3(self.data_dir) and self.data_dir.resolve() == self.out_dir.resolve():
+        if self.source.is_local and self.source.path.resolve() == self.out_dir.resolve():
             raise InputError("--out must differ from the dataset folder", path=str(self.out_dir))
 
 
@@ -130,6 +134,12 @@ def resolve_transform(cfg: FeatureConfig, backbone: Backbone) -> FeatureTransfor
     return spec
 
 
+def _recorded(source: Location) -> str:
+    """``dataset_dir`` as this folder records it: a local folder resolved (symlinks followed, as every run has
+    recorded it: a rerun must find the same), any other location as given, without a trailing ``/``."""
+    return str(source.path.resolve()) if source.is_local else source.record().rstrip("/")
+
+
 def _run_record(cfg: FeatureConfig, backbone: Backbone, spec: FeatureTransform, device: torch.device,
                 splits: list[str]) -> dict[str, Any]:
     amp = ("bf16" if device.type == "cuda" else "off") if cfg.amp == "auto" else cfg.amp
@@ -151,7 +161,7 @@ def _run_record(cfg: FeatureConfig, backbone: Backbone, spec: FeatureTransform, 
     return {
         "config": config,
         "config_hash": config_hash(config),
-        "dataset_dir": cfg.data_dir if is_s3(cfg.data_dir) else str(cfg.data_dir.resolve()),
+        "dataset_dir": _recorded(cfg.source),
         "splits": splits,
         "features_dim": backbone.features_dim,
         "provenance": {"weights": backbone.weights, "device": str(device), "batch_size": cfg.batch_size,
@@ -181,92 +191,100 @@ class FeatureExtractor:
         return torch.cat(outputs)
 
 
-def _device_inputs(batch: dict[str, Any], job: ShardJob, spec: FeatureTransform, augment: AugmentSpec | None,
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The batch's uint8 model inputs on the device; with ``--decode device`` they are decoded and cropped there."""
-    if "datas" not in batch:
-        views = batch.get("views")
-        return batch["images"].to(device, non_blocking=True), (None if views is None else
-                                                               views.to(device, non_blocking=True))
+def _model_inputs(job: ShardJob, pieces: list[dict[str, Any]], spec: FeatureTransform,
+                  augment: AugmentSpec | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk's uint8 model inputs on the device (its pieces moved there, then joined); with ``--decode device``
+    decoded and cropped there. No pieces: a shard without samples."""
     crop = spec.crop
-    if not batch["keys"]:
+    if not pieces:
         empty = torch.empty(0, 3, crop, crop, dtype=torch.uint8, device=device)
         no_views = None if augment is None else torch.empty(0, augment.views, 3, crop, crop, dtype=torch.uint8)
         return empty, no_views
+    if "data" not in pieces[0]:
+        def joined(name: str) -> torch.Tensor:
+            return torch.cat([p[name].to(device, non_blocking=True) for p in pieces])
+        return joined("image"), None if augment is None else joined("views")
+    keys = [k for p in pieces for k in p["keys"]]
     try:
-        decoded = decode_images(batch["datas"], batch["exts"], batch["orientations"], device, keys=batch["keys"])
+        decoded = decode_images([d for p in pieces for d in p["data"]], [e for p in pieces for e in p["ext"]],
+                                [o for p in pieces for o in p["orientation"]], device, keys=keys)
     except CorruptDataError as exc:
-        raise CorruptDataError(exc.reason, path=job.path, key=exc.key) from exc
-    views = None if augment is None else views_tensors(decoded, batch["keys"], spec, augment)
+        raise CorruptDataError(exc.reason, path=job.location, key=exc.key) from exc
+    views = None if augment is None else views_tensors(decoded, keys, spec, augment)
     return eval_tensors(decoded, spec), views
 
 
-def _write_job(cfg: FeatureConfig, job: ShardJob, parts: list[tuple], digest: str) -> None:
-    keys = [k for part in parts for k in part[2]]
-    if len(keys) != job.samples:
-        raise CorruptDataError(f"holds {len(keys)} samples but dataset.json says {job.samples}", path=job.path)
-    views = [p[3] for p in parts]
-    shard = FeatureShard(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), keys,
-                         torch.cat(views) if cfg.views else None)
+def _write_job(cfg: FeatureConfig, job: ShardJob, shard: FeatureShard, digest: str) -> None:
     path = feature_path(cfg.out_dir, job, cfg.storage)
     size, sha256 = write_feature_shard(path, shard, cfg.storage)
-    info = ShardInfo(path.name, len(keys), size, sha256, source=job.name, source_sha256=job.sha256)
+    info = ShardInfo(path.name, len(shard), size, sha256, source=job.shard.path, source_sha256=job.shard.sha256)
     write_shard_record(cfg.out_dir, job, cfg.storage, info, digest)
 
 
-def _featurize(cfg: FeatureConfig, jobs: list[ShardJob], storage: str, extractor: FeatureExtractor,
+def _featurize(cfg: FeatureConfig, jobs: list[ShardJob], reader: ShardReader, extractor: FeatureExtractor,
                spec: FeatureTransform, augment: AugmentSpec | None, digest: str) -> RunStats:
+    """Features of every job's shard, each checked (``reader.check_bytes``) and written on a thread while the next
+    ones are computed, at most ``MAX_UNWRITTEN`` shards waiting; a failed check or write stops the run at the next
+    batch."""
+
+    def featurise(job: ShardJob, pieces: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        images, views = _model_inputs(job, pieces, spec, augment, extractor.device)
+        features = extractor(images)
+        if views is None:
+            return features, None
+        return features, extractor(views.flatten(0, 1)).view(len(features), cfg.views, extractor.dim)
+
+    def finish(job: ShardJob, shard: FeatureShard) -> None:
+        reader.check_bytes(job)  # the bytes read were dataset.json's, before anything is made of them
+        _write_job(cfg, job, shard, digest)
+
     stats = RunStats()
-    dataset = ShardBatches(jobs, storage, batch_size=cfg.batch_size, spec=spec, augment=augment, decode=cfg.decode,
-                           storage_options=cfg.storage_options, shard_cache=_shard_cache(cfg))
-    loader = make_loader(dataset, workers=cfg.workers, pin_memory=extractor.device.type == "cuda")
-    by_index = {job.index: job for job in jobs}
-    parts: dict[int, list[tuple]] = {job.index: [] for job in jobs}
-    bar = progress(total=sum(j.samples for j in jobs), desc="features", unit="img", quiet=cfg.quiet)
+    loader = reader.loader(jobs, FeatureDecoder(spec, augment, cfg.decode), batch_size=cfg.batch_size,
+                           workers=cfg.workers, pin_memory=extractor.device.type == "cuda")
+    assembly = FeatureAssembly(jobs, cfg.batch_size, featurise)
+    unwritten: list[Future] = []
+
+    def settle(wait_for: int) -> None:
+        """Take the results of the shards written so far (raising what a check or write raised), and wait while
+        more than ``wait_for`` are still to be written."""
+        while unwritten and (unwritten[0].done() or len(unwritten) > wait_for):
+            unwritten.pop(0).result()
+            stats.shards_done += 1
+
+    bar = progress(total=sum(job.shard.samples for job in jobs), desc="features", unit="img", quiet=cfg.quiet)
     start = time.perf_counter()
     batches = iter(loader)
-    with bar:
+    with bar, ThreadPoolExecutor(1, thread_name_prefix="precompute-write") as writer:
+        unwritten += [writer.submit(finish, job, shard) for job, shard in assembly.empty_shards()]
         while True:
             waited = time.perf_counter()
             batch = next(batches, None)
             stats.wait_s += time.perf_counter() - waited
             if batch is None:
                 break
-            job = by_index[batch["job"]]
-            if batch.get("input_error"):
-                raise InputError(batch["error"], path=batch["input_error"])
-            if "error" in batch:
-                raise CorruptDataError(f"cannot read or decode ({batch['error']})", path=job.path, key=batch["key"])
-            images, views = _device_inputs(batch, job, spec, augment, extractor.device)
-            features = extractor(images)
-            view_features = None
-            if views is not None:
-                view_features = extractor(views.flatten(0, 1)).view(len(features), cfg.views, extractor.dim)
-            parts[job.index].append((features, batch["labels"], batch["keys"], view_features))
+            unwritten += [writer.submit(finish, job, shard) for job, shard in assembly.add(batch)]
+            settle(MAX_UNWRITTEN)
             bar.update(len(batch["keys"]))
             stats.images += len(batch["keys"])
-            if batch["last"]:
-                _write_job(cfg, job, parts.pop(job.index), digest)
-                stats.shards_done += 1
+        settle(0)
     stats.wall_s = time.perf_counter() - start
     return stats
 
 
 def run_precompute(cfg: FeatureConfig) -> tuple[FeatureManifest | None, dict[str, Any]]:
     """Featurise this task's unfinished shards; write ``features.json`` if every shard is then done."""
-    dataset, dataset_sha256 = load_source_dataset(cfg.data_dir, cfg.storage_options)
+    dataset, dataset_sha256 = read_dataset_manifest(cfg.source)
     unknown = sorted(set(cfg.splits or ()) - set(dataset.splits))
     if unknown:
         raise InputError(f"no split(s) {unknown} in dataset.json (it has {sorted(dataset.splits)})",
-                         path=str(cfg.data_dir))
+                         path=cfg.source.text)
     backbone = build_backbone(cfg.backbone, cfg.weights, seed=cfg.seed)
     spec = resolve_transform(cfg, backbone)
     device = resolve_device(cfg.device)
-    jobs = shard_jobs(dataset, cfg.data_dir, cfg.splits)
+    jobs = shard_jobs(dataset, cfg.source, cfg.splits)
     mine = [job for job in jobs if job.index % cfg.num_tasks == cfg.task_index]
-    for job in mine:
-        if not is_s3(job.path) and not Path(job.path).is_file():  # on S3 a missing object is a 404 when read
-            raise MissingInputError("image shard listed in dataset.json is missing", path=job.path)
+    reader = ShardReader(dataset.storage, len(dataset.classes), cfg.storage_options, cfg.cache)
+    reader.check_locations(mine)
     record = _run_record(cfg, backbone, spec, device, sorted({job.split for job in jobs}))
     # Every file of the finished folder, whichever task writes it: what --overwrite may not write over unless the
     # old output names it.
@@ -275,21 +293,12 @@ def run_precompute(cfg: FeatureConfig) -> tuple[FeatureManifest | None, dict[str
     with claim_output(cfg.out_dir, STATE_DIR, what="precompute-features", task=(cfg.task_index, cfg.num_tasks),
                       prepare=lambda lock: prepare_output(cfg.out_dir, record, overwrite=cfg.overwrite,
                                                           writes=writes, folder_lock=lock)):
-        return _precompute_claimed(cfg, dataset, backbone, spec, device, jobs, mine, record, dataset_sha256)
+        return _precompute_claimed(cfg, dataset, dataset_sha256, reader, backbone, spec, device, jobs, mine, record)
 
 
-def load_source_dataset(data_dir: Path | str, storage_options: Any = None) -> tuple[DatasetManifest, str | None]:
-    """The image dataset's manifest and, for ``s3://``, the sha256 of the very bytes it was parsed from (a local
-    folder's is taken when ``features.json`` is assembled, as before: None here)."""
-    if is_s3(data_dir):
-        return read_s3_dataset(str(data_dir), storage_options)
-    return load_dataset_manifest(data_dir), None
-
-
-def _precompute_claimed(cfg: FeatureConfig, dataset: DatasetManifest, backbone: Backbone, spec: FeatureTransform,
-                        device: torch.device, jobs: list[ShardJob], mine: list[ShardJob],
-                        record: dict[str, Any], dataset_sha256: str | None = None
-                        ) -> tuple[FeatureManifest | None, dict[str, Any]]:
+def _precompute_claimed(cfg: FeatureConfig, dataset: DatasetManifest, dataset_sha256: str, reader: ShardReader,
+                        backbone: Backbone, spec: FeatureTransform, device: torch.device, jobs: list[ShardJob],
+                        mine: list[ShardJob], record: dict[str, Any]) -> tuple[FeatureManifest | None, dict[str, Any]]:
     digest = record["config_hash"]
     todo = [job for job in mine if finished_shard(cfg.out_dir, job, cfg.storage, digest) is None]
     # This task owns these names (under its lock): temp files a killed run left of them can go.
@@ -300,9 +309,7 @@ def _precompute_claimed(cfg: FeatureConfig, dataset: DatasetManifest, backbone: 
     stats = RunStats()
     if todo:
         extractor = FeatureExtractor(backbone, spec, device, record["config"]["amp"], cfg.dtype, cfg.batch_size)
-        stats = _featurize(cfg, todo, dataset.storage, extractor, spec, augment, digest)
-    if dataset_sha256 is None:
-        dataset_sha256 = dataset_manifest_sha256(cfg.data_dir)
+        stats = _featurize(cfg, todo, reader, extractor, spec, augment, digest)
     manifest, missing = assemble_manifest(cfg.out_dir, record, dataset, dataset_sha256, jobs)
     if missing:
         log.info("features.json waits for %d shards from other tasks", len(missing))
@@ -348,23 +355,12 @@ def merge_features(out_dir: str | Path, storage_options: Any = None) -> FeatureM
 
 
 def _merge_claimed(out_dir: Path, record: dict[str, Any], storage_options: Any = None) -> FeatureManifest:
-    recorded = record["dataset_dir"]  # written by this tool into its own state folder
-    dataset_dir = recorded if is_s3(recorded) else Path(recorded)
-    dataset, dataset_sha256 = load_source_dataset(dataset_dir, storage_options)
-    jobs = shard_jobs(dataset, dataset_dir, tuple(record["splits"]))
-    if dataset_sha256 is None:
-        dataset_sha256 = dataset_manifest_sha256(dataset_dir)
+    # Written by this tool into its own state folder: followed, with the caller's storage options.
+    source = locate(record["dataset_dir"], storage_options=storage_options)
+    dataset, dataset_sha256 = read_dataset_manifest(source)
+    jobs = shard_jobs(dataset, source, tuple(record["splits"]))
     manifest, missing = assemble_manifest(out_dir, record, dataset, dataset_sha256, jobs)
     if manifest is None:
         raise ShardcacheError(f"{len(missing)} of {len(jobs)} feature shards are missing or outdated "
-                              f"(first: {missing[0].name}); run the remaining tasks first", path=str(out_dir))
+                              f"(first: {missing[0].shard.path}); run the remaining tasks first", path=str(out_dir))
     return manifest
-
-
-def _shard_cache(cfg: FeatureConfig) -> Any:
-    """The node-local shard cache for the image shards read, or None (see ``shards.cache.cached_shards``)."""
-    if cfg.cache is None:
-        return None
-    from shards.cache.cached_shards import CachedShards
-
-    return CachedShards(cfg.cache, cfg.storage_options)

@@ -126,11 +126,11 @@ def recorded_names(out_dir: Path) -> set[str]:
 
 
 def feature_path(out_dir: Path, job: ShardJob, storage: str) -> Path:
-    return out_dir / feature_shard_name(job.name, storage)
+    return out_dir / feature_shard_name(job.shard.path, storage)
 
 
 def _record_path(out_dir: Path, job: ShardJob, storage: str) -> Path:
-    return out_dir / STATE_DIR / (Path(feature_shard_name(job.name, storage)).stem + ".json")
+    return out_dir / STATE_DIR / (Path(feature_shard_name(job.shard.path, storage)).stem + ".json")
 
 
 def write_shard_record(out_dir: Path, job: ShardJob, storage: str, info: ShardInfo, digest: str) -> None:
@@ -148,9 +148,9 @@ def finished_shard(out_dir: Path, job: ShardJob, storage: str, digest: str) -> S
     feature_file = out_dir / info.path
     if record.get("config_hash") != digest or not feature_file.is_file():
         return None
-    stale = shard_staleness(info, job.sha256) if info.source_sha256 else "its record names no source sha256"
+    stale = shard_staleness(info, job.shard.sha256) if info.source_sha256 else "its record names no source sha256"
     if stale is not None:
-        log.warning("%s: %s: %s; recomputing", out_dir, job.name, stale)
+        log.warning("%s: %s: %s; recomputing", out_dir, job.shard.path, stale)
         return None
     if feature_file.stat().st_size != info.bytes or sha256_file(feature_file) != info.sha256:
         log.warning("%s: checksum mismatch; recomputing", feature_file)
@@ -169,11 +169,10 @@ def assemble_manifest(out_dir: Path, record: Mapping[str, Any], dataset: Dataset
     # A feature shard holds its image shard's samples row for row (augmented views are one [N, K, D] tensor
     # beside the features, not extra rows), so it has the same class counts: copied from the dataset each shard was
     # just checked against, so shards recorded before counts existed get them too.
-    source_counts = {s.path: s.class_counts for split in dataset.splits.values() for s in split.shards}
     splits = {}
     for name in record["splits"]:
         source = dataset.splits[name]
-        shards = tuple(dataclasses.replace(infos[job.index], class_counts=source_counts[job.name])
+        shards = tuple(dataclasses.replace(infos[job.index], class_counts=job.shard.class_counts)
                        for job in jobs if job.split == name)
         splits[name] = SplitInfo(source.samples, source.class_counts, shards)  # type: ignore[arg-type]
     config = record["config"]

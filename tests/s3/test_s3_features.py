@@ -146,7 +146,7 @@ def test_local_features_do_not_follow_an_s3_dataset_dir(bucket, tmp_path, monkey
     def no_requests(*args, **kwargs):
         raise AssertionError("an s3:// dataset_dir of a local features.json was followed")
 
-    monkeypatch.setattr(s3_ranges, "read_object", no_requests)
+    monkeypatch.setattr(s3_ranges, "open_range", no_requests)
     verify = CliRunner().invoke(shards_command, ["verify", str(tmp_path / "feat"), "--quiet"])
     assert verify.exit_code == 0, verify.output
     assert "not followed" in verify.stderr
