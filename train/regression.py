@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shards.errors import InputError
-from shards.formats.features import target_task
+from shards.formats.feature_names import target_task
 from shards.manifest import DatasetManifest, FeatureManifest
 from train.config import TrainConfig
 from train.epoch import to_device

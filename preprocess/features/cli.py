@@ -14,7 +14,7 @@ from shards.cli.common import cache_options, emit_json, handle_errors, quiet_opt
 from shards.formats.location import locate
 from shards.formats.s3 import S3Options
 from shards.errors import InputError
-from shards.formats.features import FEATURE_SUFFIXES
+from shards.formats.feature_names import FEATURE_SUFFIXES
 from shards.stream.options import DECODES
 
 

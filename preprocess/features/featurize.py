@@ -39,7 +39,8 @@ from shards.atomic import check_local_output, remove_stale_tmp
 from shards.errors import CorruptDataError, InputError, ShardcacheError
 from shards.lock import claim_output
 from shards.stream.options import DECODES
-from shards.formats.features import FEATURE_SUFFIXES, FeatureShard, write_feature_shard
+from shards.formats.feature_names import FEATURE_SUFFIXES
+from shards.formats.features import FeatureShard, write_feature_shard
 from shards.formats.location import Location, locate
 from shards.formats.locations import check_dataset_dir
 from shards.formats.manifest_io import read_dataset_manifest

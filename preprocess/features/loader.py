@@ -172,4 +172,4 @@ class ShardReader:
             if lease is not None:
                 lease.release()
                 return
-        locate(job.location, storage_options=self.storage_options).fetch_checked(job.shard.bytes, job.shard.sha256)
+        locate(job.location, storage_options=self.storage_options).check(job.shard.bytes, job.shard.sha256)

@@ -21,7 +21,7 @@ from shards.atomic import atomic_output, sha256_file
 from shards.errors import ChecksumError, CorruptDataError, InputError
 
 # The names and the task rule need no torch (``pack-shards`` imports them); they live in feature_names.
-from shards.formats.feature_names import FEATURE_SUFFIXES, is_feature_file, target_task  # noqa: E402,F401
+from shards.formats.feature_names import FEATURE_SUFFIXES, target_task
 
 
 @dataclass(frozen=True)

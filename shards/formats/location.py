@@ -121,18 +121,27 @@ class Location:
     def fetch_checked(self, size: int, sha256: str | None) -> bytes:
         """The whole object in one streaming read, its size and sha256 checked against the manifest on the way
         (reading stops once it is longer than ``size``); a mismatch is a ``ChecksumError`` naming it."""
-        digest, parts, total = hashlib.sha256(), [], 0
+        parts: list[bytes] = []
+        self._read_checked(size, sha256, parts.append)
+        return b"".join(parts)
+
+    def check(self, size: int, sha256: str | None) -> None:
+        """``fetch_checked`` without keeping the bytes: memory stays one chunk whatever the object's size."""
+        self._read_checked(size, sha256, None)
+
+    def _read_checked(self, size: int, sha256: str | None, keep: Any) -> None:
+        digest, total = hashlib.sha256(), 0
         with self.open() as stream:
             while total <= size and (data := stream.read(CHUNK)):
                 digest.update(data)
-                parts.append(data)
+                if keep is not None:
+                    keep(data)
                 total += len(data)
         if total != size:
             raise ChecksumError(f"{'more than ' if total > size else ''}{total} bytes, the manifest records {size} "
                                 "(truncated or replaced)", path=self.text)
         if sha256 is not None and digest.hexdigest() != sha256:
             raise ChecksumError("sha256 does not match the manifest (corrupt or replaced)", path=self.text)
-        return b"".join(parts)
 
     @contextmanager
     def local_copy(self, limit: int | None = None) -> Iterator[Path]:

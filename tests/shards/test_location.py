@@ -75,6 +75,12 @@ def test_a_whole_fetch_is_checked_against_the_manifest(served, kind):
         where.fetch_checked(info.bytes - 10, None)
     with pytest.raises(ChecksumError, match=f"{info.bytes} bytes, the manifest records {info.bytes + 10}"):
         where.fetch_checked(info.bytes + 10, None)
+    # The same check without keeping the bytes (what precompute-features runs before writing a shard's features).
+    assert where.check(info.bytes, info.sha256) is None
+    with pytest.raises(ChecksumError, match="sha256 does not match"):
+        where.check(info.bytes, "0" * 64)
+    with pytest.raises(ChecksumError, match=f"the manifest records {info.bytes - 10}"):
+        where.check(info.bytes - 10, info.sha256)
 
 
 @pytest.mark.parametrize("kind", KINDS)
