@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import click
 
@@ -102,6 +103,7 @@ def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...],
     Prints one JSON line with val_top1 (val_r2, val_mse and val_mae for regression), data_wait_share and run_dir.
     Under torchrun, every process runs this command; rank 0 writes the run folder.
     """
+    started = time.perf_counter()  # the time to first batch counts from here (train.first_batch)
     from train.loop import train
 
     data, sources = data_sources(path, data_options)
@@ -126,7 +128,7 @@ def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...],
         cache_dir=None if cache is None else os.path.abspath(cache.dir),
         cache_limit=None if cache is None else cache.limit,
         cache_fallback=cache is not None and cache.fallback, cache_local=cache is not None and bool(cache.local))
-    summary = train(cfg)
+    summary = train(cfg, started=started)
     if int(os.environ.get("RANK", "0")) == 0:
         emit_json(summary)
 

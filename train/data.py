@@ -8,6 +8,7 @@ any training starts.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,7 @@ class RunData:
     eval_transform: TransformSpec | None = None
     # The fast pipeline yields uint8 batches: this turns them into the model input on the device.
     normalize: torch.nn.Module | None = None
+    open_s: float = 0.0  # wall seconds of the two open_dataset calls (train.first_batch's open_s)
 
     @property
     def classes(self) -> list[str]:
@@ -167,6 +169,7 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
     train_images, val_images = image_caches(cfg, manifest, ctx)
     specs = source_specs(cfg)
     nodes = None if specs else affinity_nodes(cfg, manifest, ctx)
+    opening = time.perf_counter()
     train_set = shards.open_dataset(specs or cfg.data_path, cfg.train_split, transform=train_spec, seed=cfg.seed,
                                     sampling=sampling, decode=decode, remote=remote, cache=train_images,
                                     distributed=Distributed(rank, world, nodes=nodes),
@@ -176,6 +179,7 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
                                   transform=eval_spec, seed=cfg.seed, sampling=Sampling(shuffle=False), decode=decode,
                                   remote=remote, cache=val_images, distributed=Distributed(rank, world),
                                   mix=MixOptions(cfg.class_map))
+    open_s = time.perf_counter() - opening
     if specs:
         manifest = manifest.replace(splits={cfg.train_split: train_set.split_info, cfg.val_split: val_set.split_info})
     train_loader = _loader(train_set, cfg, ctx, drop_last=True)
@@ -187,7 +191,7 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
     normalize = None
     if kind == "images" and cfg.decode == "fast":
         normalize = val_set.normalizer(channels_last=ctx.device.type == "cuda").to(ctx.device)
-    return RunData(kind, manifest, train_loader, val_loader, workers, eval_spec, normalize)
+    return RunData(kind, manifest, train_loader, val_loader, workers, eval_spec, normalize, open_s)
 
 
 def image_caches(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -33,6 +34,9 @@ class TrainState:
     best_val_top1: float = -1.0
     best_val_mse: float | None = None  # regression: best.pt is the epoch with the lowest val_mse
     history: list[dict[str, Any]] = field(default_factory=list)
+    # Time-to-first-batch records (``train.first_batch``) of the starts and resumes in the epoch in progress: kept
+    # in mid-epoch checkpoints, moved onto the epoch's metrics row when it ends.
+    first_batch: list[dict[str, Any]] = field(default_factory=list)
 
     def start_epoch(self) -> None:
         self.batch_in_epoch, self.loss_sum, self.correct, self.samples = 0, 0.0, 0, 0
@@ -41,7 +45,7 @@ class TrainState:
         return {"epoch": self.epoch, "step": self.step, "batch_in_epoch": self.batch_in_epoch,
                 "loss_sum": self.loss_sum, "correct": self.correct, "samples": self.samples,
                 "best_val_top1": self.best_val_top1, "best_val_mse": self.best_val_mse,
-                "history": list(self.history)}
+                "history": list(self.history), "first_batch": list(self.first_batch)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainState":
@@ -106,12 +110,16 @@ def train_step(ctx: StepContext, inputs: torch.Tensor, labels: torch.Tensor) -> 
 
 def run_train_epoch(ctx: StepContext, loader: Any, state: TrainState, *, total_epochs: int, quiet: bool,
                     after_step: Callable[[], bool], checkpoint_due: Callable[[int], bool],
-                    worker_stages: Callable[[], dict[str, float]] | None = None) -> tuple[DataWaitMeter, bool]:
+                    worker_stages: Callable[[], dict[str, float]] | None = None,
+                    on_first_batch: Callable[[DataWaitMeter], str | None] | None = None
+                    ) -> tuple[DataWaitMeter, bool]:
     """Train on the loader's remaining batches; ``after_step`` may checkpoint and returns True to stop early.
 
     Loss and accuracy sums stay on the device (no sync per step) and are folded into ``state`` whenever a
     checkpoint is due and at the end, so the grouping of the sums, and so the numbers, do not depend on a resume.
     ``worker_stages`` (the loader's ``stage_seconds``) lets the meter split the epoch's wait by worker stage.
+    ``on_first_batch`` is called once, as the first batch arrives (before it is used); a line it returns is
+    written above the progress bar.
     """
     ctx.model.train()
     meter = DataWaitMeter(worker_stages=worker_stages)
@@ -130,6 +138,10 @@ def run_train_epoch(ctx: StepContext, loader: Any, state: TrainState, *, total_e
 
     try:
         for batch in meter.iterate(loader):
+            if on_first_batch is not None:
+                line, on_first_batch = on_first_batch(meter), None
+                if line and not quiet:
+                    bar.write(line, file=sys.stderr)
             inputs, labels = to_device(batch, ctx.device, ctx.normalize, meter)
             loss, correct = train_step(ctx, inputs, labels)
             count = int(labels.shape[0])

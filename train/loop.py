@@ -21,6 +21,7 @@ from train.checkpoint import capture_rng_state, copy_checkpoint, load_checkpoint
 from train.config import TrainConfig
 from train.data import CACHE_COUNTERS, RunData, build_data, describe_batch, prepare_manifest, source_paths
 from train.distributed import DistContext, setup_distributed, wrap_model
+from train.first_batch import describe, first_batch_record
 from train.epoch import StepContext, TrainState, evaluate, run_train_epoch
 from train.meter import gather_stage_seconds, sum_stage_seconds
 from train.models import build_head, build_image_model, check_image_model
@@ -37,9 +38,13 @@ log = logging.getLogger("shardcache.train")
 CONFUSION_IN_METRICS_MAX_CLASSES = 64  # a 1000x1000 matrix per epoch would swamp metrics.jsonl
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
+def train(cfg: TrainConfig, *, started: float | None = None) -> dict[str, Any]:
     """Train as ``cfg`` says; return the summary (last and best val top-1, or val R², MSE and MAE for regression;
-    throughput, data-wait share, run dir)."""
+    throughput, data-wait share, run dir).
+
+    ``started``: the ``time.perf_counter()`` the time to first batch counts from (``train.first_batch``; the CLI
+    passes its entry), else this call."""
+    started = time.perf_counter() if started is None else started
     manifest = prepare_manifest(cfg)
     if manifest.kind == "images":
         check_image_model(cfg.model, cfg.weights)
@@ -57,7 +62,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if ctx.is_main:
             rd.start_run(plan, cfg, mixture=data.mixture_record(cfg))
         ctx.barrier()
-        return Run(cfg, ctx, data, plan).fit()
+        return Run(cfg, ctx, data, plan, started).fit()
     finally:
         ctx.close()
 
@@ -102,6 +107,7 @@ class Run:
     ctx: DistContext
     data: RunData
     plan: rd.RunPlan
+    started: float  # the perf_counter the time to first batch counts from
 
     def __post_init__(self) -> None:
         cfg, device = self.cfg, self.ctx.device
@@ -178,6 +184,7 @@ class Run:
         step_ctx = StepContext(self.ddp_model, self.optimizer, self.scheduler, self.scaler, self.loss_fn,
                                self.ctx.device, self.amp, self.data.normalize)
         row: dict[str, Any] = self.state.history[-1] if self.state.history else {}
+        first = True  # this process's first batch: the time to first batch of this start or resume
         while self.state.epoch < cfg.epochs:
             if self.state.batch_in_epoch == 0:
                 self.data.train_loader.set_epoch(self.state.epoch)
@@ -185,12 +192,24 @@ class Run:
                 step_ctx, self.batches(self.data.train_loader), self.state, total_epochs=cfg.epochs,
                 quiet=cfg.quiet or not self.ctx.is_main, after_step=self.after_step,
                 checkpoint_due=lambda step: bool(cfg.checkpoint_every) and step % cfg.checkpoint_every == 0,
-                worker_stages=getattr(self.data.train_loader, "stage_seconds", None))
+                worker_stages=getattr(self.data.train_loader, "stage_seconds", None),
+                on_first_batch=self.first_batch if first else None)
+            first = False
             if stopped:
                 return self.summary(row, stopped=True)
             row = self.end_epoch(meter)
         self.finish()
         return self.summary(row, stopped=False)
+
+    def first_batch(self, meter) -> str:
+        """Record this start's (or resume's) time to first batch, kept for the epoch's metrics row; the line the
+        progress bar shows."""
+        record = first_batch_record(
+            started=self.started, arrived=time.perf_counter(), open_s=self.data.open_s, wait_s=meter.wait_s,
+            worker_seconds=meter.worker_seconds, workers=self.data.workers,
+            resume=self.plan.resume_from is not None, epoch=self.state.epoch + 1, step=self.state.step)
+        self.state.first_batch.append(record)
+        return describe(record)
 
     def end_epoch(self, meter) -> dict[str, Any]:
         state = self.state
@@ -216,6 +235,8 @@ class Run:
             row["mixture_drawn"] = list(self.data.mixture.draw)
         if len(self.data.classes) > CONFUSION_IN_METRICS_MAX_CLASSES:
             row.pop("val_confusion")
+        if state.first_batch:  # the starts and resumes of this epoch (train.first_batch), rank 0's numbers
+            row["first_batch"], state.first_batch = state.first_batch, []
         state.history.append(row)
         improved = self.track_best(row)
         state.epoch += 1

@@ -4,6 +4,9 @@ Rows may carry ``stage_seconds`` ({stage: seconds}) and, from a distributed run,
 such mapping per rank, as a list or as {rank: mapping}). A slow rank holds every other one at the next all-reduce,
 so with several ranks the last epoch is also shown rank by rank. Runs from before stage timing have neither and
 say so instead of showing an empty chart.
+
+Rows may also carry ``first_batch``: one record per start or resume of the run in that epoch (``train.first_batch``:
+the seconds to the first batch, split into open, plan, first read and other), shown as a table of starts.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from shards.report import svg
-from shards.report.html import Markup, figure, join, note, num_cell, pct, seconds, subsection, table, tag
+from shards.report.html import (Markup, count, figure, join, note, num_cell, number, pct, seconds, subsection, table,
+                                tag)
 
 # The names are the contract of shards.stream.stage_times (not imported: it loads torch). Worker stages are busy
 # seconds summed over a rank's DataLoader workers and overlap the loop; loop stages are the loop's wall seconds.
@@ -59,6 +63,10 @@ def stage_seconds(row: Mapping[str, Any]) -> dict[str, float] | None:
 
 
 MAX_EXTRA_STAGES = 8
+MAX_STARTS = 200  # starts and resumes listed: a run resumed more often than this shows its latest ones
+# train.first_batch's record: the total, then the parts that add up to it.
+FIRST_BATCH_PARTS = (("first batch", "first_batch_s"), ("open", "open_s"), ("plan", "plan_s"),
+                     ("first read", "first_read_s"), ("other", "other_s"))
 
 
 def ordered_stages(maps: Sequence[Mapping[str, float]]) -> list[str]:
@@ -108,6 +116,39 @@ def _per_rank(ranks: Sequence[Mapping[str, float]], epoch: object) -> list[Marku
                  "the slowest at each gradient all-reduce.", "warn" if spread > 0.2 else "info")]
 
 
+def first_batch_records(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Every start's and resume's record, in run order (malformed ones left out: the rows are untrusted)."""
+    records = []
+    for row in rows:
+        value = row.get("first_batch")
+        if isinstance(value, list):
+            records += [r for r in value if isinstance(r, Mapping) and number(r.get("first_batch_s")) is not None]
+    return records[-MAX_STARTS:]
+
+
+def first_batch_table(rows: Sequence[Mapping[str, Any]]) -> Markup:
+    """Time to first batch of each start and resume, or nothing for runs from before it was recorded."""
+    records = first_batch_records(rows)
+    if not records:
+        return Markup("")
+    body = []
+    for record in records:
+        resumed = record.get("resume") is True
+        where = f"epoch {count(record.get('epoch'))}, step {count(record.get('step'))}"
+        body.append(["resume" if resumed else "start", where,
+                     *[num_cell(record.get(key), seconds) for _, key in FIRST_BATCH_PARTS],
+                     num_cell(record.get("workers"))])
+    caption = ("Seconds from the start (or resume) of train-from-shards to the training loop's first batch: open "
+               "is open_dataset for train and val; plan and first read split the loop's wait for the batch (with "
+               "DataLoader workers, first read is their recorded busy seconds divided by their number, an "
+               "estimate; plan the rest: starting workers, the epoch order, covering reads); other is imports, "
+               "checks, model and checkpoint restore. Rank 0's numbers.")
+    return (tag("h3", "Time to first batch")
+            + table(["start", "at", *[name for name, _ in FIRST_BATCH_PARTS], "workers"], body,
+                    scroll=len(body) > 12)
+            + note(caption))
+
+
 def stage_breakdown(rows: Sequence[Mapping[str, Any]]) -> Markup:
     """Stacked seconds per epoch, the last epoch's shares (loop and workers apart: worker time overlaps the loop),
     and the last epoch rank by rank when there are several ranks."""
@@ -115,7 +156,7 @@ def stage_breakdown(rows: Sequence[Mapping[str, Any]]) -> Markup:
     timed = [(row, m) for row, m in timed if m]
     if not timed:
         return subsection("Stage breakdown", note("Not recorded: this run's metrics.jsonl has no stage_seconds "
-                                                  "(runs from before stage timing)."))
+                                                  "(runs from before stage timing).") + first_batch_table(rows))
     names = ordered_stages([m for _, m in timed])
     fills = _colours(names)
     labels = [str(row.get("epoch", i + 1)) for i, (row, _) in enumerate(timed)]
@@ -142,4 +183,5 @@ def stage_breakdown(rows: Sequence[Mapping[str, Any]]) -> Markup:
     ranks = by_rank(last_row)
     if ranks and len(ranks) > 1:
         body += _per_rank(ranks, epoch)
+    body.append(first_batch_table(rows))
     return subsection("Stage breakdown", join(body))

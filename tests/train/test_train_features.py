@@ -15,7 +15,8 @@ from train.config import TrainConfig
 from train.loop import train
 from train.run_dir import read_metrics
 
-TIMING_FIELDS = {"samples_per_s", "data_wait_share", "epoch_time_s", "stage_seconds", "stage_seconds_by_rank"}
+TIMING_FIELDS = {"samples_per_s", "data_wait_share", "epoch_time_s", "stage_seconds", "stage_seconds_by_rank",
+                 "first_batch"}
 
 
 def config(data: Path, out: Path, **changes) -> TrainConfig:
