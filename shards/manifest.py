@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Mapping
 
 from shards.atomic import write_json_atomic
-from shards.bounded_read import read_json_file, read_regular_file
+from shards.bounded_read import read_json_file
 from shards.errors import ManifestError, MissingInputError
 from shards.formats.locations import check_dataset_dir, check_shard_path
 
@@ -335,9 +334,3 @@ def load_manifest(folder: str | os.PathLike, *, url_origins: Iterable[str] = ())
         f"holds neither {DATASET_FILE} nor {FEATURES_FILE} (unfinished or not a shardcache folder)",
         path=str(folder),
     )
-
-
-def dataset_manifest_sha256(folder: str | os.PathLike) -> str:
-    """Digest of ``dataset.json`` as bytes: the identity a feature cache is tied to (read like the manifest itself:
-    a regular file within ``MAX_FILE_BYTES``, else a ``ManifestError``)."""
-    return hashlib.sha256(read_regular_file(Path(folder) / DATASET_FILE, error=ManifestError)).hexdigest()

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
 import re
 import time
 from collections import Counter
-from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +35,7 @@ from shards.progress import progress
 from shards.formats.sample import RawSample
 from shards.formats.storage import STORAGES, get_storage
 from shards.lock import claim_output, merge_lock
+from shards.parallel import ordered_map
 
 log = logging.getLogger("shardcache.pack")
 SHOWN_SKIPPED = 3  # paths named in the one warning line about skipped files
@@ -185,23 +184,12 @@ class PackMeter:
 
 
 def run_jobs(jobs: Sequence[ShardJob], workers: int, meter: PackMeter) -> list[dict[str, Any]]:
+    """Pack every job: here, file by file on the meter, or in worker processes (``shards.parallel``), a shard at a
+    time on the meter; the parts come back in job order either way."""
     if workers == 1 or len(jobs) <= 1:
         return [pack_shard(job, on_file=lambda nbytes: meter.add(1, nbytes)) for job in jobs]
-    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    parts = []
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=context) as pool:
-        pending = {pool.submit(pack_shard, job) for job in jobs}
-        while pending:
-            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
-            for future in done:
-                if future.exception() is not None:
-                    for other in pending:
-                        other.cancel()
-                    raise future.exception()
-                part = future.result()
-                parts.append(part)
-                meter.add(part["source_files"], part["source_bytes"])
-    return parts
+    return list(ordered_map(pack_shard, jobs, workers,
+                            on_done=lambda part: meter.add(part["source_files"], part["source_bytes"])))
 
 
 def _finish(out: Path, plan: PackPlan, wrote: int) -> DatasetManifest | None:

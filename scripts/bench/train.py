@@ -35,8 +35,8 @@ import torch
 from PIL import Image
 
 from shards.formats.features import FeatureShard, feature_shard_name, write_feature_shard
-from shards.manifest import (DatasetManifest, FeatureManifest, ShardInfo, SourceInfo, SplitInfo,
-                             dataset_manifest_sha256)
+from shards.formats.manifest_io import dataset_sha256_at
+from shards.manifest import DatasetManifest, FeatureManifest, ShardInfo, SourceInfo, SplitInfo
 from shards.progress import setup_logging
 from shards.formats.sample import RawSample
 from shards.formats.storage import get_storage, shard_name
@@ -76,7 +76,7 @@ def write_features(root: Path, samples: int, dim: int, classes: int, shard_rows:
                     source=SourceInfo("generated", "", 0), packing={"seed": seed}).save(dataset_dir)
     FeatureManifest(storage="pt", classes=tuple(names), splits=feature_splits, features_dim=dim, dtype="float16",
                     views=0, config={"backbone": "generated"}, config_hash="bench", dataset_dir=str(dataset_dir),
-                    dataset_sha256=dataset_manifest_sha256(dataset_dir)).save(features_dir)
+                    dataset_sha256=dataset_sha256_at(dataset_dir)).save(features_dir)
     return features_dir
 
 

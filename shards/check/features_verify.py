@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from shards.atomic import sha256_file
 from shards.check.freshness import feature_staleness
+from shards.check.verify_core import VerifyOptions
 from shards.errors import MissingInputError, ShardcacheError
 from shards.formats.feature_names import from_table
 from shards.formats.features import FeatureShard, FeatureSpec, feature_shard_problems, load_feature_shard
@@ -31,36 +33,68 @@ from shards.formats.locations import dataset_location
 from shards.formats.manifest_io import read_dataset_manifest, read_feature_manifest
 from shards.formats.storage import get_storage
 from shards.manifest import DATASET_FILE, DatasetManifest, FeatureManifest, ShardInfo
+from shards.parallel import ordered_map
+from shards.progress import progress
 
 log = logging.getLogger("shardcache.check")
 
 
+@dataclass(frozen=True)
+class FeatureJob:
+    """One feature file to check: all a worker process needs (locations carry the caller's S3 options). ``source``
+    and ``image`` (the image shard the dataset's manifest lists for it, ``None`` when it lists none) are set when
+    keys and labels are compared with the image shards (``full``)."""
+
+    folder: Location
+    info: ShardInfo
+    spec: FeatureSpec
+    source: Location | None = None
+    storage: str = ""
+    image: ShardInfo | None = None
+
+
 def verify_feature_folder(folder: str | os.PathLike | Location, *, full: bool = False,
-                          storage_options: Any = None) -> list[str]:
+                          storage_options: Any = None, workers: int = 1, quiet: bool = False) -> list[str]:
     """All problems found in ``folder`` (empty when the cache is complete, intact and current).
 
     Every feature file is loaded (``weights_only=True``) and its content checked against ``features.json``: row
     count, feature width and dtype, int64 labels within the class count, unique string keys, views. With ``full``,
     keys and labels are also compared sample for sample with the image shards when the dataset is reachable.
+    ``workers`` processes check files side by side (the problems and their order are those of one process); a
+    progress bar counts files on stderr unless ``quiet``.
     """
+    VerifyOptions(full=full, workers=workers)  # validated like the image check's
     where = locate(folder, storage_options=storage_options)
     try:
         manifest = read_feature_manifest(where)
     except ShardcacheError as exc:
         return [str(exc)]
     source, dataset, unreadable = _source_dataset(where, manifest)
+    spec = FeatureSpec.of(manifest)
+    align = full and dataset is not None
+    listed = {s.path: s for split in dataset.splits.values() for s in split.shards} if align else {}
+    jobs = [FeatureJob(where, info, spec, source, dataset.storage, listed.get(info.source)) if align
+            else FeatureJob(where, info, spec) for split in manifest.splits.values() for info in split.shards]
     problems: list[str] = []
     alignment: list[str] = []
-    for split in manifest.splits.values():
-        for info in split.shards:
-            shard = _check_shard(where, info, manifest, problems)
-            if shard is not None and full and dataset is not None:
-                alignment.extend(_check_keys(*shard, dataset, source, info))
+    with progress(total=len(jobs), desc="verify", unit="shard", quiet=quiet) as bar:
+        for found, misaligned in ordered_map(check_feature_file, jobs, workers, lambda _: bar.update(1)):
+            problems.extend(found)
+            alignment.extend(misaligned)
     if source is None:
         return problems
     if dataset is None:
         return problems + [f"cannot check staleness: source dataset unreadable ({unreadable})"]
     return problems + feature_staleness(where, manifest, source, dataset) + alignment
+
+
+def check_feature_file(job: FeatureJob) -> tuple[list[str], list[str]]:
+    """The problems of one feature file, and (when asked) how its keys and labels differ from its image shard."""
+    problems: list[str] = []
+    shard = _check_shard(job.folder, job.info, job.spec, problems)
+    if shard is None or job.source is None:
+        return problems, []
+    return problems, _check_keys(*shard, job.source, job.storage, job.image, job.info)
 
 
 def _source_dataset(where: Location, manifest: FeatureManifest
@@ -81,7 +115,7 @@ def _source_dataset(where: Location, manifest: FeatureManifest
         return source, None, exc
 
 
-def _check_shard(folder: Location, info: ShardInfo, manifest: FeatureManifest,
+def _check_shard(folder: Location, info: ShardInfo, spec: FeatureSpec,
                  problems: list[str]) -> tuple[Location, FeatureShard] | None:
     """Append the problems of one feature file; the loaded shard (and where it is) when its bytes are the
     recorded ones and it loads, for the alignment check."""
@@ -98,7 +132,7 @@ def _check_shard(folder: Location, info: ShardInfo, manifest: FeatureManifest,
                 problems.append(problem)
                 return None
             shard = load_feature_shard(path)
-            problems.extend(_content_problems(where, shard, info, manifest))
+            problems.extend(_content_problems(where, shard, info, spec))
             return where, shard
     except MissingInputError:
         problems.append(f"{where}: feature shard missing")
@@ -119,10 +153,9 @@ def _file_problem(where: Location, path: Path, info: ShardInfo, limit: int) -> s
     return None
 
 
-def _content_problems(where: Location, shard: FeatureShard, info: ShardInfo, manifest: FeatureManifest) -> list[str]:
+def _content_problems(where: Location, shard: FeatureShard, info: ShardInfo, spec: FeatureSpec) -> list[str]:
     """Problems with what the file holds."""
-    problems = [f"{where}: {problem}" for problem in feature_shard_problems(shard, info.samples,
-                                                                            FeatureSpec.of(manifest))]
+    problems = [f"{where}: {problem}" for problem in feature_shard_problems(shard, info.samples, spec)]
     seen: set[str] = set()
     for row, key in enumerate(shard.keys):
         if key in seen:
@@ -132,19 +165,19 @@ def _content_problems(where: Location, shard: FeatureShard, info: ShardInfo, man
     return problems
 
 
-def _check_keys(where: Location, shard: FeatureShard, dataset: DatasetManifest, source: Location,
+def _check_keys(where: Location, shard: FeatureShard, source: Location, storage: str, listed: ShardInfo | None,
                 info: ShardInfo) -> list[str]:
-    """Keys and labels sample for sample against the image shard the features were computed from. Only an image
-    shard the dataset's own manifest lists is opened, confined to the dataset's folder or prefix."""
-    listed = {s.path: s for split in dataset.splits.values() for s in split.shards}
-    if info.source not in listed:
+    """Keys and labels sample for sample against the image shard the features were computed from (``listed``: its
+    entry in the dataset's manifest). Only an image shard the dataset's own manifest lists is opened, confined to
+    the dataset's folder or prefix."""
+    if listed is None:
         return [f"{where}: cannot check keys: source shard {info.source} is not in {source.file(DATASET_FILE)}"]
     try:
         image = source.child(info.source)
-        with image.local_copy(listed[info.source].bytes + 1) as image_path:
+        with image.local_copy(listed.bytes + 1) as image_path:
             if not image_path.is_file():
                 raise MissingInputError("missing", path=image.text)
-            pairs = [(sample.key, sample.label) for sample in get_storage(dataset.storage).read(image_path)]
+            pairs = [(sample.key, sample.label) for sample in get_storage(storage).read(image_path)]
     except MissingInputError:
         return [f"{where}: cannot check keys: source shard {image} missing"]
     except (ShardcacheError, OSError) as exc:

@@ -8,18 +8,22 @@ holds the offsets found by walking its headers, it reads to the end, holds the r
 in-range labels and unique keys, and the class counts add up; a spread sample of images per shard (every image
 with ``full``) decodes (those sample checks are ``shards.check.verify_core``); the source index matches its
 checksum. Feature folders are checked by ``shards.check.features_verify``. Every problem names the shard (and
-sample key), so a corrupt file can be found and repacked.
+sample key), so a corrupt file can be found and repacked. Shards are checked in worker processes (``workers``),
+each returning what it found on its own; the dataset-wide checks (keys unique across shards, split totals) are made
+here in shard order, so the report is the same for any number of workers.
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import closing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from shards.atomic import sha256_file
 from shards.check.verify_core import (
-    DEFAULT_SAMPLES_PER_SHARD, Tally, VerifyReport, check_samples, check_split_totals,
+    DEFAULT_SAMPLES_PER_SHARD, ShardTally, Tally, VerifyOptions, VerifyReport, check_samples, check_split_totals,
 )
 from shards.errors import InputError, ManifestError, MissingInputError, ShardcacheError
 from shards.formats.location import Location, locate
@@ -27,54 +31,68 @@ from shards.formats.manifest_io import load_manifest_at
 from shards.formats.storage import get_storage
 from shards.formats.tarseek import tar_sample_offsets
 from shards.manifest import DATASET_FILE, DatasetManifest, ShardInfo
+from shards.parallel import ordered_map
+from shards.progress import progress
 
 
-def _check_bytes(path: Path, shard: ShardInfo, limit: int, tally: Tally) -> None:
+@dataclass(frozen=True)
+class ShardJob:
+    """One image shard to check: all a worker process needs (the location carries the caller's S3 options)."""
+
+    base: Location
+    storage: str
+    n_classes: int
+    shard: ShardInfo
+    decode_wanted: int | None
+
+
+def _check_bytes(path: Path, shard: ShardInfo, limit: int, tally: ShardTally) -> None:
     """Size and sha256 against the manifest (a copy that stopped at ``limit`` bytes is longer than recorded)."""
     size = path.stat().st_size
     if size != shard.bytes:
         shown = f"more than {shard.bytes}" if size == limit else str(size)
-        tally.problems.append(f"{shard.path}: size {shown} bytes, manifest says {shard.bytes}")
+        tally.problem(f"{shard.path}: size {shown} bytes, manifest says {shard.bytes}")
     digest = sha256_file(path)
     if digest != shard.sha256:
-        tally.problems.append(f"{shard.path}: sha256 {digest[:16]}... does not match the manifest's "
-                              f"{shard.sha256[:16]}...")
+        tally.problem(f"{shard.path}: sha256 {digest[:16]}... does not match the manifest's {shard.sha256[:16]}...")
 
 
-def _check_index(where: Location, path: Path, shard: ShardInfo, tally: Tally) -> None:
+def _check_index(where: Location, path: Path, shard: ShardInfo, tally: ShardTally) -> None:
     """The tar sidecar: present, its sha256 and layout as the manifest says, and its offsets those of the shard."""
     try:
         offsets = where.load_index(shard)
         if offsets is None:
-            tally.problems.append(f"{shard.index}: missing (the manifest names it)")
+            tally.problem(f"{shard.index}: missing (the manifest names it)")
         elif offsets.tolist() != tar_sample_offsets(path):
-            tally.problems.append(f"{shard.index}: offsets do not match the samples of {shard.path}")
+            tally.problem(f"{shard.index}: offsets do not match the samples of {shard.path}")
     except ShardcacheError as exc:
-        tally.problems.append(f"{shard.index}: {exc}")
+        tally.problem(f"{shard.index}: {exc}")
 
 
-def _check_shard(base: Location, storage: str, split_name: str, shard: ShardInfo, decode_wanted: int | None,
-                 tally: Tally) -> None:
+def check_shard(job: ShardJob) -> ShardTally:
+    """Everything about one image shard that needs no other shard (run in a worker process with ``--workers``)."""
+    shard, tally = job.shard, ShardTally(job.n_classes)
     try:
-        where = base.child(shard.path)
+        where = job.base.child(shard.path)
     except ManifestError as exc:  # a symlink out of the folder: reported, never read
-        tally.problems.append(str(exc))
-        return
+        tally.problem(str(exc))
+        return tally
     limit = shard.bytes + 1
     try:
         with where.local_copy(limit) as path:
             if not path.is_file():
                 raise MissingInputError("missing", path=where.text)
             _check_bytes(path, shard, limit, tally)
-            if shard.index is not None and get_storage(storage).indexed:
+            if shard.index is not None and get_storage(job.storage).indexed:
                 _check_index(where, path, shard, tally)
-            check_samples(path, storage, split_name, shard, decode_wanted, tally)
+            check_samples(path, job.storage, shard, job.decode_wanted, tally)
     except MissingInputError:
-        tally.problems.append(f"{shard.path}: missing")
+        tally.problem(f"{shard.path}: missing")
     except InputError:
         raise  # 403, or no credentials: nothing else will read either
     except ShardcacheError as exc:  # the read broke off (the network, after its retries)
-        tally.problems.append(f"{shard.path}: {exc.reason}")
+        tally.problem(f"{shard.path}: {exc.reason}")
+    return tally
 
 
 def _check_source_index(base: Location, manifest: DatasetManifest, tally: Tally) -> None:
@@ -97,29 +115,34 @@ def _check_source_index(base: Location, manifest: DatasetManifest, tally: Tally)
         tally.problems.append(f"{name}: missing (the manifest names it as the source index)")
 
 
-def _verify_images(shown: str, base: Location, manifest: DatasetManifest, full: bool,
-                   samples_per_shard: int) -> VerifyReport:
+def _verify_images(shown: str, base: Location, manifest: DatasetManifest, options: VerifyOptions) -> VerifyReport:
     tally = Tally(len(manifest.classes))
-    shards_checked = 0
-    for split_name, split in manifest.splits.items():
-        for shard in split.shards:
-            shards_checked += 1
-            _check_shard(base, manifest.storage, split_name, shard, None if full else samples_per_shard, tally)
-        check_split_totals(split_name, split, tally)
+    decode_wanted = None if options.full else options.samples_per_shard
+    jobs = [ShardJob(base, manifest.storage, len(manifest.classes), shard, decode_wanted)
+            for split in manifest.splits.values() for shard in split.shards]
+    with progress(total=len(jobs), desc="verify", unit="shard", quiet=options.quiet) as bar, \
+            closing(ordered_map(check_shard, jobs, options.workers, lambda _: bar.update(1))) as results:
+        for split_name, split in manifest.splits.items():
+            for shard, result in zip(split.shards, results):
+                tally.add(split_name, shard.path, result)
+            check_split_totals(split_name, split, tally)
     _check_source_index(base, manifest, tally)
-    return VerifyReport(shown, "images", tuple(tally.problems), shards_checked, tally.read, tally.decoded)
+    return VerifyReport(shown, "images", tuple(tally.problems), len(jobs), tally.read, tally.decoded)
 
 
 def verify_dataset(folder: str | os.PathLike, *, full: bool = False,
-                   samples_per_shard: int = DEFAULT_SAMPLES_PER_SHARD, storage_options: Any = None) -> VerifyReport:
+                   samples_per_shard: int = DEFAULT_SAMPLES_PER_SHARD, storage_options: Any = None,
+                   workers: int = 1, quiet: bool = False) -> VerifyReport:
     """Check a dataset (``dataset.json``) or feature (``features.json``) folder against its manifest; ``folder``
-    may be ``s3://bucket/prefix`` (reached with ``storage_options``)."""
+    may be ``s3://bucket/prefix`` (reached with ``storage_options``). ``workers`` processes check shards side by
+    side (the report is the one a single process makes); a progress bar counts shards on stderr unless ``quiet``."""
+    options = VerifyOptions(full, samples_per_shard, workers, quiet)
     manifest, base = load_manifest_at(folder, storage_options=storage_options)
     where = locate(base, storage_options=storage_options)
     if manifest.kind == "features":
         from shards.check.features_verify import verify_feature_folder  # written with the features stage
 
-        problems = verify_feature_folder(where, full=full)
+        problems = verify_feature_folder(where, full=full, workers=workers, quiet=quiet)
         shards = sum(len(s.shards) for s in manifest.splits.values())
         return VerifyReport(str(folder), "features", tuple(problems), shards)
-    return _verify_images(str(folder), where, manifest, full, samples_per_shard)
+    return _verify_images(str(folder), where, manifest, options)

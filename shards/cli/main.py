@@ -13,6 +13,7 @@ from shards.cli.common import EXIT_FAILED, class_names, emit_json, handle_errors
 from shards.check.inspect import batch_report, format_mixture, format_summary, mixture_report, save_grid, summarize
 from shards.check.verify import verify_dataset
 from shards.check.verify_core import DEFAULT_SAMPLES_PER_SHARD
+from shards.parallel import default_workers
 from shards.stream.mixture import CLASS_MAPS, MixOptions, SourceSpec, Subset
 
 
@@ -26,13 +27,16 @@ def main() -> None:
 @click.option("--full", is_flag=True, help="Decode every image, not a sample per shard.")
 @click.option("--samples-per-shard", type=int, default=DEFAULT_SAMPLES_PER_SHARD, show_default=True,
               help="Images decoded per shard without --full.")
+@click.option("--workers", type=int, default=None,
+              help="Processes checking shards side by side (default: the usable CPUs, at most 8; 1: this process).")
 @s3_options
 @quiet_option
 @handle_errors
-def verify_command(folder: str, full: bool, samples_per_shard: int, quiet: bool, s3) -> None:
+def verify_command(folder: str, full: bool, samples_per_shard: int, workers: int | None, quiet: bool, s3) -> None:
     """Recompute checksums and counts and decode images; exit 1 naming the shard and sample on any problem.
     FOLDER may be s3://bucket/prefix (each shard is read in one streaming GET)."""
-    report = verify_dataset(folder, full=full, samples_per_shard=samples_per_shard, storage_options=s3)
+    report = verify_dataset(folder, full=full, samples_per_shard=samples_per_shard, storage_options=s3,
+                            workers=default_workers() if workers is None else workers, quiet=quiet)
     for problem in report.problems:
         click.echo(f"error: {problem}", err=True)
     if report.ok and not quiet:

@@ -29,21 +29,16 @@ from torch.utils.data._utils.collate import default_collate
 
 from shards.stream.dataset import ShardDataset
 from shards.lock import pid_alive
+from shards.parallel import MAX_DEFAULT_WORKERS, usable_cpus
 from shards.stream.feature_loader import FeatureBatchLoader
 from shards.stream.feature_stream import FeatureShardDataset
 from shards.stream.loader_base import Loader
 from shards.stream.resume import STREAM, SharedResume
 
-MAX_DEFAULT_WORKERS = 8
-
 
 def default_num_workers() -> int:
     """One worker per CPU this process may use, leaving one for the training loop, capped at 8."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cpus = os.cpu_count() or 1
-    return max(1, min(MAX_DEFAULT_WORKERS, cpus - 1))
+    return max(1, min(MAX_DEFAULT_WORKERS, usable_cpus() - 1))
 
 
 class OrphanGuard:

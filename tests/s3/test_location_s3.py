@@ -14,9 +14,9 @@ from shards.cli.main import main
 from shards.errors import ChecksumError, MissingInputError
 from shards.formats import s3
 from shards.formats.location import S3Object, locate
-from shards.formats.manifest_io import load_manifest_at, read_dataset_manifest
+from shards.formats.manifest_io import dataset_sha256_at, load_manifest_at, read_dataset_manifest
 from shards.formats.storage import get_storage
-from shards.manifest import dataset_manifest_sha256, load_dataset_manifest
+from shards.manifest import load_dataset_manifest
 from tests.s3.test_read import packed
 
 pytestmark = pytest.mark.s3
@@ -58,7 +58,7 @@ def test_manifests_and_their_digest_come_from_one_read(bucket, tmp_path):
     assert manifest == load_dataset_manifest(local) and base == url
     s3.FETCH_STATS.reset()
     again, digest = read_dataset_manifest(url)
-    assert again == manifest and digest == dataset_manifest_sha256(local) and s3.FETCH_STATS.requests == 1
+    assert again == manifest and digest == dataset_sha256_at(local) and s3.FETCH_STATS.requests == 1
 
 
 def _same_words(problems) -> list[str]:

@@ -9,7 +9,8 @@ import torch
 
 from shards.formats.features import FeatureShard, write_feature_shard
 from shards.check.features_verify import verify_feature_folder
-from shards.manifest import FeatureManifest, ShardInfo, SplitInfo, dataset_manifest_sha256
+from shards.formats.manifest_io import dataset_sha256_at
+from shards.manifest import FeatureManifest, ShardInfo, SplitInfo
 from shards.formats.storage import get_storage
 from tests.helpers import make_shard_dataset
 
@@ -35,7 +36,7 @@ def _feature_folder(tmp_path: Path, *, storage: str = "pt", shard_sizes=None, ke
             infos.append(ShardInfo(path.name, len(samples), size, sha, image_shard.path, image_shard.sha256))
         splits[name] = SplitInfo(split.samples, split.class_counts, tuple(infos))
     FeatureManifest(storage, dataset.classes, splits, DIM, "float16", 0, {"backbone": "test"}, "abc",
-                    str(data_dir), dataset_manifest_sha256(data_dir)).save(out)
+                    str(data_dir), dataset_sha256_at(data_dir)).save(out)
     return out
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from shards.check.freshness import check_features_fresh, feature_staleness, shard_staleness
 from shards.errors import StaleCacheError
-from shards.manifest import (FeatureManifest, ShardInfo, SplitInfo, dataset_manifest_sha256, load_dataset_manifest)
+from shards.formats.manifest_io import dataset_sha256_at
+from shards.manifest import (FeatureManifest, ShardInfo, SplitInfo, load_dataset_manifest)
 from tests.helpers import make_shard_dataset
 
 
@@ -21,7 +22,7 @@ def _features_of(data_dir: Path) -> FeatureManifest:
         ShardInfo(Path(s.path).stem + ".pt", s.samples, 1, "0" * 64, s.path, s.sha256) for s in split.shards))
         for name, split in dataset.splits.items()}
     return FeatureManifest("pt", dataset.classes, splits, 4, "float16", 0, {}, "abc", str(data_dir),
-                           dataset_manifest_sha256(data_dir))
+                           dataset_sha256_at(data_dir))
 
 
 @pytest.fixture

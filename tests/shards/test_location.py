@@ -14,7 +14,7 @@ from shards.errors import ChecksumError, ManifestError, MissingInputError
 from shards.formats.location import HttpUrl, LocalFile, PipeCommand, S3Object, locate
 from shards.formats.manifest_io import dataset_sha256_at, load_manifest_at, read_dataset_manifest
 from shards.formats.storage import get_storage
-from shards.manifest import dataset_manifest_sha256, load_dataset_manifest
+from shards.manifest import load_dataset_manifest
 from tests.helpers import make_shard_dataset, serve_folder
 
 SHARD = "train-000000.tar"
@@ -143,6 +143,6 @@ def test_manifests_load_by_one_rule_wherever_they_are(served, tmp_path):
     assert load_manifest_at(f"{url}/dataset.json")[1] == url
     assert load_manifest_at(folder / "dataset.json")[1] == str(folder)
     manifest, digest = read_dataset_manifest(folder)
-    assert manifest == local and digest == dataset_manifest_sha256(folder) == dataset_sha256_at(url)
+    assert manifest == local and digest == dataset_sha256_at(folder) == dataset_sha256_at(url)
     with pytest.raises(MissingInputError, match="no dataset.json or features.json under this prefix"):
         load_manifest_at(f"{url}/nothing-here")

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from shards.formats.features import FeatureShard, feature_shard_name, write_feature_shard
+from shards.formats.manifest_io import dataset_sha256_at
 from shards.manifest import (
     DatasetManifest,
     FeatureManifest,
     ShardInfo,
     SourceInfo,
     SplitInfo,
-    dataset_manifest_sha256,
 )
 from shards.formats.storage import shard_name
 from tests.helpers import colour_shards
@@ -60,7 +60,7 @@ def write_feature_folder(root: Path, *, shard_sizes: dict[str, Sequence[int]], c
                     dtype=str(dtype).removeprefix("torch."), views=0,
                     config={"backbone": "generated", "dim": dim}, config_hash="test",
                     dataset_dir=str(dataset_dir),
-                    dataset_sha256=dataset_manifest_sha256(dataset_dir)).save(features_dir)
+                    dataset_sha256=dataset_sha256_at(dataset_dir)).save(features_dir)
     return features_dir
 
 
