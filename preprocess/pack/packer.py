@@ -12,7 +12,6 @@ and the last tasks to finish merge one at a time.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
@@ -27,7 +26,7 @@ from preprocess.pack.parts import (STATE_DIR, check_output, load_part, merge_par
 from preprocess.pack.plan import PackPlan, PlannedShard, make_plan
 from preprocess.pack.sources import SourceScan, check_out_outside_source, scan_source
 from shards.atomic import check_local_output
-from preprocess.pack.validate import InvalidImage, ValidateOptions, read_and_validate, sample_meta
+from preprocess.pack.validate import InvalidImage, ValidateOptions, read_ahead, read_and_validate, sample_meta
 from shards.image.decode import DEFAULT_MAX_PIXELS
 from shards.errors import CorruptDataError, InputError
 from shards.manifest import DATASET_FILE, DatasetManifest, load_dataset_manifest
@@ -106,6 +105,9 @@ class ShardJob(NamedTuple):
     validate: ValidateOptions
     strict: bool
     plan_sha256: str
+    # The parent's copy of the part leaves out its per-sample index rows (the part file on disk holds them): a
+    # pack of N files must not hold N rows in the parent. ``--append`` still takes them back (False).
+    summary_only: bool = False
 
 
 def _pack_sample(job: ShardJob, sample, skipped: list[dict], index: list[dict], position: int) -> RawSample | None:
@@ -121,22 +123,25 @@ def _pack_sample(job: ShardJob, sample, skipped: list[dict], index: list[dict], 
         skipped.append({"path": sample.rel_path, "reason": str(exc)})
         index.append({**row, "skipped": str(exc)})
         return None
-    meta = sample_meta(sample.rel_path, job.classes[sample.label], image)
+    fields, meta = sample_meta(sample.rel_path, job.classes[sample.label], image)
     # The ``<key>.json`` member's fields (width, height...) in the index too, so a reader can filter on them
-    # without opening a shard; parsed back from the member's bytes, so the two never disagree.
-    index.append({**row, "shard": job.shard.name, "row": position, "meta": json.loads(meta)})
+    # without opening a shard; the very values the member's bytes encode, so the two never disagree.
+    index.append({**row, "shard": job.shard.name, "row": position, "meta": fields})
     return RawSample(sample.key, image.data, image.ext, sample.label, meta)
 
 
 def pack_shard(job: ShardJob, on_file: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Validate and write one shard, then its part manifest; returns the part. No file for an all-skipped shard."""
+    """Validate and write one shard, then its part manifest; returns the part (without its ``index`` rows under
+    ``job.summary_only``). No shard file for an all-skipped shard."""
     out = Path(job.out)
     counts = [0] * len(job.classes)
     skipped: list[dict] = []
     index: list[dict] = []
     writer = None
+    samples = list(job.shard.samples)
     with ExitStack() as stack:
-        for sample in job.shard.samples:
+        stack.enter_context(read_ahead([sample.abs_path for sample in samples]))
+        for sample in samples:
             raw = _pack_sample(job, sample, skipped, index, writer.samples if writer is not None else 0)
             if raw is not None:
                 if writer is None:
@@ -154,9 +159,9 @@ def pack_shard(job: ShardJob, on_file: Callable[[int], None] | None = None) -> d
         info["class_counts"] = counts  # in the shard's ShardInfo, so a class subset can skip shards unread
     part = {"plan_sha256": job.plan_sha256, "split": job.shard.split, "shard": info, "class_counts": counts,
             "skipped": skipped, "index": index, "source_files": len(job.shard.samples),
-            "source_bytes": sum(s.size for s in job.shard.samples)}
+            "source_bytes": sum(s.size for s in samples)}
     write_part(out, job.shard.name, part)
-    return part
+    return {k: v for k, v in part.items() if k != "index"} if job.summary_only else part
 
 
 def _plan_doc(plan: PackPlan, storage: str) -> dict[str, Any]:
@@ -250,7 +255,8 @@ def _pack_claimed(cfg: PackConfig, plan: PackPlan, out: Path, started: float) ->
     todo = [s for s in mine if load_part(out, s.name, plan.sha256, check_sha256=True) is None]
     log.info("%d files, %d classes -> %d shards; task %d/%d packs %d (%d already done)", scan.files_seen,
              len(scan.classes), len(plan.shards), cfg.task_index, cfg.num_tasks, len(todo), len(mine) - len(todo))
-    jobs = [ShardJob(str(out), s, scan.classes, cfg.storage, cfg.validate, cfg.strict, plan.sha256) for s in todo]
+    jobs = [ShardJob(str(out), s, scan.classes, cfg.storage, cfg.validate, cfg.strict, plan.sha256,
+                     summary_only=True) for s in todo]
     meter = PackMeter(sum(len(s.samples) for s in todo), cfg.quiet)
     try:
         packed = run_jobs(jobs, cfg.workers, meter)
@@ -278,12 +284,16 @@ def _summary(cfg: PackConfig, plan: PackPlan, manifest: DatasetManifest | None, 
         summary.update(samples=sum(s.samples for s in shards), shards=len(shards),
                        bytes=sum(s.bytes for s in shards), skipped=len(manifest.source.skipped),
                        splits={name: split.samples for name, split in manifest.splits.items()})
-    else:
-        parts = [load_part(Path(cfg.out), s.name, plan.sha256, check_sha256=False) for s in mine]
-        infos = [p["shard"] for p in parts if p is not None and p["shard"] is not None]
-        summary.update(samples=sum(i["samples"] for i in infos), shards=len(infos),
-                       bytes=sum(i["bytes"] for i in infos),
-                       skipped=sum(len(p["skipped"]) for p in parts if p is not None))
+    else:  # one part at a time: a part holds its shard's per-sample index rows
+        totals = Counter()
+        for shard in mine:
+            part = load_part(Path(cfg.out), shard.name, plan.sha256, check_sha256=False)
+            if part is not None:
+                totals["skipped"] += len(part["skipped"])
+                if part["shard"] is not None:
+                    totals.update(samples=part["shard"]["samples"], shards=1, bytes=part["shard"]["bytes"])
+        summary.update(samples=totals["samples"], shards=totals["shards"], bytes=totals["bytes"],
+                       skipped=totals["skipped"])
     return summary
 
 

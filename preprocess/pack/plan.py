@@ -10,11 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections import defaultdict
+from array import array
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Sequence, TypeVar
 
-from preprocess.pack.sources import SourceSample, SourceScan
+import numpy as np
+
+from preprocess.pack.source_columns import NO_SPLIT, SourceSample, SourceSamples
+from preprocess.pack.sources import SourceScan
 from shards.errors import InputError
 from shards.formats.storage import shard_name
 
@@ -26,9 +29,12 @@ SAMPLE_OVERHEAD_BYTES = 2048
 
 
 class PlannedShard(NamedTuple):
+    """One output shard: its samples are a view of the scan's columns (``SourceSamples``) when ``make_plan`` cut
+    it, so a plan of N files costs 8 bytes a file beyond the scan, and a job pickles only its own rows."""
+
     name: str
     split: str
-    samples: tuple[SourceSample, ...]
+    samples: Sequence[SourceSample]
 
 
 @dataclass(frozen=True)
@@ -61,40 +67,87 @@ def stratified_val(by_class: Mapping[str, Sequence[T]], fraction: float, seed: i
     return chosen
 
 
-def assign_splits(scan: SourceScan, val_fraction: float, seed: int) -> dict[str, list[SourceSample]]:
-    """Group samples by split in source order; carve a stratified ``val`` out of ``train`` when asked."""
-    groups: dict[str, list[SourceSample]] = defaultdict(list)
-    for sample in scan.samples:
-        groups[sample.split or "train"].append(sample)
+def seeded_shuffle(values: np.ndarray, seed: str) -> np.ndarray:
+    """``values`` in the order ``random.Random(seed).shuffle`` gives a list of them (the order every earlier pack
+    used, so plans and their digests stay the same); only the positions are shuffled, 8 bytes each in an
+    ``array`` (a list of ints would be 36)."""
+    order = array("q", range(len(values)))
+    random.Random(seed).shuffle(order)
+    return values[np.frombuffer(order, dtype=np.int64)] if len(order) else values
+
+
+def by_rel_path(samples: SourceSamples, positions: np.ndarray) -> np.ndarray:
+    """``positions`` (into ``samples``) sorted by relative path. An image folder's scan is sorted already: that
+    is checked pass by pass over the paths, holding two; only an unsorted list file's paths are held to sort."""
+    view = samples.take(positions)
+    previous = None
+    for path in view.rel_paths():
+        if previous is not None and path < previous:
+            paths = list(view.rel_paths())
+            return positions[np.array(sorted(range(len(paths)), key=paths.__getitem__), dtype=np.int64)]
+        previous = path
+    return positions
+
+
+def split_positions(scan: SourceScan, val_fraction: float, seed: int) -> dict[str, np.ndarray]:
+    """Positions of ``scan.samples`` per split, in source order; a stratified ``val`` is carved out of ``train``
+    when asked. Splits in ``split_order_key`` order, empty ones left out."""
+    samples = scan.samples
+    codes = samples.column("split")
+    names = {NO_SPLIT: "train", **dict(enumerate(samples.split_names))}
+    groups: dict[str, np.ndarray] = {}
+    for code in np.unique(codes).tolist():
+        name = names[code]
+        found = np.flatnonzero(codes == code)
+        groups[name] = np.sort(np.concatenate([groups[name], found])) if name in groups else found
     if val_fraction > 0:
         if "val" in groups:
             raise InputError(f"--val-fraction {val_fraction} given, but the source already has a val split",
                              path=scan.root)
-        by_class: dict[str, list[SourceSample]] = defaultdict(list)
-        for sample in sorted(groups["train"], key=lambda s: s.rel_path):
-            by_class[scan.classes[sample.label]].append(sample)
-        val_keys = {s.key for s in stratified_val(by_class, val_fraction, seed)}
-        groups["val"] = [s for s in groups["train"] if s.key in val_keys]
-        groups["train"] = [s for s in groups["train"] if s.key not in val_keys]
-    return {name: groups[name] for name in sorted(groups, key=split_order_key) if groups[name]}
+        groups.setdefault("train", np.zeros(0, dtype=np.int64))
+        train = by_rel_path(samples, groups["train"])
+        labels = samples.column("label")[train]
+        # Each class draws from its own seeded generator, so the order of the classes does not matter.
+        by_class = {scan.classes[label]: train[labels == label] for label in np.unique(labels).tolist()}
+        chosen = stratified_val(by_class, val_fraction, seed)
+        is_val = np.zeros(len(samples), dtype=bool)
+        is_val[np.array(chosen, dtype=np.int64)] = True
+        groups["val"] = np.flatnonzero(is_val)
+        groups["train"] = groups["train"][~is_val[groups["train"]]]
+    return {name: groups[name] for name in sorted(groups, key=split_order_key) if len(groups[name])}
+
+
+def assign_splits(scan: SourceScan, val_fraction: float, seed: int) -> dict[str, SourceSamples]:
+    """``split_positions`` as samples: each split's files in source order."""
+    return {name: scan.samples.take(positions)
+            for name, positions in split_positions(scan, val_fraction, seed).items()}
+
+
+def shard_bounds(sizes: np.ndarray, max_samples: int, max_bytes: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each shard when files of these sizes fill shards in order, a new one starting when
+    either limit would be passed (a lone big file still fits). One binary search per shard, not a step per file:
+    a shard ends at the first file whose running cost passes its start's cost plus ``max_bytes``."""
+    cost = np.cumsum(np.asarray(sizes, dtype=np.int64) + SAMPLE_OVERHEAD_BYTES)
+    bounds: list[tuple[int, int]] = []
+    start, n = 0, len(cost)
+    while start < n:
+        before = int(cost[start - 1]) if start else 0
+        over = int(np.searchsorted(cost, before + max_bytes, side="right"))
+        stop = max(start + 1, min(over, start + max_samples, n))
+        bounds.append((start, stop))
+        start = stop
+    return bounds
 
 
 def cut_shards(samples: Sequence[SourceSample], split: str, storage: str, max_samples: int,
                max_bytes: int) -> list[PlannedShard]:
-    """Fill shards in order, starting a new one when either limit would be passed (a lone big file still fits)."""
-    shards: list[PlannedShard] = []
-    current: list[SourceSample] = []
-    current_bytes = 0
-    for sample in samples:
-        cost = sample.size + SAMPLE_OVERHEAD_BYTES
-        if current and (len(current) >= max_samples or current_bytes + cost > max_bytes):
-            shards.append(PlannedShard(shard_name(split, len(shards), storage), split, tuple(current)))
-            current, current_bytes = [], 0
-        current.append(sample)
-        current_bytes += cost
-    if current:
-        shards.append(PlannedShard(shard_name(split, len(shards), storage), split, tuple(current)))
-    return shards
+    """The shards of one split's files in this order (``shard_bounds``), each a slice of ``samples``."""
+    if isinstance(samples, SourceSamples):
+        sizes = samples.column("size")
+    else:
+        sizes = np.fromiter((s.size for s in samples), dtype=np.int64, count=len(samples))
+    return [PlannedShard(shard_name(split, i, storage), split, samples[start:stop])
+            for i, (start, stop) in enumerate(shard_bounds(sizes, max_samples, max_bytes))]
 
 
 def plan_digest(scan: SourceScan, shards: Sequence[PlannedShard], packing: Mapping[str, Any]) -> str:
@@ -110,13 +163,13 @@ def plan_digest(scan: SourceScan, shards: Sequence[PlannedShard], packing: Mappi
 
 
 def make_plan(scan: SourceScan, packing: Mapping[str, Any], storage: str) -> PackPlan:
-    """``packing`` holds seed, shuffle, val_fraction, max_samples and max_bytes (and whatever else shapes bytes)."""
+    """``packing`` holds seed, shuffle, val_fraction, max_samples and max_bytes (and whatever else shapes bytes).
+    Shuffled splits are sorted by relative path first, so the order never depends on how the source was listed."""
     seed = int(packing["seed"])
     shards: list[PlannedShard] = []
-    for split, samples in assign_splits(scan, float(packing["val_fraction"]), seed).items():
-        ordered = list(samples)
+    for split, positions in split_positions(scan, float(packing["val_fraction"]), seed).items():
         if packing["shuffle"]:
-            ordered.sort(key=lambda s: s.rel_path)
-            random.Random(f"{seed}/shuffle/{split}").shuffle(ordered)
-        shards.extend(cut_shards(ordered, split, storage, int(packing["max_samples"]), int(packing["max_bytes"])))
+            positions = seeded_shuffle(by_rel_path(scan.samples, positions), f"{seed}/shuffle/{split}")
+        shards.extend(cut_shards(scan.samples.take(positions), split, storage, int(packing["max_samples"]),
+                                 int(packing["max_bytes"])))
     return PackPlan(scan, tuple(shards), dict(packing), plan_digest(scan, shards, packing))

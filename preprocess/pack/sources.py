@@ -13,15 +13,14 @@ The packer checks again when it opens the file (``validate.read_file``), since a
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, NamedTuple
 
-from preprocess.pack.csv_records import SPLIT_NAME, read_csv_records
+from preprocess.pack.source_columns import NO_SPLIT, SamplesBuilder, SourceSample, SourceSamples, as_samples, sample_key
+from preprocess.pack.csv_records import SPLIT_NAME, iter_csv_records
 from shards.bounded_read import not_regular_reason, read_regular_file
 from shards.errors import InputError, MissingInputError
 from shards.jsonlines import json_lines
@@ -31,21 +30,7 @@ log = logging.getLogger("shardcache.sources")
 
 SPLIT_DIRS = ("train", "val", "test")
 LIST_COLUMNS = ("path", "label", "split")
-KEY_SLUG_CHARS = 64
-KEY_HASH_CHARS = 12
-_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
-
-
-class SourceSample(NamedTuple):
-    """One source file to pack. ``rel_path`` (POSIX, relative to the source root) is its identity."""
-
-    key: str
-    rel_path: str
-    abs_path: str
-    label: int
-    split: str | None  # None: the source has no split; the packer assigns one
-    size: int
-    mtime_ns: int
+__all__ = ["SourceSample", "SourceScan", "SkippedSource", "sample_key", "scan_source", "check_out_outside_source"]
 
 
 class SkippedSource(NamedTuple):
@@ -55,13 +40,23 @@ class SkippedSource(NamedTuple):
     reason: str
 
 
+def scan_base(kind: str, root: str) -> str:
+    """The folder relative paths are relative to: the tree itself, or a list file's folder."""
+    return root if kind.startswith("imagefolder") else os.path.dirname(root)
+
+
 @dataclass(frozen=True)
 class SourceScan:
+    """``samples`` is a ``SourceSamples`` (columns); rows given as ``SourceSample`` tuples are stored as columns."""
+
     kind: str  # "imagefolder", "imagefolder-splits", "csv", "jsonl"
     root: str
     classes: tuple[str, ...]
-    samples: tuple[SourceSample, ...]
+    samples: SourceSamples
     skipped: tuple[SkippedSource, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "samples", as_samples(self.samples, scan_base(self.kind, self.root)))
 
     @property
     def files_seen(self) -> int:
@@ -69,86 +64,89 @@ class SourceScan:
 
     @property
     def has_splits(self) -> bool:
-        return any(s.split is not None for s in self.samples)
-
-
-def sample_key(rel_path: str) -> str:
-    """A tar-safe key: an ASCII slug of the path (no dots, since webdataset splits the key at the first dot)
-    plus a hash of the full path, so two classes holding ``img.jpg`` never collide."""
-    slug = _UNSAFE.sub("_", rel_path).strip("_")[-KEY_SLUG_CHARS:].lstrip("_") or "sample"
-    digest = hashlib.sha256(rel_path.encode("utf-8")).hexdigest()[:KEY_HASH_CHARS]
-    return f"{slug}-{digest}"
+        return bool((self.samples.column("split") != NO_SPLIT).any())
 
 
 def is_image_name(name: str) -> bool:
     return not name.startswith(".") and name.rpartition(".")[2].lower() in IMAGE_EXTENSIONS and "." in name
 
 
-def _stat_sample(path: Path, rel_path: str, label: int, split: str | None) -> SourceSample | SkippedSource:
-    """The sample, or why it is skipped. Never opens the file: opening a FIFO would block."""
+def _stat_file(abs_path: str, rel_path: str) -> os.stat_result | SkippedSource:
+    """The file's stat, or why it is skipped. Never opens the file: opening a FIFO would block."""
     try:
-        info = path.stat()
+        info = os.stat(abs_path)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             return SkippedSource(rel_path, "symbolic link loop")
-        if isinstance(exc, FileNotFoundError) and path.is_symlink():
-            return SkippedSource(rel_path, f"dangling symbolic link (to {os.readlink(path)!r})")
+        if isinstance(exc, FileNotFoundError) and os.path.islink(abs_path):
+            return SkippedSource(rel_path, f"dangling symbolic link (to {os.readlink(abs_path)!r})")
         return SkippedSource(rel_path, f"cannot stat ({exc.strerror or exc})")
     reason = not_regular_reason(info.st_mode)
-    if reason is not None:
-        return SkippedSource(rel_path, reason)
-    return SourceSample(sample_key(rel_path), rel_path, str(path), label, split, info.st_size, info.st_mtime_ns)
+    return info if reason is None else SkippedSource(rel_path, reason)
 
 
-def _make_scan(kind: str, root: str, classes: tuple[str, ...],
-               found: list[SourceSample | SkippedSource]) -> SourceScan:
-    samples = [s for s in found if isinstance(s, SourceSample)]
-    skipped = sorted((s for s in found if isinstance(s, SkippedSource)), key=lambda s: s.rel_path)
+def _add_file(builder: SamplesBuilder, skipped: list[SkippedSource], rel_path: str, label: int,
+              split: str | None) -> None:
+    info = _stat_file(os.path.join(builder.base, rel_path), rel_path)
+    if isinstance(info, SkippedSource):
+        skipped.append(info)
+    else:
+        builder.add(rel_path, label, split, info.st_size, info.st_mtime_ns)
+
+
+def _make_scan(kind: str, root: str, classes: tuple[str, ...], builder: SamplesBuilder,
+               skipped: list[SkippedSource]) -> SourceScan:
+    skipped.sort(key=lambda s: s.rel_path)
     for item in skipped:  # the packer's one warning line counts them by reason (preprocess.pack.packer.log_skipped)
         log.debug("%s: skipping %s: %s", root, item.rel_path, item.reason)
-    return SourceScan(kind, root, classes, tuple(samples), tuple(skipped))
+    return SourceScan(kind, root, classes, builder.build(), tuple(skipped))
 
 
 def _visible_dirs(folder: Path) -> list[Path]:
     return sorted((p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")), key=lambda p: p.name)
 
 
-def _image_files(class_dir: Path) -> list[Path]:
-    """Every image under ``class_dir``, nested folders included, hidden files and folders skipped."""
+def _image_files(class_dir: str, class_rel: str) -> list[str]:
+    """The relative path of every image under ``class_dir`` (nested folders included, hidden files and folders
+    skipped), sorted: one class at a time, so only one class's names are ever held as strings."""
     found = []
     for folder, dirnames, filenames in os.walk(class_dir):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        found.extend(Path(folder) / name for name in filenames if is_image_name(name))
+        prefix = class_rel + folder[len(class_dir):] + "/"
+        found.extend(prefix + name for name in filenames if is_image_name(name))
+    found.sort()
     return found
 
 
-def _scan_class_dirs(root: Path, allow_empty: bool) -> dict[str, list[Path]]:
-    class_dirs = _visible_dirs(root)
+def _class_dirs(root: Path) -> list[str]:
+    class_dirs = [p.name for p in _visible_dirs(root)]
     if not class_dirs:
         raise InputError("holds no class folders (expected <root>/<class>/<image files>)", path=str(root))
-    files = {d.name: _image_files(d) for d in class_dirs}
-    for name, paths in files.items():
-        if not paths and not allow_empty:
-            raise InputError("class folder holds no images (pass --allow-empty-classes to keep it)",
-                             path=str(root / name))
     loose = [p.name for p in root.iterdir() if p.is_file() and is_image_name(p.name)]
     if loose:
         log.warning("%s: ignoring %d image(s) outside any class folder", root, len(loose))
-    return files
+    return class_dirs
 
 
-def _folder_samples(root: Path, per_split: dict[str | None, dict[str, list[Path]]], kind: str) -> SourceScan:
-    classes = tuple(sorted({name for files in per_split.values() for name in files}))
+def _folder_samples(root: Path, per_split: dict[str | None, list[str]], kind: str,
+                    allow_empty: bool) -> SourceScan:
+    """Every class folder of every split, stat'ed into columns in relative-path order. The files of one class
+    folder are a contiguous run of that order (every path in it starts with the folder's path and a slash), so
+    sorting the folders by that prefix and each folder's files gives the sorted whole without holding it."""
+    classes = tuple(sorted({name for names in per_split.values() for name in names}))
     class_to_idx = {name: i for i, name in enumerate(classes)}
-    found = []
-    for split, files in per_split.items():
-        for name, paths in files.items():
-            for path in paths:
-                rel_path = path.relative_to(root).as_posix()
-                found.append(_stat_sample(path, rel_path, class_to_idx[name], split))
-    found.sort(key=lambda s: s.rel_path)
-    scan = _make_scan(kind, str(root), classes, found)
-    if not scan.samples:
+    folders = sorted(((f"{split}/{name}" if split else name), split, name)
+                     for split, names in per_split.items() for name in names)
+    builder, skipped = SamplesBuilder(str(root), [s for s in SPLIT_DIRS if s in per_split]), []
+    for class_rel, split, name in sorted(folders, key=lambda f: f[0] + "/"):
+        rel_paths = _image_files(os.path.join(str(root), class_rel), class_rel)
+        if not rel_paths and not allow_empty:
+            raise InputError("class folder holds no images (pass --allow-empty-classes to keep it)",
+                             path=str(root / class_rel))
+        for rel_path in rel_paths:
+            _add_file(builder, skipped, rel_path, class_to_idx[name], split)
+    scan = _make_scan(kind, str(root), classes, builder, skipped)
+    if not len(scan.samples):
         raise InputError("holds no image files" + (f" ({len(scan.skipped)} skipped: {scan.skipped[0].reason})"
                                                    if scan.skipped else ""), path=str(root))
     return scan
@@ -158,14 +156,13 @@ def scan_image_folder(root: Path, *, allow_empty_classes: bool = False) -> Sourc
     """``root/<class>/...`` or ``root/{train,val[,test]}/<class>/...`` (kept as splits)."""
     subdirs = {p.name for p in _visible_dirs(root)}
     if "train" in subdirs and subdirs <= set(SPLIT_DIRS):
-        per_split = {split: _scan_class_dirs(root / split, allow_empty_classes)
-                     for split in SPLIT_DIRS if split in subdirs}
-        return _folder_samples(root, per_split, "imagefolder-splits")
-    return _folder_samples(root, {None: _scan_class_dirs(root, allow_empty_classes)}, "imagefolder")
+        per_split = {split: _class_dirs(root / split) for split in SPLIT_DIRS if split in subdirs}
+        return _folder_samples(root, per_split, "imagefolder-splits", allow_empty_classes)
+    return _folder_samples(root, {None: _class_dirs(root)}, "imagefolder", allow_empty_classes)
 
 
 def _list_rows_csv(path: Path) -> Iterable[tuple[int, dict[str, str]]]:
-    header, records = read_csv_records(path, "path,label[,split]")
+    header, records = iter_csv_records(path, "path,label[,split]")
     _check_columns(header, path, 1)
     for line_num, cells in records:
         yield line_num, dict(zip(header, cells))
@@ -196,12 +193,18 @@ def _check_columns(columns: list[str], path: Path, line_num: int) -> None:
 
 
 def scan_list_file(path: Path) -> SourceScan:
-    """A CSV or JSONL list of ``path,label[,split]``; relative paths are relative to the list's folder."""
+    """A CSV or JSONL list of ``path,label[,split]``; relative paths are relative to the list's folder.
+
+    Rows are checked and stat'ed as they are read, into columns: labels are numbered as they are first seen and
+    renumbered in sorted order at the end, so no row is held as Python objects (only each path, to refuse one
+    listed twice)."""
     kind = "jsonl" if path.suffix.lower() in (".jsonl", ".ndjson") else "csv"
     rows = _list_rows_jsonl(path) if kind == "jsonl" else _list_rows_csv(path)
     base = path.parent.resolve()
-    entries: list[tuple[str, Path, str, str | None]] = []
+    builder, skipped = SamplesBuilder(str(base)), []
+    labels: dict[str, int] = {}  # label -> number in order of first appearance
     seen: dict[str, int] = {}
+    with_split = set()
     for line_num, row in rows:
         where = f"line {line_num}"
         if not row.get("path"):
@@ -219,16 +222,16 @@ def scan_list_file(path: Path) -> SourceScan:
             raise InputError(f"{where}: {row['path']!r} is listed twice (first on line {seen[rel_path]})",
                              path=str(path))
         seen[rel_path] = line_num
-        entries.append((rel_path, file_path, row["label"], split))
-    if not entries:
+        with_split.add(split is not None)
+        _add_file(builder, skipped, rel_path, labels.setdefault(row["label"], len(labels)), split)
+    if not seen:
         raise InputError("lists no files", path=str(path))
-    if len({split is None for _, _, _, split in entries}) > 1:
+    if len(with_split) > 1:
         raise InputError("some rows have a split and some do not", path=str(path))
-    classes = tuple(sorted({label for _, _, label, _ in entries}))
-    class_to_idx = {name: i for i, name in enumerate(classes)}
-    found = [_stat_sample(p, rel, class_to_idx[label], split) for rel, p, label, split in entries]
-    scan = _make_scan(kind, str(path.resolve()), classes, found)
-    if not scan.samples:
+    classes = tuple(sorted(labels))
+    builder.renumber_labels([classes.index(name) for name in labels])
+    scan = _make_scan(kind, str(path.resolve()), classes, builder, skipped)
+    if not len(scan.samples):
         raise InputError(f"lists no packable files ({len(scan.skipped)} skipped: {scan.skipped[0].reason})",
                          path=str(path))
     return scan
