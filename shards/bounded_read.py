@@ -32,6 +32,7 @@ from shards.units import human_bytes
 
 MAX_JSON_DEPTH = 64
 MAX_FILE_BYTES = 1 << 30
+READ_BLOCK = 8 << 20  # bytes per read of a whole file: a manifest is a few MB at most
 
 _FILE_KINDS = ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
                (stat.S_ISBLK, "block device"), (stat.S_ISDIR, "directory"))
@@ -133,11 +134,19 @@ def read_regular_file(path: str | os.PathLike, *, limit: int = MAX_FILE_BYTES,
 
 def read_capped(stream: BinaryIO, where: str, *, limit: int = MAX_FILE_BYTES,
                 error: type[InputError] = ManifestError) -> bytes:
-    """All of ``stream`` (a file grown since its ``stat``, an HTTP body), or ``error`` once it passes ``limit``."""
-    data = stream.read(limit + 1)
-    if len(data) > limit:
-        raise error(f"more than the {human_bytes(limit)} shardcache reads whole", path=where)
-    return data
+    """All of ``stream`` (a file grown since its ``stat``, an HTTP body), or ``error`` once it passes ``limit``.
+
+    Read in blocks: ``read(limit + 1)`` allocates ``limit + 1`` bytes up front (1 GiB for every manifest), which a
+    node with strict overcommit or ``ulimit -v`` refuses."""
+    chunks, total = [], 0
+    while True:
+        chunk = stream.read(min(READ_BLOCK, limit + 1 - total))
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        total += len(chunk)
+        if total > limit:
+            raise error(f"more than the {human_bytes(limit)} shardcache reads whole", path=where)
 
 
 def read_json_file(path: str | os.PathLike, *, limit: int = MAX_FILE_BYTES) -> Any:

@@ -86,8 +86,9 @@ class ShardInfo:
         otherwise, which the manifest readers turn into one ``ManifestError`` line."""
         if value is None:
             return None
-        if not isinstance(value, list) or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
-                                                  for c in value):
+        # Set and min over the list run in C: at 1,000 classes x 1,280 shards a generator over every count was
+        # most of the time ``open_dataset`` spent before its first batch. ``type(c) is int`` refuses bools.
+        if not isinstance(value, list) or not set(map(type, value)) <= {int} or (value and min(value) < 0):
             raise ValueError(f"shard class_counts {value!r} is not a list of non-negative integers")
         if sum(value) != samples:
             raise ValueError(f"shard class_counts {value!r} sum to {sum(value)}, but the shard has {samples} "

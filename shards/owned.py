@@ -11,7 +11,9 @@ manifest being replaced (``dataset.json``, ``features.json``, a run's ``config.j
 - ``refuse_clobber``: before anything is written, a file this run would write over that the replaced output does
   not name is refused (exit 2, naming it): left alone, it is never silently replaced either.
 - ``remove_owned``: delete exactly the named files, the temp files a killed run left of them, and the records in the
-  stage folder (its lock files stay: the running job holds them); log what stays beside them.
+  stage folder (its lock files stay: the running job holds them); log what stays beside them. Files a layout keeps
+  in subfolders (the column index, ``columns/<split>/c000.npy``) are named by relative path (``nested``); only
+  those matching the layout's own pattern count, and none is followed through a symlinked folder.
 """
 
 from __future__ import annotations
@@ -67,15 +69,44 @@ def refuse_clobber(folder: Path, owned: Collection[str], writes: Collection[str]
                                 "them away or choose another --out", path=str(folder))
 
 
-def remove_owned(folder: Path, owned: Collection[str], state_dir: str | None = None) -> list[str]:
-    """Delete the ``owned`` files of ``folder`` (a link, not its target), their temp files and the stage folder's
-    records (lock files stay); return what stays, which one log line names."""
+def nested_names(names: Iterable[object], pattern: re.Pattern[str]) -> set[str]:
+    """The relative paths among ``names`` (untrusted record values) that ``pattern`` (a layout's subfolder files,
+    matched whole) accepts and whose every part is a plain name."""
+    return {name for name in names if isinstance(name, str) and pattern.fullmatch(name)
+            and all(plain_names([part]) for part in name.split("/"))}
+
+
+def remove_nested(folder: Path, names: Collection[str]) -> None:
+    """Delete each relative path of ``names`` inside ``folder``, its temp files, and the subfolders it empties;
+    a path whose folder resolves elsewhere (a symlinked subfolder) is left alone."""
+    root = os.path.realpath(folder)
+    parents: set[Path] = set()
+    for name in names:
+        path = folder / name
+        if os.path.realpath(path.parent) != os.path.join(root, os.path.dirname(name)):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            if path.is_symlink() or not path.is_dir():
+                path.unlink()
+        remove_stale_tmp(path.parent, {path.name})
+        parents.update(p for p in path.relative_to(folder).parents if p != Path("."))
+    for parent in sorted(parents, key=lambda p: len(p.parts), reverse=True):
+        with contextlib.suppress(OSError):  # not empty (a file we do not own), or gone
+            (folder / parent).rmdir()
+
+
+def remove_owned(folder: Path, owned: Collection[str], state_dir: str | None = None,
+                 nested: Collection[str] = ()) -> list[str]:
+    """Delete the ``owned`` files of ``folder`` (a link, not its target), the ``nested`` ones (relative paths the
+    caller checked with ``nested_names``), their temp files and the stage folder's records (lock files stay);
+    return what stays, which one log line names."""
     for name in plain_names(owned):
         path = folder / name
         if path.is_symlink() or not path.is_dir():
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
     remove_stale_tmp(folder, plain_names(owned))
+    remove_nested(folder, nested)
     state = folder / state_dir if state_dir else None
     if state is not None and state.is_dir() and not state.is_symlink():
         for record in state.iterdir():

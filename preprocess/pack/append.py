@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from preprocess.pack.packer import PackConfig, ShardJob, PackMeter, run_jobs, check_strict, log_skipped, pack
-from preprocess.pack.parts import PLAN_FILE, STATE_DIR
+from preprocess.pack.parts import PLAN_FILE, STATE_DIR, column_file_names, write_columns
 from preprocess.pack.plan import PlannedShard, assign_splits, cut_shards, split_order_key
 from preprocess.pack.sources import SourceSample, SourceScan, scan_source
 from shards.atomic import sha256_file, write_bytes_atomic
@@ -34,10 +34,12 @@ from shards.errors import CorruptDataError, InputError, ManifestError
 from shards.jsonlines import json_lines
 from shards.manifest import (DATASET_FILE, DatasetManifest, ShardInfo, SkippedFile, SourceInfo, SplitInfo,
                              load_dataset_manifest, utc_now)
+from shards.formats.columns import COLUMNS_KEY
 from shards.formats.locations import local_shard_path
 from shards.formats.storage import get_storage, shard_name
 from shards.formats.tarindex import index_name
 from shards.lock import claim_output
+from shards.owned import remove_nested
 
 log = logging.getLogger("shardcache.append")
 _SHARD_INDEX = re.compile(r"-(\d{6})\.[a-z0-9]+$")
@@ -259,6 +261,10 @@ def _append_claimed(cfg: PackConfig, out: Path, prune: bool, started: float) -> 
     to_pack = list(diff.new) + (list(diff.changed) if prune else [])
     if not to_pack and not drop:
         log.info("%s: nothing new in %s (%d files packed already)", out, cfg.source, diff.unchanged)
+        if COLUMNS_KEY not in manifest.extra:  # packed before the column index: it gets one now
+            manifest = manifest.replace(extra={**manifest.extra,
+                                               COLUMNS_KEY: _columns(out, manifest, manifest, index.values())})
+            manifest.save(out)
         return AppendResult(manifest, _summary(cfg, manifest, diff, [], {}, started, drop))
     batch = len(manifest.packing.get("appends", [])) + 1
     next_index = _next_indices(out, manifest)
@@ -274,11 +280,12 @@ def _append_claimed(cfg: PackConfig, out: Path, prune: bool, started: float) -> 
     scan_skipped = [SkippedFile(s.rel_path, s.reason) for s in scan.skipped]
     updated = build_manifest(manifest, rows, replaced, new_infos, scan.files_seen, record, scan_skipped)
     updated = updated.replace(extra={**manifest.extra, "source_index": _write_index(out, rows, batch)})
+    updated = updated.replace(extra={**updated.extra, COLUMNS_KEY: _columns(out, manifest, updated, rows)})
     updated.save(out)
     log_skipped([(s.path, s.reason) for s in scan_skipped]
                 + [(s["path"], s["reason"]) for part in parts for s in part["skipped"]],
                 len(to_pack) + len(scan_skipped))
-    _remove_superseded(out, manifest, replaced)
+    _remove_superseded(out, manifest, replaced, updated)
     return AppendResult(updated, _summary(cfg, updated, diff, [i.path for _, i in new_infos], replaced, started, drop))
 
 
@@ -295,11 +302,37 @@ def _pack_planned(out: Path, planned: Sequence[PlannedShard], classes: tuple[str
     return parts
 
 
-def _remove_superseded(out: Path, previous: DatasetManifest, replaced: Mapping[str, Any]) -> None:
-    """After the commit: the old index file and the shards that pruning replaced are no longer referenced."""
+def _columns(out: Path, previous: DatasetManifest, updated: DatasetManifest,
+             rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """The column index of ``updated``: the splits whose shards changed (or that had none) written again from
+    ``rows`` (the whole new source index, held in memory by the append anyway) in manifest order, numbered past
+    the files the committed manifest names (which stay until the commit); the other splits' entries kept.
+
+    A split whose rows do not all record their shard position (packed before rows did) gets no columns: its
+    readers use the source index as before."""
+    old = previous.extra.get(COLUMNS_KEY) if isinstance(previous.extra.get(COLUMNS_KEY), Mapping) else {}
+    old_splits = old.get("splits") if isinstance(old.get("splits"), Mapping) else {}
+    changed = [split for split, info in updated.splits.items()
+               if split not in old_splits or split not in previous.splits or previous.splits[split] != info]
+    position = {s.path: i for info in updated.splits.values() for i, s in enumerate(info.shards)}
+    packed = [row for row in rows if row.get("shard") in position and not row.get("skipped")]
+    unordered = {row["split"] for row in packed if type(row.get("row")) is not int}
+    for split in sorted(unordered & set(changed)):
+        log.info("%s: split %r was packed before source-index rows recorded their position; it gets no column "
+                 "index (repack to add one)", out, split)
+    packed.sort(key=lambda row: (position[row["shard"]], row["row"] if type(row.get("row")) is int else -1))
+    return write_columns(out, updated, lambda split: packed, [s for s in changed if s not in unordered], old)
+
+
+def _remove_superseded(out: Path, previous: DatasetManifest, replaced: Mapping[str, Any],
+                       updated: DatasetManifest) -> None:
+    """After the commit: the old index file, the column files the new manifest no longer names and the shards
+    that pruning replaced are no longer referenced."""
     old_index = previous.extra.get("source_index", {}).get("path")
     if old_index:
         (out / old_index).unlink(missing_ok=True)
+    remove_nested(out, column_file_names(previous.extra.get(COLUMNS_KEY))
+                  - column_file_names(updated.extra.get(COLUMNS_KEY)))
     for old in replaced:
         (out / old).unlink(missing_ok=True)
         (out / index_name(old)).unlink(missing_ok=True)

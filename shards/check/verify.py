@@ -26,6 +26,7 @@ from shards.check.verify_core import (
     DEFAULT_SAMPLES_PER_SHARD, ShardTally, Tally, VerifyOptions, VerifyReport, check_samples, check_split_totals,
 )
 from shards.errors import InputError, ManifestError, MissingInputError, ShardcacheError
+from shards.formats.columns import verify_columns
 from shards.formats.location import Location, locate
 from shards.formats.manifest_io import load_manifest_at
 from shards.formats.storage import get_storage
@@ -127,6 +128,7 @@ def _verify_images(shown: str, base: Location, manifest: DatasetManifest, option
                 tally.add(split_name, shard.path, result)
             check_split_totals(split_name, split, tally)
     _check_source_index(base, manifest, tally)
+    tally.problems.extend(verify_columns(base, manifest))  # the column index (shards.formats.columns)
     return VerifyReport(shown, "images", tuple(tally.problems), len(jobs), tally.read, tally.decoded)
 
 

@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 from shards.atomic import sha256_file
 from shards.bounded_read import parse_json, read_json_file
 from shards.errors import CorruptDataError, InputError, MissingInputError, OutputExistsError
+from shards.formats.columns import COLUMNS_KEY, column_file_entries
 from shards.formats.locations import local_shard_path
 from shards.formats.s3 import S3Options, S3PreconditionFailed, client_call, make_client, parse_s3_url
 from shards.formats.s3_ranges import head_object, read_object
@@ -173,6 +174,7 @@ def _named_files(manifest: Mapping[str, Any]) -> Iterator[tuple[str, int | None,
     source_index = manifest.get("source_index")
     if isinstance(source_index, Mapping) and source_index.get("path"):
         yield source_index["path"], None, source_index.get("sha256")
+    yield from column_file_entries(manifest.get(COLUMNS_KEY))  # the column index (shards.formats.columns)
 
 
 def _staged_files(folder: Path, manifest: Mapping[str, Any], manifest_file: str) -> list[tuple[str, int, str]]:

@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 import shards.formats.s3_upload as s3_upload
+from shards.formats.columns import column_files
 from preprocess.pack.cli import pack_shards_command
 from tests.helpers import write_image_folder
 
@@ -96,7 +97,8 @@ def test_killed_upload_reruns_without_reuploading_finished_objects(src, bucket, 
     second = _pack(src, bucket.url("ds"), tmp_path / "stage")
     assert second.exit_code == 0, second.output
     assert not set(done) & set(rerun_uploads) and rerun_uploads[-1] == "dataset.json"
-    assert len(done) + len(rerun_uploads) == 3 + 3 + 2  # shards, sidecars, source index and manifest
+    columns = column_files(json.loads((tmp_path / "stage" / "dataset.json").read_text())["columns"])
+    assert len(done) + len(rerun_uploads) == 3 + 3 + 2 + len(columns)  # shards, sidecars, index, manifest, columns
     third = _pack(src, bucket.url("ds"), tmp_path / "stage")
     assert json.loads(third.output.strip().splitlines()[-1])["upload"]["uploaded"] == 0
 
