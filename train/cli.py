@@ -65,6 +65,9 @@ from train.config import CLASS_MAPS, DATA_KINDS, DEFAULT_DECODE, DEVICES, HEADS,
 @click.option("--workers", type=int, default=None, help="DataLoader workers. Default: the loader's choice.")
 @click.option("--prefetch", type=int, default=2,
               help="Feature batches a background thread gathers ahead of the training step (0: none).")
+@click.option("--feature-window", type=int, default=0,
+              help="Features: shuffle within windows of this many rows of the epoch's shard order and read the "
+                   "next window while this one trains, for a cold or larger-than-memory cache (0: shuffle whole).")
 @click.option("--amp", is_flag=True, help="Mixed precision (float16 autocast + GradScaler); CUDA only.")
 @click.option("--device", type=click.Choice(DEVICES), default="auto")
 @click.option("--train-split", default="train")
@@ -92,7 +95,8 @@ def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...],
                   dropout: float, model: str, weights: str | None, image_size: int, decode: str, fast_decode: bool,
                   epochs: int, batch_size: int, optimizer: str, lr: float | None, momentum: float, warmup_epochs: float,
                   weight_decay: float, label_smoothing: float, class_weighted_loss: bool, balanced_sampler: bool,
-                  seed: int, workers: int | None, prefetch: int, amp: bool, device: str, train_split: str,
+                  seed: int, workers: int | None, prefetch: int, feature_window: int, amp: bool, device: str,
+                  train_split: str,
                   val_split: str, checkpoint_every: int, resume: bool, dry_run: bool, overwrite: bool,
                   stop_after_steps: int | None, no_report: bool, cache_images: bool, memory_limit: int | None,
                   quiet: bool, s3, cache) -> None:
@@ -120,7 +124,8 @@ def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...],
         epochs=epochs, batch_size=batch_size, optimizer=optimizer, lr=lr, momentum=momentum,
         warmup_epochs=warmup_epochs, weight_decay=weight_decay, label_smoothing=label_smoothing,
         class_weighted_loss=class_weighted_loss, balanced_sampler=balanced_sampler, seed=seed,
-        workers=workers, prefetch=prefetch, amp=amp, device=device, train_split=train_split, val_split=val_split,
+        workers=workers, prefetch=prefetch, feature_window=feature_window, amp=amp, device=device,
+        train_split=train_split, val_split=val_split,
         checkpoint_every=checkpoint_every, resume=resume, overwrite=overwrite, dry_run=dry_run, quiet=quiet,
         stop_after_steps=stop_after_steps, report=not no_report, cache_images=cache_images,
         memory_limit=memory_limit,

@@ -68,6 +68,7 @@ class TrainConfig:
     seed: int = 0
     workers: int | None = None
     prefetch: int = 2  # feature batches a background thread gathers ahead (0: none)
+    feature_window: int = 0  # features: permute within windows of this many rows, read one window ahead (0: whole)
     amp: bool = False
     device: str = "auto"
     train_split: str = "train"
@@ -140,6 +141,8 @@ class TrainConfig:
             raise InputError(f"warmup_epochs={self.warmup_epochs!r} is longer than epochs={self.epochs}")
         if self.prefetch < 0:
             raise InputError(f"prefetch={self.prefetch!r} must be >= 0")
+        if self.feature_window < 0:
+            raise InputError(f"feature_window={self.feature_window!r} must be >= 0")
         if self.workers is not None and self.workers < 0:
             raise InputError(f"workers={self.workers!r} must be >= 0")
         if self.class_weighted_loss and self.balanced_sampler:

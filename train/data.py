@@ -164,7 +164,7 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
         train_spec = TransformSpec(preset="train", size=cfg.image_size)
         eval_spec = TransformSpec(preset="eval", size=cfg.image_size)
         decode = Decode(cfg.decode, draft=cfg.fast_decode)
-    sampling = Sampling(class_weights="balanced") if cfg.balanced_sampler else Sampling()
+    sampling = Sampling(class_weights="balanced" if cfg.balanced_sampler else None, feature_window=cfg.feature_window)
     remote = Remote(storage_options=cfg.storage_options, shard_cache=cfg.shard_cache)
     train_images, val_images = image_caches(cfg, manifest, ctx)
     specs = source_specs(cfg)

@@ -9,10 +9,18 @@ Writes ImageNet-like JPEGs (~500x375) into tar shards, then measures on this mac
                        device; on a CPU-only machine that device is the CPU, in the main process).
 The ratio precompute/model shows whether feeding or the model is the limit. The two decode paths' features are
 compared (max abs diff, min cosine) and so are their uint8 model inputs (mean abs difference in gray levels).
+
+``--mode first-epoch`` measures the other end, training on a feature cache: it writes ``--rows`` x ``--dim`` fp16
+feature shards, then, side by side in one run, trains a linear head for two epochs through the in-process loader
+with the whole permutation (``feature_window=0``) and with a windowed order (``--window`` rows), each starting
+cold (``cache="memory"`` loads on first use, and the shard files are dropped from the page cache with
+``posix_fadvise(DONTNEED)`` first). Per epoch: seconds, and the share of them the loader's ``read`` stage took
+(the training step waiting for data), seconds and share.
 Progress goes to stderr; the last line on stdout is one JSON object with every number.
 
     .venv/bin/python scripts/bench/features.py                                   # resnet18, batch 64, 512 images
     .venv/bin/python scripts/bench/features.py --backbone resnet50 --batch-size 256 --images 4096  # on a GPU
+    .venv/bin/python scripts/bench/features.py --mode first-epoch --rows 200000 --dim 2048 --workdir /var/tmp/me
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -39,8 +48,11 @@ from preprocess.features.featurize import FeatureConfig, run_precompute  # noqa:
 from shards.devices import resolve_device  # noqa: E402
 from shards.image.decode import decode_image  # noqa: E402
 from shards.image.device import decode_images  # noqa: E402
-from shards.formats.features import load_feature_shard  # noqa: E402
-from shards.manifest import DatasetManifest, ShardInfo, SourceInfo, SplitInfo  # noqa: E402
+import shards  # noqa: E402
+from shards.formats.features import (  # noqa: E402
+    FeatureShard, feature_shard_name, load_feature_shard, write_feature_shard,
+)
+from shards.manifest import DatasetManifest, FeatureManifest, ShardInfo, SourceInfo, SplitInfo  # noqa: E402
 from shards.formats.sample import RawSample  # noqa: E402
 from shards.formats.tar import TarShardWriter  # noqa: E402
 
@@ -110,17 +122,106 @@ def compare_features(a_dir: Path, b_dir: Path) -> dict[str, float]:
     return {"max_abs_diff": round(worst, 5), "min_cosine": round(cosine, 6)}
 
 
+def make_feature_cache(out: Path, rows: int, dim: int, per_shard: int, classes: int) -> None:
+    """``rows`` x ``dim`` fp16 feature shards of ``per_shard`` rows each, and their ``features.json``."""
+    out.mkdir(parents=True)
+    generator = torch.Generator().manual_seed(0)
+    infos, counts = [], [0] * classes
+    for index, start in enumerate(range(0, rows, per_shard)):
+        count = min(per_shard, rows - start)
+        labels = torch.randint(0, classes, (count,), generator=generator)
+        features = torch.randn(count, dim, generator=generator).to(torch.float16)
+        keys = [f"s{i:08d}" for i in range(start, start + count)]
+        name = feature_shard_name(f"train-{index:06d}.tar", "pt")
+        nbytes, digest = write_feature_shard(out / name, FeatureShard(features, labels, keys), "pt")
+        infos.append(ShardInfo(name, count, nbytes, digest))
+        for label, n in zip(*np.unique(labels.numpy(), return_counts=True)):
+            counts[int(label)] += int(n)
+    FeatureManifest("pt", tuple(f"c{i}" for i in range(classes)), {"train": SplitInfo(rows, tuple(counts),
+                    tuple(infos))}, dim, "float16", 0, {"backbone": "bench"}, "0" * 16, "", "0" * 64).save(out)
+
+
+def drop_page_cache(folder: Path) -> None:
+    """Evict the shard files from the page cache (written back first, so the pages are clean and can go)."""
+    for path in folder.glob("*.pt"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def train_epochs(folder: Path, window: int, batch_size: int, classes: int, epochs: int) -> list[dict[str, float]]:
+    """Train a linear head for ``epochs`` epochs from a cold start; seconds and loader wait share per epoch."""
+    drop_page_cache(folder)
+    dataset = shards.open_dataset(folder, "train", seed=0, cache="memory",
+                                  sampling=shards.Sampling(feature_window=window))
+    loader = shards.make_loader(dataset, batch_size)
+    head = torch.nn.Linear(dataset.features_dim, classes)
+    optimizer = torch.optim.SGD(head.parameters(), lr=0.01)
+    results = []
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        loader.reset_stage_seconds()
+        start = time.perf_counter()
+        for features, labels in loader:
+            loss = torch.nn.functional.cross_entropy(head(features.float()), labels)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        seconds = time.perf_counter() - start
+        waited = loader.stage_seconds()["read"]
+        results.append({"epoch": epoch + 1, "seconds": round(seconds, 2), "waited_s": round(waited, 2),
+                        "waited_share": round(waited / seconds, 4)})
+        print(f"feature_window={window} epoch {epoch + 1}: {seconds:.1f} s, waited {waited / seconds:.1%}",
+              file=sys.stderr)
+    return results
+
+
+def first_epoch_bench(args: argparse.Namespace) -> None:
+    window = args.window or 4 * args.per_shard
+    torch.set_num_threads(args.threads)  # one training thread: OpenMP threads on a shared machine stall each other
+    workdir = Path(tempfile.mkdtemp(prefix="shardcache-bench-first-epoch-", dir=args.workdir))
+    try:
+        print(f"writing {args.rows} x {args.dim} fp16 features in {workdir}", file=sys.stderr)
+        make_feature_cache(workdir / "features", args.rows, args.dim, args.per_shard, args.classes)
+        runs = {w: train_epochs(workdir / "features", w, args.batch_size, args.classes, 2) for w in (0, window)}
+        print(f"{'feature_window':>16}{'epoch':>7}{'seconds':>9}{'waited s':>10}{'waited':>9}")
+        for w, epochs in runs.items():
+            for e in epochs:
+                print(f"{w:>16}{e['epoch']:>7}{e['seconds']:>9.1f}{e['waited_s']:>10.2f}{e['waited_share']:>9.1%}")
+        print(json.dumps({"bench": "features-first-epoch", "rows": args.rows, "dim": args.dim, "dtype": "float16",
+                          "per_shard": args.per_shard, "batch_size": args.batch_size, "classes": args.classes,
+                          "window": window, "torch_threads": torch.get_num_threads(), "load": os.getloadavg(),
+                          "whole": runs[0], "windowed": runs[window]}, sort_keys=True))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=("precompute", "first-epoch"), default="precompute")
+    parser.add_argument("--rows", type=int, default=200_000, help="first-epoch: feature rows")
+    parser.add_argument("--dim", type=int, default=2048, help="first-epoch: feature width")
+    parser.add_argument("--classes", type=int, default=100, help="first-epoch: the linear head's classes")
+    parser.add_argument("--window", type=int, default=0, help="first-epoch: feature_window (0: 4 shards' rows)")
+    parser.add_argument("--threads", type=int, default=1, help="first-epoch: torch threads of the training step")
     parser.add_argument("--backbone", default="resnet18")
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=None, help="default 64 (first-epoch: 1024)")
     parser.add_argument("--images", type=int, default=512)
-    parser.add_argument("--per-shard", type=int, default=128)
+    parser.add_argument("--per-shard", type=int, default=None, help="default 128 (first-epoch: 5000)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--quick", action="store_true", help="192 images")
     parser.add_argument("--workdir", type=Path, default=None, help="where to build the corpus (default: temp dir)")
     args = parser.parse_args()
+    first_epoch = args.mode == "first-epoch"
+    args.batch_size = args.batch_size or (1024 if first_epoch else 64)
+    args.per_shard = args.per_shard or (5000 if first_epoch else 128)
+    if first_epoch:
+        first_epoch_bench(args)
+        return
     images = 192 if args.quick else args.images
     device = resolve_device(args.device)
     amp = "bf16" if device.type == "cuda" else "off"

@@ -57,6 +57,8 @@ class StreamConfig:
     # Node affinity of the shard order (``plan.shard_order``): the job's node count, ranks numbered node by node.
     nodes: int = 1
     rotate_every: int = 0
+    # The in-process feature loader's windowed permutation (``shards.stream.order``; 0: one whole permutation).
+    feature_window: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -67,6 +69,8 @@ class StreamConfig:
         ErrorPolicy(self.on_error, self.max_consecutive_errors)  # one validation of the error options
         if self.shuffle_buffer < 0 or self.weight_window < 1 or self.max_consecutive_errors < 1:
             raise InputError("shuffle_buffer must be >= 0, weight_window and max_consecutive_errors >= 1")
+        if self.feature_window < 0:
+            raise InputError(f"feature_window must be >= 0, got {self.feature_window}")
         if self.class_weights is not None and (min(self.class_weights, default=0) < 0 or not any(self.class_weights)):
             raise InputError(f"class_weights must be non-negative and not all zero, got {self.class_weights}")
 
@@ -246,6 +250,9 @@ class ShardDataset(IterableDataset):
                         tally: StageTally | None = None) -> Iterator[Any]:
         c = self.config
         policy = ErrorTally(c, self._state)
+        seeds = self.sample_seeds(epoch, worker)
+        if skip and c.class_weights is None:  # read only the rows still to come (a resample needs what came before)
+            order, seeds, skip = order.after(skip), itertools.islice(seeds, skip, None), 0
         plan = indices_to_slices(order.rows, shard_offsets(self.split_info.shard_sizes))
         items: Iterator = self._planned_slices(plan, policy)
         if c.class_weights is not None:
@@ -254,7 +261,7 @@ class ShardDataset(IterableDataset):
         items = order.arrange(items)
         if tally is not None:
             items = tally.timed_read(items)
-        for position, ((where, sample, row), seed) in enumerate(zip(items, self.sample_seeds(epoch, worker))):
+        for position, ((where, sample, row), seed) in enumerate(zip(items, seeds)):
             if position < skip:
                 continue
             if isinstance(sample, Broken):

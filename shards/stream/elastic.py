@@ -3,9 +3,9 @@
 A saved state holds a batch count and the layout that produced it (world size, node count, workers, batch size,
 drop_last). Every rank consumed the same number of batches, and DataLoader's round robin tells how many samples
 each worker of each rank had consumed (``shards.stream.resume``). Each worker's stream is a pure function of the
-plan and the seeded shuffle buffer, and the buffer permutes positions without looking at the samples (``stages``),
-so running it over global sample indices instead of samples replays, exactly, which samples every old worker
-yielded.
+plan and the seeded shuffle buffer, and the buffer permutes positions without looking at the samples
+(``order.buffer_positions``, numpy index arithmetic), so running it over global sample indices instead of samples
+replays, exactly, which samples every old worker yielded, in a fraction of a second at ImageNet size.
 
 The samples left (the epoch's samples minus every one yielded, in the epoch's shard order) are then dealt to the
 new layout exactly as a whole epoch is dealt (``plan.share_of``): equal rank shares, padded by repeating their
@@ -48,6 +48,8 @@ def sampling_settings(config: Any) -> dict[str, Any]:
     # recorded only when set, so that states saved before it existed (never rotating) still compare equal.
     if config.rotate_every:
         settings["rotate_every"] = int(config.rotate_every)
+    if config.feature_window:  # likewise: recorded only when set
+        settings["feature_window"] = int(config.feature_window)
     return settings
 
 

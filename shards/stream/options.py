@@ -62,13 +62,22 @@ class Sampling:
     otherwise a seeded shard shuffle and a shuffle buffer of ``shuffle_buffer`` samples (0: none). Optional class
     weighting: ``class_weights="balanced"`` or one weight per class, resampled in windows of ``weight_window``
     samples. ``balance`` evens out the ranks' shares of an epoch: ``"pad"`` repeats a few samples so every rank
-    gets as many as the largest share, ``"drop"`` leaves out the remainder (logged) so none repeats."""
+    gets as many as the largest share, ``"drop"`` leaves out the remainder (logged) so none repeats.
+
+    ``feature_window`` (feature shards, the in-process loader of ``make_loader(num_workers=0)``): 0 (default)
+    permutes a rank's rows of an epoch whole, so every batch may read every shard and a cold first epoch waits
+    for all of them at its first batch; ``n > 0`` permutes them within consecutive windows of ``n`` rows of the
+    epoch's shuffled shard order and loads the next window's shards on a background thread while the current
+    window trains. Set it when the feature table is read cold (larger than memory, remote, or a first epoch),
+    to a few shards' worth of rows; mixing is then across shards of one window, over a new shard order every
+    epoch. A saved state resumes with the same value only."""
 
     shuffle: bool = True
     shuffle_buffer: int = 512
     class_weights: str | tuple[float, ...] | None = None
     weight_window: int = 1024
     balance: str = "pad"
+    feature_window: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.shuffle, bool):
@@ -77,6 +86,7 @@ class Sampling:
             raise InputError(f"Sampling.balance={self.balance!r} is not one of {', '.join(BALANCE)}")
         _at_least("Sampling.shuffle_buffer", self.shuffle_buffer, 0)
         _at_least("Sampling.weight_window", self.weight_window, 1)
+        _at_least("Sampling.feature_window", self.feature_window, 0)
         weights = self.class_weights
         if isinstance(weights, str):
             if weights != "balanced":

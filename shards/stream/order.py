@@ -15,22 +15,26 @@ The steps, each a function of (source, layout, epoch, rank, worker) only:
    (DataLoader workers, bounded memory), or as one full permutation (the in-process feature loader). Class-weighted
    resampling, which needs the labels, sits between reading and step 3 and keeps the count, so positions still
    apply; it is the one label-dependent stage, and a run that uses it resumes in the same layout only.
+   The in-process loader's permutation may be windowed (``EpochSource.feature_window``): rows permuted within
+   consecutive windows of that many positions of the rank's share, which reads the shuffled shards front to back,
+   so one window touches a few shards and the loader can read the next window's shards while this one trains
+   (MosaicML streaming's ``py1b``: the shard order shuffled, then samples shuffled within fixed-size blocks).
 """
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
 from shards.stream.plan import STREAM_SHUFFLE_BUFFER, epoch_stream, rng_for, share_of
-from shards.stream.stages import shuffle_buffer
 
 T = TypeVar("T")
 
 FULL = -1  # ``WorkerOrder.buffer`` of a loader that permutes a rank's rows whole (``Layout.whole``)
+DRAW_BLOCK = 1024  # the shuffle buffer draws its random numbers in blocks of this many (part of the order)
+CHUNK_BLOCKS = 64  # blocks of draws turned into positions at once: bounded memory, few numpy calls
 
 
 @dataclass(frozen=True)
@@ -44,13 +48,15 @@ class EpochSource:
     drop_last: bool  # the dataset's: equal rank shares by leaving samples out rather than padding
     class_weights: bool
     rotate_every: int = 0  # node affinity's rotation; the node count comes from each layout
+    feature_window: int = 0  # the in-process loader permutes within windows of this many rows (0: whole)
     mixture: Any = field(default=None, compare=False)  # a ``Mixture``: its own epoch rows (shards.stream.mixture)
 
     @classmethod
     def of(cls, config: Any, shard_sizes: Sequence[int], mixture: Any = None) -> EpochSource:
         """From a ``StreamConfig``."""
         return cls(tuple(int(n) for n in shard_sizes), config.seed, config.shuffle, config.shuffle_buffer,
-                   config.drop_last, config.class_weights is not None, config.rotate_every, mixture)
+                   config.drop_last, config.class_weights is not None, config.rotate_every,
+                   config.feature_window, mixture)
 
     def epoch_stream(self, epoch: int, world_size: int, nodes: int) -> np.ndarray:
         """The epoch's rows in stream order, before rank padding: what a layout deals out."""
@@ -85,40 +91,71 @@ class Layout:
 @dataclass(frozen=True)
 class WorkerOrder:
     """One worker's epoch: ``rows`` (global row indices, or positions of a replayed stream) in the order they are
-    read, and the seeded rule for the order they are yielded in (``positions``)."""
+    read, and the seeded rule for the order they are yielded in (``positions``); or, for the rest of an order
+    after a resumed worker's skip (``after``), those positions themselves (``given``)."""
 
     rows: np.ndarray
     buffer: int  # 0: as read; FULL: one permutation; else a shuffle buffer of this many rows
     seed_parts: tuple[int, ...] = ()
+    window: int = 0  # with FULL: permuted within consecutive windows of this many positions (0: whole)
+    given: np.ndarray | None = field(default=None, compare=False)  # the positions, when not drawn by the rule
 
-    def positions(self) -> Iterable[int]:
-        """Positions into ``rows`` (into the class-weighted read stream, which has as many) in yield order."""
+    @property
+    def as_read(self) -> bool:
+        return self.given is None and (not self.buffer or not self.seed_parts or self.buffer == 1)
+
+    def position_chunks(self) -> Iterator[np.ndarray]:
+        """Positions into ``rows`` (into the class-weighted read stream, which has as many) in yield order, as
+        consecutive arrays computed only as far as they are asked for: a replay of a worker's first rows costs
+        those rows, not the worker's epoch."""
         n = len(self.rows)
-        if not self.buffer or not self.seed_parts:
-            return range(n)
+        if self.given is not None:
+            return iter([self.given])
+        if self.as_read:
+            return iter([np.arange(n, dtype=np.int64)])
         rng = rng_for(*self.seed_parts)
         if self.buffer == FULL:
-            return rng.permutation(n)
-        return shuffle_buffer(range(n), self.buffer, rng)
+            return iter([windowed_permutation(n, self.window, rng) if self.window else rng.permutation(n)])
+        return buffer_positions(n, self.buffer, rng)
+
+    def positions(self) -> np.ndarray:
+        """All positions in yield order, as one array."""
+        return np.concatenate([np.zeros(0, dtype=np.int64), *self.position_chunks()])
 
     def arrange(self, items: Iterable[T]) -> Iterator[T]:
         """``items`` (read in ``rows`` order) in yield order; holds only what was read before its turn."""
-        if not self.buffer or not self.seed_parts:
+        if self.as_read:
             return iter(items)
-        return in_positions(items, self.positions())
+        return in_positions(items, (p for chunk in self.position_chunks() for p in chunk.tolist()))
 
     def served(self, rows: np.ndarray | None = None) -> np.ndarray:
         """``rows`` (default: this order's, or a class-weighted resample of them) as one array in yield order."""
         rows = self.rows if rows is None else rows
-        return rows[np.fromiter(self.positions(), dtype=np.int64, count=len(rows))] if len(rows) else rows
+        return rows[self.positions()] if len(rows) else rows
 
     def yielded(self, count: int) -> np.ndarray:
         """The first ``count`` rows this worker yields."""
         count = min(count, len(self.rows))
-        if count == 0:
-            return self.rows[:0]
-        first = np.fromiter(itertools.islice(self.positions(), count), dtype=np.int64, count=count)
-        return self.rows[first]
+        chunks, have = [np.zeros(0, dtype=np.int64)], 0
+        for chunk in self.position_chunks() if count else ():
+            chunks.append(chunk)
+            have += len(chunk)
+            if have >= count:
+                break
+        return self.rows[np.concatenate(chunks)[:count]]
+
+    def after(self, skip: int) -> WorkerOrder:
+        """This order without its first ``skip`` yields: the rows still to come, in read order, and their yield
+        order. A resumed worker reads these rather than reading ``skip`` samples to drop them (at ImageNet size,
+        late in an epoch, that was minutes of reads before the first batch). Not for a class-weighted stream,
+        whose positions index a resample of what was read."""
+        if skip <= 0:
+            return self
+        if self.as_read:
+            return replace(self, rows=self.rows[skip:])
+        rest = self.positions()[skip:]
+        kept = np.sort(rest)
+        return replace(self, rows=self.rows[kept], given=np.searchsorted(kept, rest))
 
 
 def worker_order(source: EpochSource, layout: Layout, epoch: int, rank: int, worker: int = 0,
@@ -133,7 +170,47 @@ def worker_order(source: EpochSource, layout: Layout, epoch: int, rank: int, wor
                     drop_last=source.drop_last, batch_size=layout.split_batch)
     buffer = 0 if not source.shuffle else FULL if layout.whole else source.shuffle_buffer
     # The in-process loader draws from worker 0's generator, so a rank's order depends on (seed, epoch, rank) only.
-    return WorkerOrder(rows, buffer, (source.seed, STREAM_SHUFFLE_BUFFER, epoch, rank, worker))
+    return WorkerOrder(rows, buffer, (source.seed, STREAM_SHUFFLE_BUFFER, epoch, rank, worker),
+                       window=source.feature_window if layout.whole else 0)
+
+
+def windowed_permutation(n: int, window: int, rng: np.random.Generator) -> np.ndarray:
+    """A permutation of ``range(n)`` that keeps each position in its window of ``window`` consecutive positions
+    (the last one shorter): window ``k`` yields exactly positions ``[k * window, (k + 1) * window)``, shuffled."""
+    return np.lexsort((rng.random(n), np.arange(n, dtype=np.int64) // window)).astype(np.int64)
+
+
+def buffer_positions(n: int, size: int, rng: np.random.Generator) -> Iterator[np.ndarray]:
+    """The yield order of a reservoir-style shuffle buffer of ``size`` over ``n`` items, as positions, in chunks.
+
+    The rule (the order itself, which saved states depend on): fill the buffer with the first ``size`` items; for
+    each further item draw ``u`` (uniform, in blocks of ``DRAW_BLOCK``), emit the item in slot ``int(u * size)``
+    and put the new item there; at the end emit the buffer in ``rng.permutation(len(buffer))`` order. The order
+    never looks at the items, so it is index arithmetic: the item emitted at step ``t`` is the one last put in its
+    slot, the step before it that drew the same slot (a stable sort by slot finds it) or, for a slot's first draw
+    of a chunk, whatever ``owner`` says the slot held when the chunk began."""
+    size = min(size, n)
+    steps = n - size
+    draws = -(-steps // DRAW_BLOCK) * DRAW_BLOCK  # the draws the rule takes before its final permutation
+    owner = np.arange(size, dtype=np.int64)  # the item in each slot
+    chunk = DRAW_BLOCK * CHUNK_BLOCKS
+    for start in range(0, steps, chunk):
+        block = rng.random(min(chunk, draws - start))[:steps - start]
+        slots = (block * size).astype(np.int64)
+        # Steps grouped by slot, in step order within a slot; 16-bit keys get numpy's radix sort (several times faster).
+        keys = slots.astype(np.uint16) if size <= 1 << 16 else slots
+        by_slot = np.argsort(keys, kind="stable")
+        grouped = slots[by_slot]
+        first = np.ones(len(grouped), dtype=bool)
+        first[1:] = grouped[1:] != grouped[:-1]
+        emitted = np.empty(len(slots), dtype=np.int64)
+        emitted[by_slot[first]] = owner[grouped[first]]
+        emitted[by_slot[~first]] = by_slot[np.flatnonzero(~first) - 1] + start + size  # put there one draw before
+        last = np.ones(len(grouped), dtype=bool)
+        last[:-1] = first[1:]
+        owner[grouped[last]] = by_slot[last] + start + size
+        yield emitted
+    yield owner[rng.permutation(size)]
 
 
 def in_positions(items: Iterable[T], positions: Iterable[int]) -> Iterator[T]:

@@ -268,8 +268,17 @@ def epoch_stream(shard_sizes: Sequence[int], *, seed: int, epoch: int, world_siz
     offsets = shard_offsets(shard_sizes)
     order = shard_order(len(usable), seed=seed, epoch=epoch, shuffle=shuffle, nodes=nodes, rotate_every=rotate_every,
                         shard_sizes=usable, node_block=sizes.per_rank * (world_size // nodes))
-    pieces = [np.arange(offsets[i], offsets[i] + usable[i], dtype=np.int64) for i in order if usable[i] > 0]
-    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+    order = np.asarray(order, dtype=np.int64)
+    return runs_to_rows(offsets[order], np.asarray(usable, dtype=np.int64)[order])
+
+
+def runs_to_rows(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The rows of consecutive runs ``[start, start + length)``, in order, as one array (one numpy pass, not one
+    array per run: an epoch of 10k+ shards is built at every start and resume)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    ends = np.cumsum(lengths)
+    shift = np.repeat(np.asarray(starts, dtype=np.int64) - (ends - lengths), lengths)
+    return np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64) + shift
 
 
 def share_of(stream: np.ndarray, *, rank: int, world_size: int, worker: int = 0, num_workers: int = 1,
@@ -284,7 +293,10 @@ def share_of(stream: np.ndarray, *, rank: int, world_size: int, worker: int = 0,
     offset = rank * sizes.per_rank
     if len(stream) == 0:
         return np.zeros(0, dtype=np.int64)
-    return np.asarray(stream, dtype=np.int64)[np.arange(offset + start, offset + stop) % len(stream)]
+    stream = np.asarray(stream, dtype=np.int64)
+    if offset + stop <= len(stream):  # no padding in this share: a plain slice (copied: callers own their rows)
+        return stream[offset + start:offset + stop].copy()
+    return stream[np.arange(offset + start, offset + stop) % len(stream)]
 
 
 def shard_offsets(shard_sizes: Sequence[int]) -> np.ndarray:

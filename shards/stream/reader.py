@@ -25,6 +25,7 @@ from shards.stream.feature_stream import FeatureShardDataset
 from shards.cache.images import ImageCacheRequest
 from shards.formats.features import FeatureSpec
 from shards.manifest import FeatureManifest, Manifest
+from shards.formats.columns import open_columns
 from shards.formats.location import locate
 from shards.formats.locations import request_origins, shard_location
 from shards.formats.manifest_io import load_manifest_at
@@ -127,7 +128,8 @@ def open_dataset(path: str | os.PathLike | SourceSpec | Sequence[str | os.PathLi
         drop_last=sampling.balance == "drop", shuffle_buffer=sampling.shuffle_buffer, class_weights=None,
         weight_window=sampling.weight_window, on_error=errors.on_error,
         max_consecutive_errors=errors.max_consecutive_errors, return_keys=return_keys,
-        nodes=1 if distributed.nodes is None else distributed.nodes, rotate_every=distributed.rotate_every)
+        nodes=1 if distributed.nodes is None else distributed.nodes, rotate_every=distributed.rotate_every,
+        feature_window=sampling.feature_window)
     # Every hop of an http(s) request for this dataset stays on a source manifest's own origin or the caller's.
     origins = request_origins([path] if specs is None else [spec.path for spec in specs], remote.url_origins)
     node_cache = _node_cache(remote, origins)
@@ -169,7 +171,14 @@ def _load_source(spec: SourceSpec, split: str, remote: Remote, config: StreamCon
                                   caches=_Caches("none", shard_cache)))
         return readers[0].read_slice(ShardSlice(shard, 0, split_info.shards[shard].samples))
 
-    return LoadedSource(spec, manifest, split_info, locations, folder, read_all)
+    def columns() -> Any:  # the split's column index, through the node cache when remote (None: packed before)
+        if manifest.kind != "images":
+            return None
+        base = locate(root, storage_options=remote.storage_options,
+                      origins=request_origins([spec.path], remote.url_origins))
+        return open_columns(base, manifest, split, cache=shard_cache)
+
+    return LoadedSource(spec, manifest, split_info, locations, folder, read_all, columns)
 
 
 @dataclass(frozen=True)
@@ -202,6 +211,9 @@ def _build(manifest: Manifest, split_info: Any, locations: list[str], config: St
         # A regression table has no classes (None: no label range to check) and yields its float targets.
         return FeatureShardDataset(split_info, locations, config, spec=FeatureSpec.of(manifest), cache=caches.mode,
                                    storage_options=remote.storage_options, shard_cache=shard_cache)
+    if config.feature_window:
+        raise InputError("Sampling.feature_window orders feature shards (the in-process feature loader); image "
+                         "shards are mixed by shuffle_buffer")
     images = ImageCacheRequest(caches.mode, caches.memory_limit, caches.cache_side, decode=decode.mode)
     decoder = decode.decoder
     if decode.mode == "fast":

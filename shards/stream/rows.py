@@ -8,6 +8,10 @@ object of bounded size, a source index that does not match its checksum is refus
 symlink leads outside the dataset folder is refused like such a shard (``local_shard_path``), never read.
 Malformed metadata or index lines are input errors (exit 2): they stop a selection before anything runs, as a
 malformed manifest does; a checksum mismatch is corruption (exit 1), as for a shard.
+
+A dataset packed with a column index (``shards.formats.columns``) is not read row by row at all: ``SampleColumns``
+shows its columns as the same fields (the metadata, ``key``, ``label`` and ``class``) to ``Where.mask``, and
+``column_fields`` builds one row's fields from them for a Python callable filter, the slow path.
 """
 
 from __future__ import annotations
@@ -18,11 +22,14 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+import numpy as np
+
 from shards.bounded_read import JSONError, parse_json
 from shards.errors import CorruptDataError, InputError, ManifestError
 from shards.formats.locations import local_shard_path
 from shards.jsonlines import json_lines
 from shards.manifest import DATASET_FILE
+from shards.stream.where import column_value
 
 log = logging.getLogger(__name__)
 
@@ -93,3 +100,40 @@ def shard_fields(shard_info: Any, indexed: Mapping[str, list[dict[str, Any]]] | 
     if rows is not None and [r["row"] for r in rows] == list(range(shard_info.samples)):
         return [sample_fields(str(r["key"]), int(r["label"]), classes, r.get("meta"), where) for r in rows]
     return [sample_fields(s.key, int(s.label), classes, getattr(s, "meta", None), where) for s in read_all()]
+
+
+class SampleColumns:
+    """A split's columns (``SplitColumns``) as the fields a filter sees: theirs plus ``class``, the name of each
+    row's label in ``classes`` (labels checked to lie in range by the caller), built only when a filter reads it."""
+
+    def __init__(self, columns: Any, classes: Sequence[str]):
+        self._columns, self._classes = columns, list(classes)
+        self.rows: int = columns.rows
+        self.fields: tuple[str, ...] = tuple(f for f in columns.fields if f != "class") + ("class",)
+        self.unindexed: tuple[str, ...] = tuple(columns.unindexed)
+        self._class: np.ndarray | None = None
+
+    def column(self, name: str) -> np.ndarray:
+        if name != "class":
+            return self._columns.column(name)
+        if self._class is None:
+            names = np.asarray([c.encode("utf-8", "surrogatepass") for c in self._classes] or [b""])
+            self._class = names[self._columns.column("label")]
+        return self._class
+
+    def present(self, name: str) -> np.ndarray | None:
+        return None if name == "class" else self._columns.present(name)
+
+
+def column_fields(columns: SampleColumns, row: int) -> dict[str, Any]:
+    """One row's filter fields from the columns, as ``sample_fields`` gives them from the source index (for a
+    Python callable filter; fields the columns do not index are absent, so the caller uses this only when none
+    are)."""
+    fields: dict[str, Any] = {}
+    for name in columns.fields:
+        present = columns.present(name)
+        if present is not None and not present[row]:
+            continue
+        fields[name] = column_value(columns.column(name), row)
+    meta = {k: v for k, v in fields.items() if k not in ("key", "label", "class")}
+    return {**meta, "key": fields["key"], "label": fields["label"], "class": fields["class"]}

@@ -6,6 +6,14 @@ the same config), its classes are mapped onto the combined list (``same``: ident
 counts hold none of the wanted classes is dropped unread, one that holds only wanted classes is kept whole, and
 the rest are filtered row by row (``shards.stream.rows``). Only shards with a selected row enter the combined
 split, so a dropped shard is never opened, now or while streaming.
+
+A source packed with a column index (``shards.formats.columns``) is resolved over its columns instead, vectorised
+and without a Python object per sample: wanted classes through the label column, keys by a binary search of the
+key column, ``where`` by ``Where.mask``, ``max_samples`` by counting, then the selected rows are cut at the shard
+boundaries. It selects the same rows, counts the same classes, leaves the same shards unopened and raises the same
+errors as the row-by-row path, which stays for datasets packed before, feature folders, and filters that read a
+field the columns do not index. A Python callable ``where`` is the slow path: it is called once per row, on fields
+built from the columns.
 """
 
 from __future__ import annotations
@@ -16,10 +24,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from shards.errors import CorruptDataError, InputError
+from shards.errors import CorruptDataError, InputError, ManifestError
 from shards.manifest import SplitInfo
 from shards.stream.mixture import MixOptions, Mixture, SourceSpec, draws
-from shards.stream.rows import index_rows, shard_fields
+from shards.stream.rows import SampleColumns, column_fields, index_rows, shard_fields
+from shards.stream.where import Where, member_bytes
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +36,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class LoadedSource:
     """One source as ``open_dataset`` loaded it: its manifest, shard locations for the split, the local folder
-    holding its source index (None when remote), and ``read_all(i)``: every sample of its shard ``i``."""
+    holding its source index (None when remote), ``read_all(i)``: every sample of its shard ``i``, and
+    ``columns()``: the split's column index (``shards.formats.columns.SplitColumns``), or None without one."""
 
     spec: SourceSpec
     manifest: Any
@@ -35,6 +45,7 @@ class LoadedSource:
     locations: list[str]
     folder: str | None
     read_all: Callable[[int], Iterator[Any]]
+    columns: Callable[[], Any] = lambda: None
 
 
 @dataclass
@@ -131,15 +142,42 @@ def _select(source: LoadedSource, classes: Sequence[str]) -> tuple[list[tuple[in
                              f"{', '.join(classes[:10])}{'...' if len(classes) > 10 else ''})", path=source.spec.path)
         wanted = np.asarray([c in subset.classes for c in own], dtype=bool)
     keys, where, left = subset.key_set(), subset.where, subset.max_samples
+    columns = source.columns()
+    if columns is not None and _columns_cover(columns, where):
+        selected = _select_columns(source, SampleColumns(columns, own), wanted, keys, where, left)
+        if selected is not None:
+            return selected
+    return _select_rows(source, wanted, keys, where, left)
+
+
+def _shard_counts(info: Any, classes: int) -> Sequence[int] | None:
+    """A shard's per-class counts from the manifest, when they are for this manifest's ``classes``."""
+    counts = getattr(info, "class_counts", None)
+    return None if counts is None or len(counts) != classes else counts  # else: trust it to skip nothing
+
+
+def _holds_none_wanted(info: Any, wanted: np.ndarray | None, classes: int) -> bool:
+    """Whether the manifest says a shard holds no wanted class (so it is never opened)."""
+    counts = _shard_counts(info, classes)
+    return wanted is not None and counts is not None and not any(counts[c] for c in _indices(wanted))
+
+
+def _indices(wanted: np.ndarray) -> list[int]:
+    """The wanted class indices (a few of a thousand classes: each shard's check looks at those only)."""
+    return np.flatnonzero(wanted).tolist()
+
+
+def _select_rows(source: LoadedSource, wanted: np.ndarray | None, keys: frozenset[str] | None,
+                 where: Callable | None, left: int | None) -> tuple[list[tuple[int, np.ndarray]], list[int]]:
+    """``_select`` shard by shard, filtering rows from the source index or the shards themselves."""
+    own, split = list(source.manifest.classes), source.split
     indexed = None
     out, totals = [], np.zeros(len(own), dtype=np.int64)
     for shard, info in enumerate(split.shards):
         if left is not None and left <= 0:
             break
-        counts = getattr(info, "class_counts", None)
-        if counts is not None and len(counts) != len(own):
-            counts = None  # not this manifest's classes: do not trust it to skip anything
-        if wanted is not None and counts is not None and not any(n for n, w in zip(counts, wanted) if w):
+        counts = _shard_counts(info, len(own))
+        if _holds_none_wanted(info, wanted, len(own)):
             continue  # no wanted class in this shard: never opened
         whole = keys is None and where is None and counts is not None \
             and (wanted is None or all(w or n == 0 for n, w in zip(counts, wanted)))
@@ -159,6 +197,77 @@ def _select(source: LoadedSource, classes: Sequence[str]) -> tuple[list[tuple[in
             left -= len(rows)
         out.append((shard, rows))
     return out, [int(n) for n in totals]
+
+
+def _columns_cover(columns: Any, where: Callable | None) -> bool:
+    """Whether a filter sees every field it needs in the columns (a callable sees all of a sample's fields)."""
+    if where is None or not columns.unindexed:
+        return True
+    return isinstance(where, Where) and not where.fields & set(columns.unindexed)
+
+
+def _select_columns(source: LoadedSource, view: SampleColumns, wanted: np.ndarray | None,
+                    keys: frozenset[str] | None, where: Callable | None, left: int | None
+                    ) -> tuple[list[tuple[int, np.ndarray]], list[int]] | None:
+    """``_select`` over the column index: one pass of array operations over the split, no object per sample.
+    None when the filter fails on a row and only the source index can name that row's fields in the error."""
+    split, own = source.split, source.manifest.classes
+    sizes = np.asarray([info.samples for info in split.shards], dtype=np.int64)
+    starts = np.concatenate(([0], np.cumsum(sizes)))  # shard s holds rows starts[s]:starts[s + 1]
+    if view.rows != starts[-1]:
+        raise ManifestError(f"its column index holds {view.rows} rows, the split's shards {int(starts[-1])} "
+                            "samples", path=source.spec.path)
+    opened = np.asarray([not _holds_none_wanted(info, wanted, len(own)) for info in split.shards], dtype=bool)
+    live = np.repeat(opened, sizes)
+    labels = view.column("label")
+    bad = np.flatnonzero(live & ((labels < 0) | (labels >= len(own))))
+    if len(bad):
+        row = int(bad[0])
+        shard = int(np.searchsorted(starts, row, side="right")) - 1
+        raise CorruptDataError(f"label {int(labels[row])} is outside the manifest's {len(own)} classes",
+                               path=source.locations[shard], key=view.column("key")[row].decode("utf-8", "replace"))
+    if wanted is not None:
+        live &= wanted[labels]
+    if keys is not None:
+        live &= member_bytes(view.column("key"), [k.encode("utf-8", "surrogatepass") for k in keys])
+    if where is not None:
+        live = _where_mask(view, where, live, starts, left)
+        if live is None:
+            return None
+    rows = np.flatnonzero(live)
+    if left is not None:
+        rows = rows[:left]
+    totals = np.bincount(labels[rows], minlength=len(own))[: len(own)]
+    cuts = np.searchsorted(rows, starts)
+    out = [(shard, rows[cuts[shard]:cuts[shard + 1]] - starts[shard]) for shard in range(len(sizes))
+           if cuts[shard + 1] > cuts[shard]]
+    return out, [int(n) for n in totals]
+
+
+def _where_mask(view: SampleColumns, where: Callable, live: np.ndarray, starts: np.ndarray,
+                left: int | None) -> np.ndarray | None:
+    """The rows of ``live`` that pass ``where``, failing where the row-by-row path fails: on the first failing
+    row, unless ``max_samples`` were selected before its shard (the row path stops before reading it)."""
+    if not isinstance(where, Where):  # a Python callable: the slow path, one call per row, shard by shard
+        mask, taken = np.zeros(view.rows, dtype=bool), 0
+        for shard in range(len(starts) - 1):
+            if left is not None and taken >= left:
+                break
+            for row in np.flatnonzero(live[starts[shard]:starts[shard + 1]]) + starts[shard]:
+                if where(column_fields(view, int(row))):
+                    mask[row] = True
+                    taken += 1
+        return mask
+    mask, failure = where.mask_until_error(view, live)
+    if failure is None:
+        return mask
+    shard_start = int(starts[np.searchsorted(starts, failure.row, side="right") - 1])
+    if left is not None and np.count_nonzero(mask[:shard_start]) >= left:
+        mask[shard_start:] = False
+        return mask
+    if view.unindexed:
+        return None  # the error lists the row's fields, some of which only the source index holds
+    raise failure.error
 
 
 def _filter_rows(source: LoadedSource, shard: int, indexed: dict, wanted: np.ndarray | None,

@@ -2,8 +2,8 @@
 
 Items are ``(where, sample, row)`` tuples: ``where`` names the shard for error messages, ``sample`` has ``key``
 and ``label``, ``row`` is the sample's global index in its split (the key of a decoded-image cache). The shuffle
-buffer's order depends only on the item count and its generator, never on the bytes, so a resumed run replays it
-exactly without decoding anything.
+buffer is not a stage here: its order depends only on the item count and its generator, never on the bytes, so it is
+index arithmetic in ``shards.stream.order`` (``buffer_positions``), which a resumed run replays without decoding.
 """
 
 from __future__ import annotations
@@ -21,31 +21,6 @@ class Broken(NamedTuple):
     key: str | None
     label: int
     reason: str
-
-
-def shuffle_buffer(items: Iterable[T], size: int, rng: np.random.Generator) -> Iterator[T]:
-    """Reservoir-style shuffle: fill ``size`` items, then emit a random one for each new item, then drain."""
-    if size <= 1:
-        yield from items
-        return
-    buffer: list[T] = []
-    # Draw random numbers in blocks: one call per item costs more than the shuffling itself.
-    draws = iter(())
-    for item in items:
-        if len(buffer) < size:
-            buffer.append(item)
-            continue
-        try:
-            u = next(draws)
-        except StopIteration:
-            draws = iter(rng.random(1024).tolist())
-            u = next(draws)
-        index = int(u * len(buffer))
-        buffer[index], item = item, buffer[index]
-        yield item
-    order = rng.permutation(len(buffer))
-    for index in order:
-        yield buffer[index]
 
 
 def class_weights_from_counts(class_counts: Sequence[int]) -> list[float]:

@@ -12,6 +12,13 @@ The expression is bounded before it is walked: at most ``MAX_WHERE_CHARS`` chara
 of syntax tree (measured without recursion). Both the checker and the evaluator below recurse once or twice per
 level, and Python's parser itself fails with ``RecursionError`` or ``MemoryError`` on a few thousand nested
 ``not``; a real filter is a few comparisons joined by ``and``/``or`` (a long list of keys belongs in ``keys=``).
+
+``Where.mask`` evaluates the same tree over whole columns (``shards.formats.columns``: numbers as bool/int64/float64
+arrays, strings as UTF-8 ``S`` bytes, whose byte order is code point order) with exactly the row-by-row semantics:
+``and``/``or`` and chained comparisons pass a mask of the rows still being evaluated to their right side, so a
+field missing or a type mismatch on a row the row-wise filter would never look at is not an error, and an error
+names the sample the row-wise filter would have stopped at (the first row that fails, and on that row the first
+failure in evaluation order).
 """
 
 from __future__ import annotations
@@ -20,7 +27,10 @@ import ast
 import io
 import operator
 import tokenize
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Protocol
+
+import numpy as np
 
 from shards.errors import InputError
 
@@ -88,6 +98,26 @@ class Where:
     def __repr__(self) -> str:
         return f"Where({self.expression!r})"
 
+    @property
+    def fields(self) -> frozenset[str]:
+        """The field names the filter looks at."""
+        return frozenset(_FIELD_OF.get(n.id, n.id) for n in ast.walk(self._tree) if isinstance(n, ast.Name))
+
+    def mask(self, columns: Columns, live: np.ndarray | None = None) -> np.ndarray:
+        """``[self(row) for row in rows]`` over whole columns, False where ``live`` is; raises the InputError the
+        row-wise filter raises at the first live row it fails on."""
+        mask, failure = self.mask_until_error(columns, live)
+        if failure is not None:
+            raise failure.error
+        return mask
+
+    def mask_until_error(self, columns: Columns, live: np.ndarray | None = None) -> tuple[np.ndarray, Failure | None]:
+        """``mask`` without raising: the mask (valid on rows before the failing one) and the first failure."""
+        live = np.ones(columns.rows, dtype=bool) if live is None else np.asarray(live, dtype=bool)
+        vector = _Vector(self.expression, columns)
+        value = vector.eval(self._tree, live)
+        return live & vector.truth(value), vector.failure
+
     def _check(self, node: ast.AST) -> None:
         if isinstance(node, ast.BoolOp):
             for value in node.values:
@@ -144,3 +174,218 @@ class Where:
             raise InputError(f"where={self.expression!r}: sample {fields.get('key')!r} has no field {name!r} "
                              f"(it has {', '.join(sorted(fields))})")
         return fields[name]
+
+
+# -- over columns -------------------------------------------------------------------------------------------------
+
+class Columns(Protocol):
+    """What ``Where.mask`` reads: ``rows``, the field names (``key`` among them, to name a failing sample), each
+    field's values (``KeyError`` when absent) and its presence mask (None: every row has it)."""
+
+    rows: int
+    fields: tuple[str, ...]
+
+    def column(self, name: str) -> np.ndarray: ...
+
+    def present(self, name: str) -> np.ndarray | None: ...
+
+
+class ArrayColumns:
+    """``Columns`` from a dict of arrays (and of presence masks), for tests and derived views."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray], present: Mapping[str, np.ndarray] | None = None):
+        self._arrays, self._present = dict(arrays), dict(present or {})
+        self.fields = tuple(self._arrays)
+        self.rows = len(next(iter(self._arrays.values()))) if self._arrays else 0
+
+    def column(self, name: str) -> np.ndarray:
+        return self._arrays[name]
+
+    def present(self, name: str) -> np.ndarray | None:
+        return self._present.get(name)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The first row on which the row-wise filter raises, and what it raises."""
+
+    row: int
+    error: InputError
+
+
+@dataclass(frozen=True)
+class _Const:
+    value: Any
+
+
+_SMALL_IN = 64  # up to this many literals, ``x in (...)`` is one comparison per literal; beyond, np.isin
+
+
+def _kind(value: Any) -> str:
+    """``num``, ``str``, ``none`` or ``tuple``: what decides whether Python can compare two values."""
+    if isinstance(value, np.ndarray):
+        return "str" if value.dtype.kind == "S" else "num"
+    return {bool: "num", int: "num", float: "num", str: "str", tuple: "tuple"}.get(type(value.value), "none")
+
+
+def _operand(value: Any) -> Any:
+    """What numpy compares: the array, or the literal (a string as the UTF-8 bytes the columns hold)."""
+    if isinstance(value, np.ndarray):
+        return value
+    return value.value.encode("utf-8", "surrogatepass") if isinstance(value.value, str) else value.value
+
+
+def column_value(column: np.ndarray, row: int) -> Any:
+    """The Python value (str, bool, int or float) a column holds on ``row``, as the row-wise filter sees it."""
+    item = column[row]
+    if column.dtype.kind == "S":
+        return bytes(item).decode("utf-8", "surrogatepass")
+    return {"b": bool, "i": int, "u": int}.get(column.dtype.kind, float)(item)
+
+
+def member_bytes(column: np.ndarray, wanted: Iterable[bytes], chunk: int = 1 << 16) -> np.ndarray:
+    """Which rows of an ``S`` column equal one of ``wanted``: a binary search in the sorted wanted values, a chunk
+    of rows at a time (no copy of the column)."""
+    width = column.dtype.itemsize
+    table = np.unique(np.asarray([w for w in wanted if len(w) <= width and not w.endswith(b"\0")],
+                                 dtype=column.dtype))
+    out = np.zeros(len(column), dtype=bool)
+    if not len(table):
+        return out
+    for start in range(0, len(column), chunk):
+        part = column[start:start + chunk]
+        at = np.minimum(np.searchsorted(table, part), len(table) - 1)
+        out[start:start + chunk] = table[at] == part
+    return out
+
+
+class _Vector:
+    """One evaluation of a filter tree over columns: values are numpy arrays (one per row) or ``_Const``."""
+
+    def __init__(self, expression: str, columns: Columns):
+        self.expression, self.columns = expression, columns
+        self.failure: Failure | None = None
+
+    def _fail(self, rows: np.ndarray, message: Callable[[int], str]) -> None:
+        """Record a failure on the first of ``rows`` (a mask) unless one is recorded on an earlier row (or on the
+        same row, earlier in evaluation order)."""
+        hits = np.flatnonzero(rows)
+        if not len(hits):
+            return
+        row = int(hits[0])
+        if self.failure is None or row < self.failure.row:
+            self.failure = Failure(row, InputError(message(row)))
+
+    def _key(self, row: int) -> str | None:
+        if "key" not in self.columns.fields:
+            return None
+        return self._python(self.columns.column("key"), row)
+
+    @staticmethod
+    def _python(value: Any, row: int) -> Any:
+        return value.value if isinstance(value, _Const) else column_value(value, row)
+
+    def truth(self, value: Any) -> np.ndarray | bool:
+        if isinstance(value, _Const):
+            return bool(value.value)
+        if value.dtype == bool:
+            return value
+        return value != (b"" if value.dtype.kind == "S" else 0)
+
+    def eval(self, node: ast.AST, live: np.ndarray) -> Any:
+        rows = self.columns.rows
+        if isinstance(node, ast.BoolOp):
+            pending, passed = live.copy(), np.zeros(rows, dtype=bool)
+            for part in node.values:  # each part on the rows whose answer is still open, as all()/any() do
+                truth = self.truth(self.eval(part, pending))
+                if isinstance(node.op, ast.And):
+                    pending &= truth
+                else:
+                    passed |= pending & truth
+                    pending &= np.logical_not(truth)
+            return pending if isinstance(node.op, ast.And) else passed
+        if isinstance(node, ast.UnaryOp):
+            value = self.eval(node.operand, live)
+            if isinstance(node.op, ast.Not):
+                return ~np.broadcast_to(self.truth(value), (rows,))
+            return _Const(-value.value)
+        if isinstance(node, ast.Compare):
+            pending = live.copy()
+            left = self.eval(node.left, pending)
+            for op, right_node in zip(node.ops, node.comparators):
+                right = self.eval(right_node, pending)
+                pending &= self._compare(op, left, right, pending)
+                left = right
+            return pending
+        if isinstance(node, (ast.Tuple, ast.List)):
+            return _Const(tuple(element.value for element in node.elts))
+        if isinstance(node, ast.Constant):
+            return _Const(node.value)
+        return self._field(_FIELD_OF.get(node.id, node.id), live)
+
+    def _field(self, name: str, live: np.ndarray) -> Any:
+        columns = self.columns
+        has = columns.present(name) if name in columns.fields else None
+        if name not in columns.fields or has is not None:
+            lacking = live if name not in columns.fields else live & ~has
+
+            def message(row: int) -> str:
+                names = [f for f in columns.fields if columns.present(f) is None or columns.present(f)[row]]
+                return (f"where={self.expression!r}: sample {self._key(row)!r} has no field {name!r} "
+                        f"(it has {', '.join(sorted(names))})")
+            self._fail(lacking, message)
+            if name not in columns.fields:
+                return _Const(None)
+        return columns.column(name)
+
+    def _compare(self, op: ast.cmpop, left: Any, right: Any, live: np.ndarray) -> np.ndarray:
+        """``left op right`` on every row, False where Python raises (recorded on the first live row)."""
+        rows = self.columns.rows
+        try:
+            if isinstance(left, _Const) and isinstance(right, _Const):
+                result = bool(_COMPARE[type(op)](left.value, right.value))
+            else:
+                result = self._compare_arrays(op, left, right)
+        except TypeError:
+            self._fail(live, lambda row: f"where={self.expression!r}: cannot compare {self._python(left, row)!r} "
+                                         f"with {self._python(right, row)!r} [sample {self._key(row)}]")
+            return np.zeros(rows, dtype=bool)
+        return np.full(rows, result) if isinstance(result, bool) else np.asarray(result, dtype=bool)
+
+    def _compare_arrays(self, op: ast.cmpop, left: Any, right: Any) -> Any:
+        """One side at least is a column: Python's rules by kind (numbers with numbers, strings with strings;
+        ``==`` across kinds is False; ordering across kinds is a TypeError)."""
+        if isinstance(op, (ast.In, ast.NotIn)):
+            found = self._contains(right, left)
+            return ~found if isinstance(op, ast.NotIn) else found
+        same = _kind(left) == _kind(right)
+        if isinstance(op, (ast.Eq, ast.NotEq)):
+            if not same:
+                return isinstance(op, ast.NotEq)
+        elif not same:
+            raise TypeError
+        return _COMPARE[type(op)](_operand(left), _operand(right))
+
+    def _contains(self, container: Any, item: Any) -> np.ndarray:
+        """``item in container`` on every row: a literal list (equality with any of its values), or a string
+        (substring); anything else cannot hold values (TypeError)."""
+        kind, item_kind = _kind(container), _kind(item)
+        if kind == "tuple":
+            values = container.value
+            if item_kind == "str":
+                return member_bytes(item, [v.encode("utf-8", "surrogatepass") for v in values if type(v) is str])
+            numbers = [v for v in values if type(v) in (bool, int, float)]
+            if len(numbers) > _SMALL_IN:
+                return np.isin(item, np.asarray(numbers, dtype=np.float64))
+            found = np.zeros(self.columns.rows, dtype=bool)
+            for number in numbers:
+                found |= item == number
+            return found
+        if kind != "str" or item_kind != "str":
+            raise TypeError
+        if isinstance(container, _Const):  # a column's values within one literal string: once per distinct value
+            distinct, inverse = np.unique(item, return_inverse=True)
+            text = container.value
+            hits = np.asarray([bytes(v).decode("utf-8", "surrogatepass") in text for v in distinct], dtype=bool)
+            return hits[inverse]
+        return np.strings.find(container, _operand(item)) >= 0

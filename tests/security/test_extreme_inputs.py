@@ -179,6 +179,7 @@ def test_deep_source_index_line_is_a_manifest_error(tmp_path: Path):
     with open(index, "a") as handle:
         handle.write('{"meta": ' + deep_json() + "}\n")
     manifest["source_index"]["sha256"] = hashlib.sha256(index.read_bytes()).hexdigest()
+    del manifest["columns"]  # packed before the column index: a subset reads the source index
     (out / "dataset.json").write_text(json.dumps(manifest))
     lines = index.read_text().count("\n")
     result = shards_cli_run("inspect", out, "--where", "width > 0", "--quiet")

@@ -277,10 +277,19 @@ def set_source_index(folder: Path, **fields) -> None:
     (folder / "dataset.json").write_text(json.dumps(manifest))
 
 
+def without_columns(folder: Path) -> None:
+    """As packed before the column index: a subset then reads the source index (a dataset with columns never
+    reads it to select)."""
+    manifest = json.loads((folder / "dataset.json").read_text())
+    del manifest["columns"]
+    (folder / "dataset.json").write_text(json.dumps(manifest))
+
+
 def test_a_source_index_symlinked_outside_is_refused_not_read(packed: Path, tmp_path: Path):
     # The attacker's link points at another dataset's valid index, with its checksum in dataset.json: before
     # this rule it was read and trusted.
     outside = tmp_path / "elsewhere" / "source-index.jsonl"
+    without_columns(packed)
     outside.parent.mkdir()
     shutil.move(packed / "source-index.jsonl", outside)
     (packed / "source-index.jsonl").symlink_to(outside)
@@ -306,6 +315,7 @@ def test_a_source_index_symlinked_outside_is_refused_not_read(packed: Path, tmp_
 def test_a_source_index_linked_to_etc_passwd_is_refused(packed: Path, tmp_path: Path):
     passwd = tmp_path / "passwd"  # stands in for /etc/passwd
     passwd.write_text(PASSWD)
+    without_columns(packed)
     (packed / "source-index.jsonl").unlink()
     (packed / "source-index.jsonl").symlink_to(passwd)
     classes = CliRunner().invoke(shards_cli, ["inspect", str(packed), "--classes", "cat", "--where", "width > 0",
@@ -319,6 +329,7 @@ def test_a_source_index_linked_to_etc_passwd_is_refused(packed: Path, tmp_path: 
     ("file:///etc/passwd", "not a relative file name"),
 ])
 def test_a_source_index_named_outside_is_refused(packed: Path, name: str, why: str):
+    without_columns(packed)
     set_source_index(packed, path=name)
     with pytest.raises(ManifestError, match=why) as caught:
         shards.open_dataset(shards.SourceSpec(packed, subset=Subset(where="width > 0")), "train")

@@ -132,3 +132,18 @@ def test_dry_run_reports_one_batch_and_writes_nothing(feature_folder: Path, tmp_
     assert sum(report["label_counts"].values()) == 16
     assert set(report["label_counts"]) <= {"ant", "bee", "cat", "dog"}
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_windowed_feature_order_trains_and_resumes_exactly(feature_folder: Path, tmp_path: Path):
+    """--feature-window: the head trains through the read-ahead loader, and a run stopped mid-epoch and resumed
+    ends with the same weights as one that was not."""
+    options = dict(feature_window=8, checkpoint_every=3, epochs=2)
+    whole = train(config(feature_folder, tmp_path / "whole", **options))
+    interrupted = tmp_path / "interrupted"
+    train(config(feature_folder, interrupted, stop_after_steps=7, **options))
+    resumed = train(config(feature_folder, interrupted, resume=True, **options))
+    assert resumed["steps"] == whole["steps"]
+    expected = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)["state_dict"]
+    actual = torch.load(interrupted / "model.pt", weights_only=True)["state_dict"]
+    assert all(torch.equal(tensor, actual[name]) for name, tensor in expected.items())
