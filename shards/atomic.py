@@ -126,8 +126,45 @@ def write_bytes_atomic(final: str | os.PathLike, data: bytes) -> None:
 
 
 def json_text(obj: Any) -> str:
-    """JSON with sorted keys and a trailing newline, so equal content gives equal bytes."""
-    return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    """JSON with sorted keys, two-space indents and every list of numbers on one line, and a trailing newline, so
+    equal content gives equal bytes. One number per line made an ImageNet-size ``dataset.json`` (1,000 class counts
+    per shard, 1,280 shards) 20 MB instead of 4: five times the bytes every rank reads and parses."""
+    folded: list[str] = []
+    token = _unused_token(obj)
+
+    def fold(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: fold(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            if value and all(type(item) in (int, float) for item in value):
+                folded.append(json.dumps(list(value)))
+                return f"{token}{len(folded) - 1}"
+            return [fold(item) for item in value]
+        return value
+
+    text = json.dumps(fold(obj), indent=2, sort_keys=True, ensure_ascii=False)
+    if folded:
+        marker = re.escape(json.dumps(token, ensure_ascii=False)[1:-1])
+        text = re.sub(f'"{marker}(\\d+)"', lambda m: folded[int(m.group(1))], text)
+    return text + "\n"
+
+
+def _unused_token(obj: Any) -> str:
+    """A marker no string in ``obj`` contains (so it never matches a real value), the same for the same ``obj``."""
+    strings, stack = [], [obj]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            strings.append(value)
+        elif isinstance(value, dict):
+            strings.extend(k for k in value if isinstance(k, str))
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    token = "\x00numbers:"
+    while any(token in text for text in strings):
+        token = "\x00" + token
+    return token
 
 
 def write_json_atomic(final: str | os.PathLike, obj: Any) -> None:

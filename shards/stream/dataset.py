@@ -28,7 +28,7 @@ from shards.manifest import SplitInfo
 from shards.stream.options import ErrorPolicy
 from shards.stream.order import EpochSource, Layout, WorkerOrder, worker_order
 from shards.stream.plan import (
-    STREAM_CLASS_WEIGHTS, STREAM_TRANSFORM, ShardSlice, check_nodes, covering_reads, epoch_sizes, indices_to_slices,
+    STREAM_CLASS_WEIGHTS, STREAM_TRANSFORM, ShardSlice, check_nodes, CoveringReads, epoch_sizes, indices_to_slices,
     rng_for, shard_offsets,
 )
 from shards.stream.mixture import Mixture
@@ -221,13 +221,13 @@ class ShardDataset(IterableDataset):
             if self.shard_cache is not None:
                 self.shard_cache.drop_prefetched()
 
-    def _planned_slices(self, plan: list[ShardSlice], policy: ErrorTally) -> Iterator[tuple[str, Any]]:
-        """The plan's slices in order, scattered rows of one shard in one read (``plan.covering_reads``); with a node
-        cache, the next read's shard is fetched while this one is read."""
-        reads = covering_reads(plan, self.merge_gap)
+    def _planned_slices(self, rows: np.ndarray, policy: ErrorTally) -> Iterator[tuple[str, Any]]:
+        """The rows in order, scattered rows of one shard in one read (``plan.CoveringReads``); with a node cache,
+        the next read's shard is fetched while this one is read."""
+        reads = CoveringReads(rows, shard_offsets(self.split_info.shard_sizes), self.merge_gap)
         for i, (piece, keep) in enumerate(reads):
-            if i + 1 < len(reads) and reads[i + 1][0].shard != piece.shard:
-                self._prefetch(reads[i + 1][0].shard)
+            if i + 1 < len(reads) and reads.shard(i + 1) != piece.shard:
+                self._prefetch(reads.shard(i + 1))
             yield from self._guarded_slice(piece, policy, keep)
 
     def merge_gap(self, shard: int) -> int | None:
@@ -253,8 +253,7 @@ class ShardDataset(IterableDataset):
         seeds = self.sample_seeds(epoch, worker)
         if skip and c.class_weights is None:  # read only the rows still to come (a resample needs what came before)
             order, seeds, skip = order.after(skip), itertools.islice(seeds, skip, None), 0
-        plan = indices_to_slices(order.rows, shard_offsets(self.split_info.shard_sizes))
-        items: Iterator = self._planned_slices(plan, policy)
+        items: Iterator = self._planned_slices(order.rows, policy)
         if c.class_weights is not None:
             items = weighted_windows(items, c.class_weights, c.weight_window,
                                      rng_for(c.seed, STREAM_CLASS_WEIGHTS, epoch, c.rank, worker))

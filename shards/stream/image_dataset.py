@@ -43,7 +43,7 @@ def checked_labels(samples: Iterator[Any], where: str, num_classes: int, *,
         yield sample
 
 
-MERGE_GAP = 32  # unwanted rows a read may pass over (shards.stream.plan.covering_reads)
+MERGE_GAP = 32  # unwanted rows a read may pass over (shards.stream.plan.CoveringReads)
 
 
 class ImageShardDataset(ShardDataset):

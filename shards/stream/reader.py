@@ -140,7 +140,16 @@ def open_dataset(path: str | os.PathLike | SourceSpec | Sequence[str | os.PathLi
         root = remote.base_url if remote.base_url is not None else base
         locations = [shard_location(root, s.path) for s in split_info.shards]
     else:
-        sources = [_load_source(spec, split, remote, config, node_cache) for spec in specs]
+        # Parts of one folder mixed (two subsets of one dataset) parse its manifest once: 0.3 s at 1.28M samples.
+        manifests: dict[str, Any] = {}
+
+        def manifest_of(where: Any) -> Any:
+            key = os.fspath(where)
+            if key not in manifests:
+                manifests[key] = load_manifest_at(where, remote.url_origins, remote.storage_options)
+            return manifests[key]
+
+        sources = [_load_source(spec, split, remote, config, node_cache, manifest_of) for spec in specs]
         combined = combine(sources, split, mix, seed=seed, shuffle=sampling.shuffle)
         manifest, split_info, locations = combined.manifest, combined.split, combined.locations
     if sampling.class_weights is not None:
@@ -153,9 +162,11 @@ def open_dataset(path: str | os.PathLike | SourceSpec | Sequence[str | os.PathLi
     return dataset
 
 
-def _load_source(spec: SourceSpec, split: str, remote: Remote, config: StreamConfig, shard_cache: Any) -> LoadedSource:
-    """One mixture source: its manifest, shard locations, and a plain reader for what a subset must look at."""
-    manifest, base = load_manifest_at(spec.path, remote.url_origins, remote.storage_options)
+def _load_source(spec: SourceSpec, split: str, remote: Remote, config: StreamConfig, shard_cache: Any,
+                 manifest_of: Callable[[Any], Any]) -> LoadedSource:
+    """One mixture source: its manifest (``manifest_of(path)``: ``(manifest, base)``), shard locations, and a plain
+    reader for what a subset must look at."""
+    manifest, base = manifest_of(spec.path)
     split_info = manifest.split(split, where=spec.path)
     root = remote.base_url if remote.base_url is not None else base
     locations = [shard_location(root, s.path) for s in split_info.shards]

@@ -3,11 +3,12 @@
 import collections
 import random
 
+import numpy as np
 import pytest
 
 from shards.errors import InputError
 from shards.stream.plan import (
-    ShardSlice, covering_reads, epoch_sizes, epoch_stream, indices_to_slices, plan_epoch, round_robin_consumed, shard_offsets, share_of,
+    ShardSlice, CoveringReads, epoch_sizes, epoch_stream, indices_to_slices, plan_epoch, round_robin_consumed, shard_offsets, share_of,
     slices_to_indices, worker_sample_counts,
 )
 from shards.stream.resume import worker_batches
@@ -177,14 +178,55 @@ def test_share_of_the_epoch_stream_is_the_plan(sizes, world, workers):
                 assert indices_to_slices(share, offsets) == [p for p in plan if p.size]
 
 
+def _reads(plan, max_gap, offsets=np.array([0, 10, 20, 30])):
+    rows = slices_to_indices(plan, offsets)
+    return [(piece, None if keep is None else keep.tolist()) for piece, keep in CoveringReads(rows, offsets, max_gap)]
+
+
 def test_covering_reads_merge_scattered_rows_of_one_shard_in_order():
     plan = [ShardSlice(0, 2, 4), ShardSlice(0, 6, 7), ShardSlice(1, 0, 3), ShardSlice(0, 9, 10), ShardSlice(0, 3, 5)]
-    reads = covering_reads(plan, lambda shard: None)
-    assert [(piece, None if keep is None else keep.tolist()) for piece, keep in reads] == [
+    assert _reads(plan, lambda shard: None) == [
         (ShardSlice(0, 2, 7), [0, 1, 4]),  # rows 2, 3, 6 of shard 0
         (ShardSlice(1, 0, 3), None),
         (ShardSlice(0, 9, 10), None),
         (ShardSlice(0, 3, 5), None),  # starts before the last read ended: a read of its own, order kept
     ]
-    bounded = covering_reads(plan, lambda shard: 1)  # a gap of 2 rows is more than 1 may pass over
+    bounded = _reads(plan, lambda shard: 1)  # a gap of 2 rows is more than 1 may pass over
     assert [piece for piece, _ in bounded][:2] == [ShardSlice(0, 2, 4), ShardSlice(0, 6, 7)]
+    assert _reads([], lambda shard: None) == []
+
+
+def _reference_reads(rows, offsets, max_gap):
+    """The definition, slice by slice: runs of neighbours, then each run merged into the read before it when it is
+    of the same shard, starts after that read ended and passes over at most ``max_gap(shard)`` rows."""
+    reads = []
+    for piece in indices_to_slices(rows, offsets):
+        if reads:
+            last, kept = reads[-1]
+            gap, limit = piece.start - last.stop, max_gap(piece.shard)
+            if piece.shard == last.shard and gap >= 0 and (limit is None or gap <= limit):
+                kept = (kept if kept is not None else list(range(last.start, last.stop))) \
+                    + list(range(piece.start, piece.stop))
+                reads[-1] = (ShardSlice(last.shard, last.start, piece.stop), kept)
+                continue
+        reads.append((piece, None))
+    return [(piece, None if kept is None else [k - piece.start for k in kept]) for piece, kept in reads]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_covering_reads_equal_the_slice_by_slice_definition(seed):
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 30, rng.integers(1, 6))
+    offsets = shard_offsets(sizes.tolist())
+    total = int(offsets[-1])
+    kind = seed % 3
+    if kind == 0:  # a shuffled subset
+        rows = rng.permutation(total)[: rng.integers(0, total + 1)]
+    elif kind == 1:  # sorted scattered rows, as a subset in shard order
+        rows = np.sort(rng.choice(total, rng.integers(0, total + 1), replace=False))
+    else:  # runs of neighbours in shuffled order
+        rows = np.concatenate([np.arange(a, min(a + 5, total)) for a in rng.integers(0, total, 6)])
+    limits = {s: (None if rng.random() < 0.3 else int(rng.integers(0, 4))) for s in range(len(sizes))}
+    got = [(piece, None if keep is None else keep.tolist())
+           for piece, keep in CoveringReads(rows, offsets, limits.get)]
+    assert got == _reference_reads(rows, offsets, limits.get)
