@@ -39,8 +39,8 @@ from shards.atomic import (atomic_output, remove_stale_tmp, sha256_file, tmp_tar
                            write_json_shared)
 from shards.bounded_read import read_json_file
 from shards.errors import ManifestError, OutputExistsError, ShardcacheError
-from shards.formats.columns import (COLUMNS_KEY, FORMAT as COLUMNS_FORMAT, Survey, column_files, manifest_order,
-                                    next_column_number, write_split_columns)
+from shards.formats.column_writer import Survey, manifest_order, write_split_columns
+from shards.formats.columns import COLUMNS_KEY, FORMAT as COLUMNS_FORMAT, column_files, next_column_number
 from shards.formats.storage import STORAGES
 from shards.formats.tarindex import index_name
 from shards.lock import FolderLock

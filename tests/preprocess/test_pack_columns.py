@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import shards.formats.columns as columns_module
+import shards.formats.column_writer as columns_module
 from preprocess.pack.append import append
 from preprocess.pack.packer import PackConfig, pack_shards
 from preprocess.pack.parts import STATE_DIR, merge_parts
@@ -235,7 +235,7 @@ def test_pack_to_s3_publishes_the_column_files_and_they_read_back(tmp_path, buck
 
 _KILLED_MERGE = """
 import os, sys, time
-import shards.formats.columns as columns
+import shards.formats.column_writer as columns
 from preprocess.pack.parts import merge_parts
 
 real = columns._Column.write

@@ -16,7 +16,8 @@ import pytest
 
 from shards.cache.node import ShardCache
 from shards.errors import CorruptDataError, ManifestError, ShardcacheError
-from shards.formats.columns import COLUMNS_KEY, manifest_order, open_columns, verify_columns, write_split_columns
+from shards.formats.column_writer import manifest_order, write_split_columns
+from shards.formats.columns import COLUMNS_KEY, open_columns, verify_columns
 from tests.helpers import serve_folder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,7 +117,7 @@ def test_every_dtype_round_trips_with_presence_masks_and_unindexed_fields(tmp_pa
 
 
 def test_more_rows_than_a_chunk_and_an_empty_split(tmp_path, monkeypatch):
-    import shards.formats.columns as columns_module
+    import shards.formats.column_writer as columns_module
 
     monkeypatch.setattr(columns_module, "CHUNK_ROWS", 3)
     rows = _rows(11)

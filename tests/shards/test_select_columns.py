@@ -13,7 +13,8 @@ import pytest
 import shards
 from preprocess.pack.packer import PackConfig, pack_shards
 from shards.errors import CorruptDataError, InputError, ManifestError
-from shards.formats.columns import FORMAT, open_columns, write_split_columns
+from shards.formats.column_writer import write_split_columns
+from shards.formats.columns import FORMAT, open_columns
 from shards.manifest import DatasetManifest, ShardInfo, SourceInfo, SplitInfo
 from shards.stream.mixture import MixOptions, SourceSpec, Subset
 from shards.stream.selection import LoadedSource, combine
