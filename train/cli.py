@@ -33,6 +33,12 @@ from train.config import CLASS_MAPS, DATA_KINDS, DEFAULT_DECODE, DEVICES, HEADS,
               help="A filter on each sample's metadata, e.g. \"width >= 256 and mode == 'RGB'\".")
 @click.option("--max-samples", "subset_max", type=int, default=None,
               help="At most this many samples of each source (after the other filters, in manifest order).")
+@click.option("--exclude-keys", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="A file of sample keys, one per line, left out of training (the rest keep their order); may be "
+                   "added or extended with --resume: the rest of the interrupted epoch drops them too.")
+@click.option("--record-keys", is_flag=True,
+              help="Debugging aid: append the keys each step was fed to RUN_DIR/keys.jsonl (shards lineage "
+                   "computes them without it).")
 @click.option("--task", type=click.Choice(TASKS), default="auto",
               help="auto: regression when features.json records a float target (pack-shards --table), "
                    "else classification.")
@@ -68,6 +74,9 @@ from train.config import CLASS_MAPS, DATA_KINDS, DEFAULT_DECODE, DEVICES, HEADS,
 @click.option("--feature-window", type=int, default=0,
               help="Features: shuffle within windows of this many rows of the epoch's shard order and read the "
                    "next window while this one trains, for a cold or larger-than-memory cache (0: shuffle whole).")
+@click.option("--stall-timeout", type=float, default=600.0, show_default=True,
+              help="Seconds without a batch (or a worker process gone) before the DataLoader workers are restarted "
+                   "at the exact position; a sample a worker hangs or dies on twice is quarantined (0: off).")
 @click.option("--amp", is_flag=True, help="Mixed precision (float16 autocast + GradScaler); CUDA only.")
 @click.option("--device", type=click.Choice(DEVICES), default="auto")
 @click.option("--train-split", default="train")
@@ -91,12 +100,13 @@ from train.config import CLASS_MAPS, DATA_KINDS, DEFAULT_DECODE, DEVICES, HEADS,
 @handle_errors
 def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...], class_map: str,
                   epoch_size: int | None, subset_classes: str | None, subset_keys: str | None,
-                  subset_where: str | None, subset_max: int | None, task: str, loss: str, head: str, hidden_dim: int,
+                  subset_where: str | None, subset_max: int | None, exclude_keys: str | None, record_keys: bool,
+                  task: str, loss: str, head: str, hidden_dim: int,
                   dropout: float, model: str, weights: str | None, image_size: int, decode: str, fast_decode: bool,
                   epochs: int, batch_size: int, optimizer: str, lr: float | None, momentum: float, warmup_epochs: float,
                   weight_decay: float, label_smoothing: float, class_weighted_loss: bool, balanced_sampler: bool,
-                  seed: int, workers: int | None, prefetch: int, feature_window: int, amp: bool, device: str,
-                  train_split: str,
+                  seed: int, workers: int | None, prefetch: int, feature_window: int, stall_timeout: float,
+                  amp: bool, device: str, train_split: str,
                   val_split: str, checkpoint_every: int, resume: bool, dry_run: bool, overwrite: bool,
                   stop_after_steps: int | None, no_report: bool, cache_images: bool, memory_limit: int | None,
                   quiet: bool, s3, cache) -> None:
@@ -118,13 +128,15 @@ def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...],
     cfg = TrainConfig(
         data_path=path, sources=sources if len(sources) > 1 or len(sources[0]) > 1 else [], class_map=class_map,
         epoch_size=epoch_size, subset=subset if any(v is not None for v in subset.values()) else None,
-        out_dir=out_dir, data=data, task=task, loss=loss,
+        out_dir=out_dir, data=data, task=task, loss=loss, record_keys=record_keys,
+        exclude_keys=os.path.abspath(exclude_keys) if exclude_keys else None,
         head=head, hidden_dim=hidden_dim, dropout=dropout, model=model, weights=weights,
         image_size=image_size, decode=decode, fast_decode=fast_decode,
         epochs=epochs, batch_size=batch_size, optimizer=optimizer, lr=lr, momentum=momentum,
         warmup_epochs=warmup_epochs, weight_decay=weight_decay, label_smoothing=label_smoothing,
         class_weighted_loss=class_weighted_loss, balanced_sampler=balanced_sampler, seed=seed,
-        workers=workers, prefetch=prefetch, feature_window=feature_window, amp=amp, device=device,
+        workers=workers, prefetch=prefetch, feature_window=feature_window, stall_timeout=stall_timeout, amp=amp,
+        device=device,
         train_split=train_split, val_split=val_split,
         checkpoint_every=checkpoint_every, resume=resume, overwrite=overwrite, dry_run=dry_run, quiet=quiet,
         stop_after_steps=stop_after_steps, report=not no_report, cache_images=cache_images,

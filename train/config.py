@@ -34,7 +34,7 @@ DEFAULT_LR = {"sgd": 0.1, "adamw": 1e-3}
 RESUMABLE_CHANGES = frozenset(
     {"epochs", "resume", "overwrite", "quiet", "dry_run", "checkpoint_every", "stop_after_steps", "device",
      "storage_options", "workers", "cache_dir", "cache_limit", "cache_fallback", "cache_local", "report",
-     "memory_limit"}
+     "memory_limit", "record_keys", "exclude_keys", "stall_timeout"}
 )
 
 
@@ -69,6 +69,7 @@ class TrainConfig:
     workers: int | None = None
     prefetch: int = 2  # feature batches a background thread gathers ahead (0: none)
     feature_window: int = 0  # features: permute within windows of this many rows, read one window ahead (0: whole)
+    stall_timeout: float = 600.0  # seconds without a batch before DataLoader workers are restarted (0: never)
     amp: bool = False
     device: str = "auto"
     train_split: str = "train"
@@ -103,6 +104,10 @@ class TrainConfig:
     class_map: str = "same"
     subset: dict | None = None
     epoch_size: int | None = None
+    # Lineage (train.lineage): append the keys each step was fed to keys.jsonl (a debugging aid), and a file of
+    # sample keys (one per line) left out of training from now on; both may be given or changed at a resume.
+    record_keys: bool = False
+    exclude_keys: str | None = None
 
     def __post_init__(self) -> None:
         # A run folder is local: checked on the string as given (a path would turn s3://b/p into ./s3:/b/p), then
@@ -145,6 +150,8 @@ class TrainConfig:
             raise InputError(f"feature_window={self.feature_window!r} must be >= 0")
         if self.workers is not None and self.workers < 0:
             raise InputError(f"workers={self.workers!r} must be >= 0")
+        if not self.stall_timeout >= 0:
+            raise InputError(f"stall_timeout={self.stall_timeout!r} must be >= 0 seconds (0: no stall recovery)")
         if self.class_weighted_loss and self.balanced_sampler:
             raise InputError("class_weighted_loss and balanced_sampler both correct the imbalance; choose one")
         if self.stop_after_steps is not None and self.stop_after_steps < 1:

@@ -7,6 +7,7 @@ any training starts.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -21,9 +22,10 @@ from shards.formats.location import locate
 from shards.formats.manifest_io import load_manifest_at
 from shards.manifest import DATASET_FILE, FEATURES_FILE, DatasetManifest, FeatureManifest
 from shards.image.transforms import TransformSpec
-from shards.stream.mixture import MixOptions, SourceSpec, Subset, unweighted
+from shards.formats.columns import open_columns
+from shards.stream.mixture import MixOptions, SourceSpec, Subset, read_keys, unweighted
 from shards.stream.options import Decode, Distributed, MemoryCache, Remote, Sampling
-from shards.stream.selection import combined_classes
+from shards.stream.selection import combined_classes, excluded_rows
 from shards.units import human_bytes
 from train.config import TrainConfig
 from train.regression import manifest_task, resolve_task
@@ -168,10 +170,14 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
     remote = Remote(storage_options=cfg.storage_options, shard_cache=cfg.shard_cache)
     train_images, val_images = image_caches(cfg, manifest, ctx)
     specs = source_specs(cfg)
+    if specs and cfg.exclude_keys:  # a mixture leaves them out where it selects (the val split keeps them)
+        specs = [dataclasses.replace(s, subset=dataclasses.replace(s.subset, exclude_keys=cfg.exclude_keys))
+                 for s in specs]
     nodes = None if specs else affinity_nodes(cfg, manifest, ctx)
     opening = time.perf_counter()
     train_set = shards.open_dataset(specs or cfg.data_path, cfg.train_split, transform=train_spec, seed=cfg.seed,
-                                    sampling=sampling, decode=decode, remote=remote, cache=train_images,
+                                    return_keys=cfg.record_keys, sampling=sampling, decode=decode, remote=remote,
+                                    cache=train_images,
                                     distributed=Distributed(rank, world, nodes=nodes),
                                     mix=MixOptions(cfg.class_map, cfg.epoch_size))
     # Validation reads every selected sample of every source once, whatever the weights.
@@ -179,6 +185,8 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
                                   transform=eval_spec, seed=cfg.seed, sampling=Sampling(shuffle=False), decode=decode,
                                   remote=remote, cache=val_images, distributed=Distributed(rank, world),
                                   mix=MixOptions(cfg.class_map))
+    if cfg.exclude_keys and not specs:
+        exclude_train_keys(cfg, manifest, train_set)
     open_s = time.perf_counter() - opening
     if specs:
         manifest = manifest.replace(splits={cfg.train_split: train_set.split_info, cfg.val_split: val_set.split_info})
@@ -192,6 +200,18 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
     if kind == "images" and cfg.decode == "fast":
         normalize = val_set.normalizer(channels_last=ctx.device.type == "cuda").to(ctx.device)
     return RunData(kind, manifest, train_loader, val_loader, workers, eval_spec, normalize, open_s)
+
+
+def exclude_train_keys(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, train_set: Any) -> None:
+    """Leave ``--exclude-keys`` out of the train split's every epoch (the rest keep their order): found over the
+    split's column index when it has one, else from the shards' keys."""
+    keys = read_keys(cfg.exclude_keys)
+    columns = None
+    if manifest.kind == "images":
+        columns = open_columns(locate(cfg.data_path, storage_options=cfg.storage_options), manifest, cfg.train_split)
+    rows = excluded_rows(keys, columns, train_set)
+    train_set.exclude_rows(rows)
+    log.info("--exclude-keys: %d of the %d keys listed are in the train split, left out of it", len(rows), len(keys))
 
 
 def image_caches(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest,
@@ -241,7 +261,8 @@ def _loader(dataset: Any, cfg: TrainConfig, ctx: DistContext, *, drop_last: bool
     # sample's transform itself, so this generator's values do not matter, only that it is not the global one.
     generator = torch.Generator().manual_seed(cfg.seed)
     return shards.make_loader(dataset, batch_size=cfg.batch_size, num_workers=cfg.workers, drop_last=drop_last,
-                              pin_memory=ctx.device.type == "cuda", generator=generator)
+                              pin_memory=ctx.device.type == "cuda", generator=generator,
+                              stall_timeout=cfg.stall_timeout or None)
 
 
 def describe_batch(batch: tuple[torch.Tensor, torch.Tensor], classes: list[str]) -> dict[str, Any]:

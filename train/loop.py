@@ -19,6 +19,8 @@ from torch import nn
 from train import run_dir as rd
 from train.checkpoint import capture_rng_state, copy_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
 from train.config import TrainConfig
+from train.data_events import append_event, read_events
+from train.lineage import KeyRecorder, keep_keys_file
 from train.data import CACHE_COUNTERS, RunData, build_data, describe_batch, prepare_manifest, source_paths
 from train.distributed import DistContext, setup_distributed, wrap_model
 from train.first_batch import describe, first_batch_record
@@ -28,6 +30,7 @@ from train.models import build_head, build_image_model, check_image_model
 from train.optim import build_optimizer, build_scheduler
 from train.plot import plot_curves
 from shards.report import advice
+from shards.report.stages import row_straggler, run_straggler_warning, straggler_fields
 from shards.units import human_bytes
 from train.prefetch import ThreadPrefetcher
 from train.regression import RegressionLoss, TargetScale, evaluate_regression
@@ -125,6 +128,7 @@ class Run:
         else:
             self.loss_fn = nn.CrossEntropyLoss(weight=weight, label_smoothing=cfg.label_smoothing)
         self.state = TrainState()
+        self.resumed_loader: dict[str, Any] | None = None  # the loader state this start resumed from (lineage)
         self._cache_before: dict[str, int] = {}  # node-cache counters at the last epoch's end (cache_row)
         # When curves.png and report.html were last drawn: from the start, so a run of short epochs draws them
         # once at its end, a long one after every epoch.
@@ -157,6 +161,7 @@ class Run:
         self.scheduler.load_state_dict(checkpoint["scheduler"])
         self.scaler.load_state_dict(checkpoint["scaler"])
         self.state = TrainState.from_dict(checkpoint["train_state"])
+        self.resumed_loader = checkpoint["loader"]
         if checkpoint["loader"] is not None:
             # Rank 0 saved its loader position; it holds for every rank (each consumes an equal share).
             self.data.train_loader.set_epoch(self.state.epoch)
@@ -185,11 +190,15 @@ class Run:
                                self.ctx.device, self.amp, self.data.normalize)
         row: dict[str, Any] = self.state.history[-1] if self.state.history else {}
         first = True  # this process's first batch: the time to first batch of this start or resume
+        if self.ctx.is_main:
+            self.record_layout()
+        self.watch_loaders()
+        recorder = KeyRecorder(self.plan.folder, self.ctx.rank) if cfg.record_keys else None
         while self.state.epoch < cfg.epochs:
             if self.state.batch_in_epoch == 0:
                 self.data.train_loader.set_epoch(self.state.epoch)
             meter, stopped = run_train_epoch(
-                step_ctx, self.batches(self.data.train_loader), self.state, total_epochs=cfg.epochs,
+                step_ctx, self.fed(self.data.train_loader, recorder), self.state, total_epochs=cfg.epochs,
                 quiet=cfg.quiet or not self.ctx.is_main, after_step=self.after_step,
                 checkpoint_due=lambda step: bool(cfg.checkpoint_every) and step % cfg.checkpoint_every == 0,
                 worker_stages=getattr(self.data.train_loader, "stage_seconds", None),
@@ -200,6 +209,36 @@ class Run:
             row = self.end_epoch(meter)
         self.finish()
         return self.summary(row, stopped=False)
+
+    def record_layout(self) -> None:
+        """Rank 0: the layout this start or resume feeds the run in, and the loader state it resumed from, as a
+        data event (``train.data_events``): what ``shards lineage`` rebuilds the run's loaders from."""
+        loader, folder = self.data.train_loader, self.plan.folder
+        where = {"epoch": self.state.epoch + 1, "step": self.state.step, "rank": 0}
+        kept = keep_keys_file(folder, self.cfg.exclude_keys) if self.cfg.exclude_keys else None
+        earlier = [e for e in read_events(folder) if e.get("kind") == "layout"]
+        if kept is not None and (not earlier or earlier[-1].get("exclude_keys") != kept["keys_file"]):
+            append_event(folder, {"kind": "exclude", **where, **kept, "source": self.cfg.exclude_keys})
+        append_event(folder, {
+            "kind": "layout", **where, "loader_state": self.resumed_loader, "world_size": self.ctx.world_size,
+            "num_workers": int(getattr(loader, "num_workers", 0) or 0), "batch_size": self.cfg.batch_size,
+            "nodes": int(loader.dataset.config.nodes), "exclude_keys": kept and kept["keys_file"]})
+
+    def watch_loaders(self) -> None:
+        """Stall recovery (``--stall-timeout``) writes its stack dumps into the run folder and its restarts and
+        quarantines of train samples as data events, stamped with the step whose batch was awaited."""
+        def train_event(event: dict[str, Any]) -> None:
+            append_event(self.plan.folder, {**event, "epoch": self.state.epoch + 1, "step": self.state.step + 1,
+                                            "rank": self.ctx.rank})
+
+        for loader, on_event in ((self.data.train_loader, train_event), (self.data.val_loader, None)):
+            if hasattr(loader, "report_faults"):
+                loader.report_faults(str(self.plan.folder), on_event)
+
+    def fed(self, loader: Any, recorder: KeyRecorder | None) -> Any:
+        """The train batches, through the prefetcher if any, each one's keys recorded (``--record-keys``)."""
+        batches = self.batches(loader)
+        return batches if recorder is None else recorder.record(batches, self.state)
 
     def first_batch(self, meter) -> str:
         """Record this start's (or resume's) time to first batch, kept for the epoch's metrics row; the line the
@@ -230,6 +269,7 @@ class Run:
         if self.regression:
             row.pop("train_top1")
         row.update(self.cache_row())
+        row["quarantined"] = len(getattr(self.data.train_loader, "quarantined", ()))  # samples kept out so far
         row.update(self.stage_row(meter))
         if self.data.mixture is not None:  # samples each source filled this epoch (fixed by the mixture's draw)
             row["mixture_drawn"] = list(self.data.mixture.draw)
@@ -281,7 +321,9 @@ class Run:
         """Where the epoch's time went: ``stage_seconds`` summed over ranks (worker stages: busy seconds summed over
         each rank's workers; loop stages: wall seconds of each rank's loop) and ``stage_seconds_by_rank``."""
         by_rank = gather_stage_seconds(meter.stage_seconds, self.ctx.device)
-        return {"stage_seconds": sum_stage_seconds(by_rank), "stage_seconds_by_rank": by_rank}
+        # Under DDP also the slowest rank and every rank's wait and step (shards.report.stragglers).
+        return {"stage_seconds": sum_stage_seconds(by_rank), "stage_seconds_by_rank": by_rank,
+                **straggler_fields(by_rank)}
 
     def write_epoch_files(self, row: dict[str, Any], improved: bool) -> None:
         rd.write_metrics(self.plan.path(rd.METRICS_FILE), self.state.history)
@@ -318,6 +360,12 @@ class Run:
         log.info("epoch %d/%d: train_loss %.4f, val_loss %.4f, %s | %.0f samples/s, data wait %.1f%%",
                  row["epoch"], self.cfg.epochs, row["train_loss"], row["val_loss"], scores,
                  row["samples_per_s"], 100 * row["data_wait_share"])
+        straggler = row_straggler(row)
+        if straggler is not None:
+            log.info("epoch %d slowest rank: %s", row["epoch"], straggler.describe())
+        warning = run_straggler_warning(self.state.history)
+        if warning:
+            log.warning(warning)
         if "cache" in row:
             rate = row["cache_hit_rate"]
             log.info("node cache: hit rate %s, fetched %s, served %s from the cache",

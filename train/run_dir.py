@@ -28,7 +28,10 @@ LAST_FILE = "last.pt"
 BEST_FILE = "best.pt"
 MODEL_FILE = "model.pt"
 REPORT_FILE = "report.html"  # shards.report.build.write_run_report, redrawn as epochs end (at most every 30 s) and at the end
-RUN_FILES = (CONFIG_FILE, METRICS_FILE, CURVES_FILE, LAST_FILE, BEST_FILE, MODEL_FILE, REPORT_FILE)
+EVENTS_FILE = "data-events.jsonl"  # train.data_events: layouts, exclusions, quarantines, restarts
+KEYS_FILE = "keys.jsonl"  # --record-keys (train.lineage)
+RUN_FILES = (CONFIG_FILE, METRICS_FILE, CURVES_FILE, LAST_FILE, BEST_FILE, MODEL_FILE, REPORT_FILE, EVENTS_FILE,
+             KEYS_FILE)
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,13 @@ def plan_run(cfg: TrainConfig) -> RunPlan:
     if not config_path.exists():
         raise OutputExistsError("is not empty and holds no training run; choose another --out or pass --overwrite",
                                 path=str(folder))
-    differences = _read_config(config_path).differences(cfg)
+    recorded = _read_config(config_path)
+    differences = recorded.differences(cfg)
+    if cfg.mixed and recorded.exclude_keys != cfg.exclude_keys and not differences:
+        # A mixture leaves keys out where it selects its runs, so its draw (and fingerprint) would change.
+        raise OutputExistsError("holds a run of a mixture or subset: its --exclude-keys cannot change at a resume "
+                                "(a single dataset's can); choose another --out or pass --overwrite",
+                                path=str(folder))
     if differences:
         raise OutputExistsError(f"holds a different run (differs in {', '.join(differences)}); "
                                 "choose another --out or pass --overwrite", path=str(folder))

@@ -13,10 +13,14 @@ whether simplejpeg earns its dependency. I/O-only passes replace decoding by cou
 compares the fast eval path's uint8 pixels and a seeded random resnet18's features with torchvision's reference.
 The fast path also runs with its per-stage timing switched off (``make_loader(stage_times=False)``): the ratio is
 what measuring read/decode/transform/collate seconds costs, and a clock-only loop prices it per sample without noise.
+``--watchdog`` prices stall recovery the same way: the fast path with and without ``make_loader(stall_timeout=)``
+(workers publish each sample they decode; the main process waits for batches in short polls), side by side, and a
+loop that publishes and clears a sample prices it per sample.
 
     python scripts/bench/loader.py --repeat 3   # 3000 images, ~3.5 minutes on 2 cores
     python scripts/bench/loader.py --quick --repeat 3   # 600 images, ~70 s
     python scripts/bench/loader.py --stage-times-only --repeat 5   # only what stage timing costs
+    python scripts/bench/loader.py --watchdog --quick --repeat 4   # only what the stall watchdog costs
 
 Progress and the table go to stderr; stdout gets one JSON line with ``images_per_s``, ``fast_vs_best_peer``, the
 ratios and the accuracy numbers.
@@ -60,6 +64,7 @@ from shards.formats.sample import RawSample  # noqa: E402
 from shards.formats.storage import get_storage, shard_name  # noqa: E402
 from shards.image.transforms import TransformSpec, build_transform  # noqa: E402
 from shards.stream.stage_times import SharedStageTimes, StageTally  # noqa: E402
+from shards.stream.worker_status import WorkerStatus  # noqa: E402
 
 # Every library is imported above, before any timed pass, so no loader pays another's import time.
 
@@ -202,7 +207,8 @@ def simplejpeg_switch(enabled: bool) -> Iterator[None]:
 
 
 def fast_batches(folder: Path, args, use_simplejpeg: bool = True, consumer: str = "normalize",
-                 verify_sha256: bool = True, stage_times: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                 verify_sha256: bool = True, stage_times: bool = True,
+                 stall_timeout: float | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The fast path as a consumer sees it: uint8 batches from the workers, normalised here, per batch.
 
     ``consumer``: ``normalize`` (torch's default intra-op threads), ``normalize_1thread`` (one thread, so idle
@@ -215,7 +221,8 @@ def fast_batches(folder: Path, args, use_simplejpeg: bool = True, consumer: str 
     confirmed = multiprocessing.Value("i", 0)
     check = functools.partial(_check_decoder, use_simplejpeg and fast.simplejpeg is not None, confirmed)
     loader = shards.make_loader(dataset, batch_size=args.batch_size, num_workers=args.workers, drop_last=False,
-                                persistent_workers=False, worker_init_fn=check, stage_times=stage_times)
+                                persistent_workers=False, worker_init_fn=check, stage_times=stage_times,
+                                stall_timeout=stall_timeout)
     threads = torch.get_num_threads()
     if consumer == "normalize_1thread":
         torch.set_num_threads(1)
@@ -357,6 +364,8 @@ def main() -> None:
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--sha256-only", action="store_true",
                         help="only measure what hashing whole tar shards while streaming costs (I/O-only and fast)")
+    parser.add_argument("--watchdog", action="store_true",
+                        help="only measure what the stall watchdog (make_loader(stall_timeout=)) costs, fast path")
     parser.add_argument("--stage-times-only", action="store_true",
                         help="only measure what per-stage timing costs (fast and standard paths, with and without)")
     args = parser.parse_args()
@@ -413,6 +422,41 @@ def stage_time_passes(args, workdir: Path, tars: list[Path]) -> dict:
         "shardcache_tar": (lambda: shardcache_loader(tar, args, False), tars),
         "shardcache_tar_nostagetimes": (lambda: shardcache_loader(tar, args, False, stage_times=False), tars),
     }
+
+
+def watchdog_passes(args, workdir: Path, tars: list[Path]) -> dict:
+    """The fast path with and without stall recovery, interleaved in the same rounds."""
+    tar = workdir / "tar"
+    return {
+        "fast_tar": (lambda: fast_batches(tar, args), tars),
+        "fast_tar_watchdog": (lambda: fast_batches(tar, args, stall_timeout=600.0), tars),
+    }
+
+
+def watchdog_us_per_sample(samples: int = 200_000) -> float:
+    """What a worker adds per sample under the watchdog (publish the sample, mark itself idle), without noise
+    from loading: a loop over ready items with and without it, best of three."""
+    keys = [f"n{i:08d}" for i in range(samples)]
+    slot = WorkerStatus().slot(0)
+
+    def plain() -> None:
+        for _ in keys:
+            pass
+
+    def watched() -> None:
+        for row, key in enumerate(keys):
+            slot.working(row, key)
+            slot.idle()
+
+    runs = {}
+    for name, function in (("plain", plain), ("watched", watched)):
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            function()
+            times.append(time.perf_counter() - start)
+        runs[name] = min(times)
+    return (runs["watched"] - runs["plain"]) / samples * 1e6
 
 
 def stage_time_costs(rates: dict[str, float]) -> dict[str, float]:
@@ -522,6 +566,23 @@ def run(args, workdir: Path, count: int, per_shard: int) -> None:
         print(json.dumps({"images": count, "workers": args.workers, "repeat": args.repeat,
                           "images_per_s": {k: round(v, 1) for k, v in rates.items()},
                           "sha256_cost": {k: round(v, 4) for k, v in costs.items()}}))
+        return
+    if args.watchdog:
+        per_round = alternating_rounds(watchdog_passes(args, workdir, tars), count, args.repeat)
+        rates = {name: max(values) for name, values in per_round.items()}
+        cost, per_sample_us = 1 - rates["fast_tar_watchdog"] / rates["fast_tar"], watchdog_us_per_sample()
+        print(f"{'round':<8}{'fast_tar':>12}{'+watchdog':>12}{'ratio':>8}", file=sys.stderr)
+        for index, (plain, watched) in enumerate(zip(per_round["fast_tar"], per_round["fast_tar_watchdog"])):
+            print(f"{index:<8}{plain:>12.1f}{watched:>12.1f}{watched / plain:>8.3f}", file=sys.stderr)
+        median = float(np.median([w / p for p, w in zip(per_round["fast_tar"], per_round["fast_tar_watchdog"])]))
+        print(f"the watchdog costs {cost:.2%} of fast-path throughput (best {rates['fast_tar_watchdog']:.1f} vs "
+              f"{rates['fast_tar']:.1f} img/s; median round ratio {median:.3f}); a worker adds "
+              f"{per_sample_us:.2f} us per sample", file=sys.stderr)
+        print(json.dumps({"images": count, "workers": args.workers, "repeat": args.repeat,
+                          "images_per_s": {k: round(v, 1) for k, v in rates.items()},
+                          "images_per_s_rounds": {k: [round(v, 1) for v in vs] for k, vs in per_round.items()},
+                          "watchdog_cost": round(cost, 4), "median_round_ratio": round(median, 4),
+                          "watchdog_us_per_sample": round(per_sample_us, 3)}))
         return
     if args.stage_times_only:
         per_round = alternating_rounds(stage_time_passes(args, workdir, tars), count, args.repeat)

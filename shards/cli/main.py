@@ -162,3 +162,19 @@ def report_command(paths: tuple[str, ...], out: str | None, no_grid: bool, quiet
     if not quiet:
         click.echo(f"report: {target} ({', '.join(s['kind'] for s in report.summary())})", err=True)
     emit_json({"out": str(target), "sections": report.summary()})
+
+
+@main.command("lineage")
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True, path_type=str))
+@click.option("--epoch", type=int, required=True, help="The epoch, from 1 (as metrics.jsonl counts).")
+@click.option("--step", type=int, required=True,
+              help="The global step, from 1 across epochs (the step counter metrics.jsonl reports).")
+@click.option("--rank", type=int, default=None, help="One rank's samples (default: every rank's).")
+@quiet_option
+@handle_errors
+def lineage_command(run_dir: str, epoch: int, step: int, rank: int | None, quiet: bool) -> None:
+    """The sample keys (with shard and row) a train-from-shards step was fed, computed from the run's config.json
+    and data-events.jsonl (layouts, resumes, quarantines), not from per-step logs."""
+    from train.lineage import run_lineage  # the run's loaders are train's: built as train-from-shards built them
+
+    emit_json(run_lineage(run_dir, epoch, step, rank))

@@ -5,8 +5,9 @@ Read from the files a run already writes, never from live training state, so the
 here imports ``train`` (``shards`` depends on no other package): the run folder's file names are part of the
 on-disk contract and repeated below. Whether the data pipeline held the run back, and what to change, is the
 training loop's own rule (``shards.report.advice``), applied to what the run recorded: ``metrics.jsonl``'s wait
-and stage seconds, and ``config.json``'s data paths (remote or local), caches and workers. Checkpoints are described from their files' sizes and ``metrics.jsonl``,
-never opened: loading them would cost seconds per epoch, and unpickling is not allowed.
+and stage seconds (per rank too: a rank that held the others back for data, ``shards.report.stragglers``), and
+``config.json``'s data paths (remote or local), caches and workers. Checkpoints are described from their files'
+sizes and ``metrics.jsonl``, never opened: loading them would cost seconds per epoch, and unpickling is not allowed.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from shards.report.curves import find_best_epoch
 from shards.report.html import (Cell, Markup, Section, count, figure, fixed, image_data_uri, join, key_value_grid,
                                 note, num_cell, number, pct, rate, seconds, size, subsection, table, tag, tiles, void)
 from shards.report.mixture import mixture_part, recorded_sources
-from shards.report.stages import stage_breakdown, stage_seconds
+from shards.report.stages import run_straggler_warning, stage_breakdown, stage_seconds
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -319,6 +320,9 @@ def run_section(run: RunFiles, anchor: str, *, classes: Sequence[str] | None = N
         verdict = wait_verdict(run, run.rows[-1], data_kind(run, read_kind))
         if verdict is not None:
             parts.append(note(f"Epoch {history[-1]['epoch']}: {verdict}.", "warn"))
+        stragglers = run_straggler_warning(run.rows)  # the training log's warning, from the same rows
+        if stragglers is not None:
+            parts.append(note(f"Epoch {history[-1]['epoch']}: {stragglers}.", "warn"))
         parts.append(subsection("Curves", _curves(history)))
         parts.append(subsection("Per epoch", _epoch_table(history, run.rows)))
         if not is_regression(history):  # a regression run has no classes to break down

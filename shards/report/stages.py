@@ -2,8 +2,9 @@
 
 Rows may carry ``stage_seconds`` ({stage: seconds}) and, from a distributed run, ``stage_seconds_by_rank`` (one
 such mapping per rank, as a list or as {rank: mapping}). A slow rank holds every other one at the next all-reduce,
-so with several ranks the last epoch is also shown rank by rank. Runs from before stage timing have neither and
-say so instead of showing an empty chart.
+so with several ranks the last epoch is also shown rank by rank, with each epoch's slowest rank and whether it waited
+for data or computed (``shards.report.stragglers``, the rule the training log applies). Runs from before stage
+timing have neither and say so instead of showing an empty chart; one-process runs have no ranks to compare.
 
 Rows may also carry ``first_batch``: one record per start or resume of the run in that epoch (``train.first_batch``:
 the seconds to the first batch, split into open, plan, first read and other), shown as a table of starts.
@@ -16,6 +17,8 @@ from typing import Any, Mapping, Sequence
 from shards.report import svg
 from shards.report.html import (Markup, count, figure, join, note, num_cell, number, pct, seconds, subsection, table,
                                 tag)
+from shards.report.stragglers import (DATA_EXCESS_SHARE, Straggler, slowest_rank, straggler_warning,
+                                      sustained_straggler)
 
 # The names are the contract of shards.stream.stage_times (not imported: it loads torch). Worker stages are busy
 # seconds summed over a rank's DataLoader workers and overlap the loop; loop stages are the loop's wall seconds.
@@ -50,6 +53,28 @@ def by_rank(row: Mapping[str, Any]) -> list[dict[str, float]] | None:
     return None if any(r is None for r in ranks) else ranks  # type: ignore[return-value]
 
 
+def row_straggler(row: Mapping[str, Any]) -> Straggler | None:
+    """The epoch's slowest rank from its per-rank stage seconds; None for one process or none recorded."""
+    ranks = by_rank(row)
+    return slowest_rank(ranks) if ranks else None
+
+
+def straggler_fields(ranks: Sequence[Mapping[str, float]]) -> dict[str, Any]:
+    """An epoch's ``metrics.jsonl`` straggler fields: the slowest rank's, and every rank's ``rank_wait_s`` and
+    ``rank_step_s`` in rank order; nothing for one process."""
+    straggler = slowest_rank(ranks)
+    if straggler is None:
+        return {}
+    return {**straggler.fields(), "rank_wait_s": [float(rank.get("wait", 0.0)) for rank in ranks],
+            "rank_step_s": [float(rank.get("step", 0.0)) for rank in ranks]}
+
+
+def run_straggler_warning(rows: Sequence[Mapping[str, Any]]) -> str | None:
+    """The warning for a rank that held the others back for data over the last epochs, or None."""
+    straggler = sustained_straggler([row_straggler(row) for row in rows])
+    return None if straggler is None else straggler_warning(straggler)
+
+
 def stage_seconds(row: Mapping[str, Any]) -> dict[str, float] | None:
     """The row's stage seconds, summed over ranks (as training writes them); from per-rank rows alone, their sum."""
     own = _seconds_map(row.get("stage_seconds"))
@@ -63,6 +88,7 @@ def stage_seconds(row: Mapping[str, Any]) -> dict[str, float] | None:
 
 
 MAX_EXTRA_STAGES = 8
+MAX_STRAGGLER_ROWS = 2000  # epochs listed in the slowest-rank table (the rows are untrusted)
 MAX_STARTS = 200  # starts and resumes listed: a run resumed more often than this shows its latest ones
 # train.first_batch's record: the total, then the parts that add up to it.
 FIRST_BATCH_PARTS = (("first batch", "first_batch_s"), ("open", "open_s"), ("plan", "plan_s"),
@@ -107,13 +133,34 @@ def _per_rank(ranks: Sequence[Mapping[str, float]], epoch: object) -> list[Marku
     chart = svg.columns([f"rank {i}" for i in range(len(ranks))], [(n, [r.get(n, 0.0) for r in ranks]) for n in names],
                         seconds, axis_fmt=_axis_seconds, stacked=True, colours=_colours(names), width=620,
                         height=220, title="last epoch's stage seconds per rank")
-    loop = [sum(r.get(n, 0.0) for n in LOOP_STAGES) for r in ranks]
-    slowest = max(range(len(ranks)), key=lambda i: loop[i])
-    spread = (max(loop) - min(loop)) / max(loop) if max(loop) else 0.0
+    straggler = slowest_rank(ranks)
     return [tag("h3", f"Epoch {epoch}: per rank ({len(ranks)} ranks)"), tag("figure", chart),
             _rank_table(ranks, names),
-            note(f"Rank {slowest}'s loop took longest; the fastest spent {pct(spread, 1)} less. Every rank waits for "
-                 "the slowest at each gradient all-reduce.", "warn" if spread > 0.2 else "info")]
+            note(f"Slowest rank: {straggler.describe()}. Every rank waits for the slowest at each gradient "
+                 "all-reduce, so the others' extra seconds show in their step.",
+                 "warn" if straggler.cause == "data" else "info")]
+
+
+def _ratio(value: Any) -> str:
+    return "others did not wait" if number(value) is None else f"{value:.1f}x"
+
+
+def _stragglers(rows: Sequence[Mapping[str, Any]]) -> Markup:
+    """Each distributed epoch's slowest rank (the warning when one held the others back is at the top of the run's
+    section, ``shards.report.run``)."""
+    epochs = [(row, row_straggler(row)) for row in rows[-MAX_STRAGGLER_ROWS:]]
+    epochs = [(row, s) for row, s in epochs if s is not None]
+    if not epochs:
+        return Markup("")
+    body = [[num_cell(row.get("epoch")), num_cell(s.rank), s.cause, num_cell(s.wait_s, seconds),
+             num_cell(s.others_wait_s, seconds), num_cell(s.wait_ratio, _ratio),
+             num_cell(s.step_s, seconds), num_cell(s.others_step_s, seconds)] for row, s in epochs]
+    return (tag("h3", "Slowest rank per epoch")
+            + table(["epoch", "slowest rank", "cause", "its wait", "others' mean wait", "wait ratio", "its step",
+                     "others' mean step"], body, scroll=len(body) > 12)
+            + note(f"A rank whose data wait exceeds the others' mean by {pct(DATA_EXCESS_SHARE, 0)} of its wait and "
+                   "step seconds is the data straggler; otherwise the epoch is bound by compute and the rank with the "
+                   "most step seconds is named (the all-reduce evens step times out, so that name is weak)."))
 
 
 def first_batch_records(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -183,5 +230,6 @@ def stage_breakdown(rows: Sequence[Mapping[str, Any]]) -> Markup:
     ranks = by_rank(last_row)
     if ranks and len(ranks) > 1:
         body += _per_rank(ranks, epoch)
+    body.append(_stragglers([row for row, _ in timed]))
     body.append(first_batch_table(rows))
     return subsection("Stage breakdown", join(body))

@@ -14,7 +14,9 @@ from typing import Any
 
 from shards.stream.elastic import Continuation, continuation, dataset_fingerprint, sampling_settings
 from shards.stream.plan import epoch_sizes
-from shards.stream.resume import LoaderState, Resume, consumed_batches, stream_resume
+from shards.stream.resume import (
+    LoaderState, Resume, check_quarantine_size, consumed_batches, quarantine_of, quarantine_record, stream_resume,
+)
 
 
 class Cursor:
@@ -39,7 +41,7 @@ class Cursor:
         return LoaderState(self.kind, d.epoch, batches, batch_size=self.batch_size, num_workers=self.num_workers,
                            drop_last=self.drop_last, seed=c.seed, world_size=c.world_size,
                            split_batch=self.split_batch, dataset=fingerprint, sampling=sampling_settings(c),
-                           prior=prior, nodes=c.nodes)
+                           prior=prior, nodes=c.nodes, quarantined=quarantine_record(d.quarantine) or None)
 
     def state_dict(self, batches_consumed: int | None = None) -> dict[str, Any]:
         """The position after the batches handed out, or after ``batches_consumed`` of them when the consumer lags
@@ -52,6 +54,9 @@ class Cursor:
         """Continue ``state`` from the next iteration on: bitwise exactly in the same layout, over the rows its epoch
         had left in another (``shards.stream.elastic``)."""
         continued = continuation(state, self.position(0), self.dataset.epoch_source())
+        quarantine = {**self.dataset.quarantine, **quarantine_of(state.get("quarantined"))}  # kept out from now on
+        check_quarantine_size(len(quarantine))
+        self.dataset.quarantine = quarantine
         self._pending = continued
         self.handed = continued.position.batches
         self.dataset.set_epoch(continued.position.epoch)

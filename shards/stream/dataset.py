@@ -106,7 +106,10 @@ class ShardDataset(IterableDataset):
         # Iterated on its own, the dataset is its own loader of one worker and batches of one sample.
         self._cursor = Cursor(self, STREAM, batch_size=1, num_workers=0, drop_last=False, split_batch=1)
         self.mixture: Mixture | None = None  # several sources or a subset (``use_mixture``): the epoch's rows
+        self.excluded: np.ndarray | None = None  # global rows left out of every epoch (``exclude_rows``)
         self.label_maps: list[Any] | None = None  # per shard: source label -> combined label, or None
+        # Global rows never decoded again, by key (``shards.stream.watchdog``): a stand-in fills each one's slot.
+        self.quarantine: dict[int, str] = {}
         if self.sizes.dropped:
             log.info("Sampling(balance='drop') leaves out the last %d sample(s) of %r every epoch", self.sizes.dropped,
                      config.split)
@@ -142,6 +145,11 @@ class ShardDataset(IterableDataset):
     def dropped(self) -> int:
         return self.sizes.dropped
 
+    @property
+    def quarantined(self) -> tuple[tuple[int, str], ...]:
+        """The quarantined samples as sorted ``(global row, key)`` pairs: a worker hung or died on each twice."""
+        return tuple(sorted(self.quarantine.items()))
+
     def stage_seconds(self) -> dict[str, float]:
         """Busy seconds per worker stage (``read``, ``decode``, ``transform``, ``collate``), summed over all
         workers and epochs since the last ``reset_stage_seconds``."""
@@ -162,7 +170,17 @@ class ShardDataset(IterableDataset):
         self._cursor.load(state)
 
     def epoch_source(self) -> EpochSource:
-        return EpochSource.of(self.config, self.split_info.shard_sizes, self.mixture)
+        return EpochSource.of(self.config, self.split_info.shard_sizes, self.mixture, self.excluded)
+
+    def exclude_rows(self, rows: np.ndarray) -> None:
+        """Leave these global rows out of every epoch (the rest keep their order), before the loader iterates:
+        ``shards.stream.selection.exclude_keys`` finds them from keys. A mixture leaves samples out where it
+        selects them (``Subset(exclude_keys=)``), since its draw sizes each epoch."""
+        if self.mixture is not None:
+            raise InputError("a mixture or subset leaves samples out through Subset(exclude_keys=...)")
+        rows = np.unique(np.asarray(rows, dtype=np.int64))
+        self.excluded = rows if len(rows) else None
+        self.sizes = epoch_sizes(self.split_info.samples - len(rows), self.config.world_size, self.config.drop_last)
 
     # -- the stream ------------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
@@ -206,15 +224,16 @@ class ShardDataset(IterableDataset):
         return itertools.count(base)
 
     def worker_stream(self, epoch: int, worker: int, num_workers: int, *, split_batch: int = 1, skip: int = 0,
-                      left: np.ndarray | None = None, timed: bool | None = None) -> Iterator[Any]:
+                      left: np.ndarray | None = None, timed: bool | None = None, watch: Any = None) -> Iterator[Any]:
         """What logical ``worker`` of ``num_workers`` yields in ``epoch``, after ``skip`` samples a resumed run had
         consumed; ``split_batch``: the loader's batch size (the unit of the worker split); ``timed``: add stage
-        seconds (default: the class's ``time_stages``)."""
+        seconds (default: the class's ``time_stages``); ``watch``: a ``WorkerSlot`` to publish each sample in
+        before decoding it (``shards.stream.worker_status``)."""
         timed = self.time_stages if timed is None else timed
         tally = StageTally(self._stage_times, split_batch) if timed else None
         order = self.worker_order(epoch, worker, num_workers, split_batch=split_batch, left=left)
         try:
-            yield from self._worker_samples(order, epoch, worker, skip, tally)
+            yield from self._worker_samples(order, epoch, worker, skip, tally, watch)
         finally:
             if tally is not None:
                 tally.flush()  # the samples since the last full batch, before the loader sees the stream end
@@ -247,9 +266,10 @@ class ShardDataset(IterableDataset):
         return self.shard_cache.lease(location, info.sha256, info.bytes)
 
     def _worker_samples(self, order: WorkerOrder, epoch: int, worker: int, skip: int,
-                        tally: StageTally | None = None) -> Iterator[Any]:
+                        tally: StageTally | None = None, watch: Any = None) -> Iterator[Any]:
         c = self.config
-        policy = ErrorTally(c, self._state)
+        quarantine = self.quarantine
+        policy = ErrorTally(c, self._state, keeps_recent=bool(quarantine))
         seeds = self.sample_seeds(epoch, worker)
         if skip and c.class_weights is None:  # read only the rows still to come (a resample needs what came before)
             order, seeds, skip = order.after(skip), itertools.islice(seeds, skip, None), 0
@@ -266,6 +286,11 @@ class ShardDataset(IterableDataset):
             if isinstance(sample, Broken):
                 yield from policy.skipped(where, sample.key, sample.reason)
                 continue
+            if quarantine and row in quarantine:
+                yield from policy.stand_in()
+                continue
+            if watch is not None:
+                watch.working(row, sample.key)
             try:
                 output = self.decode_row(sample, seed, row) if tally is None \
                     else self._timed_decode(sample, seed, row, tally)

@@ -15,6 +15,11 @@ runs. Later epochs follow the new layout's plan. The node count belongs to the l
 remainder keeps that stream's order (node by node, so an unchanged node count stays mostly node-local) and is
 dealt as any remainder; the next epoch is node-local again. Class-weighted resampling draws from labels, which are
 only known by reading the shards, and repeats samples, so such a run resumes in the same layout only.
+
+Rows left out of the stream (``ShardDataset.exclude_rows``) may be added when resuming: a saved state records the
+rows its layout's stream left out (``"excluded"``, beside the state's fields, and so in each ``prior``), the replay
+drops each layout's own, and a resume with other excluded rows continues over the rows left minus the new ones, as
+a layout change does: the rest of the epoch drops them and nothing else, in the order it had.
 """
 
 from __future__ import annotations
@@ -32,6 +37,30 @@ from shards.stream.plan import epoch_sizes
 from shards.stream.resume import LoaderState, check_compatible, worker_consumed
 
 LAYOUT_FIELDS = ("world_size", "num_workers", "batch_size", "drop_last")
+EXCLUDED = "excluded"  # a saved state's key: the global rows its layout's stream left out
+MAX_EXCLUDED = 10_000_000  # rows a state may list (80 MB as int64): more is not a list of bad samples
+
+
+def excluded_of(record: dict[str, Any]) -> np.ndarray | None:
+    """The sorted rows a saved state's stream left out (None: none), checked."""
+    rows = record.get(EXCLUDED)
+    if rows is None or len(rows) == 0:
+        return None
+    if len(rows) > MAX_EXCLUDED:
+        raise InputError(f"loader state lists {len(rows)} excluded rows, more than the {MAX_EXCLUDED} it may")
+    array = np.asarray(rows)
+    if array.ndim != 1 or array.dtype.kind not in "iu" or int(array.min()) < 0:
+        raise InputError("loader state 'excluded' must be a list of non-negative row numbers")
+    return np.unique(array.astype(np.int64))
+
+
+def without(rows: np.ndarray, excluded: np.ndarray | None) -> np.ndarray:
+    """``rows`` in their order, less ``excluded``."""
+    return rows if excluded is None else rows[~np.isin(rows, excluded)]
+
+
+def _same_rows(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and np.array_equal(a, b))
 
 
 def dataset_fingerprint(shard_sizes: Sequence[int]) -> str:
@@ -73,19 +102,22 @@ def continuation(state: dict[str, Any], current: LoaderState, source: EpochSourc
     saved = LoaderState.from_dict(state)
     check_compatible(saved, current)
     saved = replace(saved, **{f: getattr(current, f) for f in LAYOUT_FIELDS if getattr(saved, f) is None})
-    if saved.same_layout(current):
+    record = saved.to_dict()  # the saved layout, with the rows it left out
+    if state.get(EXCLUDED) is not None:
+        record[EXCLUDED] = state[EXCLUDED]
+    if saved.same_layout(current) and _same_rows(excluded_of(state), source.excluded):
         position = replace(current, epoch=saved.epoch, batches=saved.batches, prior=saved.prior)
         if saved.prior is None:
             return Continuation(position)  # the bitwise exact path: per-worker skips in the normal plan
-        return Continuation(position, remaining_after(source, saved.prior_state))
+        return Continuation(position, without(remaining_after(source, saved.prior), source.excluded))
     if source.class_weights:
         raise InputError(f"the saved state's layout (world_size, num_workers, batch_size, drop_last, nodes) "
                          f"{_shown(saved)} differs from this loader's {_shown(current)}, and class-weighted "
                          "sampling resumes in the same layout only")
-    position = replace(current, epoch=saved.epoch, batches=saved.batches, prior=saved.to_dict())
+    position = replace(current, epoch=saved.epoch, batches=saved.batches, prior=record)
     if saved.batches == 0 and saved.prior is None:
         return Continuation(replace(position, prior=None))  # nothing consumed: the new layout's whole epoch
-    return Continuation(position, remaining_after(source, saved))
+    return Continuation(position, without(remaining_after(source, record), source.excluded))
 
 
 def _shown(state: LoaderState) -> tuple:
@@ -93,23 +125,27 @@ def _shown(state: LoaderState) -> tuple:
     return (*state.layout()[:4], state.node_count)
 
 
-def remaining_after(source: EpochSource, state: LoaderState) -> np.ndarray:
-    """Global indices of the samples of ``state``'s epoch that no rank had yielded, in the epoch's order."""
-    consumed, rows = _replay(source, state)
-    return rows[~consumed]
+def remaining_after(source: EpochSource, state: LoaderState | dict[str, Any]) -> np.ndarray:
+    """Global indices of the samples of saved ``state``'s epoch that no rank had yielded (nor its layouts left
+    out), in the epoch's order; ``state`` as saved (a dict, with the rows it left out) or a ``LoaderState``."""
+    gone, rows = _replay(source, state.to_dict() if isinstance(state, LoaderState) else state)
+    return rows[~gone]
 
 
-def _replay(source: EpochSource, state: LoaderState) -> tuple[np.ndarray, np.ndarray]:
-    """(a mask over the epoch's stream positions yielded up to ``state``, the epoch's rows in stream order),
-    following ``prior`` links. Positions, not rows: a mixture may read a row twice in one epoch, once per pass."""
-    prior = state.prior_state
-    if prior is None:
-        rows = source.epoch_stream(state.epoch, state.world_size, state.node_count)
+def _replay(source: EpochSource, record: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """(a mask over the epoch's stream positions yielded or left out up to saved state ``record``, the epoch's rows
+    in stream order), following ``prior`` links. Positions, not rows: a mixture may read a row twice in one epoch,
+    once per pass."""
+    state = LoaderState.from_dict(record)
+    excluded = excluded_of(record)
+    if state.prior is None:
+        rows = replace(source, excluded=excluded).epoch_stream(state.epoch, state.world_size, state.node_count)
         consumed = np.zeros(len(rows), dtype=bool)
-        stream = np.arange(len(rows), dtype=np.int64)
     else:
-        consumed, rows = _replay(source, prior)
-        stream = np.flatnonzero(~consumed).astype(np.int64)
+        consumed, rows = _replay(source, state.prior)
+        if excluded is not None:
+            consumed |= np.isin(rows, excluded)
+    stream = np.flatnonzero(~consumed).astype(np.int64)
     layout = Layout.of(state)
     per_rank = epoch_sizes(len(stream), state.world_size, source.drop_last).per_rank
     counts, _ = worker_consumed(per_rank, state)

@@ -5,6 +5,9 @@ stand-ins are spread: a run of skipped slots takes the good samples just before 
 ``STAND_INS`` different ones), and slots skipped before any good sample take the good samples that follow, one
 each. Every skip is logged once, naming shard and key, and counted in the shared epoch state; a run of bad samples
 stops the epoch (a shard that is wholly unreadable is a problem to report, not to paper over).
+
+A quarantined sample (``shards.stream.watchdog``: a worker hung or died on it twice) gets a stand-in the same way,
+whatever the error policy: it is not a data error the policy decides on, but a sample already judged and recorded.
 """
 
 from __future__ import annotations
@@ -30,13 +33,18 @@ def reason_of(exc: CorruptDataError, where: str) -> str:
 @dataclass
 class ErrorTally:
     """One worker stream's tally under ``config``'s error policy; ``state`` is the shared epoch state (the
-    skipped count every process adds to)."""
+    skipped count every process adds to); ``keeps_recent``: keep stand-ins under any policy (quarantined rows)."""
 
     config: Any
     state: Any
+    keeps_recent: bool = False
     consecutive: int = 0
     pending: int = 0  # skipped slots not yet filled: those before the stream's first good sample
     recent: deque = field(default_factory=lambda: deque(maxlen=STAND_INS))
+    stood_in: int = 0  # quarantined slots filled so far: spreads their stand-ins like a run of skips
+
+    def __post_init__(self) -> None:
+        self.keeps_recent = self.keeps_recent or self.config.on_error == "skip"
 
     def skipped(self, where: str, key: str | None, reason: str) -> Iterator[Any]:
         """Count and log one bad sample (``reason`` without shard and key), then fill its slot if a good sample
@@ -51,15 +59,24 @@ class ErrorTally:
             raise CorruptDataError(
                 f"{self.consecutive} consecutive unreadable samples (max_consecutive_errors="
                 f"{self.config.max_consecutive_errors}); last: {reason}", path=where, key=key)
+        yield from self._fill(self.consecutive - 1)
+
+    def stand_in(self) -> Iterator[Any]:
+        """Fill a quarantined sample's slot (no error, no count: the quarantine is recorded where it was made)."""
+        self.stood_in += 1
+        yield from self._fill(self.stood_in - 1)
+
+    def _fill(self, turn: int) -> Iterator[Any]:
+        """A slot's stand-in: the ``turn``-th most recent good sample, or later the next good one."""
         if self.recent:
-            yield self.recent[-1 - (self.consecutive - 1) % len(self.recent)]
+            yield self.recent[-1 - turn % len(self.recent)]
         else:
             self.pending += 1
 
     def emit(self, output: Any) -> Iterator[Any]:
         """A good sample, and once more for the oldest slot still unfilled."""
         self.consecutive = 0
-        if self.config.on_error == "skip":
+        if self.keeps_recent:
             self.recent.append(output)
         yield output
         if self.pending:

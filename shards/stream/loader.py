@@ -14,6 +14,9 @@ batch size to the workers), so a rank has at most one partial batch and ``drop_l
 Stage timing (``shards.stream.stage_times``, on unless ``stage_times=False``): the workers add their read, decode
 and transform seconds to the dataset's shared block, and the collate function is wrapped to add its own, so
 ``stage_seconds()`` tells the training loop which stage of the workers it is waiting for.
+
+Stall and crash recovery (``stall_timeout``, off by default): a watchdog (``shards.stream.watchdog``) restarts hung
+or dead workers at the exact position and quarantines a sample that hangs or kills a worker twice.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from shards.stream.feature_loader import FeatureBatchLoader
 from shards.stream.feature_stream import FeatureShardDataset
 from shards.stream.loader_base import Loader
 from shards.stream.resume import STREAM, SharedResume
+from shards.stream.watchdog import StallPolicy, Watchdog
+from shards.stream.worker_status import WorkerStatus
 
 
 def default_num_workers() -> int:
@@ -73,11 +78,12 @@ class WorkerFeed(IterableDataset):
     """What the DataLoader's workers iterate: the dataset, with the loader's settings and the resume of the current
     iteration, so the loader never writes its settings into the dataset it wraps."""
 
-    def __init__(self, dataset: ShardDataset, split_batch: int, timed: bool):
+    def __init__(self, dataset: ShardDataset, split_batch: int, timed: bool, status: WorkerStatus | None = None):
         super().__init__()
         self.dataset = dataset
         self.split_batch = split_batch
         self.timed = timed
+        self.status = status  # where workers publish the sample they decode (a watched loader's)
         self.resume = SharedResume()  # skips and rotation: reach persistent workers too
         self.left = None  # an epoch continued in another layout: its rows left (a new DataLoader carries them)
 
@@ -90,9 +96,16 @@ class WorkerFeed(IterableDataset):
         epoch = self.dataset.epoch
         resume = self.resume.read(epoch, num_workers)
         worker = (physical + (resume.rotation if resume else 0)) % num_workers
-        yield from self.dataset.worker_stream(
+        watch = self.status.slot(physical) if self.status is not None and info is not None else None
+        stream = self.dataset.worker_stream(
             epoch, worker, num_workers, split_batch=self.split_batch, skip=resume.skips[worker] if resume else 0,
-            left=self.left if resume is not None and resume.remainder else None, timed=self.timed)
+            left=self.left if resume is not None and resume.remainder else None, timed=self.timed, watch=watch)
+        if watch is None:
+            yield from stream
+            return
+        for output in stream:
+            watch.idle()  # decoded: a stall from here on is not this sample's
+            yield output
 
 
 class ShardLoader(Loader):
@@ -100,16 +113,23 @@ class ShardLoader(Loader):
 
     def __init__(self, dataset: ShardDataset, batch_size: int, *, num_workers: int, drop_last: bool,
                  collate_fn: Callable | None, pin_memory: bool, persistent_workers: bool,
-                 prefetch_factor: int | None, stage_times: bool = True, **dataloader_options: Any):
+                 prefetch_factor: int | None, stage_times: bool = True, stall: StallPolicy | None = None,
+                 **dataloader_options: Any):
         # Whole batches per worker (see the module docstring): the split unit is the batch size.
         super().__init__(dataset, batch_size, STREAM, num_workers=num_workers, drop_last=drop_last,
                          split_batch=batch_size)
-        self.feed = WorkerFeed(dataset, batch_size, stage_times)
+        # Only worker processes can hang apart from the loop or die; in-process loading has none to restart.
+        self.watchdog = Watchdog(stall, dataset) if stall is not None and num_workers > 0 else None
+        self.feed = WorkerFeed(dataset, batch_size, stage_times,
+                               status=self.watchdog.status if self.watchdog is not None else None)
         collate_fn = collate_fn if collate_fn is not None else default_collate
         if stage_times:
             collate_fn = dataset.timed_collate(collate_fn)
         if num_workers > 0:
-            dataloader_options["worker_init_fn"] = OrphanGuard(dataloader_options.get("worker_init_fn"))
+            init = dataloader_options.get("worker_init_fn")
+            if self.watchdog is not None:
+                init = self.watchdog.worker_init(init)
+            dataloader_options["worker_init_fn"] = OrphanGuard(init)
         self._dataloader_options = dict(
             batch_size=batch_size, num_workers=num_workers, drop_last=drop_last,
             collate_fn=collate_fn, pin_memory=pin_memory,
@@ -120,31 +140,64 @@ class ShardLoader(Loader):
     def _new_dataloader(self) -> DataLoader:
         return DataLoader(self.feed, **self._dataloader_options)
 
+    @property
+    def quarantined(self) -> tuple[tuple[int, str], ...]:
+        """Samples kept out as sorted ``(global row, key)`` pairs (``shards.stream.watchdog``)."""
+        return self.dataset.quarantined
+
+    def report_faults(self, stack_dir: str | None, on_event: Callable[[dict], Any] | None) -> None:
+        """Where stall recovery writes stack dumps and sends its events, for a caller that knows only after making
+        the loader (a trainer's run folder); nothing without ``stall_timeout``."""
+        if self.watchdog is not None:
+            self.watchdog.stack_dir, self.watchdog.on_event = stack_dir, on_event
+
     def __iter__(self) -> Iterator[Any]:
+        if self.watchdog is not None:
+            yield from self.watchdog.batches(self)
+            return
+        for batch in self.start_iteration():
+            self.cursor.handed += 1
+            yield batch
+
+    def start_iteration(self) -> Iterator[Any]:
+        """The DataLoader's iterator over the current epoch, from the cursor's position."""
         cursor = self.cursor
         continued = cursor.begin()
         self.feed.left = continued.left if continued is not None else None
         self.feed.resume.write(cursor.resume(continued))  # before the workers start their epoch
-        for batch in self.loader:
-            cursor.handed += 1
-            yield batch
+        return iter(self.loader)
+
+    def restart(self) -> None:
+        """Continue the current epoch on fresh workers (the old ones are gone) at the batches handed out, with
+        the quarantine as it now is: the loader's own state, saved and loaded."""
+        state = self.state_dict()
+        self.loader = self._new_dataloader()
+        self.load_state_dict(state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        quarantined = self.dataset.quarantine
         continued = self.cursor.load(state)
-        if continued.left is not None and self.loader.persistent_workers:
+        if self.loader.persistent_workers and (continued.left is not None or self.dataset.quarantine != quarantined):
             self.loader = self._new_dataloader()  # running workers hold a feed without the rows left
 
 
 def make_loader(dataset: ShardDataset, batch_size: int = 256, *, num_workers: int | None = None,
                 drop_last: bool | None = None, collate_fn: Callable | None = None, pin_memory: bool | None = None,
                 persistent_workers: bool = True, prefetch_factor: int = 4, stage_times: bool = True,
-                **dataloader_options: Any) -> Loader:
+                stall_timeout: float | None = None, max_restarts: int = 3, stack_dir: str | None = None,
+                on_event: Callable[[dict], Any] | None = None, **dataloader_options: Any) -> Loader:
     """Batches from a dataset of ``open_dataset``, with defaults that suit it.
 
     Workers default to the usable CPUs minus one (max 8), ``pin_memory`` to whether CUDA is present, ``drop_last``
     to ``dataset.config.shuffle`` (training). A feature dataset gets an in-process ``FeatureBatchLoader`` (no
     workers: they only slow features down) unless ``num_workers`` asks for workers. ``stage_times=False`` turns
     off the per-stage seconds (``stage_seconds()`` then stays at 0), for measuring what they cost.
+
+    ``stall_timeout`` (seconds; None: off): no batch for that long, or a worker process gone, restarts the workers
+    at the exact position (``shards.stream.watchdog``), at most ``max_restarts`` times per epoch; a sample a worker
+    hung or died on twice is quarantined (``loader.quarantined``, carried in ``state_dict``). Stack dumps go to
+    ``stack_dir`` (default: a temporary folder), ``restart``/``quarantine`` events to ``on_event(dict)``. Loaders
+    without worker processes have nothing to restart and ignore it.
     """
     if drop_last is None:
         drop_last = dataset.config.shuffle
@@ -157,9 +210,10 @@ def make_loader(dataset: ShardDataset, batch_size: int = 256, *, num_workers: in
     # DataLoader draws its workers' base seed from this generator at every iter(); left to the global RNG it
     # would shift the training loop's random numbers by one draw per epoch (and differently after a resume).
     dataloader_options.setdefault("generator", torch.Generator().manual_seed(dataset.config.seed))
+    stall = None if stall_timeout is None else StallPolicy(stall_timeout, max_restarts, stack_dir, on_event)
     return ShardLoader(dataset, batch_size, num_workers=num_workers, drop_last=drop_last, collate_fn=collate_fn,
                        pin_memory=pin_memory, persistent_workers=persistent_workers,
-                       prefetch_factor=prefetch_factor, stage_times=stage_times, **dataloader_options)
+                       prefetch_factor=prefetch_factor, stage_times=stage_times, stall=stall, **dataloader_options)
 
 
 def pad_collate(batch: Sequence[tuple]) -> dict[str, Any]:

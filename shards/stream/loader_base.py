@@ -9,10 +9,13 @@ never asks which one it holds.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from shards.errors import InputError
 from shards.stream.cursor import Cursor
+from shards.stream.elastic import EXCLUDED
+from shards.stream.lineage import batch_rows, row_samples
 from shards.stream.resume import worker_batches
 
 
@@ -58,14 +61,31 @@ class Loader:
 
     def state_dict(self, batches_consumed: int | None = None) -> dict[str, Any]:
         """The position in the current epoch: after the batches handed out, or after ``batches_consumed`` of them
-        when the consumer lags behind (a prefetcher that drew batches the training step has not used)."""
-        return self.cursor.state_dict(batches_consumed)
+        when the consumer lags behind (a prefetcher that drew batches the training step has not used); with the
+        rows the dataset leaves out (``exclude_rows``), which a resume with others replays (``elastic``)."""
+        state = self.cursor.state_dict(batches_consumed)
+        if getattr(self.dataset, "excluded", None) is not None:
+            state[EXCLUDED] = self.dataset.excluded.tolist()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the saved epoch at the next batch it had not yet handed out: in the same layout exactly as the
         interrupted run would have, in another (world size, workers, batch size) with exactly the samples the
         interrupted epoch had not yet yielded."""
         self.cursor.load(state)
+
+    def batch_keys(self, epoch: int, step: int) -> list[dict[str, Any]]:
+        """The samples of batch ``step`` (from 0, within the epoch) of ``epoch`` (from 0, as ``set_epoch``) on this
+        rank: ``{"key", "shard", "row"}`` each, ``"stand_in": True`` on a quarantined row (another sample was fed
+        in its place). Computed from the order (``shards.stream.lineage``), not recorded: an epoch continued from
+        a loaded state (in this layout or another) is answered as it was fed while it is the current epoch."""
+        remainder = self.cursor.remainder()
+        if remainder is not None and remainder.position.epoch == epoch:
+            position = remainder.position
+        else:
+            position = replace(self.cursor.position(0), epoch=epoch, prior=None)
+        rows = batch_rows(self.dataset.epoch_source(), position, self.dataset.config.rank, step)
+        return row_samples(self.dataset, rows, getattr(self.dataset, "quarantine", None) or ())
 
     def stage_seconds(self) -> dict[str, float]:
         """This rank's busy seconds per worker stage (``read``, ``decode``, ``transform``, ``collate``), summed over

@@ -38,15 +38,16 @@ CLASS_MAPS = ("same", "union")
 class Subset:
     """Which samples of a source to read: ``classes`` (names), ``keys`` (a file of sample keys, one per line, or
     the keys themselves), ``where`` (a filter on the per-sample metadata: ``"width >= 256"`` or, from Python, a
-    callable taking the sample's fields), then at most ``max_samples`` of what is left, in manifest order (the
-    same samples every epoch). Shards holding none of ``classes`` are never read (the manifest's per-shard class
-    counts say so); the rest of the filtering reads the dataset's source index, or the shards themselves when
+    callable taking the sample's fields), less ``exclude_keys`` (a file of keys, one per line, or the keys), then at
+    most ``max_samples`` of what is left, in manifest order (the same samples every epoch). Shards holding none of
+    ``classes`` are never read (the manifest's per-shard class counts say so); the rest of the filtering reads the dataset's source index, or the shards themselves when
     there is none (``shards.stream.rows``)."""
 
     classes: tuple[str, ...] | None = None
     keys: Any = None
     where: Any = None
     max_samples: int | None = None
+    exclude_keys: Any = None
 
     def __post_init__(self) -> None:
         if self.classes is not None:
@@ -57,8 +58,10 @@ class Subset:
                 raise InputError("Subset.classes is empty: name at least one class")
         if self.max_samples is not None and (isinstance(self.max_samples, bool) or int(self.max_samples) < 1):
             raise InputError(f"Subset.max_samples={self.max_samples!r} must be an integer >= 1")
-        if self.keys is not None and not isinstance(self.keys, (str, os.PathLike)):
-            object.__setattr__(self, "keys", frozenset(str(k) for k in self.keys))  # an iterator is read once
+        for name in ("keys", "exclude_keys"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                object.__setattr__(self, name, frozenset(str(k) for k in value))  # an iterator is read once
         if self.where is not None and not callable(self.where):
             from shards.stream.where import Where
 
@@ -66,30 +69,40 @@ class Subset:
 
     @property
     def empty(self) -> bool:
-        return self.classes is None and self.keys is None and self.where is None and self.max_samples is None
+        return self.classes is None and self.keys is None and self.where is None and self.max_samples is None \
+            and self.exclude_keys is None
 
     def key_set(self) -> frozenset[str] | None:
         """The keys asked for, read once from their file (a path) or taken as given (an iterable of strings)."""
-        if self.keys is None:
-            return None
-        if isinstance(self.keys, (str, os.PathLike)):
-            # Regular files only and at most MAX_FILE_BYTES: a FIFO or /dev/zero here would hang or fill memory.
-            try:
-                text = read_regular_file(self.keys).decode("utf-8-sig")
-            except UnicodeDecodeError as exc:
-                raise InputError(f"the keys file is not UTF-8 text ({exc.reason} at byte {exc.start})",
-                                 path=str(self.keys)) from None
-            return frozenset(key for key in map(str.strip, io.StringIO(text, newline=None)) if key)
-        return self.keys
+        return read_keys(self.keys)
+
+    def excluded_key_set(self) -> frozenset[str] | None:
+        """The keys left out (``exclude_keys``), read as ``key_set`` reads its keys."""
+        return read_keys(self.exclude_keys)
 
     def describe(self) -> dict[str, Any]:
         """What the run's config records (a callable filter is recorded by name)."""
         where = self.where
         where = getattr(where, "expression", None) or (None if where is None else getattr(where, "__name__", "callable"))
-        keys = None if self.keys is None else (str(self.keys) if isinstance(self.keys, (str, os.PathLike))
-                                               else f"{len(self.keys)} keys")
+        keys, excluded = (None if value is None else str(value) if isinstance(value, (str, os.PathLike))
+                          else f"{len(value)} keys" for value in (self.keys, self.exclude_keys))
         return {"classes": None if self.classes is None else list(self.classes), "keys": keys, "where": where,
-                "max_samples": self.max_samples}
+                "max_samples": self.max_samples, "exclude_keys": excluded}
+
+
+def read_keys(keys: Any) -> frozenset[str] | None:
+    """Sample keys from a file (a path: one per line, blank lines and surrounding spaces ignored) or as given."""
+    if keys is None:
+        return None
+    if isinstance(keys, (str, os.PathLike)):
+        # Regular files only and at most MAX_FILE_BYTES: a FIFO or /dev/zero here would hang or fill memory.
+        try:
+            text = read_regular_file(keys).decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            raise InputError(f"the keys file is not UTF-8 text ({exc.reason} at byte {exc.start})",
+                             path=str(keys)) from None
+        return frozenset(key for key in map(str.strip, io.StringIO(text, newline=None)) if key)
+    return keys
 
 
 @dataclass(frozen=True)

@@ -50,18 +50,24 @@ class EpochSource:
     rotate_every: int = 0  # node affinity's rotation; the node count comes from each layout
     feature_window: int = 0  # the in-process loader permutes within windows of this many rows (0: whole)
     mixture: Any = field(default=None, compare=False)  # a ``Mixture``: its own epoch rows (shards.stream.mixture)
+    # Sorted global rows left out of every epoch (``ShardDataset.exclude_rows``): the rest keep their order.
+    excluded: Any = field(default=None, compare=False)
 
     @classmethod
-    def of(cls, config: Any, shard_sizes: Sequence[int], mixture: Any = None) -> EpochSource:
+    def of(cls, config: Any, shard_sizes: Sequence[int], mixture: Any = None, excluded: Any = None) -> EpochSource:
         """From a ``StreamConfig``."""
         return cls(tuple(int(n) for n in shard_sizes), config.seed, config.shuffle, config.shuffle_buffer,
                    config.drop_last, config.class_weights is not None, config.rotate_every,
-                   config.feature_window, mixture)
+                   config.feature_window, mixture, excluded)
 
     def epoch_stream(self, epoch: int, world_size: int, nodes: int) -> np.ndarray:
         """The epoch's rows in stream order, before rank padding: what a layout deals out."""
         if self.mixture is not None:
             return self.mixture.stream(epoch)
+        if self.excluded is not None:  # the stream without them; the dealing (``share_of``) balances the ranks
+            rows = epoch_stream(self.shard_sizes, seed=self.seed, epoch=epoch, world_size=world_size,
+                                shuffle=self.shuffle, nodes=nodes, rotate_every=self.rotate_every)
+            return rows[~np.isin(rows, self.excluded)]
         return epoch_stream(self.shard_sizes, seed=self.seed, epoch=epoch, world_size=world_size,
                             drop_last=self.drop_last, shuffle=self.shuffle, nodes=nodes,
                             rotate_every=self.rotate_every)

@@ -112,7 +112,7 @@ STREAM = "stream"
 FEATURE_BATCHES = "feature_batches"
 KINDS = (STREAM, FEATURE_BATCHES)
 # Fields added to a version after it was first written: a state saved before them lacks them and still loads.
-LATER_FIELDS = ("nodes",)
+LATER_FIELDS = ("nodes", "quarantined")
 # Settings a resumed run must share with the saved one, in the order they are checked; the layout (world size,
 # nodes, workers, batch size, drop_last) may change (``shards.stream.elastic``).
 COMPATIBLE = ("kind", "seed", "dataset", "sampling")
@@ -125,10 +125,11 @@ class LoaderState:
     ``split_batch`` is the unit the epoch plan split each rank's share between workers in (the batch size for a
     ``ShardLoader``; 1 for a loader that deals samples one by one). ``dataset`` fingerprints the shard sizes,
     ``sampling`` the order settings (shuffle, buffer, class weights, the dataset's drop_last). ``prior``: the state
-    this epoch continued in another layout (its batches count from ``prior["batches"]``). ``None`` in a setting
-    means the saved state did not record it, so it is not checked; except ``nodes`` (the node count of the epoch
-    plan's node affinity): a state without it was saved before node affinity existed, on what the plan took as one
-    node.
+    this epoch continued in another layout (its batches count from ``prior["batches"]``). ``quarantined``: the
+    samples kept out of every epoch (``shards.stream.watchdog``) as ``[[global row, key], ...]``, None when there are
+    none. ``None`` in a setting means the saved state did not record it, so it is not checked; except ``nodes`` (the
+    node count of the epoch plan's node affinity): a state without it was saved before node affinity existed, on
+    what the plan took as one node.
     """
 
     kind: str
@@ -144,6 +145,7 @@ class LoaderState:
     sampling: dict[str, Any] | None = None
     prior: dict[str, Any] | None = None
     nodes: int | None = None
+    quarantined: list | None = None
     version: int = LOADER_STATE_VERSION
 
     def __post_init__(self) -> None:
@@ -154,6 +156,7 @@ class LoaderState:
                              f"batches={self.batches}")
         if self.nodes is not None and self.nodes < 1:
             raise InputError(f"loader state nodes must be at least 1, got {self.nodes}")
+        quarantine_of(self.quarantined)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain numbers, booleans, strings, lists and dicts: loadable with ``torch.load(weights_only=True)``."""
@@ -216,6 +219,33 @@ def check_compatible(saved: LoaderState, current: LoaderState) -> None:
                                  "the dataset it was saved with")
             raise InputError(f"the saved state has {name}={value} but this loader has {name}={ours}; "
                              "resume with the same setting")
+
+
+MAX_QUARANTINED = 10_000  # a state carries them all; more means a broken node or dataset, not a few bad samples
+
+
+def quarantine_record(quarantine: dict[int, str]) -> list[list[Any]]:
+    """The quarantined samples as a state records them: ``[[global row, key], ...]``, sorted by row."""
+    check_quarantine_size(len(quarantine))
+    return [[int(row), str(key)] for row, key in sorted(quarantine.items())]
+
+
+def quarantine_of(record: list | None) -> dict[int, str]:
+    """The quarantined samples of a state's ``quarantined`` record (None: none), checked."""
+    record = [] if record is None else record
+    if not isinstance(record, list) or not all(
+            isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], int) and item[0] >= 0
+            and isinstance(item[1], str) for item in record):
+        raise InputError("loader state 'quarantined' must be a list of [row, key] pairs (row a non-negative "
+                         "integer, key a string)")
+    check_quarantine_size(len(record))
+    return {row: key for row, key in record}
+
+
+def check_quarantine_size(count: int) -> None:
+    if count > MAX_QUARANTINED:
+        raise InputError(f"{count} quarantined samples exceed the limit of {MAX_QUARANTINED}: workers hang or die "
+                         "on this data far too often to paper over; find the cause (the stack dumps name it)")
 
 
 def consumed_batches(batches_consumed: int | None, handed_out: int) -> int:

@@ -27,6 +27,7 @@ import numpy as np
 from shards.errors import CorruptDataError, InputError, ManifestError
 from shards.manifest import SplitInfo
 from shards.stream.mixture import MixOptions, Mixture, SourceSpec, draws
+from shards.stream.plan import ShardSlice
 from shards.stream.rows import SampleColumns, column_fields, index_rows, shard_fields
 from shards.stream.where import Where, member_bytes
 
@@ -142,12 +143,13 @@ def _select(source: LoadedSource, classes: Sequence[str]) -> tuple[list[tuple[in
                              f"{', '.join(classes[:10])}{'...' if len(classes) > 10 else ''})", path=source.spec.path)
         wanted = np.asarray([c in subset.classes for c in own], dtype=bool)
     keys, where, left = subset.key_set(), subset.where, subset.max_samples
+    excluded = subset.excluded_key_set()
     columns = source.columns()
     if columns is not None and _columns_cover(columns, where):
-        selected = _select_columns(source, SampleColumns(columns, own), wanted, keys, where, left)
+        selected = _select_columns(source, SampleColumns(columns, own), wanted, keys, where, left, excluded)
         if selected is not None:
             return selected
-    return _select_rows(source, wanted, keys, where, left)
+    return _select_rows(source, wanted, keys, where, left, excluded)
 
 
 def _shard_counts(info: Any, classes: int) -> Sequence[int] | None:
@@ -168,7 +170,8 @@ def _indices(wanted: np.ndarray) -> list[int]:
 
 
 def _select_rows(source: LoadedSource, wanted: np.ndarray | None, keys: frozenset[str] | None,
-                 where: Callable | None, left: int | None) -> tuple[list[tuple[int, np.ndarray]], list[int]]:
+                 where: Callable | None, left: int | None, excluded: frozenset[str] | None = None
+                 ) -> tuple[list[tuple[int, np.ndarray]], list[int]]:
     """``_select`` shard by shard, filtering rows from the source index or the shards themselves."""
     own, split = list(source.manifest.classes), source.split
     indexed = None
@@ -179,7 +182,7 @@ def _select_rows(source: LoadedSource, wanted: np.ndarray | None, keys: frozense
         counts = _shard_counts(info, len(own))
         if _holds_none_wanted(info, wanted, len(own)):
             continue  # no wanted class in this shard: never opened
-        whole = keys is None and where is None and counts is not None \
+        whole = keys is None and excluded is None and where is None and counts is not None \
             and (wanted is None or all(w or n == 0 for n, w in zip(counts, wanted)))
         if whole and (left is None or left >= info.samples):
             rows = np.arange(info.samples)
@@ -187,7 +190,7 @@ def _select_rows(source: LoadedSource, wanted: np.ndarray | None, keys: frozense
         else:
             if indexed is None:
                 indexed = index_rows(source.folder, source.manifest) or {}
-            rows, labels = _filter_rows(source, shard, indexed, wanted, keys, where)
+            rows, labels = _filter_rows(source, shard, indexed, wanted, keys, where, excluded)
             if left is not None:
                 rows = rows[:left]
             totals += np.bincount(labels[rows], minlength=len(own))[: len(own)]
@@ -207,8 +210,8 @@ def _columns_cover(columns: Any, where: Callable | None) -> bool:
 
 
 def _select_columns(source: LoadedSource, view: SampleColumns, wanted: np.ndarray | None,
-                    keys: frozenset[str] | None, where: Callable | None, left: int | None
-                    ) -> tuple[list[tuple[int, np.ndarray]], list[int]] | None:
+                    keys: frozenset[str] | None, where: Callable | None, left: int | None,
+                    excluded: frozenset[str] | None = None) -> tuple[list[tuple[int, np.ndarray]], list[int]] | None:
     """``_select`` over the column index: one pass of array operations over the split, no object per sample.
     None when the filter fails on a row and only the source index can name that row's fields in the error."""
     split, own = source.split, source.manifest.classes
@@ -230,6 +233,8 @@ def _select_columns(source: LoadedSource, view: SampleColumns, wanted: np.ndarra
         live &= wanted[labels]
     if keys is not None:
         live &= member_bytes(view.column("key"), [k.encode("utf-8", "surrogatepass") for k in keys])
+    if excluded is not None:
+        live &= ~member_bytes(view.column("key"), [k.encode("utf-8", "surrogatepass") for k in excluded])
     if where is not None:
         live = _where_mask(view, where, live, starts, left)
         if live is None:
@@ -271,7 +276,8 @@ def _where_mask(view: SampleColumns, where: Callable, live: np.ndarray, starts: 
 
 
 def _filter_rows(source: LoadedSource, shard: int, indexed: dict, wanted: np.ndarray | None,
-                 keys: frozenset[str] | None, where: Callable | None) -> tuple[np.ndarray, np.ndarray]:
+                 keys: frozenset[str] | None, where: Callable | None,
+                 excluded: frozenset[str] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The rows of one shard that pass the subset's filters, and every row's label."""
     info, where_at, own = source.split.shards[shard], source.locations[shard], source.manifest.classes
     fields = shard_fields(info, indexed, lambda: source.read_all(shard), own, where_at)
@@ -285,6 +291,23 @@ def _filter_rows(source: LoadedSource, shard: int, indexed: dict, wanted: np.nda
     mask = np.ones(len(fields), dtype=bool) if wanted is None else wanted[labels]
     if keys is not None:
         mask &= np.asarray([f["key"] in keys for f in fields], dtype=bool)
+    if excluded is not None:
+        mask &= np.asarray([f["key"] not in excluded for f in fields], dtype=bool)
     if where is not None:
         mask &= np.asarray([bool(m and where(f)) for f, m in zip(fields, mask)], dtype=bool)
     return np.flatnonzero(mask), labels
+
+
+def excluded_rows(keys: frozenset[str], columns: Any, dataset: Any) -> np.ndarray:
+    """The global rows of ``dataset``'s split whose key is in ``keys``, for ``ShardDataset.exclude_rows``: over
+    the split's column index (``columns``, a binary search per chunk of the key column) or, without one, from the
+    keys of every shard, read in order."""
+    wanted = [k.encode("utf-8", "surrogatepass") for k in keys]
+    if columns is not None:
+        return np.flatnonzero(member_bytes(columns.column("key"), wanted))
+    rows, first = [], 0
+    for shard, info in enumerate(dataset.split_info.shards):
+        rows.extend(first + i for i, sample in enumerate(dataset.read_slice(ShardSlice(shard, 0, info.samples)))
+                    if sample.key in keys)
+        first += info.samples
+    return np.asarray(rows, dtype=np.int64)

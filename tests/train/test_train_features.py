@@ -46,7 +46,8 @@ def test_run_folder_holds_everything_and_loads_without_pickle(feature_folder: Pa
     run = tmp_path / "run"
     train(config(feature_folder, run, epochs=2))
     assert sorted(p.name for p in run.iterdir()) == sorted(
-        ["config.json", "metrics.jsonl", "curves.png", "last.pt", "best.pt", "model.pt", "report.html"])
+        ["config.json", "metrics.jsonl", "curves.png", "last.pt", "best.pt", "model.pt", "report.html",
+         "data-events.jsonl"])
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["epoch"] for r in rows] == [1, 2]
     for key in ("train_loss", "val_loss", "val_top1", "samples_per_s", "data_wait_share", "val_per_class_accuracy",

@@ -1,0 +1,92 @@
+"""``loader.batch_keys(epoch, step)``: computed from the order, it names exactly the keys each batch held, in every
+layout, an epoch resumed in the same layout or continued in another included."""
+
+import pytest
+
+import shards
+from tests.helpers import make_shard_dataset
+from tests.shards.stream_helpers import write_feature_dataset
+
+SIZES = {"train": [7, 5, 9, 3, 6, 4, 8]}  # 42 samples, 7 shards
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    out = tmp_path_factory.mktemp("batch_keys")
+    make_shard_dataset(out, shard_sizes=SIZES, size=(8, 8))
+    return out
+
+
+def build(folder, workers, *, rank=0, world=1, batch=4, drop_last=False):
+    dataset = shards.open_dataset(folder, return_keys=True, seed=5,
+                                  decode=shards.Decode(decoder=lambda sample, seed: 0),
+                                  sampling=shards.Sampling(shuffle_buffer=6),
+                                  distributed=shards.Distributed(rank=rank, world_size=world))
+    return shards.make_loader(dataset, batch_size=batch, num_workers=workers, drop_last=drop_last,
+                              persistent_workers=False)
+
+
+def computed(loader, epoch, steps):
+    return [[s["key"] for s in loader.batch_keys(epoch, step)] for step in range(steps)]
+
+
+@pytest.mark.parametrize("workers,world,drop_last", [(0, 1, False), (2, 1, False), (3, 2, True)])
+def test_batch_keys_equal_the_batches_iterated_in_two_epochs(folder, workers, world, drop_last):
+    for rank in range(world):
+        loader = build(folder, workers, rank=rank, world=world, drop_last=drop_last)
+        for epoch in (0, 1):
+            loader.set_epoch(epoch)
+            fed = [list(batch[2]) for batch in loader]
+            assert computed(loader, epoch, len(fed)) == fed
+        with pytest.raises(ValueError, match="outside"):
+            loader.batch_keys(1, len(loader))
+
+
+def test_samples_name_their_shard_and_row(folder):
+    loader = build(folder, 2)
+    sample = loader.batch_keys(0, 0)[0]
+    index = int(sample["key"].rsplit("_", 1)[1])  # make_shard_dataset numbers keys by global row
+    assert sample["row"] == index and sample["shard"].endswith(".tar")
+
+
+def test_an_epoch_continued_in_another_layout_and_again_in_a_third(folder):
+    first = build(folder, 2)
+    iterator = iter(first)
+    head = [list(next(iterator)[2]) for _ in range(3)]
+    state = first.state_dict()
+    del iterator
+
+    second = build(folder, 3)
+    second.load_state_dict(state)
+    iterator = iter(second)
+    middle = [list(next(iterator)[2]) for _ in range(2)]
+    state2 = second.state_dict()
+    del iterator
+
+    third = build(folder, 1)
+    third.load_state_dict(state2)
+    assert computed(third, 0, 5) == head + middle  # the earlier layouts' batches, replayed
+    rest = [list(batch[2]) for batch in third]
+    assert [[s["key"] for s in third.batch_keys(0, 5 + i)] for i in range(len(rest))] == rest
+
+
+def test_a_same_layout_resume_answers_as_the_uninterrupted_run(folder):
+    whole = [list(batch[2]) for batch in build(folder, 2)]
+    first = build(folder, 2)
+    iterator = iter(first)
+    for _ in range(4):
+        next(iterator)
+    state = first.state_dict()
+    del iterator
+    resumed = build(folder, 2)
+    resumed.load_state_dict(state)
+    assert computed(resumed, 0, len(whole)) == whole
+
+
+def test_feature_batches(tmp_path):
+    write_feature_dataset(tmp_path, [5, 7, 4])
+    dataset = shards.open_dataset(tmp_path, return_keys=True, seed=1)
+    loader = shards.make_loader(dataset, batch_size=3, drop_last=False)
+    loader.set_epoch(1)
+    fed = [list(batch[2]) for batch in loader]
+    assert computed(loader, 1, len(fed)) == fed

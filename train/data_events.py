@@ -1,0 +1,85 @@
+"""The data events of a run: what happened to the data a run was fed, one JSON object per line.
+
+``<run_dir>/data-events.jsonl`` records layout changes (a start or resume with the loader state it resumed from),
+exclusion lists added at resume, quarantined samples and worker restarts (contract of issue 23). Lineage
+(``shards lineage``) rebuilds what a step was fed from ``config.json`` and these events, never from per-step logs,
+so the file is append-only and every line is flushed and fsynced before the caller goes on: a run killed at any
+moment leaves at most its last line torn, and readers ignore such a line.
+
+A rank other than 0 writes ``data-events.rank<R>.jsonl`` (chosen by the event's ``"rank"``), so no rank waits on
+another to record what it saw; ``read_events`` reads all of a run's event files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from shards.bounded_read import read_regular_file
+from shards.errors import ManifestError
+from shards.jsonlines import json_lines
+
+EVENTS_FILE = "data-events.jsonl"
+_EVENTS_NAME = re.compile(r"^data-events(\.rank(\d+))?\.jsonl$")
+MAX_EVENTS_BYTES = 256 << 20  # one event is ~200 bytes: a million events fit; more means the file is not ours
+
+log = logging.getLogger(__name__)
+
+
+def events_path(run_dir: str | os.PathLike, rank: int = 0) -> Path:
+    """The file rank ``rank`` appends its events to."""
+    name = EVENTS_FILE if rank == 0 else f"data-events.rank{rank}.jsonl"
+    return Path(run_dir) / name
+
+
+def append_event(run_dir: str | os.PathLike, event: dict[str, Any]) -> None:
+    """Append ``event`` (which names its ``"kind"``) as one line, flushed and fsynced; ``"time"`` is filled in
+    when absent. A torn last line left by a killed writer is closed with a newline first, so it stays one bad line
+    instead of swallowing this one."""
+    if not isinstance(event.get("kind"), str):
+        raise ValueError(f"a data event needs a string 'kind', got {event!r}")
+    record = {"time": time.time(), **event}
+    line = json.dumps(record, sort_keys=True, allow_nan=False) + "\n"
+    path = events_path(run_dir, int(record.get("rank") or 0))
+    with open(path, "ab") as handle:
+        if handle.tell() > 0:
+            with open(path, "rb") as reader:
+                reader.seek(-1, os.SEEK_END)
+                if reader.read(1) != b"\n":
+                    handle.write(b"\n")
+        handle.write(line.encode("utf-8"))
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _read_file(path: Path) -> list[dict[str, Any]]:
+    text = read_regular_file(path, limit=MAX_EVENTS_BYTES, error=ManifestError).decode("utf-8", errors="replace")
+    last = len(text.splitlines())
+    events = []
+    for number, value, why in json_lines(text):
+        if why is None and isinstance(value, dict) and isinstance(value.get("kind"), str):
+            events.append(value)
+        elif number == last and not text.endswith("\n"):
+            continue  # the line a killed writer left torn
+        else:
+            log.warning("%s: line %d is not a data event (%s); left out", path, number, why or "not an object "
+                        "with a 'kind'")
+    return events
+
+
+def read_events(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every event of the run, from all its event files, in the order they happened (by ``"time"``; a file's own
+    lines keep their order). An absent file is no events; a torn last line is ignored."""
+    folder = Path(run_dir)
+    if not folder.is_dir():
+        return []
+    per_file = [_read_file(path) for path in sorted(folder.iterdir()) if _EVENTS_NAME.match(path.name)]
+    merged = [(event.get("time") if isinstance(event.get("time"), (int, float)) else 0.0, index, event)
+              for index, events in enumerate(per_file) for event in events]
+    # sort on (time, file, line) stably: equal times keep rank 0's file first and each file's own order
+    return [event for _, _, event in sorted(merged, key=lambda item: (item[0], item[1]))]
