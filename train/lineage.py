@@ -1,7 +1,7 @@
 """Which samples a training step was fed: computed from a run folder (``shards lineage``), or recorded to check it.
 
 ``run_lineage`` rebuilds the run's train loaders from ``config.json`` and the layout events of
-``data-events.jsonl`` (``train.data_events``): the last layout that started before the step says the world size,
+``data-events.jsonl`` (``shards.data_events``): the last layout that started before the step says the world size,
 workers, batch size and node count the step ran in and the loader state it resumed from; the loader built the way
 ``train-from-shards`` builds it (``train.data.build_data``) then walks epoch by epoch to the step and answers with
 ``Loader.batch_keys`` (``shards.stream.lineage``). Nothing per step is read: a run needs no ``--record-keys``.
@@ -29,7 +29,7 @@ from shards.errors import InputError, ManifestError
 from shards.jsonlines import json_lines
 from train.config import TrainConfig
 from train.data import build_data, prepare_manifest
-from train.data_events import read_events
+from shards.data_events import read_events
 from train.distributed import DistContext
 
 KEYS_FILE = "keys.jsonl"  # as train.run_dir.KEYS_FILE

@@ -19,7 +19,7 @@ from torch import nn
 from train import run_dir as rd
 from train.checkpoint import capture_rng_state, copy_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
 from train.config import TrainConfig
-from train.data_events import append_event, read_events
+from shards.data_events import append_event, read_events
 from train.lineage import KeyRecorder, keep_keys_file
 from train.data import CACHE_COUNTERS, RunData, build_data, describe_batch, prepare_manifest, source_paths
 from train.distributed import DistContext, setup_distributed, wrap_model
@@ -212,7 +212,7 @@ class Run:
 
     def record_layout(self) -> None:
         """Rank 0: the layout this start or resume feeds the run in, and the loader state it resumed from, as a
-        data event (``train.data_events``): what ``shards lineage`` rebuilds the run's loaders from."""
+        data event (``shards.data_events``): what ``shards lineage`` rebuilds the run's loaders from."""
         loader, folder = self.data.train_loader, self.plan.folder
         where = {"epoch": self.state.epoch + 1, "step": self.state.step, "rank": 0}
         kept = keep_keys_file(folder, self.cfg.exclude_keys) if self.cfg.exclude_keys else None

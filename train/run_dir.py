@@ -16,6 +16,7 @@ from typing import Any, Iterable, Mapping
 
 from shards.atomic import atomic_output, write_json_atomic
 from shards.bounded_read import read_json_file
+from shards.data_events import EVENTS_FILE  # layouts, exclusions, quarantines, restarts
 from shards.errors import ManifestError, OutputExistsError
 from shards.owned import refuse_clobber, remove_owned
 from shards.report.run import is_run_folder
@@ -28,7 +29,6 @@ LAST_FILE = "last.pt"
 BEST_FILE = "best.pt"
 MODEL_FILE = "model.pt"
 REPORT_FILE = "report.html"  # shards.report.build.write_run_report, redrawn as epochs end (at most every 30 s) and at the end
-EVENTS_FILE = "data-events.jsonl"  # train.data_events: layouts, exclusions, quarantines, restarts
 KEYS_FILE = "keys.jsonl"  # --record-keys (train.lineage)
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, CURVES_FILE, LAST_FILE, BEST_FILE, MODEL_FILE, REPORT_FILE, EVENTS_FILE,
              KEYS_FILE)

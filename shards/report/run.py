@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from shards.bounded_read import read_json_file, read_regular_file
+from shards.data_events import read_events
 from shards.errors import InputError, ManifestError, ShardcacheError
 from shards.jsonlines import json_lines
 from shards.report import svg
@@ -309,6 +310,14 @@ def _checkpoints(folder: Path, history: Sequence[Mapping[str, float]]) -> Markup
                       + note("Epochs are read from metrics.jsonl; the checkpoints themselves are not opened."))
 
 
+QUARANTINE_SHOWN = 10  # quarantined samples named in the report's note; data-events.jsonl lists them all
+
+
+def _quarantined(folder: Path) -> list[dict[str, Any]]:
+    """The run's quarantine events (``shards.data_events``), in the order they happened."""
+    return [event for event in read_events(folder) if event.get("kind") == "quarantine"]
+
+
 def run_section(run: RunFiles, anchor: str, *, classes: Sequence[str] | None = None,
                 links: Markup | None = None, read_kind: str | None = None) -> Section:
     """``classes``: the class list of the run's data manifest, when it could be read (names the matrix);
@@ -323,6 +332,14 @@ def run_section(run: RunFiles, anchor: str, *, classes: Sequence[str] | None = N
         stragglers = run_straggler_warning(run.rows)  # the training log's warning, from the same rows
         if stragglers is not None:
             parts.append(note(f"Epoch {history[-1]['epoch']}: {stragglers}.", "warn"))
+        quarantined = _quarantined(run.folder)
+        if quarantined:
+            shown = ", ".join(f"{e.get('key')} ({e.get('shard')}, {e.get('reason')}, epoch {e.get('epoch')})"
+                              for e in quarantined[:QUARANTINE_SHOWN])
+            more = f" and {len(quarantined) - QUARANTINE_SHOWN} more" if len(quarantined) > QUARANTINE_SHOWN else ""
+            parts.append(note(f"{len(quarantined)} sample(s) quarantined after DataLoader workers hung or died on "
+                              f"them twice, and left out from then on: {shown}{more} (data-events.jsonl; stack "
+                              "dumps in the run folder).", "warn"))
         parts.append(subsection("Curves", _curves(history)))
         parts.append(subsection("Per epoch", _epoch_table(history, run.rows)))
         if not is_regression(history):  # a regression run has no classes to break down

@@ -213,3 +213,17 @@ def test_write_run_report_refuses_a_folder_that_is_not_a_run(feature_dir: Path):
         write_run_report(feature_dir)
     assert not (feature_dir / REPORT_FILE).exists()
     assert os.listdir(feature_dir)
+
+
+def test_quarantined_samples_are_named_from_the_runs_data_events(run_copy: Path):
+    from shards.data_events import append_event
+
+    assert "sample(s) quarantined" not in parse(build_report([run_copy], grid=False)).text
+    for i in range(12):
+        append_event(run_copy, {"kind": "quarantine", "epoch": 1, "step": 3 + i, "rank": 0, "key": f"<b>k{i}</b>",
+                                "shard": "train-000000.tar", "row": i, "reason": "stall"})
+    page = parse(build_report([run_copy], grid=False))
+    assert page.unbalanced == []  # the untrusted keys are escaped, not markup
+    assert "12 sample(s) quarantined" in page.text
+    assert "<b>k0</b> (train-000000.tar, stall, epoch 1)" in page.text and "and 2 more" in page.text
+    assert "<b>k11</b>" not in page.text  # beyond the ten named; data-events.jsonl lists them all

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from train.data_events import EVENTS_FILE, append_event, read_events
+from shards.data_events import EVENTS_FILE, append_event, read_events
 
 
 def test_events_round_trip_in_order_across_rank_files(tmp_path):

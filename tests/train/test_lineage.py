@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from shards.cli.main import main as shards_main
 from train.config import TrainConfig
-from train.data_events import read_events
+from shards.data_events import read_events
 from train.lineage import read_recorded_keys, run_lineage
 from train.loop import train
 

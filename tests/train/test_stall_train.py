@@ -10,7 +10,7 @@ import pytest
 
 from shards.stream.image_dataset import ImageShardDataset
 from train.config import TrainConfig
-from train.data_events import read_events
+from shards.data_events import read_events
 from train.loop import train
 from train.run_dir import read_metrics
 
