@@ -49,19 +49,20 @@ def test_samples_name_their_shard_and_row(folder):
     assert sample["row"] == index and sample["shard"].endswith(".tar")
 
 
-def test_an_epoch_continued_in_another_layout_and_again_in_a_third(folder):
-    first = build(folder, 2)
-    iterator = iter(first)
-    head = [list(next(iterator)[2]) for _ in range(3)]
-    state = first.state_dict()
+def fed_then_saved(loader, batches):
+    """The keys of the loader's next ``batches`` batches, and its state after them."""
+    iterator = iter(loader)
+    keys = [list(next(iterator)[2]) for _ in range(batches)]
+    state = loader.state_dict()
     del iterator
+    return keys, state
 
+
+def test_an_epoch_continued_in_another_layout_and_again_in_a_third(folder):
+    head, state = fed_then_saved(build(folder, 2), 3)
     second = build(folder, 3)
     second.load_state_dict(state)
-    iterator = iter(second)
-    middle = [list(next(iterator)[2]) for _ in range(2)]
-    state2 = second.state_dict()
-    del iterator
+    middle, state2 = fed_then_saved(second, 2)
 
     third = build(folder, 1)
     third.load_state_dict(state2)
