@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from preprocess.pack.members import MemberSpec, SourceFields
 from preprocess.pack.packer import PackConfig, ShardJob, PackMeter, run_jobs, check_strict, log_skipped, pack
 from preprocess.pack.parts import PLAN_FILE, STATE_DIR, column_file_names, write_columns
 from preprocess.pack.plan import PlannedShard, assign_splits, cut_shards, split_order_key
@@ -88,7 +89,8 @@ def recorded_config(cfg: PackConfig, manifest: DatasetManifest) -> PackConfig:
         cfg, storage=manifest.storage, max_samples=int(packing["max_samples"]), max_bytes=int(packing["max_bytes"]),
         val_fraction=float(packing["val_fraction"]), seed=int(packing["seed"]), shuffle=bool(packing["shuffle"]),
         verify=str(packing["verify"]), max_pixels=int(packing["max_pixels"]),
-        resize_max_side=reencode.get("max_side"), quality=reencode.get("quality"))
+        resize_max_side=reencode.get("max_side"), quality=reencode.get("quality"),
+        source_fields=SourceFields(**packing["source_fields"]) if "source_fields" in packing else cfg.source_fields)
 
 
 def relabel(scan: SourceScan, manifest: DatasetManifest) -> list[SourceSample]:
@@ -253,9 +255,9 @@ def _append_claimed(cfg: PackConfig, out: Path, prune: bool, started: float) -> 
     manifest = load_dataset_manifest(out)
     index = read_index(out, manifest)
     cfg = recorded_config(cfg, manifest)
-    scan = scan_source(cfg.source, allow_empty_classes=cfg.allow_empty_classes)
+    scan = scan_source(cfg.source, allow_empty_classes=cfg.allow_empty_classes, fields=cfg.source_fields)
     check_strict(scan, cfg.strict)
-    diff = diff_source(relabel(scan, manifest), index)
+    diff, taken = _refuse_taken_keys(scan, diff_source(relabel(scan, manifest), index), index)
     _report(diff, prune)
     drop = set(diff.disappeared) | {s.rel_path for s in diff.changed} if prune else set()
     to_pack = list(diff.new) + (list(diff.changed) if prune else [])
@@ -270,14 +272,14 @@ def _append_claimed(cfg: PackConfig, out: Path, prune: bool, started: float) -> 
     next_index = _next_indices(out, manifest)
     replaced = rewrite_without(out, manifest, index, drop, next_index)
     planned = plan_new_shards(to_pack, cfg, manifest, scan.kind, next_index, batch)
-    parts = _pack_planned(out, planned, manifest.classes, cfg, batch)
+    parts = _pack_planned(out, planned, manifest.classes, cfg, batch, scan.members)
     rows = [row for path, row in index.items() if path not in drop] + [row for p in parts for row in p["index"]]
     new_infos = sorted(((p["split"], ShardInfo.from_dict(p["shard"])) for p in parts if p["shard"] is not None),
                        key=lambda item: _by_split_then_name(item[1].path))
     record = {"created": utc_now(), "new_files": len(diff.new), "dropped_files": len(drop),
               "shards": [info.path for _, info in new_infos],
               "replaced": {old: (new.path if new else None) for old, new in replaced.items()}}
-    scan_skipped = [SkippedFile(s.rel_path, s.reason) for s in scan.skipped]
+    scan_skipped = [SkippedFile(s.rel_path, s.reason) for s in scan.skipped] + taken
     updated = build_manifest(manifest, rows, replaced, new_infos, scan.files_seen, record, scan_skipped)
     updated = updated.replace(extra={**manifest.extra, "source_index": _write_index(out, rows, batch)})
     updated = updated.replace(extra={**updated.extra, COLUMNS_KEY: _columns(out, manifest, updated, rows)})
@@ -289,11 +291,28 @@ def _append_claimed(cfg: PackConfig, out: Path, prune: bool, started: float) -> 
     return AppendResult(updated, _summary(cfg, updated, diff, [i.path for _, i in new_infos], replaced, started, drop))
 
 
+def _refuse_taken_keys(scan: SourceScan, diff: SourceDiff, index: Mapping[str, Mapping[str, Any]]
+                       ) -> tuple[SourceDiff, list[SkippedFile]]:
+    """A source that keeps its own keys (WebDataset tars) could bring a new sample under a key the dataset already
+    holds (the same tar under another name): such a sample is skipped, never packed twice under one key."""
+    if not scan.samples.kept_keys:
+        return diff, []
+    packed = {row["key"]: path for path, row in index.items() if row.get("shard")}
+    taken = [SkippedFile(s.rel_path, f"duplicate key (already packed from {packed[s.key]})")
+             for s in diff.new if s.key in packed]
+    if taken:
+        log.warning("%d new sample(s) have keys the dataset already holds (first: %s); skipped", len(taken),
+                    taken[0].path)
+    return dataclasses.replace(diff, new=tuple(s for s in diff.new if s.key not in packed)), taken
+
+
 def _pack_planned(out: Path, planned: Sequence[PlannedShard], classes: tuple[str, ...], cfg: PackConfig,
-                  batch: int) -> list[dict[str, Any]]:
-    """Pack the new shards with the packer's own shard job, in ``cfg.workers`` processes."""
+                  batch: int, members: MemberSpec | None = None) -> list[dict[str, Any]]:
+    """Pack the new shards with the packer's own shard job, in ``cfg.workers`` processes (``members``: how to read
+    the samples of a container source)."""
     digest = hashlib.sha256(json.dumps([batch, [s.name for s in planned]]).encode()).hexdigest()
-    jobs = [ShardJob(str(out), s, classes, cfg.storage, cfg.validate, cfg.strict, digest) for s in planned]
+    jobs = [ShardJob(str(out), s, classes, cfg.storage, cfg.validate, cfg.strict, digest, members=members)
+            for s in planned]
     meter = PackMeter(sum(len(s.samples) for s in planned), cfg.quiet)
     try:
         parts = run_jobs(jobs, cfg.workers, meter)

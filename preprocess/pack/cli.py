@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from preprocess.pack.append import append
+from preprocess.pack.members import SourceFields
 from preprocess.pack.packer import PackConfig, pack
 from preprocess.pack.parts import STATE_DIR, merge_parts, read_plan_doc
 from preprocess.pack.table import pack_table
@@ -63,6 +64,14 @@ log = logging.getLogger("shardcache.pack")
 @click.option("--break-lease", is_flag=True,
               help="With --out s3://...: take over the prefix's writer lease even while another run holds it "
                    "(a lease left by a killed run expires by itself 10 minutes after its last renewal).")
+@click.option("--image-column", default=None,
+              help="Parquet/Arrow source: the column of image cells, binary or {bytes, path} structs (default: image).")
+@click.option("--label-column", default=None,
+              help="Parquet/Arrow source: the column of labels, integers or strings (default: label).")
+@click.option("--label-member", default=None,
+              help="WebDataset tars: the member holding each sample's label, e.g. cls (default: cls).")
+@click.option("--label-field", default=None,
+              help="WebDataset tars: the field of each sample's .json member holding its label.")
 @click.option("--table", is_flag=True,
               help="SOURCE is a CSV table, not images: pack its rows as float32 feature shards and features.json "
                    "(what precompute-features writes), standardised with train-split statistics. A 'split' column "
@@ -85,10 +94,12 @@ log = logging.getLogger("shardcache.pack")
 @handle_errors
 def pack_shards_command(source, out, storage, max_samples, max_bytes, val_fraction, seed, no_shuffle, verify,
                         max_pixels, resize_max_side, quality, strict, allow_empty_classes, workers, overwrite,
-                        append_new, prune, merge_dir, stage_dir, break_lease, table, target, columns, categorical,
-                        encode, impute, table_task, task_index, num_tasks, quiet, s3) -> None:
-    """Pack an ImageFolder tree (or train/val/test trees, or a CSV/JSONL list) into shards in OUT, or (--table)
-    the rows of a CSV table into feature shards.
+                        append_new, prune, merge_dir, stage_dir, break_lease, image_column, label_column,
+                        label_member, label_field, table, target, columns, categorical, encode, impute, table_task,
+                        task_index, num_tasks, quiet, s3) -> None:
+    """Pack an ImageFolder tree (or train/val/test trees, or a CSV/JSONL list), a Parquet file or folder, a
+    datasets.save_to_disk folder, or WebDataset tars ('data/shard-{000..099}.tar') into shards in OUT, or
+    (--table) the rows of a CSV table into feature shards.
 
     Prints a progress bar on stderr and one JSON summary line on stdout. Exit codes: 0 done, 1 failed,
     2 bad input or another run is writing OUT (nothing written). Files that are not regular files (FIFOs,
@@ -137,7 +148,8 @@ def pack_shards_command(source, out, storage, max_samples, max_bytes, val_fracti
                      val_fraction=val_fraction, seed=seed, shuffle=not no_shuffle, verify=verify,
                      max_pixels=max_pixels, resize_max_side=resize_max_side, quality=quality, strict=strict,
                      allow_empty_classes=allow_empty_classes, workers=workers, task_index=task_index,
-                     num_tasks=num_tasks, overwrite=overwrite, quiet=quiet)
+                     num_tasks=num_tasks, overwrite=overwrite, quiet=quiet,
+                     source_fields=_source_fields(image_column, label_column, label_member, label_field))
     if prune and not append_new:
         raise InputError("--prune works only with --append")
     if staged is not None:
@@ -155,7 +167,7 @@ def pack_shards_command(source, out, storage, max_samples, max_bytes, val_fracti
 TABLE_ONLY = frozenset({"target", "columns", "categorical", "encode", "impute", "table_task"})
 IMAGE_ONLY = frozenset({"max_bytes", "verify", "max_pixels", "resize_max_side", "quality", "strict",
                         "allow_empty_classes", "workers", "append_new", "prune", "merge_dir", "stage_dir",
-                        "break_lease", "storage_tar"})
+                        "break_lease", "storage_tar", "image_column", "label_column", "label_member", "label_field"})
 
 
 def _explicit_options(ctx: click.Context) -> set[str]:
@@ -173,6 +185,13 @@ def _refuse_options(names: set[str], why: str) -> None:
                  "storage_tar": "--storage tar"}
         shown = sorted(flags.get(name, "--" + name.replace("_", "-")) for name in names)
         raise InputError(f"{', '.join(shown)} {why}")
+
+
+def _source_fields(image_column, label_column, label_member, label_field) -> SourceFields:
+    """The options given, over ``SourceFields``' defaults."""
+    given = {"image_column": image_column, "label_column": label_column, "label_member": label_member,
+             "label_field": label_field}
+    return SourceFields(**{name: value for name, value in given.items() if value is not None})
 
 
 def _names(text: str | None) -> tuple[str, ...] | None:

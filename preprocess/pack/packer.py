@@ -12,6 +12,7 @@ and the last tasks to finish merge one at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
@@ -23,10 +24,13 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 from preprocess.pack.parts import (STATE_DIR, check_output, load_part, merge_parts, missing_parts, prepare_output,
                                    read_plan_doc, write_part)
+from preprocess.pack.member_read import fetch_members
+from preprocess.pack.members import MemberBytes, MemberSpec, SourceFields
 from preprocess.pack.plan import PackPlan, PlannedShard, make_plan
 from preprocess.pack.sources import SourceScan, check_out_outside_source, scan_source
 from shards.atomic import check_local_output
-from preprocess.pack.validate import InvalidImage, ValidateOptions, read_ahead, read_and_validate, sample_meta
+from preprocess.pack.validate import (InvalidImage, ValidateOptions, read_ahead, read_and_validate, sample_meta,
+                                      validate_image)
 from shards.image.decode import DEFAULT_MAX_PIXELS
 from shards.errors import CorruptDataError, InputError
 from shards.manifest import DATASET_FILE, DatasetManifest, load_dataset_manifest
@@ -63,6 +67,7 @@ class PackConfig:
     num_tasks: int = 1
     overwrite: bool = False
     quiet: bool = False
+    source_fields: SourceFields = SourceFields()  # where a Parquet/Arrow/WebDataset source keeps image and label
     validate: ValidateOptions = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -108,26 +113,35 @@ class ShardJob(NamedTuple):
     # The parent's copy of the part leaves out its per-sample index rows (the part file on disk holds them): a
     # pack of N files must not hold N rows in the parent. ``--append`` still takes them back (False).
     summary_only: bool = False
+    members: MemberSpec | None = None  # samples are members of container files (``preprocess.pack.members``)
 
 
-def _pack_sample(job: ShardJob, sample, skipped: list[dict], index: list[dict], position: int) -> RawSample | None:
+def _pack_sample(job: ShardJob, sample, skipped: list[dict], index: list[dict], position: int,
+                 member: MemberBytes | None = None) -> RawSample | None:
     """The sample to write at ``position`` of the shard (its row in the source index says so: a subset selects
-    rows by it without reading the shard), or None when it is skipped."""
+    rows by it without reading the shard), or None when it is skipped. ``member``: what a container held for it
+    (None: the sample is the file at its path)."""
     row = {"key": sample.key, "path": sample.rel_path, "size": sample.size, "mtime_ns": sample.mtime_ns,
            "label": sample.label, "split": job.shard.split, "shard": None}
     try:
-        image = read_and_validate(sample.abs_path, job.validate)
+        if member is None:
+            image = read_and_validate(sample.abs_path, job.validate)
+        elif member.data is None:
+            raise InvalidImage(member.problem)
+        else:
+            image = validate_image(member.data, job.validate)
     except InvalidImage as exc:
         if job.strict:
             raise CorruptDataError(f"{exc} (--strict)", path=sample.abs_path) from None
         skipped.append({"path": sample.rel_path, "reason": str(exc)})
         index.append({**row, "skipped": str(exc)})
         return None
-    fields, meta = sample_meta(sample.rel_path, job.classes[sample.label], image)
+    fields, meta = sample_meta(sample.rel_path, job.classes[sample.label], image,
+                               member.meta if member is not None else None)
     # The ``<key>.json`` member's fields (width, height...) in the index too, so a reader can filter on them
     # without opening a shard; the very values the member's bytes encode, so the two never disagree.
     index.append({**row, "shard": job.shard.name, "row": position, "meta": fields})
-    return RawSample(sample.key, image.data, image.ext, sample.label, meta)
+    return RawSample(sample.key, image.data, image.ext, sample.label, meta, member.extra if member else ())
 
 
 def pack_shard(job: ShardJob, on_file: Callable[[int], None] | None = None) -> dict[str, Any]:
@@ -140,9 +154,13 @@ def pack_shard(job: ShardJob, on_file: Callable[[int], None] | None = None) -> d
     writer = None
     samples = list(job.shard.samples)
     with ExitStack() as stack:
-        stack.enter_context(read_ahead([sample.abs_path for sample in samples]))
-        for sample in samples:
-            raw = _pack_sample(job, sample, skipped, index, writer.samples if writer is not None else 0)
+        if job.members is None:
+            stack.enter_context(read_ahead([sample.abs_path for sample in samples]))
+            members: Sequence[MemberBytes | None] = [None] * len(samples)
+        else:  # every container of the shard opened once, its members read in order
+            members = fetch_members(job.members, samples)
+        for sample, member in zip(samples, members):
+            raw = _pack_sample(job, sample, skipped, index, writer.samples if writer is not None else 0, member)
             if raw is not None:
                 if writer is None:
                     spec = STORAGES[job.storage]
@@ -230,17 +248,33 @@ def check_strict(scan: SourceScan, strict: bool) -> None:
     """Under ``--strict`` a file the scan had to skip fails the run (exit 1, like a broken image), before any write."""
     if strict and scan.skipped:
         first = scan.skipped[0]
-        base = Path(scan.root) if scan.kind.startswith("imagefolder") else Path(scan.root).parent
         raise CorruptDataError(f"{first.reason} (--strict; {len(scan.skipped)} such file(s))",
-                               path=str(base / first.rel_path))
+                               path=str(Path(scan.samples.base) / first.rel_path))
+
+
+def source_packing(cfg: PackConfig, scan: SourceScan) -> dict[str, Any]:
+    """``cfg.packing()`` and, for a container source, where its images and labels were read from (which decides
+    the bytes, so it is in the plan digest, and ``--append`` reads new rows the same way)."""
+    packing = cfg.packing()
+    if scan.members is not None:
+        packing.update(members=scan.members.to_dict(), source_fields=dataclasses.asdict(cfg.source_fields))
+    return packing
+
+
+def warn_dropped_members(scan: SourceScan, storage: str) -> None:
+    """HDF5 shards hold an image and a label per sample: a WebDataset sample's other members are not kept."""
+    if scan.members is not None and scan.members.container == "tar" and storage != "tar":
+        log.warning("--storage %s keeps each sample's image and label only; the other members of the WebDataset "
+                    "samples (.txt, their own .json...) are kept by --storage tar", storage)
 
 
 def pack(cfg: PackConfig) -> PackResult:
     """Pack this task's share of the shards (resuming what is finished) and merge if all parts are there."""
     started = time.monotonic()
-    scan = scan_source(cfg.source, allow_empty_classes=cfg.allow_empty_classes)
+    scan = scan_source(cfg.source, allow_empty_classes=cfg.allow_empty_classes, fields=cfg.source_fields)
     check_strict(scan, cfg.strict)
-    plan = make_plan(scan, cfg.packing(), cfg.storage)
+    warn_dropped_members(scan, cfg.storage)
+    plan = make_plan(scan, source_packing(cfg, scan), cfg.storage)
     out = Path(cfg.out)
     plan_doc = _plan_doc(plan, cfg.storage)
     check_output(out, plan_doc, cfg.overwrite)  # refuse before creating even a lock file
@@ -256,7 +290,7 @@ def _pack_claimed(cfg: PackConfig, plan: PackPlan, out: Path, started: float) ->
     log.info("%d files, %d classes -> %d shards; task %d/%d packs %d (%d already done)", scan.files_seen,
              len(scan.classes), len(plan.shards), cfg.task_index, cfg.num_tasks, len(todo), len(mine) - len(todo))
     jobs = [ShardJob(str(out), s, scan.classes, cfg.storage, cfg.validate, cfg.strict, plan.sha256,
-                     summary_only=True) for s in todo]
+                     summary_only=True, members=scan.members) for s in todo]
     meter = PackMeter(sum(len(s.samples) for s in todo), cfg.quiet)
     try:
         packed = run_jobs(jobs, cfg.workers, meter)

@@ -162,14 +162,33 @@ def plan_digest(scan: SourceScan, shards: Sequence[PlannedShard], packing: Mappi
     return digest.hexdigest()
 
 
+def block_shuffle(samples: SourceSamples, positions: np.ndarray, seed: str) -> np.ndarray:
+    """``positions`` (in source order) with their blocks in a seeded random order, each block's samples together:
+    how a source read a block at a time (a Parquet row group) is shuffled, so a shard reads few blocks, and a block
+    once, instead of every block of the source (a sample-level shuffle made each shard decode nearly all of them)."""
+    blocks = samples.column("block")[positions]
+    unique = np.unique(blocks)
+    rank = np.empty(len(unique), dtype=np.int64)
+    rank[np.searchsorted(unique, seeded_shuffle(unique, seed))] = np.arange(len(unique))
+    return positions[np.argsort(rank[np.searchsorted(unique, blocks)], kind="stable")]
+
+
 def make_plan(scan: SourceScan, packing: Mapping[str, Any], storage: str) -> PackPlan:
     """``packing`` holds seed, shuffle, val_fraction, max_samples and max_bytes (and whatever else shapes bytes).
-    Shuffled splits are sorted by relative path first, so the order never depends on how the source was listed."""
+    Shuffled splits are sorted by relative path first, so the order never depends on how the source was listed.
+    A source read by blocks is shuffled block by block (``block_shuffle``), then within each shard."""
     seed = int(packing["seed"])
     shards: list[PlannedShard] = []
+    by_block = bool(packing["shuffle"]) and scan.samples.has_blocks
     for split, positions in split_positions(scan, float(packing["val_fraction"]), seed).items():
-        if packing["shuffle"]:
+        if by_block:
+            positions = block_shuffle(scan.samples, positions, f"{seed}/shuffle/{split}")
+        elif packing["shuffle"]:
             positions = seeded_shuffle(by_rel_path(scan.samples, positions), f"{seed}/shuffle/{split}")
-        shards.extend(cut_shards(scan.samples.take(positions), split, storage, int(packing["max_samples"]),
-                                 int(packing["max_bytes"])))
+        cut = cut_shards(scan.samples.take(positions), split, storage, int(packing["max_samples"]),
+                         int(packing["max_bytes"]))
+        if by_block:
+            cut = [shard._replace(samples=shard.samples.take(
+                seeded_shuffle(np.arange(len(shard.samples)), f"{seed}/shuffle/{shard.name}"))) for shard in cut]
+        shards.extend(cut)
     return PackPlan(scan, tuple(shards), dict(packing), plan_digest(scan, shards, packing))

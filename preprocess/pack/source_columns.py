@@ -5,6 +5,10 @@ plan; here a file costs its relative path's UTF-8 bytes plus 30 bytes of numpy c
 code, size, mtime), ~50 bytes measured. The key and the absolute path are not stored: both are functions of the
 relative path (``sample_key`` and ``os.path.join(base, rel_path)``), computed when a row is read.
 
+Samples that are members of container files (``preprocess.pack.members``: Parquet rows, tar samples) add an
+``offset`` column (where in its file), and those read a block at a time (Parquet row groups) a ``block`` column:
+16 bytes more each; an ImageFolder or list scan has neither.
+
 ``SourceSamples`` is a read-only sequence of ``SourceSample`` over shared columns, optionally through an array of
 row numbers, so a split, a shuffled order or one shard is a view that costs 8 bytes a row and copies no path.
 Pickled (a shard job sent to a worker process), a view carries only its own rows.
@@ -18,9 +22,12 @@ import re
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Iterable, Iterator, NamedTuple, overload
 
 import numpy as np
+
+from preprocess.pack.members import member_key
 
 _BATCH = 4096  # rows converted to Python values at a time when iterating
 NO_SPLIT = -1  # split code of a file whose source has no split (the packer assigns one)
@@ -39,6 +46,9 @@ class SourceSample(NamedTuple):
     split: str | None  # None: the source has no split; the packer assigns one
     size: int
     mtime_ns: int
+    # Where in its container file the bytes are (``preprocess.pack.members``): a Parquet/Arrow row number or the
+    # byte offset of a tar sample's first header; -1 for a sample that is a whole file.
+    offset: int = -1
 
 
 def sample_key(rel_path: str) -> str:
@@ -59,6 +69,11 @@ class _Columns:
     split_names: tuple[str, ...]
     size: np.ndarray  # int64
     mtime_ns: np.ndarray  # int64
+    offset: np.ndarray | None = None  # int64, members of container files only (None: every sample a whole file)
+    kept_keys: bool = False  # keys are the member's own (a WebDataset key), not derived by ``sample_key``
+    # int64, sources read a block at a time (a Parquet row group): samples of one block share its number, so the
+    # plan can keep them together (``preprocess.pack.plan.block_shuffle``); None: each sample is read alone.
+    block: np.ndarray | None = None
 
 
 class SourceSamples(Sequence):
@@ -93,14 +108,17 @@ class SourceSamples(Sequence):
         c, rows = self._cols, self.rows()
         prefix = c.base if c.base.endswith("/") else c.base + "/"
         names = c.split_names + (None,)  # NO_SPLIT (-1) picks None
+        key_of = member_key if c.kept_keys else sample_key
         for first in range(0, len(rows), _BATCH):
             batch = rows[first:first + _BATCH]
             columns = (c.offsets[batch], c.offsets[batch + 1], c.label[batch], c.split[batch], c.size[batch],
                        c.mtime_ns[batch])
-            for start, stop, label, split, size, mtime_ns in zip(*(col.tolist() for col in columns)):
+            places = repeat(-1) if c.offset is None else c.offset[batch].tolist()
+            for start, stop, label, split, size, mtime_ns, offset in zip(*(col.tolist() for col in columns), places):
                 rel_path = c.paths[start:stop].decode("utf-8")
                 abs_path = rel_path if rel_path.startswith("/") else prefix + rel_path
-                yield SourceSample(sample_key(rel_path), rel_path, abs_path, label, names[split], size, mtime_ns)
+                yield SourceSample(key_of(rel_path), rel_path, abs_path, label, names[split], size, mtime_ns,
+                                   offset)
 
     def __reduce__(self):
         """Pickle only the rows this view selects (a shard job carries its own shard, not the whole scan)."""
@@ -130,14 +148,25 @@ class SourceSamples(Sequence):
     def split_names(self) -> tuple[str, ...]:
         return self._cols.split_names
 
+    @property
+    def has_blocks(self) -> bool:
+        return self._cols.block is not None
+
     def column(self, name: str) -> np.ndarray:
-        """``label``, ``split`` (codes into ``split_names``), ``size`` or ``mtime_ns`` of this view's rows."""
+        """``label``, ``split`` (codes into ``split_names``), ``size``, ``mtime_ns``, ``offset`` or ``block`` of this
+        view's rows (the last two only where the source has them)."""
         values = getattr(self._cols, name)
         return values if self._rows is None else values[self._rows]
 
+    @property
+    def kept_keys(self) -> bool:
+        return self._cols.kept_keys
+
     def nbytes(self) -> int:
         c = self._cols
-        own = len(c.paths) + sum(a.nbytes for a in (c.offsets, c.label, c.split, c.size, c.mtime_ns))
+        arrays = (c.offsets, c.label, c.split, c.size, c.mtime_ns) + tuple(a for a in (c.offset, c.block)
+                                                                            if a is not None)
+        own = len(c.paths) + sum(a.nbytes for a in arrays)
         return own + (0 if self._rows is None else self._rows.nbytes)
 
     def _compact(self) -> _Columns:
@@ -149,14 +178,17 @@ class SourceSamples(Sequence):
         np.cumsum(stops - starts, out=offsets[1:])
         paths = b"".join([c.paths[a:b] for a, b in zip(starts.tolist(), stops.tolist())])
         return _Columns(c.base, paths, offsets, c.label[rows], c.split[rows], c.split_names, c.size[rows],
-                        c.mtime_ns[rows])
+                        c.mtime_ns[rows], None if c.offset is None else c.offset[rows], c.kept_keys,
+                        None if c.block is None else c.block[rows])
 
 
 class SamplesBuilder:
     """Collects scanned files row by row into growable typed arrays (no per-file Python object is kept)."""
 
-    def __init__(self, base: str, split_names: Iterable[str] = ()):
+    def __init__(self, base: str, split_names: Iterable[str] = (), *, members: bool = False, kept_keys: bool = False,
+                 blocks: bool = False):
         self.base = base
+        self.kept_keys = kept_keys
         self.split_names = tuple(split_names)
         self._code = {name: i for i, name in enumerate(self.split_names)}
         self._paths = bytearray()
@@ -165,14 +197,21 @@ class SamplesBuilder:
         self._split = array("h")
         self._size = array("q")
         self._mtime = array("q")
+        self._offset = array("q") if members else None
+        self._block = array("q") if blocks else None
 
-    def add(self, rel_path: str, label: int, split: str | None, size: int, mtime_ns: int) -> None:
+    def add(self, rel_path: str, label: int, split: str | None, size: int, mtime_ns: int, offset: int = -1,
+            block: int = -1) -> None:
         self._paths += rel_path.encode("utf-8")
         self._offsets.append(len(self._paths))
         self._label.append(label)
         self._split.append(NO_SPLIT if split is None else self._split_code(split))
         self._size.append(size)
         self._mtime.append(mtime_ns)
+        if self._offset is not None:
+            self._offset.append(offset)
+        if self._block is not None:
+            self._block.append(block)
 
     def _split_code(self, split: str) -> int:
         if split not in self._code:
@@ -192,11 +231,12 @@ class SamplesBuilder:
             return np.frombuffer(values, dtype=dtype) if len(values) else np.zeros(0, dtype=dtype)
         cols = _Columns(self.base, self._paths, np_of(self._offsets, np.int64), np_of(self._label, np.int32),
                         np_of(self._split, np.int16), self.split_names, np_of(self._size, np.int64),
-                        np_of(self._mtime, np.int64))
+                        np_of(self._mtime, np.int64), None if self._offset is None else np_of(self._offset, np.int64),
+                        self.kept_keys, None if self._block is None else np_of(self._block, np.int64))
         return SourceSamples(cols)
 
 
-def as_samples(samples: Iterable[SourceSample], default_base: str) -> SourceSamples:
+def as_samples(samples: Iterable[SourceSample], default_base: str, *, kept_keys: bool = False) -> SourceSamples:
     """Columns from ``SourceSample`` rows (``--append`` relabels a scan's files); a view is returned as is. The
     base is the one the rows were scanned under (their absolute path less their relative one: the source may
     have moved since ``default_base`` was recorded), the same for every row, as a scan makes them."""
@@ -205,9 +245,9 @@ def as_samples(samples: Iterable[SourceSample], default_base: str) -> SourceSamp
     rows = list(samples)
     relative = next((s for s in rows if not s.rel_path.startswith("/")), None)
     base = default_base if relative is None else relative.abs_path[:-len(relative.rel_path)].rstrip("/") or "/"
-    builder = SamplesBuilder(base)
+    builder = SamplesBuilder(base, members=any(s.offset >= 0 for s in rows), kept_keys=kept_keys)
     for s in rows:
         if os.path.join(base, s.rel_path) != s.abs_path:
             raise ValueError(f"{s.abs_path}: not {s.rel_path!r} under {base}, the base of the other samples")
-        builder.add(s.rel_path, s.label, s.split, s.size, s.mtime_ns)
+        builder.add(s.rel_path, s.label, s.split, s.size, s.mtime_ns, s.offset)
     return builder.build()

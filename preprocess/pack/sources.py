@@ -1,4 +1,9 @@
-"""Scanning a source (ImageFolder tree, train/val/test trees, CSV or JSONL list) into labelled source samples.
+"""Scanning a source (ImageFolder tree, train/val/test trees, CSV or JSONL list; or a container source: Parquet,
+``datasets.save_to_disk`` Arrow, WebDataset tars) into labelled source samples.
+
+Container sources are scanned by their own modules (``preprocess.pack.source_parquet``, ``source_tars``): there
+a sample is a member of a file (``preprocess.pack.members``), and what follows about files applies to the
+containers themselves.
 
 Scanning only lists and stats files: nothing is decoded and nothing is written, so every input error is found
 before the first byte of output exists. Each sample gets a key derived from its relative path alone, so the same
@@ -21,6 +26,9 @@ from typing import Iterable, NamedTuple
 
 from preprocess.pack.source_columns import NO_SPLIT, SamplesBuilder, SourceSample, SourceSamples, as_samples, sample_key
 from preprocess.pack.csv_records import SPLIT_NAME, iter_csv_records
+from preprocess.pack.members import MemberSpec, SourceFields
+from preprocess.pack.source_parquet import scan_table_source, table_source_kind
+from preprocess.pack.source_tars import is_tar_pattern, scan_tar_source
 from shards.bounded_read import not_regular_reason, read_regular_file
 from shards.errors import InputError, MissingInputError
 from shards.jsonlines import json_lines
@@ -29,6 +37,7 @@ from shards.formats.sample import IMAGE_EXTENSIONS
 log = logging.getLogger("shardcache.sources")
 
 SPLIT_DIRS = ("train", "val", "test")
+KEPT_KEY_KINDS = ("webdataset",)  # sources whose samples keep their own keys (checked by the scan)
 LIST_COLUMNS = ("path", "label", "split")
 __all__ = ["SourceSample", "SourceScan", "SkippedSource", "sample_key", "scan_source", "check_out_outside_source"]
 
@@ -49,14 +58,16 @@ def scan_base(kind: str, root: str) -> str:
 class SourceScan:
     """``samples`` is a ``SourceSamples`` (columns); rows given as ``SourceSample`` tuples are stored as columns."""
 
-    kind: str  # "imagefolder", "imagefolder-splits", "csv", "jsonl"
+    kind: str  # "imagefolder", "imagefolder-splits", "csv", "jsonl", "parquet", "hf-arrow", "webdataset"
     root: str
     classes: tuple[str, ...]
     samples: SourceSamples
     skipped: tuple[SkippedSource, ...] = ()
+    members: MemberSpec | None = None  # how to read members of container files; None: each sample is a file
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "samples", as_samples(self.samples, scan_base(self.kind, self.root)))
+        object.__setattr__(self, "samples", as_samples(self.samples, scan_base(self.kind, self.root),
+                                                       kept_keys=self.kind in KEPT_KEY_KINDS))
 
     @property
     def files_seen(self) -> int:
@@ -262,13 +273,42 @@ def check_out_outside_source(source: str | os.PathLike, out: str | os.PathLike) 
                          "the source", path=str(out))
 
 
-def scan_source(source: str | os.PathLike, *, allow_empty_classes: bool = False) -> SourceScan:
-    """Dispatch on what ``source`` is: a folder tree or a ``.csv``/``.jsonl`` list file."""
+def scan_source(source: str | os.PathLike, *, allow_empty_classes: bool = False,
+                fields: SourceFields | None = None) -> SourceScan:
+    """Dispatch on what ``source`` is: WebDataset tars (a ``.tar`` path or a brace pattern), a Parquet file or
+    folder, a ``datasets.save_to_disk`` folder, a folder tree or a ``.csv``/``.jsonl`` list file. ``fields`` (where
+    the image and label are) applies to the container sources only."""
+    if is_tar_pattern(str(source)):
+        pattern = os.path.join(os.getcwd(), source)  # not normalised: ``..`` after a brace must stay
+        return _member_scan("webdataset", pattern, scan_tar_source(pattern, fields or SourceFields()))
     path = Path(source)
     if not path.exists():
         raise MissingInputError("no such file or folder", path=str(path))
+    kind = table_source_kind(path)
+    if kind is not None:
+        given = fields or SourceFields()
+        if given.label_member is not None or given.label_field is not None:
+            raise InputError("--label-member and --label-field apply to WebDataset tars; use --label-column",
+                             path=str(path))
+        found = scan_table_source(path.absolute(), kind, given.image_column, given.label_column)
+        return _member_scan(kind, str(path.absolute()), found)
+    if fields is not None and fields != SourceFields():
+        raise InputError("--image-column, --label-column, --label-member and --label-field apply to Parquet, Arrow "
+                         "and WebDataset sources, not to image files", path=str(path))
     if path.is_dir():
         return scan_image_folder(path.absolute(), allow_empty_classes=allow_empty_classes)
     if path.suffix.lower() in (".csv", ".jsonl", ".ndjson"):
         return scan_list_file(path)
-    raise InputError("not a folder, .csv or .jsonl file", path=str(path))
+    raise InputError("not a folder, .csv, .jsonl, .parquet or .tar file", path=str(path))
+
+
+def _member_scan(kind: str, root: str, found: tuple) -> SourceScan:
+    """The scan of a container source from what its scanner found: ``(classes, samples, skipped pairs, spec)``."""
+    classes, samples, skipped, spec = found
+    scan = SourceScan(kind, root, classes, samples, tuple(sorted(SkippedSource(*s) for s in skipped)), spec)
+    for item in scan.skipped:
+        log.debug("%s: skipping %s: %s", root, item.rel_path, item.reason)
+    if not len(scan.samples):
+        raise InputError("holds no packable samples" + (f" ({len(scan.skipped)} skipped: {scan.skipped[0].reason})"
+                                                        if scan.skipped else ""), path=root)
+    return scan

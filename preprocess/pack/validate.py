@@ -27,7 +27,7 @@ import threading
 import warnings
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
 from PIL import Image, ImageOps
 
@@ -343,9 +343,12 @@ def read_and_validate(path: str, opts: ValidateOptions) -> ValidImage:
     return validate_image(read_file(path, opts.read_timeout_s), opts)
 
 
-def sample_meta(rel_path: str, class_name: str, image: ValidImage) -> tuple[dict[str, Any], bytes]:
+def sample_meta(rel_path: str, class_name: str, image: ValidImage,
+                extra: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], bytes]:
     """The ``<key>.json`` member's fields and bytes (sorted keys, so equal inputs give equal bytes). Its values
-    are strings and ints, which JSON gives back unchanged: the fields are what parsing the bytes would return."""
-    meta = {"path": rel_path, "class": class_name, "width": image.width, "height": image.height,
+    are strings and ints (and, from ``extra``: a Parquet row's scalar cells, finite floats, booleans and nulls),
+    which JSON gives back unchanged: the fields are what parsing the bytes would return. The packer's own fields
+    win over an ``extra`` field of the same name."""
+    meta = {**(extra or {}), "path": rel_path, "class": class_name, "width": image.width, "height": image.height,
             "mode": image.mode, "format": image.format}
     return meta, json.dumps(meta, sort_keys=True, ensure_ascii=False).encode("utf-8")

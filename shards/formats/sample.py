@@ -16,6 +16,9 @@ class RawSample(NamedTuple):
     ext: str  # "jpg", "png", ...: how the bytes are encoded
     label: int
     meta: bytes = b""  # the sample's JSON metadata (source path, class, size, mode), as stored
+    # Other members kept with the sample, as ``(extension, bytes)`` (a WebDataset source's .txt...): tar shards
+    # write them after the json member; readers pass over them.
+    extra: tuple[tuple[str, bytes], ...] = ()
 
 
 def label_problem(label: int, num_classes: int, shard_counts: tuple[int, ...] | None = None) -> str | None:

@@ -80,6 +80,7 @@ class TarShardWriter:
             (sample.ext, sample.data),
             ("cls", str(sample.label).encode("ascii")),
             ("json", sample.meta),
+            *sample.extra,
         ):
             info = _member(f"{sample.key}.{suffix}", len(payload))
             self._put(info.tobuf(tarfile.USTAR_FORMAT, tarfile.ENCODING, "surrogateescape"))
