@@ -3,8 +3,8 @@
 ``ShardLoader`` (DataLoader workers over image or feature shards) and ``FeatureBatchLoader`` (in-process batches of
 feature rows) differ only in how they make batches; both keep their position in a ``Cursor``
 (``shards.stream.cursor``) and answer the same methods, so a training loop, a checkpoint
-(``torch.distributed.checkpoint``'s ``Stateful``: ``state_dict``/``load_state_dict``) or a trainer integration
-never asks which one it holds.
+(``state_dict``/``load_state_dict``, which Lightning and accelerate call; ``dcp_state()`` for
+``torch.distributed.checkpoint``) or a trainer integration never asks which one it holds (docs/integrations.md).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 from shards.errors import InputError
 from shards.stream.cursor import Cursor
+from shards.stream.dcp_state import DcpLoaderState
 from shards.stream.elastic import EXCLUDED
 from shards.stream.lineage import batch_rows, row_samples
 from shards.stream.resume import worker_batches
@@ -21,9 +22,10 @@ from shards.stream.resume import worker_batches
 
 class Loader:
     """What every loader of a shardcache dataset offers, images and features alike: iteration over the epoch's
-    batches, ``len`` right for the rank, ``set_epoch``/``epoch``, ``state_dict``/``load_state_dict`` (the
-    ``torch.distributed.checkpoint`` ``Stateful`` protocol) and ``stage_seconds``. Subclasses say how batches are
-    made; the position is the ``cursor``'s (``shards.stream.cursor``)."""
+    batches, ``len`` right for the rank, ``set_epoch``/``epoch`` (also as ``sampler.set_epoch``, Lightning's way),
+    ``state_dict``/``load_state_dict`` (the ``Stateful`` protocol Lightning's checkpoints call), ``dcp_state()`` (the
+    same for ``torch.distributed.checkpoint``) and ``stage_seconds``. Subclasses say how batches are made; the
+    position is the ``cursor``'s (``shards.stream.cursor``)."""
 
     dataset: Any  # a ShardDataset
     batch_size: int
@@ -59,6 +61,13 @@ class Loader:
     def epoch(self) -> int:
         return self.dataset.epoch
 
+    @property
+    def sampler(self) -> Any:
+        """What a trainer that drives a loader like a DataLoader calls ``set_epoch`` on at each epoch's start: the
+        dataset, whose epoch decides the order. Lightning's fit loop sets the epoch only through ``loader.sampler``,
+        so without this every epoch of ``Trainer.fit`` would repeat epoch 0's order (docs/integrations.md)."""
+        return self.dataset
+
     def state_dict(self, batches_consumed: int | None = None) -> dict[str, Any]:
         """The position in the current epoch: after the batches handed out, or after ``batches_consumed`` of them
         when the consumer lags behind (a prefetcher that drew batches the training step has not used); with the
@@ -73,6 +82,12 @@ class Loader:
         interrupted run would have, in another (world size, workers, batch size) with exactly the samples the
         interrupted epoch had not yet yielded."""
         self.cursor.load(state)
+
+    def dcp_state(self) -> DcpLoaderState:
+        """This loader's position as ``torch.distributed.checkpoint`` saves and loads it (``shards.stream.dcp_state``):
+        ``dcp.save({"data": loader.dcp_state(), ...})`` on every rank; ``dcp.load`` the same on a run of any world
+        size continues the epoch there."""
+        return DcpLoaderState(self)
 
     def batch_keys(self, epoch: int, step: int) -> list[dict[str, Any]]:
         """The samples of batch ``step`` (from 0, within the epoch) of ``epoch`` (from 0, as ``set_epoch``) on this
