@@ -53,6 +53,10 @@ def _triple(name: str, value: str | None) -> tuple[float, ...] | None:
               help="fast: DCT-scaled decode + one crop-then-resize in workers (default); standard: PIL + "
                    "torchvision ops, the exact reference; device: batched decode_jpeg + resize/crop on the model's "
                    "device.")
+@click.option("--device-share", type=click.FloatRange(0.0, 1.0), default=1.0, show_default=True,
+              help="With --decode device: the share of images decoded on the device; workers decode the rest with "
+                   "the fast path, so both feed the model. Which images go where follows from their keys, so the "
+                   "same share gives the same features (the share is part of the config).")
 @click.option("--batch-size", default=64, show_default=True)
 @click.option("--workers", default=2, show_default=True, help="DataLoader worker processes (decode + transform).")
 @click.option("--split", "splits", multiple=True, help="Only these splits (repeatable). Default: all.")
@@ -74,7 +78,8 @@ def _triple(name: str, value: str | None) -> tuple[float, ...] | None:
 def precompute_features_command(data_dir: str | None, out_dir: Path | None, backbone: str, weights: str | None,
                                 seed: int, resize: int | None, crop: int | None, mean: str | None, std: str | None,
                                 interpolation: str | None, views: int, augment: bool, dtype: str, storage: str,
-                                device: str, amp: str, decode: str, batch_size: int, workers: int,
+                                device: str, amp: str, decode: str, device_share: float, batch_size: int,
+                                workers: int,
                                 splits: tuple[str, ...], overwrite: bool, merge_dir: Path | None,
                                 stage_dir: str | None, break_lease: bool, task_index: int, num_tasks: int,
                                 quiet: bool, s3: S3Options, cache) -> None:
@@ -106,8 +111,8 @@ def precompute_features_command(data_dir: str | None, out_dir: Path | None, back
         backbone=backbone, weights=weights, seed=seed,
         resize=resize, crop=crop, mean=_triple("mean", mean), std=_triple("std", std), interpolation=interpolation,
         views=views, augment=augment, dtype=dtype, storage=storage, device=device, amp=amp, decode=decode,
-        batch_size=batch_size, workers=workers, splits=tuple(splits) or None, task_index=task_index,
-        num_tasks=num_tasks, overwrite=overwrite, quiet=quiet, storage_options=s3, cache=cache)
+        device_share=device_share, batch_size=batch_size, workers=workers, splits=tuple(splits) or None,
+        task_index=task_index, num_tasks=num_tasks, overwrite=overwrite, quiet=quiet, storage_options=s3, cache=cache)
     if staged is not None:
         _, summary = run_staged(staged, lambda stage: run_precompute(cfg), features_spec())
     else:

@@ -2,7 +2,8 @@
 
 The config hash covers what changes the numbers: backbone, weights sha256 (or the init seed of a random init),
 transform, augmentation and views, output dtype, the resolved AMP mode, the resolved decoder (``pil``,
-``decode_jpeg:cpu`` or ``decode_jpeg:cuda``: nvjpeg's pixels differ slightly from libjpeg's) and the file format.
+``decode_jpeg:cpu`` or ``decode_jpeg:cuda``: nvjpeg's pixels differ slightly from libjpeg's; ``@S+fast`` when
+``device_share`` S leaves the other images to the workers' fast path) and the file format.
 Device, batch size and worker count are not in it (they change speed, not features beyond float noise) and are
 recorded as provenance instead. The dataset is wherever ``shards.formats.location`` reaches (a local folder, an
 ``s3://bucket/prefix`` read with ``storage_options``): ``dataset_dir`` records where, ``dataset_sha256`` is the
@@ -76,6 +77,7 @@ class FeatureConfig:
     device: str = "auto"
     amp: str = "auto"
     decode: str = "fast"
+    device_share: float = 1.0  # with decode="device": the share of images decoded there; workers do the rest
     batch_size: int = 64
     workers: int = 2
     splits: tuple[str, ...] | None = None
@@ -104,6 +106,11 @@ class FeatureConfig:
                              f"views {self.views} >= 0")
         if bool(self.views) != self.augment:
             raise InputError("--views K and --augment go together: K augmented views per image need both")
+        if not 0.0 <= self.device_share <= 1.0:
+            raise InputError(f"device_share {self.device_share} must be between 0 and 1")
+        if self.device_share < 1.0 and (self.decode != "device" or self.augment):
+            raise InputError(f"device_share {self.device_share} splits --decode device's decoding with the workers; "
+                             f"it needs decode 'device' (not {self.decode!r}) and no --augment")
         if self.num_tasks < 1 or not 0 <= self.task_index < self.num_tasks:
             raise InputError(f"task index {self.task_index} is not in [0, {self.num_tasks})")
         if self.source.is_local and self.source.path.resolve() == self.out_dir.resolve():
@@ -146,6 +153,8 @@ def _run_record(cfg: FeatureConfig, backbone: Backbone, spec: FeatureTransform, 
     amp = ("bf16" if device.type == "cuda" else "off") if cfg.amp == "auto" else cfg.amp
     # The recorded names predate the decode modes' names and stay: renaming them would change every cache's hash.
     decoder = {"fast": "fast", "standard": "pil"}.get(cfg.decode, f"decode_jpeg:{device.type}")
+    if cfg.device_share < 1.0:  # which images the device decodes is a function of the share: part of the numbers
+        decoder += f"@{cfg.device_share:g}+fast"
     augment = AugmentSpec(cfg.views, seed=cfg.seed) if cfg.augment else None
     config = {
         "backbone": backbone.name,
@@ -206,13 +215,26 @@ def _model_inputs(job: ShardJob, pieces: list[dict[str, Any]], spec: FeatureTran
             return torch.cat([p[name].to(device, non_blocking=True) for p in pieces])
         return joined("image"), None if augment is None else joined("views")
     keys = [k for p in pieces for k in p["keys"]]
+    datas = [d for p in pieces for d in p["data"]]
+    on_device = [i for i, data in enumerate(datas) if data is not None]
+    exts = [e for p in pieces for e in p["ext"]]
+    orientations = [o for p in pieces for o in p["orientation"]]
     try:
-        decoded = decode_images([d for p in pieces for d in p["data"]], [e for p in pieces for e in p["ext"]],
-                                [o for p in pieces for o in p["orientation"]], device, keys=keys)
+        decoded = decode_images([datas[i] for i in on_device], [exts[i] for i in on_device],
+                                [orientations[i] for i in on_device], device, keys=[keys[i] for i in on_device])
     except CorruptDataError as exc:
         raise CorruptDataError(exc.reason, path=job.location, key=exc.key) from exc
     views = None if augment is None else views_tensors(decoded, keys, spec, augment)
-    return eval_tensors(decoded, spec), views
+    if len(on_device) == len(datas):
+        return eval_tensors(decoded, spec), views
+    # device_share < 1: the workers decoded the other images; both go into the batch in row order.
+    images = torch.empty(len(datas), 3, crop, crop, dtype=torch.uint8, device=device)
+    by_workers = [image for p in pieces for image in p["image"] if image is not None]
+    images[[i for i, data in enumerate(datas) if data is None]] = torch.stack(by_workers).to(device,
+                                                                                            non_blocking=True)
+    if on_device:
+        images[on_device] = eval_tensors(decoded, spec)
+    return images, views
 
 
 def _write_job(cfg: FeatureConfig, job: ShardJob, shard: FeatureShard, digest: str) -> None:
@@ -240,7 +262,7 @@ def _featurize(cfg: FeatureConfig, jobs: list[ShardJob], reader: ShardReader, ex
         _write_job(cfg, job, shard, digest)
 
     stats = RunStats()
-    loader = reader.loader(jobs, FeatureDecoder(spec, augment, cfg.decode), batch_size=cfg.batch_size,
+    loader = reader.loader(jobs, FeatureDecoder(spec, augment, cfg.decode, cfg.device_share), batch_size=cfg.batch_size,
                            workers=cfg.workers, pin_memory=extractor.device.type == "cuda")
     assembly = FeatureAssembly(jobs, cfg.batch_size, featurise)
     unwritten: list[Future] = []

@@ -16,6 +16,7 @@ The reader checks no sha256 on a slice of an ``s3://`` shard, nor on a local sli
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -61,6 +62,16 @@ def shard_jobs(manifest: DatasetManifest, data_dir: Location | str, splits: tupl
     return jobs
 
 
+def decodes_on_device(key: str, share: float) -> bool:
+    """Whether sample ``key`` is decoded on the model's device when the device takes ``share`` of the decoding
+    (``--device-share``): a fixed function of the key, never of timing, so a share gives the same features on every
+    run, whatever the workers, batch size or machine."""
+    if share >= 1.0:
+        return True
+    digest = hashlib.sha256(key.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "little") < share * 2.0**64
+
+
 @dataclass(frozen=True)
 class FeatureDecoder:
     """The reader's decoder for featurising (``decoder(sample, seed)``): one sample's model inputs, by ``--decode``.
@@ -68,20 +79,27 @@ class FeatureDecoder:
     ``standard`` (PIL and torchvision's exact reference ops) and ``fast`` (DCT-scaled decode, one crop-then-resize)
     give ``{"image": uint8 [3, crop, crop]}`` and, when augmenting, ``"views"``: uint8 [K, 3, crop, crop];
     normalisation happens per batch on the model's device. ``device`` gives the encoded bytes, their extension and
-    EXIF orientation, decoded in batches on the model's device by the consumer. Views are seeded by the sample's
-    key (``transforms.view_rng``), never by the reader's ``seed``, so they do not depend on workers or batch size.
+    EXIF orientation (``"image"`` None), decoded in batches on the model's device by the consumer; with
+    ``device_share`` below 1 the samples ``decodes_on_device`` does not pick come decoded by the fast path instead
+    (``"data"`` None), so CPU workers and the device share the decoding. Views are seeded by the sample's key
+    (``transforms.view_rng``), never by the reader's ``seed``, so they do not depend on workers or batch size.
     """
 
     spec: FeatureTransform
     augment: AugmentSpec | None
     decode: str
+    device_share: float = 1.0
 
     def __call__(self, sample: RawSample, seed: int = 0) -> dict[str, Any]:
-        if self.decode == "device":
+        if self.decode != "device":
+            return self._decoded(sample, fast=self.decode == "fast")
+        if decodes_on_device(sample.key, self.device_share):
             jpeg = sample.ext.lower() in ("jpg", "jpeg")
-            return {"data": sample.data, "ext": sample.ext,
+            return {"image": None, "data": sample.data, "ext": sample.ext,
                     "orientation": exif_orientation(sample.data) if jpeg else 1}
-        fast = self.decode == "fast"
+        return {**self._decoded(sample, fast=True), "data": None, "ext": sample.ext, "orientation": 1}
+
+    def _decoded(self, sample: RawSample, *, fast: bool) -> dict[str, Any]:
         try:
             # Views crop from the full image: the DCT-scaled decode only for the eval crop alone.
             pixels = (decode_rgb_array(sample.data, None if self.augment is not None else self.spec.resize) if fast
@@ -109,13 +127,14 @@ class _RowTagged(ImageShardDataset):
 
 def collate_rows(items: Sequence[tuple]) -> dict[str, Any]:
     """A loader batch of ``((row, inputs), label, key)`` items: ``rows``, ``labels``, ``keys``, and each input by
-    its name, stacked when it is a tensor (images, views), else listed (bytes, extensions, orientations)."""
+    its name, stacked when every item's is a tensor (images, views), else listed (bytes, extensions,
+    orientations, and images when the device decodes some of them)."""
     batch: dict[str, Any] = {"rows": torch.tensor([row for (row, _), _, _ in items], dtype=torch.int64),
                              "labels": torch.tensor([label for _, label, _ in items], dtype=torch.int64),
                              "keys": [key for _, _, key in items]}
     for name in items[0][0][1]:
         values = [inputs[name] for (_, inputs), _, _ in items]
-        batch[name] = torch.stack(values) if isinstance(values[0], torch.Tensor) else values
+        batch[name] = torch.stack(values) if all(isinstance(v, torch.Tensor) for v in values) else values
     return batch
 
 

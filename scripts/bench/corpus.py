@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from PIL import Image
@@ -42,20 +43,25 @@ def tiny_jpegs(count: int, seed: int, size: int = 64) -> list[bytes]:
     return images
 
 
-def corpus(files: int, classes: int, seed: int = 0, cache: Path = DEFAULT_CACHE, quiet: bool = False) -> Path:
-    """The folder of a corpus of ``files`` tiny JPEGs in ``classes`` class folders, written unless present."""
-    root = cache / f"tiny-{files}-{classes}-s{seed}"
+def corpus(files: int, classes: int, seed: int = 0, cache: Path = DEFAULT_CACHE, quiet: bool = False, *,
+           kind: str = "tiny", make_images: Callable[[int, int], list[bytes]] = tiny_jpegs) -> Path:
+    """The folder of a corpus of ``files`` JPEGs in ``classes`` class folders, written unless present.
+
+    ``make_images(count, seed)`` encodes the distinct images the files repeat (tiny noise by default; the GPU check
+    passes photo-sized ones), and ``kind`` names them in the folder's name.
+    """
+    root = cache / f"{kind}-{files}-{classes}-s{seed}"
     if (root / STAMP).is_file():
         return root
     if root.exists():
         shutil.rmtree(root)
-    images = tiny_jpegs(DISTINCT, seed)
+    images = make_images(min(DISTINCT, files), seed)
     names = [f"c{c:04d}" for c in range(classes)]
     for name in names:
         (root / name).mkdir(parents=True)
     total = 0
     for i in range(files):
-        data = images[i % DISTINCT]
+        data = images[i % len(images)]
         with open(root / names[i % classes] / f"img_{i:08d}.jpg", "wb") as f:
             f.write(data)
         total += len(data)

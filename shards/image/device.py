@@ -2,22 +2,29 @@
 
 Workers hand over uint8 images (4x smaller than float through queues and pinned memory); the float cast and the
 mean/std normalisation happen once per batch on the consuming device (``Normalize``, usable in front of any model).
-``decode_images`` decodes JPEG bytes in batches with ``torchvision.io.decode_jpeg(..., device=...)`` (nvjpeg on
-CUDA; the same code runs on CPU in tests); other formats, and JPEGs the batch decoder rejects, fall back to PIL per
-image. nvjpeg does not apply EXIF orientation, so it is applied here from the orientation tag the caller read.
+``decode_images`` decodes JPEG bytes in batches on the model's device (nvJPEG on CUDA; the same code runs on CPU in
+tests) with ``torchcodec.decoders.decode_jpeg`` where torchcodec is installed and loads against this torch
+(torchvision 0.29 deprecates its own decoders in its favour), else with ``torchvision.io.decode_jpeg``. Both give
+libjpeg-turbo's pixels on CPU, equal to PIL's (tests/shards/test_torchcodec.py). torchcodec turns images upright
+from their EXIF orientation itself; after torchvision's decoder that is done here from the tag the caller read.
+Other formats, and JPEGs the batch decoder rejects, fall back to PIL per image.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import warnings
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
-from shards.errors import CorruptDataError
+from shards.errors import CorruptDataError, InputError
 from shards.image.geometry import Box, center_crop_box, eval_resize_size
 from shards.image.options import IMAGENET_MEAN, IMAGENET_STD, torchvision_mode
+
+log = logging.getLogger(__name__)
 
 JPEG_EXTENSIONS = frozenset({"jpg", "jpeg"})
 
@@ -61,34 +68,80 @@ def _decode_one_cpu(data: bytes) -> torch.Tensor:
     return pil_to_tensor(decode_image(data))
 
 
-def _decode_jpegs(buffers: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+@functools.cache
+def _torchcodec_decode_jpeg() -> Callable | None:
+    """torchcodec's ``decode_jpeg`` where it is installed and its libraries load against this torch, else None."""
+    try:
+        from torchcodec.decoders import decode_jpeg
+    except (ImportError, OSError, RuntimeError) as exc:  # absent; or its .so was built for another torch
+        log.debug("torchcodec is not usable here (%s: %s); JPEG batches decode with torchvision",
+                  type(exc).__name__, exc)
+        return None
+    return decode_jpeg
+
+
+def _decode_torchcodec(buffers: list[torch.Tensor], orientations: Sequence[int],
+                       device: torch.device) -> list[torch.Tensor]:
+    # Upright already: torchcodec applies the EXIF orientation itself, on CPU and on CUDA.
+    return _torchcodec_decode_jpeg()(buffers, mode="RGB", device=device)
+
+
+def _decode_torchvision(buffers: list[torch.Tensor], orientations: Sequence[int],
+                        device: torch.device) -> list[torch.Tensor]:
     from torchvision.io import ImageReadMode, decode_jpeg
 
     with warnings.catch_warnings():
-        # torchvision marks its image decoders as moving to TorchCodec; they work and are what nvjpeg is reached by.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return decode_jpeg(buffers, mode=ImageReadMode.RGB, device=device)
+        # torchvision 0.29 deprecates its decoders in favour of torchcodec (vision#9609). Here they are the fallback
+        # where torchcodec is not usable, and nvJPEG's way in then: that one notice is silenced for this call only.
+        warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision",
+                                category=DeprecationWarning)
+        images = decode_jpeg(buffers, mode=ImageReadMode.RGB, device=device)
+    return [apply_orientation(image, orientation) for image, orientation in zip(images, orientations)]
+
+
+JPEG_BACKENDS: dict[str, Callable[..., list[torch.Tensor]]] = {
+    "torchcodec": _decode_torchcodec,
+    "torchvision": _decode_torchvision,
+}
+
+
+def jpeg_backend() -> str:
+    """The batch JPEG decoder this process uses: ``torchcodec`` where usable, else ``torchvision``."""
+    return "torchcodec" if _torchcodec_decode_jpeg() is not None else "torchvision"
+
+
+def _check_backend(backend: str | None) -> str:
+    if backend is None:
+        return jpeg_backend()
+    if backend not in JPEG_BACKENDS:
+        raise InputError(f"JPEG backend {backend!r} is unknown; choose one of {sorted(JPEG_BACKENDS)}")
+    if backend == "torchcodec" and _torchcodec_decode_jpeg() is None:
+        raise InputError("torchcodec is not installed or does not load with this torch "
+                         "(pip install 'shardcache[integrations]')")
+    return backend
 
 
 def decode_images(datas: Sequence[bytes], exts: Sequence[str], orientations: Sequence[int],
-                  device: torch.device | str, keys: Sequence[str] | None = None) -> list[torch.Tensor]:
+                  device: torch.device | str, keys: Sequence[str] | None = None, *,
+                  backend: str | None = None) -> list[torch.Tensor]:
     """Decode a batch to upright RGB uint8 [3, H, W] tensors on ``device``.
 
-    An image neither path can decode raises ``CorruptDataError``; its message names the sample's key when
-    ``keys`` is given (and its position in the batch otherwise).
+    ``backend`` names the batch JPEG decoder (``JPEG_BACKENDS``; None: ``jpeg_backend()``). An image neither it nor
+    PIL can decode raises ``CorruptDataError``; its message names the sample's key when ``keys`` is given (and its
+    position in the batch otherwise).
     """
     device = torch.device(device)
+    decode_jpegs = JPEG_BACKENDS[_check_backend(backend)]
     out: list[torch.Tensor | None] = [None] * len(datas)
     jpeg_index = [i for i, ext in enumerate(exts) if ext.lower() in JPEG_EXTENSIONS]
     if jpeg_index:
         buffers = [torch.frombuffer(bytearray(datas[i]), dtype=torch.uint8) for i in jpeg_index]
         try:
-            decoded = _decode_jpegs(buffers, device)
+            decoded = decode_jpegs(buffers, [orientations[i] for i in jpeg_index], device)
         except RuntimeError:
             decoded = [None] * len(jpeg_index)  # one bad or exotic JPEG fails the batch: retry per image below
         for i, image in zip(jpeg_index, decoded):
-            if image is not None:
-                out[i] = apply_orientation(image, orientations[i])
+            out[i] = image
     for i, image in enumerate(out):
         if image is None:
             try:
