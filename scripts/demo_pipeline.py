@@ -3,6 +3,10 @@
 Each stage is the console script a user would type, so the demo shows the commands and tests them together; every
 stage skips what it finds finished, so a rerun reuses the shards, features and run and finishes fast. Human-readable
 lines go to stderr; the last line on stdout is one JSON object (``val_top1``, ``data_wait_share``, ``run_dir``...).
+
+The head is the linear probe people compare backbones with (``--head logreg``: scikit-learn's LogisticRegression on
+standardised features, fitted full-batch) when the train features fit in memory, else a linear head trained by
+AdamW epochs over the streamed features (``--head linear`` asks for that one).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class DemoConfig:
     """Where things go and how to train; ``data=None`` means the ELPV solar cells."""
 
     data: Path | None
+    head: str  # auto, logreg or linear
     val_fraction: float
     seed: int
     epochs: int
@@ -89,6 +94,23 @@ def prepare_source(cfg: DemoConfig) -> tuple[str, Path, list[str]]:
     return f"{name}-val{cfg.val_fraction:g}-seed{cfg.seed}", root, split_options
 
 
+def choose_head(cfg: DemoConfig, feat_dir: Path) -> str:
+    """``--head auto``: the probe when its estimate of the train features in memory fits half of what is free."""
+    if cfg.head != "auto":
+        return cfg.head
+    import torch
+    from shards.cache.memory_budget import default_memory_limit
+    from shards.manifest import load_feature_manifest
+    from train.probe import probe_bytes
+
+    manifest = load_feature_manifest(feat_dir)
+    itemsize = torch.empty(0, dtype=getattr(torch, manifest.dtype, torch.float32)).element_size()
+    needed = probe_bytes(manifest.split("train").samples, manifest.features_dim, len(manifest.classes), itemsize)
+    head = "logreg" if needed <= default_memory_limit() else "linear"
+    log.info("head: %s (the train features need about %.1f MB in memory)", head, needed / 1e6)
+    return head
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
@@ -109,15 +131,20 @@ def run_pipeline(cfg: DemoConfig) -> dict[str, Any]:
                        "--workers", cfg.workers, *pack_extra], cfg.quiet)
     # A small tree of your own may hold fewer training samples than one batch.
     batch_size = min(cfg.batch_size, load_dataset_manifest(shards_dir).split("train").samples)
-    run_dir = cfg.runs / (f"demo-{name}-linear-e{cfg.epochs}-lr{cfg.lr:g}-wd{cfg.weight_decay:g}"
-                          f"-b{batch_size}")
     run_stage("verify", ["shards", "verify", shards_dir], cfg.quiet)
     run_stage("features", ["precompute-features", shards_dir, "--out", feat_dir, "--backbone", "mobilenet_v2",
                            "--weights", weights], cfg.quiet)
-    train = run_stage("train", ["train-from-shards", feat_dir, "--out", run_dir, "--head", "linear",
-                                "--epochs", cfg.epochs, "--optimizer", "adamw", "--lr", cfg.lr,
-                                "--weight-decay", cfg.weight_decay, "--batch-size", batch_size,
-                                "--seed", cfg.seed, "--resume"], cfg.quiet)
+    head = choose_head(cfg, feat_dir)
+    if head == "logreg":
+        run_dir = cfg.runs / f"demo-{name}-logreg-seed{cfg.seed}"
+        options = ["--head", "logreg", "--batch-size", batch_size]
+    else:
+        run_dir = cfg.runs / (f"demo-{name}-linear-e{cfg.epochs}-lr{cfg.lr:g}-wd{cfg.weight_decay:g}"
+                              f"-b{batch_size}")
+        options = ["--head", "linear", "--epochs", cfg.epochs, "--optimizer", "adamw", "--lr", cfg.lr,
+                   "--weight-decay", cfg.weight_decay, "--batch-size", batch_size]
+    train = run_stage("train", ["train-from-shards", feat_dir, "--out", run_dir, *options, "--seed", cfg.seed,
+                                "--resume"], cfg.quiet)
     history = read_metrics(run_dir)
     for row in history:
         print(f"epoch {row['epoch']:>3}  val top-1 {row['val_top1']:.3f}  train loss {row['train_loss']:.3f}  "
@@ -127,9 +154,11 @@ def run_pipeline(cfg: DemoConfig) -> dict[str, Any]:
         wait = sum(row["data_wait_share"] for row in history) / len(history)
     result = {
         "dataset": "elpv" if cfg.data is None else str(cfg.data),
+        "head": head,
         "val_top1": history[-1]["val_top1"],
         "best_val_top1": max(row["val_top1"] for row in history),
         "epochs": len(history),
+        "logreg_c": history[-1]["probe"]["C"] if head == "logreg" else None,
         "data_wait_share": wait,
         "source": str(source),
         "shards_dir": str(shards_dir),
@@ -150,11 +179,14 @@ def parse_args(argv: list[str] | None = None) -> DemoConfig:
     parser.add_argument("--data", type=Path, default=None,
                         help="your own ImageFolder tree (root/<class>/... or root/{train,val}/<class>/...); "
                              "default: the ELPV solar cells")
+    parser.add_argument("--head", choices=("auto", "logreg", "linear"), default="auto",
+                        help="auto: the full-batch logistic-regression probe when the train features fit in memory, "
+                             "else the linear head trained for --epochs")
     parser.add_argument("--val-fraction", type=float, default=0.2, help="held-out share when there is no val/")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--epochs", type=int, default=40)
-    parser.add_argument("--lr", type=float, default=0.01, help="AdamW peak learning rate (cosine decay)")
-    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--epochs", type=int, default=40, help="--head linear: epochs")
+    parser.add_argument("--lr", type=float, default=0.01, help="--head linear: AdamW peak learning rate (cosine decay)")
+    parser.add_argument("--weight-decay", type=float, default=0.0, help="--head linear: AdamW weight decay")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--max-samples", type=int, default=256, help="samples per shard")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="packing processes")
@@ -162,8 +194,8 @@ def parse_args(argv: list[str] | None = None) -> DemoConfig:
     parser.add_argument("--runs", type=Path, default=ROOT / "runs", help="the training run goes here")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
-    return DemoConfig(data=args.data, val_fraction=args.val_fraction, seed=args.seed, epochs=args.epochs,
-                      lr=args.lr, weight_decay=args.weight_decay, batch_size=args.batch_size,
+    return DemoConfig(data=args.data, head=args.head, val_fraction=args.val_fraction, seed=args.seed,
+                      epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay, batch_size=args.batch_size,
                       max_samples=args.max_samples, workers=args.workers, work=args.work.resolve(),
                       runs=args.runs.resolve(), quiet=args.quiet)
 

@@ -17,7 +17,8 @@ from shards.stream.options import check_decode
 
 DATA_KINDS = ("auto", "images", "features")
 CLASS_MAPS = ("same", "union")  # as shards.stream.mixture.CLASS_MAPS, without importing the reader
-HEADS = ("linear", "mlp")
+# logreg: a full-batch L-BFGS logistic regression on features held in memory (train.probe), fitted as scikit-learn's.
+HEADS = ("linear", "mlp", "logreg")
 OPTIMIZERS = ("sgd", "adamw")
 # The decode modes are defined and validated in shards.stream.options; training defaults to "fast" (the library
 # to "standard") because the loop owns the device-side normalisation the fast decode needs.
@@ -48,6 +49,11 @@ class TrainConfig:
     task: str = "auto"
     loss: str = "mse"
     head: str = "linear"
+    # Features standardised with the train split's mean and std (train.standardize); None: the head's default,
+    # on for logreg (the probe scikit-learn users compare with is fitted on standardised features), off for the
+    # SGD heads (their recorded results stay reproducible; --standardize turns it on). Resolved on entry.
+    standardize: bool | None = None
+    logreg_c: float | None = None  # --head logreg's C (scikit-learn's); None: chosen on a held-out part of train
     hidden_dim: int = 512
     dropout: float = 0.0
     model: str = "resnet18"
@@ -95,6 +101,7 @@ class TrainConfig:
     # Decoded images kept in memory after the first epoch (shards.cache.images). Part of the run: train views
     # are then cropped from images bounded to size / 0.875, so a resume may not switch it. memory_limit (bytes;
     # None: half of what the job has left, shared by the node's ranks) only decides how much is kept: steering.
+    # With --head logreg it is the budget the train features must fit in (train.probe).
     cache_images: bool = False
     memory_limit: int | None = None
     # A mixture (shards.stream.mixture): the sources beside data_path (which is the first), each
@@ -120,6 +127,9 @@ class TrainConfig:
         if self.epoch_size is not None and not any(s.get("weight") is not None for s in self.sources):
             raise InputError("epoch_size applies to weighted sources (--data PATH:WEIGHT)")
         _choice("head", self.head, HEADS)
+        if self.standardize is None:
+            object.__setattr__(self, "standardize", self.head == "logreg")
+        self._check_logreg()
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("task", self.task, TASKS)
         _choice("loss", self.loss, LOSSES)
@@ -158,13 +168,26 @@ class TrainConfig:
             raise InputError(f"stop_after_steps={self.stop_after_steps!r} must be >= 1")
         if self.resume and self.overwrite:
             raise InputError("resume and overwrite contradict each other; choose one")
-        if self.memory_limit is not None and (not self.cache_images or self.memory_limit < 0):
-            raise InputError(f"memory_limit={self.memory_limit!r} sizes the image cache: give cache_images too, "
-                             "and a size >= 0")
+        if self.memory_limit is not None and (not (self.cache_images or self.head == "logreg")
+                                              or self.memory_limit < 0):
+            raise InputError(f"memory_limit={self.memory_limit!r} sizes the image cache (give cache_images too) or "
+                             "the features of head='logreg', and must be >= 0")
         if self.cache_images and self.decode != "fast":
             raise InputError("cache_images needs decode='fast' (its uint8 outputs are what is kept)")
         if self.train_split == self.val_split:
             raise InputError(f"train_split and val_split are both {self.val_split!r}")
+
+    def _check_logreg(self) -> None:
+        """The probe fits the plain cross-entropy of scikit-learn's model: options that change the loss are refused."""
+        if self.logreg_c is not None and (self.head != "logreg" or not self.logreg_c > 0):
+            raise InputError(f"logreg_c={self.logreg_c!r} is --head logreg's C: give head='logreg' and a C > 0")
+        if self.head != "logreg":
+            return
+        for name, used in (("class_weighted_loss", self.class_weighted_loss),
+                           ("balanced_sampler", self.balanced_sampler), ("label_smoothing", self.label_smoothing)):
+            if used:
+                raise InputError(f"{name} does not apply to head='logreg', which fits scikit-learn's plain "
+                                 "LogisticRegression objective")
 
     @property
     def mixed(self) -> bool:

@@ -21,6 +21,7 @@ from train.checkpoint import capture_rng_state, copy_checkpoint, load_checkpoint
 from train.config import TrainConfig
 from shards.data_events import append_event, read_events
 from train.lineage import KeyRecorder, keep_keys_file
+from shards.cache.node_index import ideal_fetch_bytes
 from train.data import CACHE_COUNTERS, RunData, build_data, describe_batch, prepare_manifest, source_paths
 from train.distributed import DistContext, setup_distributed, wrap_model
 from train.first_batch import describe, first_batch_record
@@ -33,6 +34,8 @@ from shards.report import advice
 from shards.report.stages import row_straggler, run_straggler_warning, straggler_fields
 from shards.units import human_bytes
 from train.prefetch import ThreadPrefetcher
+from train.probe_run import fit_probe, prepare_features
+from train.standardize import FeatureScale
 from train.regression import RegressionLoss, TargetScale, evaluate_regression
 
 # Redraw curves.png and report.html after an epoch only when they are this old (see refresh_views).
@@ -59,13 +62,14 @@ def train(cfg: TrainConfig, *, started: float | None = None) -> dict[str, Any]:
         if cfg.amp and ctx.device.type != "cuda":
             log.warning("--amp needs CUDA; training in float32 on %s", ctx.device)
         data = build_data(cfg, manifest, ctx)
+        scale = prepare_features(cfg, data)  # standardising and --head logreg: checked and measured before writing
         if plan is None:
             return dry_run(cfg, data)
         ctx.barrier()  # every rank has judged the folder before rank 0 writes into it
         if ctx.is_main:
-            rd.start_run(plan, cfg, mixture=data.mixture_record(cfg))
+            rd.start_run(plan, cfg, mixture=data.mixture_record(cfg), scale=None if scale is None else scale.to_dict())
         ctx.barrier()
-        return Run(cfg, ctx, data, plan, started).fit()
+        return Run(cfg, ctx, data, plan, started, scale).fit()
     finally:
         ctx.close()
 
@@ -91,10 +95,11 @@ def reads_over_network(cfg: TrainConfig, kind: str) -> bool:
     return advice.reads_over_network(kind, source_paths(cfg), cache_images=cfg.cache_images, cache_dir=cfg.cache_dir)
 
 
-def build_model(cfg: TrainConfig, data: RunData) -> nn.Module:
+def build_model(cfg: TrainConfig, data: RunData, scale: FeatureScale | None = None) -> nn.Module:
     if data.kind == "features":
         outputs = 1 if data.task == "regression" else len(data.classes)
-        return build_head(cfg.head, data.features_dim, outputs, hidden_dim=cfg.hidden_dim, dropout=cfg.dropout)
+        return build_head(cfg.head, data.features_dim, outputs, hidden_dim=cfg.hidden_dim, dropout=cfg.dropout,
+                          scale=scale)
     return build_image_model(cfg.model, len(data.classes), weights=cfg.weights)
 
 
@@ -111,12 +116,13 @@ class Run:
     data: RunData
     plan: rd.RunPlan
     started: float  # the perf_counter the time to first batch counts from
+    scale: FeatureScale | None = None  # the train split's feature mean and std, when standardising (train.standardize)
 
     def __post_init__(self) -> None:
         cfg, device = self.cfg, self.ctx.device
         self.amp = cfg.amp and device.type == "cuda"
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank and every rerun
-        self.model = build_model(cfg, self.data).to(device)
+        self.model = build_model(cfg, self.data, self.scale).to(device)
         self.optimizer = build_optimizer(cfg, self.model)
         self.scheduler = build_scheduler(cfg, self.optimizer, len(self.data.train_loader))
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp)
@@ -186,6 +192,8 @@ class Run:
 
     def fit(self) -> dict[str, Any]:
         cfg = self.cfg
+        if cfg.head == "logreg":  # one full-batch fit instead of epochs (train.probe_run)
+            return fit_probe(self)
         step_ctx = StepContext(self.ddp_model, self.optimizer, self.scheduler, self.scaler, self.loss_fn,
                                self.ctx.device, self.amp, self.data.normalize)
         row: dict[str, Any] = self.state.history[-1] if self.state.history else {}
@@ -303,7 +311,8 @@ class Run:
 
     def cache_row(self) -> dict[str, Any]:
         """This epoch's node-cache counters over all ranks: ``cache_hit_rate`` (shards served from a node's cache
-        without fetching, of all shard reads through it) and ``fetched_bytes`` (bytes fetched from the source)."""
+        without fetching, of all shard reads through it), ``fetched_bytes`` (bytes fetched from the source) and
+        ``cache`` (every counter, evictions by reason, and ``ideal_bytes``: what did not fit, the floor)."""
         counts = self.data.cache_counts()
         if counts is None:
             return {}
@@ -313,6 +322,7 @@ class Run:
         now = dict(zip(CACHE_COUNTERS, (int(v) for v in totals.tolist())))
         epoch = {name: now[name] - self._cache_before.get(name, 0) for name in CACHE_COUNTERS}
         self._cache_before = now
+        epoch["ideal_bytes"] = ideal_fetch_bytes(epoch["planned_bytes"], self.cfg.cache_limit, self.ctx.nodes)
         lookups = epoch["hits"] + epoch["misses"]
         return {"cache_hit_rate": epoch["hits"] / lookups if lookups else None, "fetched_bytes": epoch["fetched_bytes"],
                 "cache": epoch}
@@ -368,9 +378,9 @@ class Run:
             log.warning(warning)
         if "cache" in row:
             rate = row["cache_hit_rate"]
-            log.info("node cache: hit rate %s, fetched %s, served %s from the cache",
+            log.info("node cache: hit rate %s, fetched %s (the floor: %s), served %s from the cache",
                      "n/a" if rate is None else f"{rate:.0%}", human_bytes(row["fetched_bytes"]),
-                     human_bytes(row["cache"]["served_bytes"]))
+                     human_bytes(row["cache"]["ideal_bytes"]), human_bytes(row["cache"]["served_bytes"]))
         tip = advice.wait_advice(row["data_wait_share"], row["data_wait_share"] * row["epoch_time_s"],
                                  data_kind=self.data.kind, workers=self.data.workers, stages=row.get("stage_seconds"),
                                  decode=self.cfg.decode, network_reads=reads_over_network(self.cfg, self.data.kind))

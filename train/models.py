@@ -17,23 +17,27 @@ from torch import nn
 
 from shards.errors import InputError, MissingInputError
 from shards.formats.weights import read_state_dict
+from train.standardize import FeatureScale, StandardizedHead
 
 log = logging.getLogger("shardcache.train")
 
 
 def build_head(kind: str, features_dim: int, num_classes: int, *, hidden_dim: int = 512,
-               dropout: float = 0.0) -> nn.Module:
-    """A linear probe, or one hidden layer for features that are not linearly separable."""
-    if kind == "linear":
-        return nn.Linear(features_dim, num_classes)
-    if kind == "mlp":
-        return nn.Sequential(
+               dropout: float = 0.0, scale: FeatureScale | None = None) -> nn.Module:
+    """A linear probe (``logreg``: the same layer, fitted by ``train.probe``), or one hidden layer for features
+    that are not linearly separable; behind ``Standardize`` when given the train split's ``scale``."""
+    if kind in ("linear", "logreg"):
+        head: nn.Module = nn.Linear(features_dim, num_classes)
+    elif kind == "mlp":
+        head = nn.Sequential(
             nn.Linear(features_dim, hidden_dim),
             nn.GELU(),
             nn.Dropout(dropout),
             nn.Linear(hidden_dim, num_classes),
         )
-    raise InputError(f"unknown head {kind!r}; choose linear or mlp")
+    else:
+        raise InputError(f"unknown head {kind!r}; choose linear, mlp or logreg")
+    return head if scale is None else StandardizedHead(scale, head)
 
 
 def image_model_names() -> list[str]:

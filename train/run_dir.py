@@ -30,8 +30,9 @@ BEST_FILE = "best.pt"
 MODEL_FILE = "model.pt"
 REPORT_FILE = "report.html"  # shards.report.build.write_run_report, redrawn as epochs end (at most every 30 s) and at the end
 KEYS_FILE = "keys.jsonl"  # --record-keys (train.lineage)
+SCALE_FILE = "feature-scale.json"  # the train split's feature mean and std, when standardising (train.standardize)
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, CURVES_FILE, LAST_FILE, BEST_FILE, MODEL_FILE, REPORT_FILE, EVENTS_FILE,
-             KEYS_FILE)
+             KEYS_FILE, SCALE_FILE)
 
 
 @dataclass(frozen=True)
@@ -84,12 +85,16 @@ def plan_run(cfg: TrainConfig) -> RunPlan:
     return RunPlan(folder, last if last.exists() else None)
 
 
-def start_run(plan: RunPlan, cfg: TrainConfig, mixture: Mapping[str, Any] | None = None) -> None:
+def start_run(plan: RunPlan, cfg: TrainConfig, mixture: Mapping[str, Any] | None = None,
+              scale: Mapping[str, Any] | None = None) -> None:
     """Rank 0 only: clear our own files when overwriting, then record the config (and a mixture's composition,
-    which ``shards report`` shows; a resumed run reads back only the config's own fields)."""
+    which ``shards report`` shows; a resumed run reads back only the config's own fields) and the feature scale
+    (``SCALE_FILE``; the checkpoints carry it too, as the model's buffers)."""
     plan.folder.mkdir(parents=True, exist_ok=True)
     if plan.clear:
         remove_owned(plan.folder, plan.clear)
+    if scale is not None:
+        write_json_atomic(plan.path(SCALE_FILE), dict(scale))
     record = cfg.to_dict()
     if mixture is not None:
         record["mixture"] = dict(mixture)

@@ -1,6 +1,7 @@
-"""What every console script shares: exit codes, error-to-message mapping, common options, Slurm defaults.
+"""What every console script shares: exit codes, error-to-message mapping, common options, scheduler defaults.
 
-Only CLI code reads environment variables (Slurm's array variables); library functions take explicit configs.
+Only CLI code reads environment variables (Slurm's array variables, a Kubernetes Indexed Job's index); library
+functions take explicit configs.
 """
 
 from __future__ import annotations
@@ -67,33 +68,74 @@ def quiet_option(func: Callable) -> Callable:
     return wrapper
 
 
-def slurm_task_default(name: str, fallback: int) -> int:
+# Kubernetes gives an Indexed Job's pods their index but no count: the count comes from --num-tasks or this.
+NUM_TASKS_ENV = "SHARDCACHE_NUM_TASKS"
+
+
+def env_int(name: str, fallback: int | None) -> int | None:
+    """An integer environment variable (``fallback`` when unset or empty); anything else is an input error."""
     value = os.environ.get(name)
     if value is None or value == "":
         return fallback
     try:
         return int(value)
     except ValueError:
-        raise click.UsageError(f"environment variable {name}={value!r} is not an integer") from None
+        raise InputError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _agreed(found: dict[str, int], what: str, option: str) -> int | None:
+    """The one value the schedulers' variables give (None: none set); two that disagree are an input error, since
+    picking one silently could make two tasks do the same part and none the other."""
+    if len(set(found.values())) > 1:
+        named = ", ".join(f"{name}={value}" for name, value in found.items())
+        raise InputError(f"the {what} is ambiguous ({named}); pass {option}")
+    return next(iter(found.values()), None)
+
+
+def scheduler_task(task_index: int | None, num_tasks: int | None) -> tuple[int, int]:
+    """``(task_index, num_tasks)``, or an ``InputError`` when they cannot be told: the options when given, else a
+    Slurm job array's variables (``SLURM_ARRAY_TASK_ID`` counted from ``SLURM_ARRAY_TASK_MIN``,
+    ``SLURM_ARRAY_TASK_COUNT``), else a Kubernetes Indexed Job's ``JOB_COMPLETION_INDEX`` with the count from
+    ``SHARDCACHE_NUM_TASKS``, else task 0 of 1.
+
+    Where both schedulers' variables are set they must agree. A ``JOB_COMPLETION_INDEX`` with no count anywhere is
+    refused: each pod would take itself for the only task and do all the work (docs/clusters.md)."""
+    if num_tasks is None:
+        counts = {name: env_int(name, None) for name in ("SLURM_ARRAY_TASK_COUNT", NUM_TASKS_ENV)}
+        num_tasks = _agreed({k: v for k, v in counts.items() if v is not None}, "task count", "--num-tasks")
+        if num_tasks is None and task_index is None and env_int("JOB_COMPLETION_INDEX", None) is not None:
+            raise InputError(f"JOB_COMPLETION_INDEX is set (a Kubernetes Indexed Job) but not the task count: "
+                             f"pass --num-tasks N or set {NUM_TASKS_ENV} to the Job's completions")
+    if task_index is None:
+        found = {}
+        slurm = env_int("SLURM_ARRAY_TASK_ID", None)
+        if slurm is not None:
+            # Arrays may start at a non-zero index (--array=1-4); count from SLURM_ARRAY_TASK_MIN.
+            found["SLURM_ARRAY_TASK_ID"] = slurm - env_int("SLURM_ARRAY_TASK_MIN", 0)
+        kubernetes = env_int("JOB_COMPLETION_INDEX", None)
+        if kubernetes is not None:
+            found["JOB_COMPLETION_INDEX"] = kubernetes
+        task_index = _agreed(found, "task index", "--task-index")
+    num_tasks, task_index = 1 if num_tasks is None else num_tasks, 0 if task_index is None else task_index
+    if num_tasks < 1 or not 0 <= task_index < num_tasks:
+        raise InputError(f"task index {task_index} is not in [0, {num_tasks}) (--task-index, --num-tasks)")
+    return task_index, num_tasks
 
 
 def task_options(func: Callable) -> Callable:
-    """``--task-index/--num-tasks``, defaulting from a Slurm job array (the only place Slurm variables are read)."""
+    """``--task-index/--num-tasks``, defaulting from a Slurm job array or a Kubernetes Indexed Job
+    (``scheduler_task``: the only place their variables are read)."""
 
     @click.option("--task-index", type=int, default=None,
-                  help="This task's index in [0, num-tasks). Default: $SLURM_ARRAY_TASK_ID or 0.")
+                  help="This task's index in [0, num-tasks). Default: $SLURM_ARRAY_TASK_ID (from "
+                       "$SLURM_ARRAY_TASK_MIN), else $JOB_COMPLETION_INDEX (Kubernetes Indexed Job), else 0.")
     @click.option("--num-tasks", type=int, default=None,
-                  help="How many tasks split the work. Default: $SLURM_ARRAY_TASK_COUNT or 1.")
+                  help=f"How many tasks split the work. Default: $SLURM_ARRAY_TASK_COUNT, else ${NUM_TASKS_ENV} "
+                       "(needed with $JOB_COMPLETION_INDEX), else 1.")
     @functools.wraps(func)
+    @handle_errors  # a bad index or count is one line and exit 2, like every other input error
     def wrapper(*args, task_index: int | None, num_tasks: int | None, **kwargs):
-        if num_tasks is None:
-            num_tasks = slurm_task_default("SLURM_ARRAY_TASK_COUNT", 1)
-        if task_index is None:
-            task_index = slurm_task_default("SLURM_ARRAY_TASK_ID", 0)
-            # Arrays may start at a non-zero index (--array=1-4); count from SLURM_ARRAY_TASK_MIN.
-            task_index -= slurm_task_default("SLURM_ARRAY_TASK_MIN", 0)
-        if num_tasks < 1 or not 0 <= task_index < num_tasks:
-            raise click.BadParameter(f"task index {task_index} is not in [0, {num_tasks})", param_hint="--task-index")
+        task_index, num_tasks = scheduler_task(task_index, num_tasks)
         return func(*args, task_index=task_index, num_tasks=num_tasks, **kwargs)
 
     return wrapper

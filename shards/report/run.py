@@ -201,15 +201,17 @@ def _epoch_table(history: Sequence[Mapping[str, float]], rows: Sequence[Mapping[
               [("train top-1", "train_top1", pct), ("val top-1", "val_top1", pct),
                *([("val top-5", "val_top5", pct)] if top5 else [])])
     headers = ["epoch", "train loss", "val loss", *(name for name, _, _ in scores),
-               "lr", "samples/s", "data wait", "epoch time", *(["cache hits", "fetched"] if cache else [])]
+               "lr", "samples/s", "data wait", "epoch time",
+               *(["cache hits", "fetched", "fetch floor"] if cache else [])]
     body = []
     for row in history[-MAX_EPOCH_ROWS:]:
         cells = [num_cell(row["epoch"]), num_cell(row.get("train_loss"), fixed), num_cell(row.get("val_loss"), fixed)]
         cells += [num_cell(row.get(key), form) for _, key, form in scores]
         cells += [num_cell(row.get("lr"), rate), num_cell(row.get("samples_per_s")),
                   num_cell(row.get("data_wait_share"), lambda v: pct(v, 1)), num_cell(row.get("epoch_time_s"), seconds)]
-        cells += [num_cell(row.get("cache_hit_rate"), lambda v: pct(v, 1)),
-                  num_cell(row.get("fetched_bytes"), size)] if cache else []
+        counters = row.get("cache") if isinstance(row.get("cache"), Mapping) else {}  # ideal_bytes: what did not fit
+        cells += [num_cell(row.get("cache_hit_rate"), lambda v: pct(v, 1)), num_cell(row.get("fetched_bytes"), size),
+                  num_cell(counters.get("ideal_bytes"), size)] if cache else []
         body.append(cells)
     return table(headers, body, scroll=len(body) > 12)
 

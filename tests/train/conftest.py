@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import pytest
 import torch
@@ -24,11 +24,12 @@ from tests.helpers import colour_shards
 def write_feature_folder(root: Path, *, shard_sizes: dict[str, Sequence[int]], classes: Sequence[str],
                          dim: int = 16, seed: int = 0, separation: float = 4.0,
                          label_shift: dict[str, int] | None = None,
-                         dtype: torch.dtype = torch.float16) -> Path:
+                         dtype: torch.dtype = torch.float16, transform: Callable | None = None) -> Path:
     """``root/dataset`` (a dataset.json only) and ``root/features``: class means far apart plus unit noise.
 
     ``label_shift`` ({split: k}) stores that split's labels rotated by k against the means: the features say one
-    class and the label another, which is what a broken label mapping looks like.
+    class and the label another, which is what a broken label mapping looks like. ``transform`` maps each shard's
+    rows before they are stored (e.g. per-dimension scales and offsets).
     """
     dataset_dir, features_dir = root / "dataset", root / "features"
     dataset_dir.mkdir(parents=True, exist_ok=True)
@@ -43,6 +44,7 @@ def write_feature_folder(root: Path, *, shard_sizes: dict[str, Sequence[int]], c
             name = shard_name(split, index, "tar")
             labels = torch.tensor([(n + i) % len(classes) for i in range(size)], dtype=torch.int64)
             rows = means[labels] + torch.randn(size, dim, generator=generator)
+            rows = transform(rows) if transform is not None else rows
             stored = (labels + (label_shift or {}).get(split, 0)) % len(classes)
             keys = [f"{split}_{n + i:05d}" for i in range(size)]
             for label in stored.tolist():
