@@ -1,16 +1,25 @@
-"""Benchmark: the same tar dataset read from local disk and from a local S3 server (SeaweedFS ``weed mini``).
+"""Benchmark: the same tar dataset read from local disk and from a local S3 server (SeaweedFS ``weed mini``), the
+server reached through a network link model (``tests.s3.link.LinkProxy``) with the model off and on.
 
 Passes, 2 workers by default, interleaved rounds, best of ``--repeat`` (``scripts/bench/loader.py``'s corpus,
-packing, loaders and timing, imported): I/O-only (samples counted, not decoded) and the fast pipeline, each from the
-local folder and from ``s3://``. Page caches of the local shards and of the server's volume files are dropped
-before every pass. Also: the bytes fetched from S3 per sample read (counted by ``shards.formats.s3`` across the
-workers) against the bytes those samples occupy in their shards, and the raw GET throughput of the two S3 clients
-tried (boto3/botocore and obstore), whole shard objects, 2 at a time. obstore is not a dependency of shardcache: its
-comparison runs only when it is installed (``pip install obstore``); otherwise the run says it was skipped.
+packing and timing, imported): I/O-only (samples counted, not decoded) and the fast pipeline, each from the local
+folder and from ``s3://`` through the proxy: the link model off (``nolink``), on with one request in flight per
+worker (``link_seq``: ``max_concurrency=1, prefetch_bytes=0``, the reader before parallel parts) and on with the
+defaults (``link``: parallel parts and read-ahead along the plan). The link model: ``--latency-ms`` (default 20)
+added to every request, each connection capped at ``--rate-mb`` MB/s (default 60). Page caches of the local shards
+and of the server's volume files are dropped before every pass. Also: whole-object fetches (``fetch_checked`` of
+every shard object, what feature shards and the node cache do) over the link vs without, sequential vs parallel,
+and the same for ``--large-objects`` objects of ``--large-mb`` MiB (a feature shard's size; over the link also
+for ``max_concurrency`` 1 to 16: how the default was chosen);
+the bytes fetched per sample read (counted by ``shards.formats.s3`` across the workers) against the bytes those
+samples occupy in their shards; without ``--quick``, the S3 server's CPU share and the raw GET throughput of the
+two S3 clients tried (boto3/botocore and obstore, when installed).
 
-    python scripts/bench/s3.py --repeat 3        # 3000 images (~300 MB), ~2 minutes on 2 cores
+    python scripts/bench/s3.py --quick           # 600 images, 1 round, ~2 minutes on 2 cores
+    python scripts/bench/s3.py --repeat 3        # 3000 images (~300 MB)
 
-The server is started on free loopback ports and stopped at the end. stdout: one JSON line; the table: stderr.
+The server and the proxy are started on free loopback ports and stopped at the end. stdout: one JSON line; the
+table: stderr.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import resource
 import shutil
 import sys
@@ -36,9 +46,11 @@ import loader as bench  # noqa: E402  (scripts/bench/loader.py: corpus, packing,
 import shards  # noqa: E402
 from shards.formats import s3, s3_ranges  # noqa: E402
 from shards.progress import setup_logging  # noqa: E402
+from tests.s3.link import LinkProxy  # noqa: E402
 from tests.s3.server import ACCESS_KEY, SECRET_KEY, start_server  # noqa: E402
 
 log = logging.getLogger("bench.s3")
+CONCURRENCY_SWEEP = (1, 2, 4, 8, 16)  # max_concurrency values whose whole-object rate over the link is measured
 
 
 def add_index(folder: Path) -> None:
@@ -63,18 +75,28 @@ def upload(folder: Path, bucket: str, prefix: str) -> str:
     return f"s3://{bucket}/{prefix}"
 
 
-def io_only(location, args):
-    dataset = shards.open_dataset(location, decode=shards.Decode(decoder=bench.ByteCount()), seed=0)
+def io_only(location, args, storage_options=None):
+    dataset = shards.open_dataset(location, decode=shards.Decode(decoder=bench.ByteCount()), seed=0,
+                                  remote=shards.Remote(storage_options=storage_options))
     dataset.verify_sha256 = False
     return shards.make_loader(dataset, batch_size=args.batch_size, num_workers=args.workers, drop_last=False,
                               persistent_workers=False)
 
 
-def fetched_per_sample(url: str, folder: Path, args, count: int) -> dict[str, float]:
+def fast_uint8(location, args, storage_options=None):
+    """The fast pipeline's uint8 batches (``loader.fast_batches(consumer="uint8")``) with the storage options."""
+    dataset = shards.open_dataset(location, transform=bench.SPEC, decode=shards.Decode("fast"), seed=0,
+                                  remote=shards.Remote(storage_options=storage_options))
+    dataset.verify_sha256 = False
+    return shards.make_loader(dataset, batch_size=args.batch_size, num_workers=args.workers, drop_last=False,
+                              persistent_workers=False)
+
+
+def fetched_per_sample(url: str, folder: Path, args, count: int, storage_options=None) -> dict[str, float]:
     """One I/O-only epoch from S3 with the byte counter shared by the workers."""
     s3.share_stats()
     s3.FETCH_STATS.reset()
-    seen = sum(len(labels) for _, labels in io_only(url, args))
+    seen = sum(len(labels) for _, labels in io_only(url, args, storage_options))
     fetched, requests = s3.FETCH_STATS.bytes, s3.FETCH_STATS.requests
     manifest = json.loads((folder / "dataset.json").read_text())
     shard_bytes = sum(s["bytes"] - 1024 for s in manifest["splits"]["train"]["shards"])  # less end-of-archive
@@ -116,10 +138,19 @@ def main() -> None:
     parser.add_argument("--per-shard", type=int, default=150)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=None, help="rounds (default 3; 1 with --quick)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the corpus here between runs")
+    parser.add_argument("--latency-ms", type=float, default=20.0, help="the link model: added to every request")
+    parser.add_argument("--rate-mb", type=float, default=60.0, help="the link model: MB/s per connection")
+    parser.add_argument("--large-objects", type=int, default=4, help="whole-object fetches of this many objects...")
+    parser.add_argument("--large-mb", type=int, default=32, help="...of this many MiB (a feature shard's size)")
+    parser.add_argument("--quick", action="store_true", help="600 images, 1 round unless --repeat, no CPU shares "
+                        "or raw GETs")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
+    if args.quick:
+        args.images, args.per_shard = min(args.images, 600), min(args.per_shard, 60)
+    args.repeat = args.repeat or (1 if args.quick else 3)
     setup_logging(quiet=args.quiet)
     with_server(run, args, "s3", keep=args.workdir)
 
@@ -165,6 +196,47 @@ def cpu_shares(server, passes: dict, expected: int) -> tuple[dict[str, float], d
     return server_cores, client_ms
 
 
+def large_objects(bucket: str, count: int, megabytes: int) -> dict[str, int]:
+    """``count`` objects of ``megabytes`` seeded random bytes (the size of a feature shard), uploaded once."""
+    import boto3
+
+    client, objects = boto3.client("s3"), {}
+    for i in range(count):
+        data = random.Random(i).randbytes(megabytes << 20)
+        client.put_object(Bucket=bucket, Key=f"bench/large/{i}.bin", Body=data)
+        objects[f"s3://{bucket}/bench/large/{i}.bin"] = len(data)
+    return objects
+
+
+def whole_objects(urls: list[str], link: LinkProxy, settings: dict, sizes: dict[str, int], drop) -> float:
+    """MB/s of ``fetch_checked`` of every object in turn (a feature shard, the node cache's fetch)."""
+    from shards.formats.location import locate
+
+    link.set_link(*settings["link"])
+    drop()
+    began = time.perf_counter()
+    for url in urls:
+        locate(url, storage_options=settings["options"]).fetch_checked(sizes[url], None)
+    return sum(sizes.values()) / (time.perf_counter() - began) / 1e6
+
+
+def whole_object_rates(server, shard_sizes: dict[str, int], link: LinkProxy, settings: dict, args):
+    """MB/s of whole-object fetches per link setting: the tar shards, and ``--large-objects`` of ``--large-mb``
+    MiB (also over the link for each ``max_concurrency`` of ``CONCURRENCY_SWEEP``)."""
+    def drop() -> None:  # the server's volume files as they are now (the large objects add some)
+        bench.drop_cache([p for p in (server.log_path.parent / "data").rglob("*") if p.is_file()])
+
+    large = large_objects(server.bucket, args.large_objects, args.large_mb)
+    whole, whole_large = ({name: max(whole_objects(list(objects), link, settings[name], objects, drop)
+                                     for _ in range(args.repeat)) for name in settings}
+                          for objects in (shard_sizes, large))
+    link_options = settings["link"]["options"]
+    sweep = {n: whole_objects(list(large), link, {"link": settings["link"]["link"],
+                                                  "options": {**link_options, "max_concurrency": n}}, large, drop)
+             for n in CONCURRENCY_SWEEP}
+    return whole, whole_large, sweep
+
+
 def run(args, workdir: Path, server) -> None:
     files = bench.build_corpus(workdir / "images", args.images)
     folder = workdir / "tar"
@@ -174,40 +246,78 @@ def run(args, workdir: Path, server) -> None:
     os.sync()
     tars = sorted(folder.glob("*.tar"))
     weed_files = [p for p in (server.log_path.parent / "data").rglob("*") if p.is_file()]
-    passes = {
-        "io_local": (lambda: io_only(folder, args), tars),
-        "io_s3": (lambda: io_only(url, args), weed_files),
-        "fast_local": (lambda: bench.fast_batches(folder, args, consumer="uint8", verify_sha256=False), tars),
-        "fast_s3": (lambda: bench.fast_batches(url, args, consumer="uint8", verify_sha256=False), weed_files),
-    }
-    bench.NOT_FLOAT = (*bench.NOT_FLOAT, *passes)
-    rates = bench.best_of_rounds(passes, len(files), args.repeat)
-    server_cpu, client_ms = cpu_shares(server, passes, len(files))
-    fetched = fetched_per_sample(url, folder, args, len(files))
-    keys = [f"bench/tar/{p.name}" for p in tars]
-    raw = raw_gets(server.bucket, keys, server.endpoint_url, args.repeat, lambda: bench.drop_cache(weed_files))
-    ratios = {"io_s3_vs_local": rates["io_s3"] / rates["io_local"],
-              "fast_s3_vs_local": rates["fast_s3"] / rates["fast_local"],
-              # the client's CPU per image, S3 over local: with the store on another machine and the reader
-              # CPU-bound, the throughput ratio to expect is about the inverse of this
-              "io_client_cpu_s3_vs_local": client_ms["io_s3"] / client_ms["io_local"],
-              "fast_client_cpu_s3_vs_local": client_ms["fast_s3"] / client_ms["fast_local"]}
+    model = (args.latency_ms / 1000, args.rate_mb * 1e6)
+    with LinkProxy(server.endpoint_url) as link:
+        endpoint = {"endpoint_url": link.endpoint_url}
+        settings = {"nolink": {"link": (0.0, 0.0), "options": endpoint},
+                    "link_seq": {"link": model, "options": {**endpoint, "max_concurrency": 1, "prefetch_bytes": 0}},
+                    "link": {"link": model, "options": endpoint}}
+
+        def through(name: str, make):
+            def start():
+                link.set_link(*settings[name]["link"])
+                return make(url, args, settings[name]["options"])
+            return start
+
+        passes = {"io_local": (lambda: io_only(folder, args), tars),
+                  "fast_local": (lambda: fast_uint8(folder, args), tars)}
+        for name in settings:
+            passes[f"io_{name}"] = (through(name, io_only), weed_files)
+            passes[f"fast_{name}"] = (through(name, fast_uint8), weed_files)
+        bench.NOT_FLOAT = (*bench.NOT_FLOAT, *passes)
+        rates = bench.best_of_rounds(passes, len(files), args.repeat)
+        sizes = {f"{url}/{p.name}": p.stat().st_size for p in tars}
+        whole, whole_large, sweep = whole_object_rates(server, sizes, link, settings, args)
+        link.set_link(*model)
+        fetched = fetched_per_sample(url, folder, args, len(files), settings["link"]["options"])
+        link.set_link(0.0, 0.0)
+        server_cpu, client_ms = ({}, {}) if args.quick else cpu_shares(server, passes, len(files))
+    raw = {} if args.quick else raw_gets(server.bucket, [f"bench/tar/{p.name}" for p in tars], server.endpoint_url,
+                                         args.repeat, lambda: bench.drop_cache(weed_files))
+    ratios = {"io_link_vs_nolink": rates["io_link"] / rates["io_nolink"],
+              "fast_link_vs_nolink": rates["fast_link"] / rates["fast_nolink"],
+              "io_link_seq_vs_nolink": rates["io_link_seq"] / rates["io_nolink"],
+              "fast_link_seq_vs_nolink": rates["fast_link_seq"] / rates["fast_nolink"],
+              "whole_objects_link_vs_nolink": whole["link"] / whole["nolink"],
+              "whole_objects_link_seq_vs_nolink": whole["link_seq"] / whole["nolink"],
+              "large_objects_link_vs_nolink": whole_large["link"] / whole_large["nolink"],
+              "large_objects_link_seq_vs_nolink": whole_large["link_seq"] / whole_large["nolink"],
+              "io_link_vs_local": rates["io_link"] / rates["io_local"],
+              "fast_link_vs_local": rates["fast_link"] / rates["fast_local"]}
     skipped = []
+    if client_ms:
+        # the client's CPU per image, S3 over local: with the store on another machine and the reader CPU-bound,
+        # the throughput ratio to expect is about the inverse of this
+        ratios["io_client_cpu_s3_vs_local"] = client_ms["io_nolink"] / client_ms["io_local"]
+        ratios["fast_client_cpu_s3_vs_local"] = client_ms["fast_nolink"] / client_ms["fast_local"]
+        log.info("the S3 server itself used %.2f cores during the I/O-only pass and %.2f during the fast pass "
+                 "(of 2)", server_cpu["io_nolink"], server_cpu["fast_nolink"])
     if "obstore" in raw:
         ratios["obstore_vs_boto3_raw_get"] = raw["obstore"] / raw["boto3"]
-    else:
+    elif not args.quick:
         skipped.append("obstore raw GET comparison (obstore not installed)")
     for name, rate in rates.items():
-        log.info("%-12s %8.1f img/s", name, rate)
-    log.info("the S3 server itself used %.2f cores during the I/O-only pass and %.2f during the fast pass (of 2)",
-             server_cpu["io_s3"], server_cpu["fast_s3"])
-    log.info("client CPU per image, S3/local (server excluded): I/O-only %.2fx, fast %.2fx",
-             ratios["io_client_cpu_s3_vs_local"], ratios["fast_client_cpu_s3_vs_local"])
-    log.info("S3/local: I/O-only %.2fx (goal >= 0.7), fast %.2fx (goal >= 0.95); fetched %.3fx the samples' "
-             "shard bytes (goal <= 1.05), %d requests", ratios["io_s3_vs_local"], ratios["fast_s3_vs_local"],
-             fetched["vs_sample_bytes_in_shards"], fetched["requests"])
+        log.info("%-16s %8.1f img/s", name, rate)
+    for name, rate in whole.items():
+        log.info("whole shard objects %-9s %8.1f MB/s", name, rate)
+    for name, rate in whole_large.items():
+        log.info("whole %d MiB objects %-9s %8.1f MB/s", args.large_mb, name, rate)
+    log.info("whole %d MiB objects over the link by max_concurrency: %s", args.large_mb,
+             ", ".join(f"{n}: {rate:.1f} MB/s" for n, rate in sweep.items()))
+    log.info("link model %.0f ms/request, %.0f MB/s per connection: link/no link I/O-only %.2fx (goal >= 0.8; "
+             "one request in flight: %.2fx), fast %.2fx (goal >= 0.95; %.2fx), whole objects %.2fx (goal >= 0.8; "
+             "%.2fx), %d MiB ones %.2fx (%.2fx); fetched %.3fx the samples' shard bytes (goal <= 1.02), %d requests",
+             args.latency_ms, args.rate_mb, ratios["io_link_vs_nolink"], ratios["io_link_seq_vs_nolink"],
+             ratios["fast_link_vs_nolink"], ratios["fast_link_seq_vs_nolink"], ratios["whole_objects_link_vs_nolink"],
+             ratios["whole_objects_link_seq_vs_nolink"], args.large_mb, ratios["large_objects_link_vs_nolink"],
+             ratios["large_objects_link_seq_vs_nolink"], fetched["vs_sample_bytes_in_shards"], fetched["requests"])
     print(json.dumps({"images": len(files), "shards": len(tars), "workers": args.workers, "repeat": args.repeat,
+                      "link_model": {"latency_ms": args.latency_ms, "rate_mb_per_connection": args.rate_mb},
                       "images_per_s": {k: round(v, 1) for k, v in rates.items()},
+                      "whole_objects_mb_per_s": {k: round(v, 1) for k, v in whole.items()},
+                      "large_objects_mb_per_s": {k: round(v, 1) for k, v in whole_large.items()},
+                      "large_objects_mb": args.large_mb,
+                      "large_objects_link_mb_per_s_by_max_concurrency": {n: round(v, 1) for n, v in sweep.items()},
                       "ratios": {k: round(v, 3) for k, v in ratios.items()},
                       "fetched": {k: round(v, 4) if isinstance(v, float) else v for k, v in fetched.items()},
                       "raw_get_mb_per_s": {k: round(v, 1) for k, v in raw.items()},

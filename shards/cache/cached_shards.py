@@ -9,7 +9,14 @@ only on a network file system (NFS, Lustre, CIFS, GPFS, BeeGFS, CephFS, FUSE mou
 otherwise; ``pipe:`` commands never (their output is not addressable).
 
 A dataset holds a ``CachedShards`` made in the main process (the settings and the counters shared with its
-DataLoader workers); each process opens its own ``NodeCache`` and prefetch thread on first use.
+DataLoader workers); each process opens its own ``NodeCache``, prefetch thread and plan on first use.
+
+A stream tells it its plan (``plan``: its cached shards in read order, this epoch's and the next's), which is
+published for the node's eviction (``shards.cache.plan_view``), and each shard it reaches (``reached``): the
+position is published, and shards ahead are fetched on the prefetch thread along the plan: the next one always
+(never evicting a shard needed sooner than it), more while the bytes fetched ahead and not yet read stay within
+``ShardCache.prefetch_bytes`` and the cache has room to spare. A refused prefetch is fetched when it is read
+(docs/caching.md, "Prefetch by plan").
 """
 
 from __future__ import annotations
@@ -20,10 +27,13 @@ import shutil
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Sequence
+from typing import Any, BinaryIO, Callable, NamedTuple, Sequence
 
-from shards.cache.node import Lease, NodeCache, ShardCache, check_limit
+import numpy as np
+
+from shards.cache.node import NEXT_USE, Lease, NodeCache, ShardCache, check_limit
 from shards.cache.node_index import CacheStats
+from shards.cache.plan_view import PlanPublisher
 from shards.formats.location import Location, locate
 from shards.units import human_bytes
 
@@ -59,9 +69,17 @@ def on_network_fs(path: str | os.PathLike) -> bool:
     return False
 
 
+class PlannedShard(NamedTuple):
+    """A shard in a stream's plan: where it is read from, its cache key and size."""
+
+    location: str
+    sha256: str
+    size: int
+
+
 class CachedShards:
     """The node cache as a shard reader uses it: ``lease(location, sha256, size)`` -> a local copy (or None: read
-    the source), ``prefetch`` of the next shard on a background thread, and the shared counters."""
+    the source), a stream's ``plan`` and the prefetch along it on a background thread, and the shared counters."""
 
     def __init__(self, request: ShardCache, storage_options: Any = None, url_origins: Sequence[str] = ()):
         self.request = request
@@ -70,12 +88,17 @@ class CachedShards:
         self.stats = CacheStats()
         self._network: dict[str, bool] = {}
         self._process: tuple[int, NodeCache, ThreadPoolExecutor] | None = None
-        self._pending: dict[str, Future] = {}
+        self._pending: dict[str, tuple[Future, int]] = {}  # location -> (prefetch, bytes)
         self._lock = threading.Lock()
+        self._publisher: PlanPublisher | None = None  # this process's plan file (made again in a forked one)
+        self._stream: list[PlannedShard] = []  # the current stream's plan this epoch
+        self._reached = self._ahead_until = -1  # the plan's shard being read; the last one prefetched
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_process=None, _pending={}, _lock=None)  # per process: made again on first use
+        # per process: made again on first use
+        state.update(_process=None, _pending={}, _lock=None, _publisher=None, _stream=[], _reached=-1,
+                     _ahead_until=-1)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -104,7 +127,7 @@ class CachedShards:
         if self._process is None or self._process[0] != os.getpid():
             if self._lock is None:
                 self._lock = threading.Lock()
-            self._pending = {}
+            self._pending, self._publisher, self._stream, self._reached, self._ahead_until = {}, None, [], -1, -1
             self._process = (os.getpid(), NodeCache(self.request, self.stats),
                              ThreadPoolExecutor(1, thread_name_prefix="shardcache-prefetch"))
         return self._process[1], self._process[2]
@@ -115,25 +138,102 @@ class CachedShards:
         with self._lock:
             pending = self._pending.pop(location, None)
         if pending is not None:
-            return pending.result()
-        cache, _ = self._here()
+            lease = pending[0].result()
+            if lease is not None:
+                return lease
+        cache, _ = self._here()  # not prefetched, or the prefetch was refused: fetch it now
         return cache.acquire(sha256, size, _suffix(location), self._fetcher(location), location)
 
-    def prefetch(self, location: str, sha256: str, size: int) -> None:
-        """Start fetching a shard a worker will read next, so the download overlaps the current shard's decode."""
+    # -- a stream's plan -----------------------------------------------------------------------------------------
+    @property
+    def plans_ahead(self) -> bool:
+        """Whether streams publish their plans: eviction by next use, and a limit to evict for."""
+        return self.request.eviction == NEXT_USE and self.request.limit is not None
+
+    def planned_runs(self, shards: np.ndarray, locations: Sequence[str], infos: Sequence[Any],
+                     known: dict[int, PlannedShard | None]) -> tuple[list[PlannedShard], np.ndarray]:
+        """The runs of one shard in ``shards`` (shard numbers in read order; ``locations`` and manifest ``infos``
+        by number) that go through the cache, as plan entries, and per element its run's place among them (-1: not
+        cached). ``known``: the entries of the shards looked up so far (a location is checked once)."""
+        if not len(shards):
+            return [], np.zeros(0, dtype=np.int64)
+        starts = np.flatnonzero(np.concatenate([[True], shards[1:] != shards[:-1]]))
+        runs = []
+        for shard in shards[starts].tolist():
+            if shard not in known:
+                location, info = locations[shard], infos[shard]
+                known[shard] = PlannedShard(location, info.sha256, info.bytes) \
+                    if info.sha256 and self.cached(location) else None
+            runs.append(known[shard])
+        cached_runs = np.array([run is not None for run in runs])
+        place_of_run = np.where(cached_runs, np.cumsum(cached_runs) - 1, -1)
+        lengths = np.diff(np.concatenate([starts, [len(shards)]]))
+        return [run for run in runs if run is not None], np.repeat(place_of_run, lengths)
+
+    def plan(self, shards: Sequence[PlannedShard], next_epoch: Sequence[str]) -> None:
+        """A stream begins: ``shards``, its cached shards in read order (one per run of reads of a shard), and
+        ``next_epoch``, the keys its next epoch reads in order. Published for the node's eviction by next use."""
+        cache, _ = self._here()
+        self.drop_prefetched()
+        self._stream, self._reached, self._ahead_until = list(shards), -1, -1
+        self.stats.add(planned_bytes=sum({s.sha256: s.size for s in self._stream}.values()))
+        if self.plans_ahead:
+            if self._publisher is None:
+                self._publisher = PlanPublisher(cache.root)
+            self._publisher.publish([s.sha256 for s in self._stream], next_epoch)
+
+    def reached(self, index: int) -> None:
+        """The stream's read of ``plan``'s shard ``index`` begins: publish the position and prefetch ahead, the next
+        shard always (its room may cost shards needed later than it), more within ``prefetch_bytes`` and only in
+        room to spare (``CacheIndex.reserve``); after a refusal, no more until the refused shard is read."""
+        if index == self._reached or not 0 <= index < len(self._stream):
+            return
+        self._reached = index
+        if self._publisher is not None:
+            self._publisher.advance(index)
+        current = self._stream[index].location
+        if index + 1 < len(self._stream) and self._stream[index + 1].location != current:
+            following = self._stream[index + 1]
+            with self._lock:
+                pending = self._pending.get(following.location)
+            if pending is None or _refused(pending[0]):  # refused as a prefetch far ahead: now it is the next one
+                self._prefetch(following, spare_only=False)
+            self._ahead_until = max(self._ahead_until, index + 1)
         with self._lock:
-            if location in self._pending:
-                return
+            pending_now = dict(self._pending)
+        if any(_refused(future) for future, _ in pending_now.values()):
+            return
+        ahead = sum(size for location, (_, size) in pending_now.items() if location != current)
+        for later in range(max(index + 2, self._ahead_until + 1), len(self._stream)):
+            shard = self._stream[later]
+            if shard.location == current or shard.location in pending_now:
+                continue
+            if ahead + shard.size > self.request.prefetch_bytes:
+                break
+            self._prefetch(shard, spare_only=True)
+            pending_now[shard.location] = (None, shard.size)
+            ahead += shard.size
+            self._ahead_until = later
+
+    def end_stream(self) -> None:
+        """The stream ended or stopped: release what was prefetched for it; only its next epoch stays planned."""
+        self.drop_prefetched()
+        if self._publisher is not None and self._process is not None and self._process[0] == os.getpid():
+            self._publisher.finish_epoch()
+        self._stream, self._reached, self._ahead_until = [], -1, -1
+
+    def _prefetch(self, shard: PlannedShard, *, spare_only: bool) -> None:
         cache, pool = self._here()
-        future = pool.submit(cache.acquire, sha256, size, _suffix(location), self._fetcher(location), location)
+        future = pool.submit(cache.acquire, shard.sha256, shard.size, _suffix(shard.location),
+                             self._fetcher(shard.location), shard.location, spare_only=spare_only)
         with self._lock:
-            self._pending[location] = future
+            self._pending[shard.location] = (future, shard.size)
 
     def drop_prefetched(self) -> None:
         """Release leases prefetched for shards that will not be read (the end of an epoch, an error)."""
         with self._lock:
             pending, self._pending = self._pending, {}
-        for future in pending.values():
+        for future, _ in pending.values():
             try:
                 lease = future.result()
             except Exception:  # noqa: BLE001 - a failed prefetch is reported when the shard is read, not here
@@ -154,6 +254,11 @@ class CachedShards:
         counts = self.stats.snapshot()
         log.debug("shard cache %s: %s (fetched %s)", self.request.dir, counts, human_bytes(counts["fetched_bytes"]))
         return counts
+
+
+def _refused(future: Future | None) -> bool:
+    """Whether a prefetch finished without a copy (the cache refused it, or had no room)."""
+    return future is not None and future.done() and future.exception() is None and future.result() is None
 
 
 def _suffix(location: str) -> str:

@@ -15,10 +15,12 @@ dies, so a killed worker never wedges the node):
   through different open file descriptions conflict even inside one process, so a lease held by this process
   protects its entry from this process's own evictions too.
 - ``evict.lock`` (exclusive) around computing the bytes in use (finished entries plus ``reserve/<sha>`` files of
-  fetches in flight) and evicting least-recently-used entries (by the mtime of their ``.ok`` stamp, touched on
-  every hit) until the new shard fits the limit. When nothing more can be evicted the caller reads from the source
-  instead (``acquire`` returns ``None``): waiting for readers to finish could deadlock a DataLoader whose own
-  workers hold the leases.
+  fetches in flight) and evicting entries until the new shard fits the limit: by next use in the plans the
+  node's readers publish under ``plans/`` (``shards.cache.plan_view``, ``shards.cache.eviction``), else least
+  recently used (by the mtime of their ``.ok`` stamp, touched on every hit). When nothing more can be evicted the
+  caller reads from the source instead (``acquire`` returns ``None``): waiting for readers to finish could
+  deadlock a DataLoader whose own workers hold the leases. A prefetch is not cached (also None) when its room would
+  cost a shard some reader needs sooner.
 
 A copy is written to a unique temp name, hashed while it is written, checked against the manifest's size and
 sha256, fsynced and renamed; then a stamp ``<name>.ok`` records its size, mtime_ns, inode and sha256. Before a
@@ -55,7 +57,9 @@ from shards.atomic import sha256_file, unique_tmp_path, write_json_atomic
 from shards.bounded_read import read_json_file
 # The folder's layout, locks, room and counters live in node_index.
 from shards.cache.node_index import (
-    ENTRY_PATTERN, SHA256_PATTERN, LAYOUT, CacheIndex, CacheStats, locked, open_locked, stamp_path, unlink)
+    ENTRY_PATTERN, LAYOUT, NEEDED_LATER, RESERVED, CacheIndex, CacheStats, stamp_path)
+from shards.cache.node_locks import SHA256_PATTERN, locked, open_locked, unlink
+from shards.cache.plan_view import PLANS
 from shards.errors import ChecksumError, InputError, ShardcacheError
 from shards.units import human_bytes, parse_size
 
@@ -63,8 +67,14 @@ log = logging.getLogger("shardcache.cache")
 
 _SUFFIX = re.compile(r"^\.[a-z0-9]{1,8}$")
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_DISK_FULL_FALLBACK = "disk-full"
 _NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP)
 _OK, _MISSING, _BAD, _CORRUPT = "ok", "missing", "bad", "corrupt"
+NEXT_USE, LRU = "next-use", "lru"
+EVICTION_RULES = (NEXT_USE, LRU)
+# Two 128 MiB shards, or one past the next of ImageNet-size tar shards: enough to keep a link busy across a shard
+# boundary, small beside any limit a dataset bigger than the disk is given (docs/caching.md, "Prefetch by plan").
+DEFAULT_PREFETCH_BYTES = 256 << 20
 
 
 class CacheFullError(ShardcacheError, OSError):
@@ -80,15 +90,23 @@ class CacheFullError(ShardcacheError, OSError):
 class ShardCache:
     """The node-local shard cache a caller asks for (``open_dataset(remote=Remote(shard_cache=...))``): the folder
     (None: no cache; the CLIs default it to ``$SHARDCACHE_CACHE_DIR``), at most ``limit`` bytes (or ``"200G"``),
-    whether a full disk falls back to reading the source (``fallback``) instead of failing the job, and whether local paths
-    are cached (``local``; None: only those on a network file system, see ``shards.cache.cached_shards``)."""
+    whether a full disk falls back to reading the source (``fallback``) instead of failing the job, whether local paths
+    are cached (``local``; None: only those on a network file system, see ``shards.cache.cached_shards``), the
+    eviction rule and the prefetch budget (docs/caching.md)."""
 
     dir: str | os.PathLike | None = None
     limit: int | str | None = None
     fallback: bool = False
     local: bool | None = None
+    # Which entry goes when room is needed (``shards.cache.eviction``): "next-use" in the readers' plans, or "lru".
+    eviction: str = NEXT_USE
+    # Bytes a reader fetches ahead of its reads along its plan, beyond the next shard (always fetched ahead).
+    prefetch_bytes: int | str = DEFAULT_PREFETCH_BYTES
 
     def __post_init__(self) -> None:
+        if self.eviction not in EVICTION_RULES:
+            raise InputError(f"ShardCache.eviction={self.eviction!r} is not one of {', '.join(EVICTION_RULES)}")
+        object.__setattr__(self, "prefetch_bytes", parse_size(self.prefetch_bytes, "ShardCache.prefetch_bytes"))
         if self.dir is not None:
             object.__setattr__(self, "dir", os.fspath(self.dir))
             if not self.dir:
@@ -184,10 +202,10 @@ class NodeCache:
         self.settings = settings
         self.stats = stats if stats is not None else CacheStats()
         self.root = Path(settings.dir) / LAYOUT
-        self._index = CacheIndex(self.root, settings.limit, self.stats)
+        self._index = CacheIndex(self.root, settings.limit, self.stats, by_next_use=settings.eviction == NEXT_USE)
         self._warned_full = False
         try:
-            for folder in ("locks", "leases", "reserve"):
+            for folder in ("locks", "leases", "reserve", PLANS):
                 (self.root / folder).mkdir(parents=True, exist_ok=True)
             with locked(self._index.evict_lock):
                 pass
@@ -205,9 +223,10 @@ class NodeCache:
         check_limit(self.settings, largest_shard_bytes, where)
 
     def acquire(self, sha256: str, size: int, suffix: str, fetch: Callable[[BinaryIO], None],
-                source: str) -> Lease | None:
+                source: str, *, spare_only: bool = False) -> Lease | None:
         """A lease on the verified local copy of a shard, fetched first if needed; None: read ``source`` directly
-        (no room, or a full disk with ``fallback``)."""
+        (no room, or a full disk with ``fallback``). ``spare_only``: a prefetch far ahead, cached only in room to
+        spare (``CacheIndex.reserve``), else None without counting a bypass."""
         path = self.entry_path(sha256, suffix)
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise InputError(f"a shard size is a non-negative number of bytes, got {size!r}", path=source)
@@ -231,9 +250,10 @@ class NodeCache:
                                 "place on the node's disk); removed, fetching it again", source, path)
                     self.stats.add(refetches=1)
                 self._remove_entry(path)
-                written = self._fetch(path, sha256, size, fetch, source)
-            if written is None:
-                self.stats.add(bypasses=1)
+                written = self._fetch(path, sha256, size, fetch, source, spare_only)
+            if isinstance(written, str):  # nothing cached: read the source, or (a prefetch) fetch it when read
+                if written != NEEDED_LATER:
+                    self.stats.add(bypasses=1, bypassed_bytes=size)
                 os.close(lease_fd)
                 return None
             self.stats.add(misses=1, fetched_bytes=written, served_bytes=size)
@@ -309,21 +329,24 @@ class NodeCache:
 
     def _hit(self, path: Path, size: int) -> None:
         with contextlib.suppress(OSError):
-            os.utime(stamp_path(path))  # the stamp's mtime is the entry's last use, for LRU eviction
+            os.utime(stamp_path(path))  # the stamp's mtime is the entry's last use (LRU order)
         self.stats.add(hits=1, served_bytes=size)
 
     def _remove_entry(self, path: Path) -> None:
         self._index.remove_entry(path)
 
     # -- fetching ------------------------------------------------------------------------------------------------
-    def _fetch(self, path: Path, sha256: str, size: int, fetch: Callable[[BinaryIO], None], source: str) -> int | None:
-        """Write the shard under its final name (caller holds its fetch lock); bytes written, or None to bypass."""
+    def _fetch(self, path: Path, sha256: str, size: int, fetch: Callable[[BinaryIO], None], source: str,
+               spare_only: bool = False) -> int | str:
+        """Write the shard under its final name (caller holds its fetch lock); bytes written, or why nothing was
+        (``CacheIndex.reserve``'s answer, or ``_DISK_FULL_FALLBACK``)."""
         limited = self.settings.limit is not None
         try:
-            if limited and not self._index.reserve(sha256, size):
-                log.debug("%s: no room in the node cache (everything else is being read); reading %s directly",
-                          self.root, source)
-                return None
+            if limited:
+                answer = self._index.reserve(sha256, size, spare_only=spare_only)
+                if answer != RESERVED:
+                    log.debug("%s: %s for %s in the node cache", self.root, answer, source)
+                    return answer
             return self._download(path, sha256, size, fetch, source)
         except OSError as exc:
             if isinstance(exc, ShardcacheError) or exc.errno not in _DISK_FULL:
@@ -337,7 +360,7 @@ class NodeCache:
             self._warned_full = True
             log.log(level, "%s: no space left on device; reading shards that do not fit from the source (%s)",
                     self.settings.dir, source)
-            return None
+            return _DISK_FULL_FALLBACK
         finally:
             if limited:
                 self._index.release(sha256)

@@ -1,13 +1,15 @@
-"""The bookkeeping of the node cache's folder (``shards.cache.node``): its layout and flock helpers, the room
-entries take under the limit, least-recently-used eviction, the leftovers of killed processes, and the counters.
+"""The bookkeeping of the node cache's folder (``shards.cache.node``): its layout, the room entries take under the
+limit, eviction (by next use in the readers' plans, ``shards.cache.eviction``), the leftovers of killed processes,
+and the counters.
 
 It is kept apart from fetching and leasing so that every rule deciding what may be deleted, and when, reads in one
 place. All of it runs under ``flock`` on files under ``<dir>/v1``, so it holds across processes and a killed holder
 never wedges the node:
 
 - ``evict.lock`` (exclusive) is held while the bytes in use are summed (finished entries plus the
-  ``reserve/<sha>`` files of fetches in flight) and least-recently-used entries are evicted (by the mtime of their
-  ``.ok`` stamp, touched on every hit) until a new shard fits the limit.
+  ``reserve/<sha>`` files of fetches in flight) and entries are evicted until a new shard fits the limit: those no
+  live reader's plan (``shards.cache.plan_view``) reads again first, then the furthest next use; least recently
+  used (the mtime of their ``.ok`` stamp, touched on every hit) when no reader publishes a plan.
 - An entry is evicted only when its ``leases/<sha>.lease`` can be locked exclusively without waiting, so a shard
   is never deleted under a live reader. When nothing more can be evicted the fetch is refused rather than
   waited for: a DataLoader whose own workers hold the leases would otherwise deadlock.
@@ -21,6 +23,7 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -31,6 +34,9 @@ from typing import Any
 
 from shards.atomic import host_tag
 from shards.bounded_read import read_json_file
+from shards.cache.eviction import REASONS, Entry, choose_victims
+from shards.cache.node_locks import SHA256_PATTERN, locked, unlink
+from shards.cache.plan_view import live_plans, next_uses, remove_dead_plans
 from shards.lock import pid_alive
 from shards.stream.shared_values import SharedValues
 
@@ -39,12 +45,25 @@ log = logging.getLogger("shardcache.cache")
 LAYOUT = "v1"
 STAMP_SUFFIX = ".ok"
 STALE_TMP_S = 3600.0  # a temp file this old is a leftover even when its writer's pid cannot be checked
-STAT_NAMES = ("hits", "misses", "fetched_bytes", "served_bytes", "refetches", "evictions", "bypasses")
-SHA256_PATTERN = re.compile(r"^[0-9a-f]{64}$")
+# ``evictions`` counts all of them, ``evictions_<reason>`` by reason (``shards.cache.eviction``); ``bypassed_bytes``:
+# the size of the shards read from the source for want of room; ``planned_bytes``: the bytes of the distinct cached
+# shards each reader's plan reads in its epoch (docs/caching.md, "Counters").
+STAT_NAMES = ("hits", "misses", "fetched_bytes", "served_bytes", "refetches", "evictions", "bypasses",
+              *(f"evictions_{reason}" for reason in REASONS), "bypassed_bytes", "planned_bytes")
+# What ``CacheIndex.reserve`` answers: room claimed; no room without waiting (read the source); or not now, since
+# the room would cost an entry needed sooner than the incoming shard (a prefetch that waits for its turn).
+RESERVED, NO_ROOM, NEEDED_LATER = "reserved", "no-room", "needed-later"
 ENTRY_PATTERN = re.compile(r"^(?P<sha>[0-9a-f]{64})\.[a-z0-9]{1,8}$")
 # Temp files of a shard and of its stamp: ``<final>.<host>.<pid>.<token>.tmp`` (``shards.atomic.unique_tmp_path``).
 _TMP = re.compile(r"^(?P<sha>[0-9a-f]{64})\.[a-z0-9]{1,8}(\.ok)?\.(?P<host>[A-Za-z0-9-]{1,32})\.(?P<pid>\d+)"
                   r"\.[0-9a-f]{8}\.tmp$")
+
+
+def ideal_fetch_bytes(planned_bytes: int, limit: int | None, nodes: int = 1) -> int:
+    """The bytes an epoch must fetch whatever the eviction rule, from a cache that starts the epoch holding the best
+    it can: the bytes its readers planned (``planned_bytes``) that do not fit in ``nodes`` caches of ``limit``
+    bytes (docs/caching.md, "Counters"). A cold cache's first epoch fetches all it reads on top of that."""
+    return 0 if limit is None else max(0, planned_bytes - limit * nodes)
 
 
 class CacheStats(SharedValues):
@@ -78,39 +97,8 @@ class CacheStats(SharedValues):
             self._array[:] = [0] * len(STAT_NAMES)
 
 
-# -- flock and file helpers ---------------------------------------------------------------------------------------
-def open_locked(path: Path, flags: int) -> int | None:
-    """An open descriptor holding ``flock(flags)`` on ``path``; None when ``LOCK_NB`` was given and it is held."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-    try:
-        fcntl.flock(fd, flags)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-@contextlib.contextmanager
-def locked(path: Path, flags: int = fcntl.LOCK_EX) -> Iterator[bool]:
-    """Hold ``flock(flags)`` for the block; yields whether it was taken (False only with ``LOCK_NB``)."""
-    fd = open_locked(path, flags)
-    try:
-        yield fd is not None
-    finally:
-        if fd is not None:
-            os.close(fd)
-
-
 def stamp_path(path: Path) -> Path:
     return path.with_name(path.name + STAMP_SUFFIX)
-
-
-def unlink(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
 
 
 class CacheIndex:
@@ -119,8 +107,9 @@ class CacheIndex:
     ``verified`` records the copies this process has checked against their stamps, path -> (size, mtime_ns, inode)
     at that check; every removal goes through ``remove_entry`` so a removed copy is never taken as checked."""
 
-    def __init__(self, root: Path, limit: int | None, stats: CacheStats):
+    def __init__(self, root: Path, limit: int | None, stats: CacheStats, by_next_use: bool = True):
         self.root, self.limit, self.stats = root, limit, stats
+        self.by_next_use = by_next_use  # False: least recently used, whatever the readers' plans say
         self.verified: dict[str, tuple[int, int, int]] = {}
 
     # -- paths ---------------------------------------------------------------------------------------------------
@@ -146,37 +135,59 @@ class CacheIndex:
         unlink(path)
 
     # -- room ----------------------------------------------------------------------------------------------------
-    def reserve(self, sha256: str, size: int) -> bool:
-        """Make room for ``size`` more bytes and claim it; False when it cannot be made without waiting."""
+    def reserve(self, sha256: str, size: int, *, spare_only: bool = False) -> str:
+        """Make room for ``size`` more bytes and claim it: ``RESERVED``, ``NO_ROOM`` when it cannot be made without
+        waiting, ``NEEDED_LATER`` when the shard is not read now and its room would cost a shard needed sooner.
+        ``spare_only`` (a prefetch beyond a reader's next shard): only free room and shards no live plan reads
+        again may be used (docs/caching.md, "Prefetch by plan")."""
         limit = self.limit
         assert limit is not None
         if size > limit:
-            return False
+            return NO_ROOM
         with locked(self.evict_lock):
-            entries, used = self._entries(), self.scan_reservations()[0]
-            used += sum(entry_size for _, entry_size, _ in entries)
-            for _, entry_size, entry in sorted(entries):
-                if used + size <= limit:
-                    break
-                if self._evict(entry):
-                    used -= entry_size
+            entries = self._entries()
+            used = self.scan_reservations({entry.key for entry in entries})[0] + sum(entry.size for entry in entries)
+            horizon: float | None = None
             if used + size > limit:
-                return False
+                uses = next_uses(live_plans(self.root)) if self.by_next_use else None
+                # The incoming shard's own next use: nothing needed no later than it is evicted for it.
+                horizon = math.inf if spare_only else uses.get(sha256) if uses is not None else None
+                if uses is not None or not spare_only:
+                    used -= self._make_room(entries, uses, used + size - limit, horizon)
+            if used + size > limit:
+                return NEEDED_LATER if horizon else NO_ROOM
             record = {"size": size, "host": host_tag(), "pid": os.getpid()}
             (self.root / "reserve" / sha256).write_text(json.dumps(record), encoding="utf-8")
-        return True
+        return RESERVED
+
+    def _make_room(self, entries: list[Entry], uses: dict[str, int] | None, needed: int,
+                   horizon: float | None) -> int:
+        """Evict ``choose_victims``'s choice until ``needed`` bytes are free or nothing is left to evict; a leased
+        victim is passed over (the choice is made again without it). The bytes freed."""
+        freed, candidates = 0, entries
+        while freed < needed:
+            victims = choose_victims(candidates, uses, needed - freed, horizon)
+            if not victims:
+                break
+            for entry, reason in victims:
+                if self._evict(entry, reason):
+                    freed += entry.size
+            tried = {entry.path for entry, _ in victims}
+            candidates = [entry for entry in candidates if entry.path not in tried]
+        return freed
 
     def release(self, sha256: str) -> None:
         """Drop the reservation of a fetch that has finished, failed or bypassed (caller holds its fetch lock)."""
         with locked(self.evict_lock):
             unlink(self.root / "reserve" / sha256)
 
-    def _entries(self) -> list[tuple[float, int, Path]]:
-        """(last use, size, path) of every copy under its final name; a copy without a stamp sorts first."""
+    def _entries(self) -> list[Entry]:
+        """Every copy under its final name, with its size and last use (a copy without a stamp: 0, the oldest)."""
         entries = []
         for folder in self.entry_dirs():
             for entry in os.scandir(folder.path):
-                if not ENTRY_PATTERN.match(entry.name):
+                match = ENTRY_PATTERN.match(entry.name)
+                if not match:
                     continue
                 with contextlib.suppress(FileNotFoundError):
                     size = entry.stat().st_size
@@ -184,15 +195,16 @@ class CacheIndex:
                         last_use = os.stat(entry.path + STAMP_SUFFIX).st_mtime
                     except FileNotFoundError:
                         last_use = 0.0
-                    entries.append((last_use, size, Path(entry.path)))
+                    entries.append(Entry(match["sha"], size, last_use, Path(entry.path)))
         return entries
 
-    def scan_reservations(self) -> tuple[int, int]:
+    def scan_reservations(self, placed: frozenset[str] | set[str] = frozenset()) -> tuple[int, int]:
         """Bytes claimed by fetches in flight, and how many reservations were left over (caller holds
-        ``evict.lock``). A reservation whose fetch lock is free belongs to a killed process and is removed."""
+        ``evict.lock``). A reservation whose fetch lock is free belongs to a killed process and is removed; one whose
+        copy is already ``placed`` under its final name (released a moment later) is counted with the entry only."""
         total = removed = 0
         for entry in os.scandir(self.root / "reserve"):
-            if not SHA256_PATTERN.match(entry.name):
+            if not SHA256_PATTERN.match(entry.name) or entry.name in placed:
                 continue
             with locked(self.key_lock(entry.name), fcntl.LOCK_EX | fcntl.LOCK_NB) as taken:
                 if taken:
@@ -208,15 +220,14 @@ class CacheIndex:
                 continue
         return total, removed
 
-    def _evict(self, path: Path) -> bool:
-        match = ENTRY_PATTERN.match(path.name)
-        assert match is not None
-        with locked(self.lease_file(match["sha"]), fcntl.LOCK_EX | fcntl.LOCK_NB) as unleased:
+    def _evict(self, entry: Entry, reason: str) -> bool:
+        assert entry.path is not None
+        with locked(self.lease_file(entry.key), fcntl.LOCK_EX | fcntl.LOCK_NB) as unleased:
             if not unleased:
                 return False
-            self.remove_entry(path)
-        self.stats.add(evictions=1)
-        log.debug("%s: evicted (least recently used)", path)
+            self.remove_entry(entry.path)
+        self.stats.add(evictions=1, **{f"evictions_{reason}": 1})
+        log.debug("%s: evicted (%s)", entry.path, reason)
         return True
 
     # -- leftovers -----------------------------------------------------------------------------------------------
@@ -244,7 +255,8 @@ class CacheIndex:
                         removed["temp_files"] += 1
         with locked(self.evict_lock):
             removed["reservations"] = self.scan_reservations()[1]
-        if any(removed.values()):
-            log.info("%s: removed %d temp file(s) and %d reservation(s) left by killed processes", self.root,
-                     removed["temp_files"], removed["reservations"])
+        plans = remove_dead_plans(self.root)  # counted apart: a plan is a reader's, not a fetch's leftover
+        if any(removed.values()) or plans:
+            log.info("%s: removed %d temp file(s), %d reservation(s) and %d plan(s) left by killed processes",
+                     self.root, removed["temp_files"], removed["reservations"], plans)
         return removed

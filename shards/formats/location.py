@@ -5,9 +5,10 @@ location. ``locate`` is the one place that looks at the scheme; it returns one o
 
 - ``LocalFile``: a file or folder on this machine (the node cache's copy of any shard is one: its lease's path);
 - ``S3Object``: ``s3://bucket/key``, read by ranged GETs, retried and resumed (``shards.formats.s3_ranges``), a
-  slice of a tar by its byte index in one GET (``shards.formats.s3shards``);
-- ``HttpUrl``: ``http(s)://``, read as one stream, every redirect held to the allowed origins
-  (``shards.formats.remote``);
+  slice of a tar by its byte index (``shards.formats.s3shards``), long reads in parallel parts and the coming
+  slices read ahead (``shards.formats.s3_parallel``);
+- ``HttpUrl``: ``http(s)://``, a slice read as one stream, a whole object in parallel parts where the server
+  answers ranges, every redirect held to the allowed origins (``shards.formats.remote``);
 - ``PipeCommand``: ``pipe:CMD``, a command the caller gave whose stdout is the shard (never from a manifest).
 
 Each knows how to read a slice of an image shard (``read_slice``, with resync, the byte index and the sha256
@@ -25,7 +26,6 @@ them into DataLoader workers.
 from __future__ import annotations
 
 import hashlib
-import io
 import itertools
 import os
 import tempfile
@@ -47,6 +47,7 @@ class Location:
     addressable = True  # the same bytes can be fetched again by name, so a node-local copy can stand for them
     uses_storage_options = False  # reached with the caller's S3 options
     publishable = False  # a writer may publish a finished output here (staged locally, then uploaded)
+    reads_ahead = False  # ``read_ahead`` can start a later ``read_slice``'s bytes early
 
     def __init__(self, text: str, *, storage_options: Any = None, origins: Iterable[str] = ()):
         self.text = text
@@ -118,6 +119,12 @@ class Location:
         recorded, a sidecar gone, or a stream that could not use one)."""
         return None
 
+    def read_ahead(self, storage: Any, start: int, stop: int, *, offsets: Any = None) -> bool:
+        """Start fetching now the bytes a later ``read_slice`` of the same samples will read, where this kind reads
+        by byte range (``shards.formats.parallel_parts``: the reader takes them instead of fetching again). False
+        when the read-ahead budget has no room for them (ask again later); True when started, or nothing to do."""
+        return True
+
     def fetch_checked(self, size: int, sha256: str | None) -> bytes:
         """The whole object in one streaming read, its size and sha256 checked against the manifest on the way
         (reading stops once it is longer than ``size``); a mismatch is a ``ChecksumError`` naming it."""
@@ -129,9 +136,14 @@ class Location:
         """``fetch_checked`` without keeping the bytes: memory stays one chunk whatever the object's size."""
         self._read_checked(size, sha256, None)
 
+    def open_sized(self, size: int) -> ContextManager[BinaryIO]:
+        """The whole object, which the manifest says is ``size`` bytes (the checks are the caller's; a kind that
+        reads by range may fetch every part at once, and stop at ``size``)."""
+        return self.open()
+
     def _read_checked(self, size: int, sha256: str | None, keep: Any) -> None:
         digest, total = hashlib.sha256(), 0
-        with self.open() as stream:
+        with self.open_sized(size) as stream:
             while total <= size and (data := stream.read(CHUNK)):
                 digest.update(data)
                 if keep is not None:
@@ -237,6 +249,7 @@ class S3Object(Location):
 
     uses_storage_options = True
     publishable = True
+    reads_ahead = True
 
     def options(self) -> Any:
         from shards.formats.s3 import S3Options
@@ -245,9 +258,22 @@ class S3Object(Location):
 
     @contextmanager
     def open(self) -> Iterator[BinaryIO]:
-        from shards.formats import s3_ranges
+        """The whole object, in parallel ranged parts after its first GET (``shards.formats.s3_parallel``)."""
+        from shards.formats.s3_parallel import open_whole
 
-        stream = io.BufferedReader(s3_ranges.open_range(self.text, 0, None, self.options()), 1 << 20)
+        stream = open_whole(self.text, self.options())
+        try:
+            yield stream
+        finally:
+            stream.close()
+
+    @contextmanager
+    def open_sized(self, size: int) -> Iterator[BinaryIO]:
+        """Every part of the ``size`` bytes requested at once; a response giving another size is a
+        ``ChecksumError``."""
+        from shards.formats.s3_parallel import open_sized
+
+        stream = open_sized(self.text, size, self.options())
         try:
             yield stream
         finally:
@@ -265,6 +291,23 @@ class S3Object(Location):
 
         return load_s3_index(self.text, info, self.options())
 
+    def read_ahead(self, storage: Any, start: int, stop: int, *, offsets: Any = None) -> bool:
+        """A tar slice by its byte index: those bytes in flight now, within ``S3Options.prefetch_bytes``."""
+        from shards.formats.s3_parallel import read_ahead
+
+        span = _indexed_span(storage, start, stop, offsets)
+        return span is None or read_ahead(self.text, *span, self.options())
+
+
+def _indexed_span(storage: Any, start: int, stop: int, offsets: Any) -> tuple[int, int] | None:
+    """The bytes samples ``start:stop`` occupy in a shard of an indexed format, None without an index or samples."""
+    from shards.formats.s3shards import tar_slice_range
+
+    if not storage.indexed or offsets is None:
+        return None
+    first, last = tar_slice_range(offsets, start, stop)
+    return (first, last) if first < last else None
+
 
 class _Stream(Location):
     """A location read only as one stream from its first byte."""
@@ -272,8 +315,12 @@ class _Stream(Location):
     def read_slice(self, storage: Any, start: int, stop: int, *, size: int, offsets: Any = None,
                    sha256: str | None = None, resync: bool = False) -> Iterator[Any]:
         """The stream from byte 0, the samples before ``start`` read and dropped: a stream cannot seek."""
-        with self.open() as stream:
+        with self.open_stream() as stream:
             yield from itertools.islice(storage.read_stream(stream, self.text, resync=resync), start, stop)
+
+    def open_stream(self) -> ContextManager[BinaryIO]:
+        """The object as one sequential stream from its first byte, fetched only as far as it is read."""
+        return self.open()
 
     def check_image_shard(self, storage: Any) -> None:
         if storage.read_stream is None:
@@ -284,14 +331,53 @@ class _Stream(Location):
 
 
 class HttpUrl(_Stream):
-    """``http(s)://``: redirects only to the URL's own origin and the caller's ``origins``."""
+    """``http(s)://``: redirects only to the URL's own origin and the caller's ``origins``. Where the server answers
+    range requests, a tar slice is read by its byte index in parallel parts, like ``s3://``; else as a stream."""
 
-    @contextmanager
-    def open(self) -> Iterator[BinaryIO]:
+    reads_ahead = True
+
+    def load_index(self, info: Any) -> Any:
+        """The byte index, only where the server answers ranges (a stream from byte 0 has no use for it)."""
+        from shards.formats.remote import accepts_ranges, open_url
+        from shards.formats.s3shards import load_index_by
+
+        if getattr(info, "index", None) is None or not accepts_ranges(self.text, self.origins):
+            return None
+        return load_index_by(lambda where: open_url(where, origins=self.origins), self.text, info)
+
+    def read_slice(self, storage: Any, start: int, stop: int, *, size: int, offsets: Any = None,
+                   sha256: str | None = None, resync: bool = False) -> Iterator[Any]:
+        """A tar slice by its byte index (given only where the server answers ranges), else the stream."""
+        if not storage.indexed or offsets is None:
+            return super().read_slice(storage, start, stop, size=size, offsets=offsets, sha256=sha256,
+                                      resync=resync)
+        return self._ranged_slice(start, stop, offsets, resync)
+
+    def _ranged_slice(self, start: int, stop: int, offsets: Any, resync: bool) -> Iterator[Any]:
+        from shards.formats.remote import open_parts
+        from shards.formats.s3shards import iter_tar_range, tar_slice_range
+
+        first, last = tar_slice_range(offsets, start, stop)
+        if first < last:
+            with open_parts(self.text, first, last, self.origins) as stream:
+                yield from iter_tar_range(stream, self.text, start, stop, offsets, resync=resync)
+
+    def read_ahead(self, storage: Any, start: int, stop: int, *, offsets: Any = None) -> bool:
+        from shards.formats.remote import read_ahead
+
+        span = _indexed_span(storage, start, stop, offsets)
+        return span is None or read_ahead(self.text, *span, self.origins)
+
+    def open(self) -> ContextManager[BinaryIO]:
+        """The whole object: in parallel ranged parts where the server answers ranges, else one stream."""
+        from shards.formats.remote import open_whole
+
+        return open_whole(self.text, origins=self.origins)
+
+    def open_stream(self) -> ContextManager[BinaryIO]:
         from shards.formats.remote import open_url
 
-        with open_url(self.text, origins=self.origins) as stream:
-            yield stream
+        return open_url(self.text, origins=self.origins)
 
 
 class PipeCommand(_Stream):

@@ -33,6 +33,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
 from shards.errors import CorruptDataError, InputError, MissingInputError
+from shards.formats.parallel_parts import DEFAULT_CONCURRENCY, DEFAULT_PREFETCH_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,11 @@ class S3PreconditionFailed(CorruptDataError):
 class S3Options:
     """How to reach object storage. ``endpoint_url=None`` lets botocore's chain decide (``AWS_ENDPOINT_URL``,
     ``endpoint_url`` in ``~/.aws/config``, else AWS); ``profile`` picks a profile of ``~/.aws/config``;
-    ``unsigned=True`` sends anonymous requests (public buckets). Credentials are never options: they come from the
-    AWS chain (environment, ``~/.aws/credentials``, the profile, instance roles)."""
+    ``unsigned=True`` sends anonymous requests (public buckets). ``max_concurrency``: requests in flight per
+    process for the parts of long reads (``shards.formats.parallel_parts``); ``prefetch_bytes``: how many bytes of
+    the coming covering reads a reader may have in flight ahead of the one it reads (0: none). Credentials are
+    never options: they come from the AWS chain (environment, ``~/.aws/credentials``, the profile, instance
+    roles)."""
 
     endpoint_url: str | None = None
     profile: str | None = None
@@ -73,6 +77,8 @@ class S3Options:
     max_attempts: int = 8
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 60.0
+    max_concurrency: int = DEFAULT_CONCURRENCY
+    prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
 
     def __post_init__(self) -> None:
         for name in ("endpoint_url", "profile", "region"):
@@ -85,6 +91,12 @@ class S3Options:
             raise InputError(f"S3Options.unsigned={self.unsigned!r} must be True or False")
         if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or self.max_attempts < 1:
             raise InputError(f"S3Options.max_attempts={self.max_attempts!r} must be an integer >= 1")
+        if isinstance(self.max_concurrency, bool) or not isinstance(self.max_concurrency, int) or not (
+                1 <= self.max_concurrency <= 64):
+            raise InputError(f"S3Options.max_concurrency={self.max_concurrency!r} must be an integer from 1 to 64")
+        if isinstance(self.prefetch_bytes, bool) or not isinstance(self.prefetch_bytes, int) or self.prefetch_bytes < 0:
+            raise InputError(f"S3Options.prefetch_bytes={self.prefetch_bytes!r} must be an integer >= 0 (0: no "
+                             "read-ahead)")
         for name in ("connect_timeout_s", "read_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -169,7 +181,7 @@ def make_client(options: S3Options | None = None) -> Any:
                 signature_version=botocore.UNSIGNED if options.unsigned else None,
                 connect_timeout=options.connect_timeout_s, read_timeout=options.read_timeout_s,
                 retries={"total_max_attempts": 1, "mode": "standard"},  # this module retries, resuming bodies
-                max_pool_connections=MAX_POOL_CONNECTIONS)
+                max_pool_connections=max(MAX_POOL_CONNECTIONS, options.max_concurrency))
             try:
                 session = _sessions.get((options.profile, options.region))
                 if session is None:
@@ -202,6 +214,7 @@ class FetchStats:
         self._bytes: Any = None
         self._requests: Any = None
         self._local = [0, 0]
+        self._lock = threading.Lock()  # the parts of a parallel read count from several threads
 
     def share(self) -> None:
         import multiprocessing
@@ -211,8 +224,9 @@ class FetchStats:
 
     def add(self, nbytes: int = 0, requests: int = 0) -> None:
         if self._bytes is None:
-            self._local[0] += nbytes
-            self._local[1] += requests
+            with self._lock:
+                self._local[0] += nbytes
+                self._local[1] += requests
             return
         if nbytes:
             with self._bytes.get_lock():
@@ -237,6 +251,8 @@ class FetchStats:
 
 
 FETCH_STATS = FetchStats()
+# A part thread of the parent may hold the lock at the moment of a fork: the child starts with a free one.
+os.register_at_fork(after_in_child=lambda: setattr(FETCH_STATS, "_lock", threading.Lock()))
 
 
 def share_stats() -> None:

@@ -34,10 +34,12 @@ class RangeReader(io.RawIOBase):
 
     ``read(n)`` returns ``n`` bytes unless the range ends first. A failed request or a body that breaks is retried
     from the current byte (see the module docstring); ``where`` names the shard in errors when the URL alone does
-    not. An object shorter than ``stop`` is a ``CorruptDataError``.
+    not. An object shorter than ``stop`` is a ``CorruptDataError``. ``chunk``: bytes per GET (default
+    ``RANGE_CHUNK``; the first request of a parallel whole-object read asks for less).
     """
 
-    def __init__(self, url: str, start: int = 0, stop: int | None = None, options: S3Options | None = None):
+    def __init__(self, url: str, start: int = 0, stop: int | None = None, options: S3Options | None = None, *,
+                 chunk: int | None = None):
         super().__init__()
         self.url = url
         self.bucket, self.key = s3.parse_s3_url(url)
@@ -48,6 +50,7 @@ class RangeReader(io.RawIOBase):
         self.size: int | None = None  # the object's size, once a response said it
         self._body: Any = None
         self._body_stop = start  # the body in flight covers [position, _body_stop)
+        self._chunk = chunk
         self._retryable = s3.retryable_types()
 
     def readable(self) -> bool:
@@ -57,9 +60,10 @@ class RangeReader(io.RawIOBase):
         return self.stop if self.stop is not None else self.size
 
     def _request(self) -> None:
-        """One GET for ``[position, min(end, position + RANGE_CHUNK))``."""
+        """One GET for ``[position, min(end, position + chunk))``."""
         end = self._end()
-        chunk_stop = self.position + s3.RANGE_CHUNK if end is None else min(end, self.position + s3.RANGE_CHUNK)
+        chunk = self._chunk or s3.RANGE_CHUNK
+        chunk_stop = self.position + chunk if end is None else min(end, self.position + chunk)
         s3.FETCH_STATS.add(requests=1)
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=self.key,

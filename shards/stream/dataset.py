@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from shards.cache.cached_shards import CachedShards
+from shards.cache.cached_shards import CachedShards, PlannedShard
 from shards.stream.cursor import Cursor
 from shards.stream.error_tally import ErrorTally, reason_of
 from shards.stream.resume import STREAM, SharedEpochState
@@ -95,6 +95,7 @@ class ShardDataset(IterableDataset):
         self.config = config
         # The node-local shard cache (``shards.cache.cached_shards``), or None: every read goes to the source.
         self.shard_cache = shard_cache
+        self._next_epoch: tuple[int, int, int, int] | None = None  # (epoch, worker, workers, split) after this stream
         if shard_cache is not None and split.shards:
             where = self.locations[0].rsplit("/", 1)[0] if self.locations else config.split
             shard_cache.check_limit(max(s.bytes for s in split.shards), where)
@@ -232,31 +233,53 @@ class ShardDataset(IterableDataset):
         timed = self.time_stages if timed is None else timed
         tally = StageTally(self._stage_times, split_batch) if timed else None
         order = self.worker_order(epoch, worker, num_workers, split_batch=split_batch, left=left)
+        self._next_epoch = (epoch + 1, worker, num_workers, split_batch)  # the node cache plans one epoch ahead
         try:
             yield from self._worker_samples(order, epoch, worker, skip, tally, watch)
         finally:
             if tally is not None:
                 tally.flush()  # the samples since the last full batch, before the loader sees the stream end
             if self.shard_cache is not None:
-                self.shard_cache.drop_prefetched()
+                self.shard_cache.end_stream()
 
     def _planned_slices(self, rows: np.ndarray, policy: ErrorTally) -> Iterator[tuple[str, Any]]:
         """The rows in order, scattered rows of one shard in one read (``plan.CoveringReads``); with a node cache,
-        the next read's shard is fetched while this one is read."""
+        the stream's plan goes to the cache, which fetches shards ahead along it (``_cache_plan``)."""
         reads = CoveringReads(rows, shard_offsets(self.split_info.shard_sizes), self.merge_gap)
+        places = self._cache_plan(reads)
         for i, (piece, keep) in enumerate(reads):
-            if i + 1 < len(reads) and reads.shard(i + 1) != piece.shard:
-                self._prefetch(reads.shard(i + 1))
+            if places is not None and places[i] >= 0:
+                self.shard_cache.reached(int(places[i]))
+            self._read_ahead(reads, i)
             yield from self._guarded_slice(piece, policy, keep)
 
     def merge_gap(self, shard: int) -> int | None:
         """How many unwanted rows one read of ``shard`` may pass over to reach the next wanted ones (None: any)."""
         return None
 
-    def _prefetch(self, shard: int) -> None:
-        location, info = self.locations[shard], self.split_info.shards[shard]
-        if self.shard_cache is not None and info.sha256 and self.shard_cache.cached(location):
-            self.shard_cache.prefetch(location, info.sha256, info.bytes)
+    def _read_ahead(self, reads: CoveringReads, i: int) -> None:
+        """Start the bytes of covering read ``i`` and the next ones early, where the storage can (image shards)."""
+
+    def _cache_plan(self, reads: CoveringReads) -> np.ndarray | None:
+        """Tell the node cache this stream's plan (``CachedShards.plan``, docs/caching.md): its cached shards in read
+        order, one per run of reads of a shard, and the next epoch's (the same worker's order for epoch + 1, a
+        pure function). Per read, its shard's place in the plan (-1: not cached); None without a cache."""
+        cache = self.shard_cache
+        if cache is None:
+            return None
+        known: dict[int, PlannedShard | None] = {}  # shard number -> its plan entry, looked up once
+        this_epoch, places = cache.planned_runs(
+            np.fromiter((reads.shard(i) for i in range(len(reads))), dtype=np.int64, count=len(reads)),
+            self.locations, self.split_info.shards, known)
+        next_epoch: list[str] = []
+        if self._next_epoch is not None and cache.plans_ahead:
+            epoch, worker, num_workers, split_batch = self._next_epoch
+            rows = self.worker_order(epoch, worker, num_workers, split_batch=split_batch).rows
+            shards = np.searchsorted(shard_offsets(self.split_info.shard_sizes), rows, side="right") - 1
+            upcoming, _ = cache.planned_runs(shards, self.locations, self.split_info.shards, known)
+            next_epoch = [shard.sha256 for shard in upcoming]
+        cache.plan(this_epoch, next_epoch)
+        return places
 
     def _cached_copy(self, shard: int) -> Any:
         """A lease on the node-local copy of a shard, or None (no cache, not cached, or no room: read the source)."""

@@ -14,12 +14,13 @@ from typing import Any, Callable, Iterator, Sequence
 from shards.cache.cached_shards import CachedShards
 from shards.errors import CorruptDataError
 from shards.formats.location import LocalFile, Location, locate
+from shards.formats.parallel_parts import drop_read_ahead
 from shards.formats.sample import RawSample, label_problem
 from shards.formats.storage import get_storage
 from shards.image.decode import ImageDecoder
 from shards.manifest import SplitInfo
 from shards.stream.dataset import ShardDataset, StreamConfig
-from shards.stream.plan import ShardSlice
+from shards.stream.plan import CoveringReads, ShardSlice
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ def checked_labels(samples: Iterator[Any], where: str, num_classes: int, *,
 
 
 MERGE_GAP = 32  # unwanted rows a read may pass over (shards.stream.plan.CoveringReads)
+AHEAD_READS = 1024  # covering reads past the current one offered for read-ahead, at most
 
 
 class ImageShardDataset(ShardDataset):
@@ -135,6 +137,38 @@ class ImageShardDataset(ShardDataset):
         return self._where(self.locations[piece.shard]).read_slice(
             self.storage, piece.start, piece.stop, size=info.bytes, offsets=self._index_of(piece.shard),
             sha256=info.sha256 if whole else None, resync=resync)
+
+    def _read_ahead(self, reads: CoveringReads, i: int) -> None:
+        """Before covering read ``i`` is read: it and the reads after it in flight already, as far as the location's
+        read-ahead budget allows (``Location.read_ahead``: tar slices by their byte index on ``s3://`` and ranged
+        ``http(s)``), so the next reads arrive while this one is decoded. Only reads the plan makes, each once: a
+        cursor per plan (a new ``reads`` drops what the last plan left unread), at most ``AHEAD_READS`` past ``i``.
+        Shards read through the node cache are skipped: the cache fetches them whole."""
+        if not self._any_read_ahead():
+            return
+        cursor = self.__dict__.get("_ahead_cursor")
+        if cursor is None or cursor[0] is not reads:
+            drop_read_ahead()
+            cursor = self.__dict__["_ahead_cursor"] = [reads, i]
+        k = max(cursor[1], i)
+        while k < min(len(reads), i + AHEAD_READS):
+            piece, _ = reads[k]
+            if not self._through_cache(piece.shard) and not self._where(self.locations[piece.shard]).read_ahead(
+                    self.storage, piece.start, piece.stop, offsets=self._index_of(piece.shard)):
+                break  # no room in the budget: offered again before a later read
+            k += 1
+        cursor[1] = k
+
+    def _any_read_ahead(self) -> bool:
+        """Whether any shard is read where reads can start early and not through the node cache (asked once)."""
+        if "_reads_ahead_somewhere" not in self.__dict__:
+            self._reads_ahead_somewhere = any(self._where(location).reads_ahead and not self._through_cache(shard)
+                                              for shard, location in enumerate(self.locations))
+        return self._reads_ahead_somewhere
+
+    def _through_cache(self, shard: int) -> bool:
+        location, info = self.locations[shard], self.split_info.shards[shard]
+        return self.shard_cache is not None and bool(info.sha256) and self.shard_cache.cached(location)
 
     def _index_of(self, shard: int) -> Any:
         """The byte index of a shard in an indexed format that records one (where a slice starts, and where

@@ -33,7 +33,8 @@ def cached_dataset(tmp_path: Path, *, shuffle: bool):
     return shards.open_dataset(tmp_path / "data", "train", seed=5, return_keys=True, decode=shards.Decode(decoder=raw),
                                sampling=shards.Sampling(shuffle=shuffle),
                                distributed=shards.Distributed(rank=0, world_size=1),
-                               remote=shards.Remote(shard_cache=shards.ShardCache(dir=tmp_path / "cache", local=True)))
+                               remote=shards.Remote(shard_cache=shards.ShardCache(dir=tmp_path / "cache", local=True,
+                                                                                  prefetch_bytes=0)))  # next only
 
 
 def shard_order(dataset) -> list[int]:
@@ -68,7 +69,7 @@ class Observer:
         real_acquire, real_read = NodeCache.acquire, dataset.read_resync
         observer = self
 
-        def acquire(cache, sha256, size, suffix, fetch, source):
+        def acquire(cache, sha256, size, suffix, fetch, source, **options):
             shard = observer.by_location[source]
             thread = threading.current_thread()
             observer.acquire_thread.setdefault(shard, thread.name)
@@ -79,7 +80,7 @@ class Observer:
                 previous = observer.order[place - 1]
                 observer.previous_was_being_read[shard] = observer.first_sample_read[previous].wait(WAIT_S)
             try:
-                return real_acquire(cache, sha256, size, suffix, fetch, source)
+                return real_acquire(cache, sha256, size, suffix, fetch, source, **options)
             finally:
                 observer.acquired[shard].set()
 
