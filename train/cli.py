@@ -154,7 +154,9 @@ def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...],
         storage_options=s3.to_dict() if any(locate(s["path"]).uses_storage_options for s in sources) else None,
         cache_dir=None if cache is None else os.path.abspath(cache.dir),
         cache_limit=None if cache is None else cache.limit,
-        cache_fallback=cache is not None and cache.fallback, cache_local=cache is not None and bool(cache.local))
+        cache_fallback=cache is not None and cache.fallback, cache_local=cache is not None and bool(cache.local),
+        cache_eviction="next-use" if cache is None else cache.eviction,
+        cache_prefetch_bytes=None if cache is None else cache.prefetch_bytes)
     summary = train(cfg, started=started)
     if int(os.environ.get("RANK", "0")) == 0:
         emit_json(summary)

@@ -34,7 +34,8 @@ DEFAULT_LR = {"sgd": 0.1, "adamw": 1e-3}
 # epoch with exactly the samples it had left, see shards.stream.elastic).
 RESUMABLE_CHANGES = frozenset(
     {"epochs", "resume", "overwrite", "quiet", "dry_run", "checkpoint_every", "stop_after_steps", "device",
-     "storage_options", "workers", "cache_dir", "cache_limit", "cache_fallback", "cache_local", "report",
+     "storage_options", "workers", "cache_dir", "cache_limit", "cache_fallback", "cache_local", "cache_eviction",
+     "cache_prefetch_bytes", "report",
      "memory_limit", "record_keys", "exclude_keys", "stall_timeout"}
 )
 
@@ -96,6 +97,8 @@ class TrainConfig:
     cache_dir: str | None = None
     cache_limit: int | None = None
     cache_fallback: bool = False
+    cache_eviction: str = "next-use"
+    cache_prefetch_bytes: int | None = None
     cache_local: bool = False
     report: bool = True  # report.html in the run folder (shards.report), redrawn as epochs end (at most every 30 s) and at the end
     # Decoded images kept in memory after the first epoch (shards.cache.images). Part of the run: train views
@@ -200,8 +203,10 @@ class TrainConfig:
         ``shards.cache.node.ShardCache``); with no ``cache_dir``, ``$SHARDCACHE_CACHE_DIR`` or none."""
         from shards.cache.node import ShardCache
 
+        tuned = {} if self.cache_prefetch_bytes is None else {"prefetch_bytes": self.cache_prefetch_bytes}
         return ShardCache(self.cache_dir or None, self.cache_limit if self.cache_dir else None,
-                          fallback=self.cache_fallback, local=True if self.cache_local else None)
+                          fallback=self.cache_fallback, local=True if self.cache_local else None,
+                          eviction=self.cache_eviction, **tuned)
 
     @property
     def resolved_lr(self) -> float:

@@ -27,6 +27,7 @@ from train.distributed import DistContext, setup_distributed, wrap_model
 from train.first_batch import describe, first_batch_record
 from train.epoch import StepContext, TrainState, evaluate, run_train_epoch
 from train.meter import gather_stage_seconds, sum_stage_seconds
+from train.metrics import CONFUSION_IN_METRICS_MAX_CLASSES
 from train.models import build_head, build_image_model, check_image_model
 from train.optim import build_optimizer, build_scheduler
 from train.plot import plot_curves
@@ -41,7 +42,6 @@ from train.regression import RegressionLoss, TargetScale, evaluate_regression
 # Redraw curves.png and report.html after an epoch only when they are this old (see refresh_views).
 VIEW_REFRESH_S = 30.0
 log = logging.getLogger("shardcache.train")
-CONFUSION_IN_METRICS_MAX_CLASSES = 64  # a 1000x1000 matrix per epoch would swamp metrics.jsonl
 
 
 def train(cfg: TrainConfig, *, started: float | None = None) -> dict[str, Any]:

@@ -11,6 +11,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+CONFUSION_IN_METRICS_MAX_CLASSES = 64  # a 1000x1000 matrix per epoch would swamp metrics.jsonl
+
 TOP5_MIN_CLASSES = 6  # top-5 means something only when there are more than 5 classes
 
 

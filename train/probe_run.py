@@ -22,6 +22,7 @@ from train import run_dir as rd
 from train.checkpoint import copy_checkpoint
 from train.config import TrainConfig
 from train.epoch import evaluate
+from train.metrics import CONFUSION_IN_METRICS_MAX_CLASSES
 from train.probe import (HELDOUT_SHARE, LogregFit, check_probe_memory, choose_c, fit_logreg, heldout_split,
                          top1_and_loss)
 from train.regression import manifest_task
@@ -135,8 +136,6 @@ def probe_row(probe: dict[str, Any], val: dict[str, Any], train_loss: float, tra
               seconds: float) -> dict[str, Any]:
     """The fit's ``metrics.jsonl`` row, with an epoch's fields: the time loading features counts as the data wait,
     samples per second are train rows over the load and fit."""
-    from train.loop import CONFUSION_IN_METRICS_MAX_CLASSES  # the loop imports this module as it runs
-
     row = {"epoch": 1, "step": probe["iterations"], "train_loss": train_loss, "train_top1": train_top1,
            "samples_per_s": probe["train_samples"] / max(probe["load_s"] + probe["fit_s"], 1e-9),
            "data_wait_share": probe["load_s"] / seconds, "epoch_time_s": seconds, **val, "probe": probe}

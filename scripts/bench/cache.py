@@ -226,16 +226,22 @@ def _timed_hash(paths: list[Path]) -> float:
     return time.perf_counter() - began
 
 
-def run(args, workdir: Path, server) -> None:
+def packed_on_s3(args, workdir: Path, server) -> tuple[list[Path], Path, str, list[Path], list[Path]]:
+    """The corpus packed into indexed tar shards and uploaded: (images, local folder, its s3:// URL, the local
+    shards, the server's volume files whose page cache a pass drops)."""
     files = bench.build_corpus(workdir / "images", args.images)
     folder = workdir / "tar"
     bench.pack(files, folder, "tar", args.per_shard)
     s3bench.add_index(folder)
     url = s3bench.upload(folder, server.bucket, "bench/tar")
     os.sync()
-    tars = sorted(folder.glob("*.tar"))
-    dataset_bytes = sum(p.stat().st_size for p in tars)
     weed_files = [p for p in (server.log_path.parent / "data").rglob("*") if p.is_file()]
+    return files, folder, url, sorted(folder.glob("*.tar")), weed_files
+
+
+def run(args, workdir: Path, server) -> None:
+    files, folder, url, tars, weed_files = packed_on_s3(args, workdir, server)
+    dataset_bytes = sum(p.stat().st_size for p in tars)
     slow_server, slow_url = throttled_server(folder, args.slow_mb_s * 1e6)
     results: dict[str, dict] = {}
     for round_ in range(args.repeat):  # interleaved rounds; each configuration keeps its best epoch rates
@@ -278,15 +284,8 @@ def over_limit(args, workdir: Path, server) -> None:
     one node sharing one cache folder, ``OVER_LIMIT_EPOCHS`` epochs each of: no cache; a limit of half the split with
     eviction by next use and with LRU; a limit of the whole split. Bytes fetched (``FETCH_STATS``: every GET's body)
     per epoch against the split, and the rate of the epochs after the first against no cache."""
-    files = bench.build_corpus(workdir / "images", args.images)
-    folder = workdir / "tar"
-    bench.pack(files, folder, "tar", args.per_shard)
-    s3bench.add_index(folder)
-    url = s3bench.upload(folder, server.bucket, "bench/tar")
-    os.sync()
-    tars = sorted(folder.glob("*.tar"))
+    files, _, url, tars, weed_files = packed_on_s3(args, workdir, server)
     split = sum(p.stat().st_size for p in tars)
-    weed_files = [p for p in (server.log_path.parent / "data").rglob("*") if p.is_file()]
     configs = {"no_cache": None,
                "next_use": shards.ShardCache(workdir / "cache-next-use", limit=split // 2),
                "lru": shards.ShardCache(workdir / "cache-lru", limit=split // 2, eviction="lru"),

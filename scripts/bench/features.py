@@ -250,7 +250,7 @@ def main() -> None:
             "data_wait_share": runs["fast"]["data_wait_share"],
             "precompute_pil_images_per_s": runs["standard"]["images_per_s"],
             "pil_decode_vs_model": round(runs["standard"]["images_per_s"] / forward, 3),
-            "fast_vs_pil_features": compare_features(workdir / "feat-cpu", workdir / "feat-fast"),
+            "fast_vs_pil_features": compare_features(workdir / "feat-standard", workdir / "feat-fast"),
             "precompute_gpu_decode_images_per_s": runs["device"]["images_per_s"],
             "gpu_decode_vs_model": round(runs["device"]["images_per_s"] / forward, 3),
             "gpu_decode_data_wait_share": runs["device"]["data_wait_share"],

@@ -4,13 +4,14 @@ server reached through a network link model (``tests.s3.link.LinkProxy``) with t
 Passes, 2 workers by default, interleaved rounds, best of ``--repeat`` (``scripts/bench/loader.py``'s corpus,
 packing and timing, imported): I/O-only (samples counted, not decoded) and the fast pipeline, each from the local
 folder and from ``s3://`` through the proxy: the link model off (``nolink``), on with one request in flight per
-worker (``link_seq``: ``max_concurrency=1, prefetch_bytes=0``, the reader before parallel parts) and on with the
+worker (``link_seq``: ``max_concurrency=1, read_ahead_bytes=0``, the reader before parallel parts) and on with the
 defaults (``link``: parallel parts and read-ahead along the plan). The link model: ``--latency-ms`` (default 20)
 added to every request, each connection capped at ``--rate-mb`` MB/s (default 60). Page caches of the local shards
 and of the server's volume files are dropped before every pass. Also: whole-object fetches (``fetch_checked`` of
 every shard object, what feature shards and the node cache do) over the link vs without, sequential vs parallel,
 and the same for ``--large-objects`` objects of ``--large-mb`` MiB (a feature shard's size; over the link also
-for ``max_concurrency`` 1 to 16: how the default was chosen);
+for ``max_concurrency`` 1 to 16: how the default was chosen); one epoch of the in-process feature loader over
+``--feature-shards`` feature shards of 4 MiB (whole objects, the next ones read ahead) with each link setting;
 the bytes fetched per sample read (counted by ``shards.formats.s3`` across the workers) against the bytes those
 samples occupy in their shards; without ``--quick``, the S3 server's CPU share and the raw GET throughput of the
 two S3 clients tried (boto3/botocore and obstore, when installed).
@@ -144,6 +145,8 @@ def main() -> None:
     parser.add_argument("--rate-mb", type=float, default=60.0, help="the link model: MB/s per connection")
     parser.add_argument("--large-objects", type=int, default=4, help="whole-object fetches of this many objects...")
     parser.add_argument("--large-mb", type=int, default=32, help="...of this many MiB (a feature shard's size)")
+    parser.add_argument("--feature-shards", type=int, default=16, help="feature shards of 4 MiB each (the "
+                        "feature loader's epoch over the link)")
     parser.add_argument("--quick", action="store_true", help="600 images, 1 round unless --repeat, no CPU shares "
                         "or raw GETs")
     parser.add_argument("--quiet", action="store_true")
@@ -237,6 +240,31 @@ def whole_object_rates(server, shard_sizes: dict[str, int], link: LinkProxy, set
     return whole, whole_large, sweep
 
 
+def feature_rates(server, link: LinkProxy, settings: dict, args, workdir: Path) -> dict[str, float]:
+    """MB/s of one epoch of the in-process feature loader (``cache="none"``) over ``--feature-shards`` feature
+    shards of 1,000 rows of 2,048 float16 values (4 MiB: ImageNet-size resnet50 features) per link setting: what
+    ``train-from-shards`` on cached features reads (whole objects, the next ones read ahead while one loads)."""
+    from tests.train.conftest import write_feature_folder
+
+    folder = write_feature_folder(workdir / "features", shard_sizes={"train": [1000] * args.feature_shards},
+                                  classes=[f"c{i}" for i in range(10)], dim=2048)
+    url = upload(folder, server.bucket, "bench/features")
+    total = sum(p.stat().st_size for p in folder.glob("*.pt"))
+
+    def epoch(name: str) -> float:
+        link.set_link(*settings[name]["link"])
+        bench.drop_cache([p for p in (server.log_path.parent / "data").rglob("*") if p.is_file()])
+        began = time.perf_counter()
+        dataset = shards.open_dataset(url, "train", seed=0, cache="none",
+                                      remote=shards.Remote(storage_options=settings[name]["options"]),
+                                      distributed=shards.Distributed(rank=0, world_size=1))
+        rows = sum(len(labels) for _, labels in shards.make_loader(dataset, batch_size=4096))
+        assert rows == 1000 * args.feature_shards
+        return total / (time.perf_counter() - began) / 1e6
+
+    return {name: max(epoch(name) for _ in range(args.repeat)) for name in settings}
+
+
 def run(args, workdir: Path, server) -> None:
     files = bench.build_corpus(workdir / "images", args.images)
     folder = workdir / "tar"
@@ -250,7 +278,7 @@ def run(args, workdir: Path, server) -> None:
     with LinkProxy(server.endpoint_url) as link:
         endpoint = {"endpoint_url": link.endpoint_url}
         settings = {"nolink": {"link": (0.0, 0.0), "options": endpoint},
-                    "link_seq": {"link": model, "options": {**endpoint, "max_concurrency": 1, "prefetch_bytes": 0}},
+                    "link_seq": {"link": model, "options": {**endpoint, "max_concurrency": 1, "read_ahead_bytes": 0}},
                     "link": {"link": model, "options": endpoint}}
 
         def through(name: str, make):
@@ -268,6 +296,7 @@ def run(args, workdir: Path, server) -> None:
         rates = bench.best_of_rounds(passes, len(files), args.repeat)
         sizes = {f"{url}/{p.name}": p.stat().st_size for p in tars}
         whole, whole_large, sweep = whole_object_rates(server, sizes, link, settings, args)
+        features = feature_rates(server, link, settings, args, workdir)
         link.set_link(*model)
         fetched = fetched_per_sample(url, folder, args, len(files), settings["link"]["options"])
         link.set_link(0.0, 0.0)
@@ -282,6 +311,8 @@ def run(args, workdir: Path, server) -> None:
               "whole_objects_link_seq_vs_nolink": whole["link_seq"] / whole["nolink"],
               "large_objects_link_vs_nolink": whole_large["link"] / whole_large["nolink"],
               "large_objects_link_seq_vs_nolink": whole_large["link_seq"] / whole_large["nolink"],
+              "features_link_vs_nolink": features["link"] / features["nolink"],
+              "features_link_seq_vs_nolink": features["link_seq"] / features["nolink"],
               "io_link_vs_local": rates["io_link"] / rates["io_local"],
               "fast_link_vs_local": rates["fast_link"] / rates["fast_local"]}
     skipped = []
@@ -302,6 +333,10 @@ def run(args, workdir: Path, server) -> None:
         log.info("whole shard objects %-9s %8.1f MB/s", name, rate)
     for name, rate in whole_large.items():
         log.info("whole %d MiB objects %-9s %8.1f MB/s", args.large_mb, name, rate)
+    for name, rate in features.items():
+        log.info("feature loader epoch %-9s %8.1f MB/s", name, rate)
+    log.info("feature shards over the link: %.2fx of no link (goal >= 0.8; one request in flight: %.2fx)",
+             ratios["features_link_vs_nolink"], ratios["features_link_seq_vs_nolink"])
     log.info("whole %d MiB objects over the link by max_concurrency: %s", args.large_mb,
              ", ".join(f"{n}: {rate:.1f} MB/s" for n, rate in sweep.items()))
     log.info("link model %.0f ms/request, %.0f MB/s per connection: link/no link I/O-only %.2fx (goal >= 0.8; "
@@ -317,6 +352,7 @@ def run(args, workdir: Path, server) -> None:
                       "whole_objects_mb_per_s": {k: round(v, 1) for k, v in whole.items()},
                       "large_objects_mb_per_s": {k: round(v, 1) for k, v in whole_large.items()},
                       "large_objects_mb": args.large_mb,
+                      "feature_loader_mb_per_s": {k: round(v, 1) for k, v in features.items()},
                       "large_objects_link_mb_per_s_by_max_concurrency": {n: round(v, 1) for n, v in sweep.items()},
                       "ratios": {k: round(v, 3) for k, v in ratios.items()},
                       "fetched": {k: round(v, 4) if isinstance(v, float) else v for k, v in fetched.items()},

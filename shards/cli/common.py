@@ -157,7 +157,8 @@ def emit_json(result: Any) -> None:
 
 
 def s3_options(func: Callable) -> Callable:
-    """``--s3-endpoint-url``, ``--s3-profile``, ``--s3-unsigned``: how to reach ``s3://`` locations, passed on as
+    """``--s3-endpoint-url``, ``--s3-profile``, ``--s3-unsigned``, ``--s3-max-concurrency``, ``--s3-read-ahead``:
+    how to reach ``s3://`` locations, passed on as
     ``s3=S3Options(...)``. Unset options fall back to botocore's chain (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``,
     ``~/.aws/config``); credentials are never options (environment, ``~/.aws/credentials`` or the profile)."""
 
@@ -165,11 +166,18 @@ def s3_options(func: Callable) -> Callable:
                   help="S3-compatible endpoint (MinIO, Ceph, R2, SeaweedFS). Default: $AWS_ENDPOINT_URL or AWS.")
     @click.option("--s3-profile", default=None, help="Profile of ~/.aws/config. Default: $AWS_PROFILE or default.")
     @click.option("--s3-unsigned", is_flag=True, help="Anonymous requests, for public buckets.")
+    @click.option("--s3-max-concurrency", type=click.IntRange(1, 64), default=None,
+                  help="Ranged requests in flight per process for long reads (parallel parts). Default: 8.")
+    @click.option("--s3-read-ahead", type=ByteSize(), default=None,
+                  help="Bytes of a reader's coming reads fetched ahead of the one it reads (0: none). Default: 64M.")
     @functools.wraps(func)
-    def wrapper(*args, s3_endpoint_url: str | None, s3_profile: str | None, s3_unsigned: bool, **kwargs):
+    def wrapper(*args, s3_endpoint_url: str | None, s3_profile: str | None, s3_unsigned: bool,
+                s3_max_concurrency: int | None, s3_read_ahead: int | None, **kwargs):
         from shards.formats.s3 import S3Options
 
-        options = S3Options(endpoint_url=s3_endpoint_url, profile=s3_profile, unsigned=s3_unsigned)
+        tuned = {name: value for name, value in (("max_concurrency", s3_max_concurrency),
+                                                 ("read_ahead_bytes", s3_read_ahead)) if value is not None}
+        options = S3Options(endpoint_url=s3_endpoint_url, profile=s3_profile, unsigned=s3_unsigned, **tuned)
         return func(*args, s3=options, **kwargs)
 
     return wrapper
@@ -190,7 +198,8 @@ class ByteSize(click.ParamType):
 
 
 def cache_options(func: Callable) -> Callable:
-    """``--cache-dir``, ``--cache-limit``, ``--cache-fallback``, ``--cache-local``: the node-local shard cache
+    """``--cache-dir``, ``--cache-limit``, ``--cache-fallback``, ``--cache-local``, ``--cache-eviction``,
+    ``--cache-prefetch``: the node-local shard cache
     (``shards.cache.node``), passed on as ``cache=ShardCache(...)``. The folder defaults to
     ``$SHARDCACHE_CACHE_DIR``, else no cache (no surprise disk use)."""
 
@@ -199,22 +208,31 @@ def cache_options(func: Callable) -> Callable:
                        "file system, shared by every rank and worker of the node. Default: $SHARDCACHE_CACHE_DIR, "
                        "else none.")
     @click.option("--cache-limit", type=ByteSize(), default=None,
-                  help="Bytes the cache may hold (e.g. 200G); least recently used shards are evicted. "
-                       "Default: no limit.")
+                  help="Bytes the cache may hold (e.g. 200G); the shards the readers' epoch plans need furthest "
+                       "ahead are evicted first. Default: no limit.")
+    @click.option("--cache-eviction", type=click.Choice(["next-use", "lru"]), default="next-use", show_default=True,
+                  help="Which shard goes when the cache is full: the one the plans read again furthest ahead, or "
+                       "the least recently used.")
+    @click.option("--cache-prefetch", type=ByteSize(), default=None,
+                  help="Bytes of shards fetched ahead along the plan beyond the next one (0: the next only). "
+                       "Default: 256M.")
     @click.option("--cache-fallback", is_flag=True,
                   help="When the cache disk is full, read from the source instead of failing.")
     @click.option("--cache-local", is_flag=True,
                   help="Cache local shard paths too (default: only those on a network file system).")
     @functools.wraps(func)
     def wrapper(*args, cache_dir: str | None, cache_limit: int | None, cache_fallback: bool, cache_local: bool,
-                **kwargs):
+                cache_eviction: str, cache_prefetch: int | None, **kwargs):
         from shards.cache.node import ShardCache
 
         folder = cache_dir if cache_dir is not None else os.environ.get("SHARDCACHE_CACHE_DIR") or None
-        if folder is None and (cache_limit is not None or cache_fallback or cache_local):
+        if folder is None and (cache_limit is not None or cache_fallback or cache_local or cache_prefetch is not None
+                               or cache_eviction != "next-use"):
             raise click.BadParameter("give --cache-dir (or set SHARDCACHE_CACHE_DIR)", param_hint="--cache-limit")
+        tuned = {} if cache_prefetch is None else {"prefetch_bytes": cache_prefetch}
         request = None if folder is None else ShardCache(folder, cache_limit, fallback=cache_fallback,
-                                                         local=True if cache_local else None)
+                                                         local=True if cache_local else None,
+                                                         eviction=cache_eviction, **tuned)
         return func(*args, cache=request, **kwargs)
 
     return wrapper

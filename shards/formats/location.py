@@ -125,6 +125,12 @@ class Location:
         when the read-ahead budget has no room for them (ask again later); True when started, or nothing to do."""
         return True
 
+    def read_ahead_object(self, size: int) -> bool:
+        """Start fetching now the whole object (``size`` bytes, as the manifest says) that a later ``fetch_checked``
+        will read, where this kind reads by byte range; False when the read-ahead budget has no room (ask again
+        later); True when started, or nothing to do."""
+        return True
+
     def fetch_checked(self, size: int, sha256: str | None) -> bytes:
         """The whole object in one streaming read, its size and sha256 checked against the manifest on the way
         (reading stops once it is longer than ``size``); a mismatch is a ``ChecksumError`` naming it."""
@@ -292,11 +298,18 @@ class S3Object(Location):
         return load_s3_index(self.text, info, self.options())
 
     def read_ahead(self, storage: Any, start: int, stop: int, *, offsets: Any = None) -> bool:
-        """A tar slice by its byte index: those bytes in flight now, within ``S3Options.prefetch_bytes``."""
+        """A tar slice by its byte index: those bytes in flight now, within ``S3Options.read_ahead_bytes``."""
         from shards.formats.s3_parallel import read_ahead
 
         span = _indexed_span(storage, start, stop, offsets)
         return span is None or read_ahead(self.text, *span, self.options())
+
+
+    def read_ahead_object(self, size: int) -> bool:
+        """The whole object in flight now, within ``S3Options.read_ahead_bytes``, for a later ``fetch_checked``."""
+        from shards.formats.s3_parallel import read_ahead_sized
+
+        return read_ahead_sized(self.text, size, self.options())
 
 
 def _indexed_span(storage: Any, start: int, stop: int, offsets: Any) -> tuple[int, int] | None:

@@ -37,7 +37,7 @@ MIN_PART = 1 << 20  # a shorter range is cut into parts of at least this, so tha
 FIRST_PART = 1 << 20  # a whole object of unknown size: the first request, which also says the size
 MAX_AHEAD = 256  # ranges opened ahead per process, at most (far more than the requests a pool keeps in flight)
 DEFAULT_CONCURRENCY = 8  # requests in flight per process (S3Options.max_concurrency; http(s) always)
-DEFAULT_PREFETCH_BYTES = 64 << 20  # bytes of coming reads in flight ahead (S3Options.prefetch_bytes; http(s))
+DEFAULT_READ_AHEAD_BYTES = 64 << 20  # bytes of coming reads in flight ahead (S3Options.read_ahead_bytes; http(s))
 
 Fetch = Callable[[int, int], bytes]
 

@@ -22,7 +22,7 @@ from typing import Any, BinaryIO, Iterable, Iterator
 from shards.errors import CorruptDataError, ManifestError, MissingInputError
 from shards.formats.locations import check_redirect, url_origin
 from shards.formats import parallel_parts
-from shards.formats.parallel_parts import DEFAULT_CONCURRENCY, DEFAULT_PREFETCH_BYTES, PartStream, pool_for
+from shards.formats.parallel_parts import DEFAULT_CONCURRENCY, DEFAULT_READ_AHEAD_BYTES, PartStream, pool_for
 
 TIMEOUT_S = 60.0
 MAX_REDIRECTS = 5
@@ -177,6 +177,6 @@ def open_parts(location: str, start: int, stop: int, origins: Iterable[str] = ()
 
 def read_ahead(location: str, start: int, stop: int, origins: Iterable[str] = ()) -> bool:
     """Start ``[start, stop)`` of ``location`` now for a later ``open_parts``; False when the default read-ahead
-    budget (``DEFAULT_PREFETCH_BYTES``) has no room."""
+    budget (``DEFAULT_READ_AHEAD_BYTES``) has no room."""
     return parallel_parts.read_ahead(_fetcher(location, origins), location, start, stop, DEFAULT_CONCURRENCY,
-                                     DEFAULT_PREFETCH_BYTES)
+                                     DEFAULT_READ_AHEAD_BYTES)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
 from shards.errors import CorruptDataError, InputError, MissingInputError
-from shards.formats.parallel_parts import DEFAULT_CONCURRENCY, DEFAULT_PREFETCH_BYTES
+from shards.formats.parallel_parts import DEFAULT_CONCURRENCY, DEFAULT_READ_AHEAD_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class S3Options:
     """How to reach object storage. ``endpoint_url=None`` lets botocore's chain decide (``AWS_ENDPOINT_URL``,
     ``endpoint_url`` in ``~/.aws/config``, else AWS); ``profile`` picks a profile of ``~/.aws/config``;
     ``unsigned=True`` sends anonymous requests (public buckets). ``max_concurrency``: requests in flight per
-    process for the parts of long reads (``shards.formats.parallel_parts``); ``prefetch_bytes``: how many bytes of
+    process for the parts of long reads (``shards.formats.parallel_parts``); ``read_ahead_bytes``: how many bytes of
     the coming covering reads a reader may have in flight ahead of the one it reads (0: none). Credentials are
     never options: they come from the AWS chain (environment, ``~/.aws/credentials``, the profile, instance
     roles)."""
@@ -78,7 +78,7 @@ class S3Options:
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 60.0
     max_concurrency: int = DEFAULT_CONCURRENCY
-    prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
+    read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES
 
     def __post_init__(self) -> None:
         for name in ("endpoint_url", "profile", "region"):
@@ -94,8 +94,9 @@ class S3Options:
         if isinstance(self.max_concurrency, bool) or not isinstance(self.max_concurrency, int) or not (
                 1 <= self.max_concurrency <= 64):
             raise InputError(f"S3Options.max_concurrency={self.max_concurrency!r} must be an integer from 1 to 64")
-        if isinstance(self.prefetch_bytes, bool) or not isinstance(self.prefetch_bytes, int) or self.prefetch_bytes < 0:
-            raise InputError(f"S3Options.prefetch_bytes={self.prefetch_bytes!r} must be an integer >= 0 (0: no "
+        ahead = self.read_ahead_bytes
+        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
+            raise InputError(f"S3Options.read_ahead_bytes={self.read_ahead_bytes!r} must be an integer >= 0 (0: no "
                              "read-ahead)")
         for name in ("connect_timeout_s", "read_timeout_s"):
             value = getattr(self, name)

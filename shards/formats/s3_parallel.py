@@ -6,8 +6,9 @@ errors of a single ranged read, and ``FETCH_STATS`` counts every byte and reques
   stream opened ahead for the same range (``read_ahead``) is taken instead of fetching again.
 - ``open_whole``: a whole object of unknown size (feature shards, ``shards verify``, the node cache's fetch, a
   manifest): one first GET of ``FIRST_PART`` bytes says the size, the rest comes in parallel parts.
-- ``open_sized``: a whole object whose size the manifest gives (``fetch_checked``): every part at once.
-- ``read_ahead``: open ``[start, stop)`` now, within ``S3Options.prefetch_bytes``, for a later ``open_parts``.
+- ``open_sized``: a whole object whose size the manifest gives (``fetch_checked``): every part at once, or the
+  stream ``read_ahead_sized`` opened for it.
+- ``read_ahead``: open ``[start, stop)`` now, within ``S3Options.read_ahead_bytes``, for a later ``open_parts``.
 
 Requests in flight per process: ``S3Options.max_concurrency`` (the pool's threads; a DataLoader worker has its own).
 """
@@ -45,9 +46,9 @@ def open_parts(url: str, start: int, stop: int, options: S3Options) -> PartStrea
 
 
 def read_ahead(url: str, start: int, stop: int, options: S3Options) -> bool:
-    """Start fetching ``[start, stop)`` for a later ``open_parts``; False when ``prefetch_bytes`` has no room."""
+    """Start fetching ``[start, stop)`` for a later ``open_parts``; False when ``read_ahead_bytes`` has no room."""
     return parallel_parts.read_ahead(_fetcher(url, options), url, start, stop, options.max_concurrency,
-                                     options.prefetch_bytes)
+                                     options.read_ahead_bytes)
 
 
 def open_whole(url: str, options: S3Options) -> BinaryIO:
@@ -65,8 +66,19 @@ def open_whole(url: str, options: S3Options) -> BinaryIO:
 
 def open_sized(url: str, size: int, options: S3Options) -> BinaryIO:
     """The whole object the manifest says is ``size`` bytes, every part requested at once (no first request to
-    learn the size); a part whose response gives another size is a ``ChecksumError``."""
+    learn the size), or the stream ``read_ahead_sized`` opened for it; a part whose response gives another size is
+    a ``ChecksumError``."""
     if size <= 0:
         return open_whole(url, options)
-    return io.BufferedReader(PartStream(_fetcher(url, options, size), url, 0, size,
-                                        pool_for(options.max_concurrency)), 1 << 20)
+    return io.BufferedReader(parallel_parts.open_range(_fetcher(url, options, size), url, 0, size,
+                                                       options.max_concurrency), 1 << 20)
+
+
+def read_ahead_sized(url: str, size: int, options: S3Options) -> bool:
+    """Start fetching the whole ``size``-byte object for a later ``open_sized`` (the next feature shards of a
+    loader, so consecutive whole objects overlap instead of paying a round trip each); False when
+    ``read_ahead_bytes`` has no room."""
+    if size <= 0:
+        return True
+    return parallel_parts.read_ahead(_fetcher(url, options, size), url, 0, size, options.max_concurrency,
+                                     options.read_ahead_bytes)

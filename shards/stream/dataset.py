@@ -281,12 +281,17 @@ class ShardDataset(IterableDataset):
         cache.plan(this_epoch, next_epoch)
         return places
 
+    def _through_cache(self, shard: int) -> bool:
+        """Whether reads of ``shard`` go through the node cache (then the cache fetches it whole, not the reader)."""
+        location, info = self.locations[shard], self.split_info.shards[shard]
+        return self.shard_cache is not None and bool(info.sha256) and self.shard_cache.cached(location)
+
     def _cached_copy(self, shard: int) -> Any:
         """A lease on the node-local copy of a shard, or None (no cache, not cached, or no room: read the source)."""
-        location, info = self.locations[shard], self.split_info.shards[shard]
-        if self.shard_cache is None or not info.sha256 or not self.shard_cache.cached(location):
+        if not self._through_cache(shard):
             return None
-        return self.shard_cache.lease(location, info.sha256, info.bytes)
+        info = self.split_info.shards[shard]
+        return self.shard_cache.lease(self.locations[shard], info.sha256, info.bytes)
 
     def _worker_samples(self, order: WorkerOrder, epoch: int, worker: int, skip: int,
                         tally: StageTally | None = None, watch: Any = None) -> Iterator[Any]:

@@ -115,7 +115,8 @@ class FeatureBatchLoader(Loader):
             return [table.features[index], values_of(table)[index]] + \
                 ([[table.keys[i] for i in index.tolist()]] if keys else [])
         shard_of = np.searchsorted(self._offsets, index.numpy(), side="right") - 1
-        loaded = {int(shard): self.dataset.shard(int(shard)) for shard in np.unique(shard_of)}
+        wanted = [int(shard) for shard in np.unique(shard_of)]
+        loaded = dict(zip(wanted, self.dataset.shards(wanted)))
         first = next(iter(loaded.values()))
         features = first.features.new_empty((len(index), first.features.shape[1]))
         values = values_of(first).new_empty(len(index))
@@ -131,10 +132,10 @@ class FeatureBatchLoader(Loader):
 
     def _load_table(self) -> FeatureShard:
         if self._table is None:
-            self._table = stack_rows([self.dataset.shard(i) for i in range(len(self.dataset.locations))])
+            self._table = stack_rows(self.dataset.shards(range(len(self.dataset.locations))))
         return self._table
 
     def _labels(self) -> torch.Tensor:
         if self.dataset.cache == "memory" and not self.dataset.config.feature_window:
             return self._load_table().labels
-        return torch.cat([self.dataset.shard(i).labels for i in range(len(self.dataset.locations))])
+        return torch.cat([shard.labels for shard in self.dataset.shards(range(len(self.dataset.locations)))])

@@ -21,11 +21,12 @@ from shards.errors import CorruptDataError, InputError
 from shards.formats.features import FeatureShard, FeatureSpec, check_feature_shard, load_checked, load_feature_shard
 from shards.formats.location import Location, locate
 from shards.manifest import SplitInfo
-from shards.stream.plan import ShardSlice
+from shards.stream.plan import CoveringReads, ShardSlice
 from shards.cache.cached_shards import CachedShards
 
 CACHE_MODES = ("auto", "memory", "none")
 AUTO_CACHE_BYTES = 4 << 30
+AHEAD_SHARDS = 64  # remote feature shards past the one being loaded offered for read-ahead, at most
 
 
 class FeatureRow(NamedTuple):
@@ -56,6 +57,7 @@ class FeatureShardDataset(ShardDataset):
         total_bytes = sum(s.bytes for s in split.shards)
         self.cache = cache if cache != "auto" else ("memory" if total_bytes <= AUTO_CACHE_BYTES else "none")
         self._shards: dict[int, FeatureShard] = {}
+        self._remote_shards = any(not self._where(location).is_local for location in self.locations)
         self._verified: set[int] = set()  # shards whose size, sha256 and content matched features.json
 
     def shard(self, index: int) -> FeatureShard:
@@ -89,6 +91,37 @@ class FeatureShardDataset(ShardDataset):
         if self.cache == "memory" or not where.is_local or lease is not None:  # asked for, or read whole: held
             self._shards[index] = loaded
         return loaded
+
+    def shards(self, indices: Sequence[int]) -> list[FeatureShard]:
+        """``shard(i)`` for each of ``indices``, in order, with the next remote ones already in flight while one is
+        loaded (``_read_ahead_shards``): over a real link a whole feature shard costs a round trip, so fetched one
+        after another they are latency-bound (docs/object-storage.md)."""
+        indices = list(indices)
+        loaded = []
+        for k, index in enumerate(indices):
+            self._read_ahead_shards(indices[k:k + AHEAD_SHARDS])
+            loaded.append(self.shard(index))
+        return loaded
+
+    def _read_ahead(self, reads: CoveringReads, i: int) -> None:
+        """Before covering read ``i``: the whole shards of it and the next reads in flight (a DataLoader worker
+        reading feature shards from a remote store)."""
+        if reads.shard(i) in self._shards or (i > 0 and reads.shard(i - 1) == reads.shard(i)):
+            return  # loaded already, or offered when this shard's first read came
+        ahead = dict.fromkeys(reads.shard(k) for k in range(i, min(len(reads), i + AHEAD_SHARDS)))
+        self._read_ahead_shards(list(ahead))
+
+    def _read_ahead_shards(self, indices: Sequence[int]) -> None:
+        """Start fetching the remote feature shards among ``indices`` not loaded yet, in order, as far as the
+        location's read-ahead budget allows (``Location.read_ahead_object``; the load takes the stream). Shards
+        read through the node cache, and local ones, are left alone."""
+        if not self._remote_shards:
+            return
+        for index in indices:
+            if index in self._shards or self._through_cache(index):
+                continue
+            if not self._where(self.locations[index]).read_ahead_object(self.split_info.shards[index].bytes):
+                break  # no room in the budget: offered again before a later load
 
     def _where(self, location: str) -> Location:
         """The location ``location`` names, reached with the caller's storage options."""

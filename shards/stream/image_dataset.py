@@ -166,10 +166,6 @@ class ImageShardDataset(ShardDataset):
                                               for shard, location in enumerate(self.locations))
         return self._reads_ahead_somewhere
 
-    def _through_cache(self, shard: int) -> bool:
-        location, info = self.locations[shard], self.split_info.shards[shard]
-        return self.shard_cache is not None and bool(info.sha256) and self.shard_cache.cached(location)
-
     def _index_of(self, shard: int) -> Any:
         """The byte index of a shard in an indexed format that records one (where a slice starts, and where
         reading resumes after a damaged sample), else None."""

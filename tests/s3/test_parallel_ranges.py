@@ -135,7 +135,7 @@ def test_a_stream_closed_early_stops_fetching(bucket, small_parts, s3_env):
 def test_read_ahead_is_taken_not_fetched_twice(bucket, small_parts):
     data = payload()
     url = bucket.put("blob", data)
-    options = s3.S3Options(max_concurrency=2, prefetch_bytes=8000)
+    options = s3.S3Options(max_concurrency=2, read_ahead_bytes=8000)
     s3.FETCH_STATS.reset()
     assert read_ahead(url, 0, 4000, options) and read_ahead(url, 4000, 8000, options)
     assert not read_ahead(url, 8000, SIZE, options)  # over the budget: not started
@@ -144,7 +144,7 @@ def test_read_ahead_is_taken_not_fetched_twice(bucket, small_parts):
         assert first.read() + second.read() == data[:8000]
     assert s3.FETCH_STATS.bytes == 8000 and s3.FETCH_STATS.requests == 8
     assert READ_AHEAD.held_bytes() == 0
-    assert not read_ahead(url, 0, 10, s3.S3Options(prefetch_bytes=0))  # 0: no read-ahead at all
+    assert not read_ahead(url, 0, 10, s3.S3Options(read_ahead_bytes=0))  # 0: no read-ahead at all
     # a range read ahead but passed over is dropped when a later one is taken
     assert read_ahead(url, 0, 1000, options) and read_ahead(url, 1000, 2000, options)
     with open_parts(url, 1000, 2000, options) as stream:
@@ -312,3 +312,30 @@ def test_hdf5_fills_its_block_cache_in_parts(bucket, tmp_path, monkeypatch):
     assert samples(url) == expected
     shard_bytes = sum(p.stat().st_size for p in local.glob("train-*.h5"))
     assert s3.FETCH_STATS.requests > shard_bytes // (1 << 20) + 3  # parts, not one GET per fill
+
+
+def test_feature_shards_are_fetched_ahead_each_once(bucket, tmp_path, s3_env):
+    """The in-process feature loader starts the next remote feature shards while it loads one: whole objects
+    overlap (two in flight at once, each shard a single part here), and every byte is fetched once."""
+    from tests.train.conftest import write_feature_folder
+
+    folder = write_feature_folder(tmp_path / "f", shard_sizes={"train": [7, 5, 6, 4, 8]}, classes=["a", "b", "c"])
+    url = bucket.upload(folder, "features")
+
+    def batches(path, **remote):
+        dataset = shards.open_dataset(path, "train", seed=3, cache="none", remote=shards.Remote(**remote),
+                                      distributed=shards.Distributed(rank=0, world_size=1))
+        loader = shards.make_loader(dataset, batch_size=4)
+        return dataset, [(features.tolist(), labels.tolist()) for features, labels in loader]
+
+    dataset, expected = batches(folder)
+    drop_read_ahead()
+    with LinkProxy(s3_env.endpoint_url, latency_s=0.05) as link:
+        s3.FETCH_STATS.reset()
+        _, got = batches(url, storage_options={"endpoint_url": link.endpoint_url, "max_concurrency": 4})
+        assert got == expected
+        assert link.max_in_flight >= 2
+    shard_bytes = sum(info.bytes for info in dataset.split_info.shards)
+    manifest_bytes = (folder / "features.json").stat().st_size
+    assert s3.FETCH_STATS.bytes == shard_bytes + manifest_bytes
+    assert READ_AHEAD.held_bytes() == 0

@@ -20,6 +20,7 @@ from shards.formats.features import load_feature_shard
 from shards.manifest import load_feature_manifest
 from shards.stream.options import Sampling
 from tests.train.conftest import write_feature_folder
+from tests.train.test_cli import assert_one_line_error
 from train.cli import train_command
 from train.probe import fit_logreg, heldout_split
 from train.standardize import feature_scale
@@ -72,12 +73,6 @@ def summary_of(result) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def assert_one_line_error(result, *fragments: str) -> None:
-    assert result.exit_code == 2, result.output
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 def test_feature_scale_is_the_standard_scalers_over_all_shards(overlapping):
