@@ -1,5 +1,6 @@
 """Benchmark: the same tar dataset read from local disk and from a local S3 server (SeaweedFS ``weed mini``), the
-server reached through a network link model (``tests.s3.link.LinkProxy``) with the model off and on.
+server reached through a network link model (``tests.s3.link.LinkProcess``: a proxy in a process of its own) with
+the model off and on.
 
 Passes, 2 workers by default, interleaved rounds, best of ``--repeat`` (``scripts/bench/loader.py``'s corpus,
 packing and timing, imported): I/O-only (samples counted, not decoded) and the fast pipeline, each from the local
@@ -47,7 +48,7 @@ import loader as bench  # noqa: E402  (scripts/bench/loader.py: corpus, packing,
 import shards  # noqa: E402
 from shards.formats import s3, s3_ranges  # noqa: E402
 from shards.progress import setup_logging  # noqa: E402
-from tests.s3.link import LinkProxy  # noqa: E402
+from tests.s3.link import LinkProcess  # noqa: E402
 from tests.s3.server import ACCESS_KEY, SECRET_KEY, start_server  # noqa: E402
 
 log = logging.getLogger("bench.s3")
@@ -211,7 +212,7 @@ def large_objects(bucket: str, count: int, megabytes: int) -> dict[str, int]:
     return objects
 
 
-def whole_objects(urls: list[str], link: LinkProxy, settings: dict, sizes: dict[str, int], drop) -> float:
+def whole_objects(urls: list[str], link: LinkProcess, settings: dict, sizes: dict[str, int], drop) -> float:
     """MB/s of ``fetch_checked`` of every object in turn (a feature shard, the node cache's fetch)."""
     from shards.formats.location import locate
 
@@ -223,7 +224,7 @@ def whole_objects(urls: list[str], link: LinkProxy, settings: dict, sizes: dict[
     return sum(sizes.values()) / (time.perf_counter() - began) / 1e6
 
 
-def whole_object_rates(server, shard_sizes: dict[str, int], link: LinkProxy, settings: dict, args):
+def whole_object_rates(server, shard_sizes: dict[str, int], link: LinkProcess, settings: dict, args):
     """MB/s of whole-object fetches per link setting: the tar shards, and ``--large-objects`` of ``--large-mb``
     MiB (also over the link for each ``max_concurrency`` of ``CONCURRENCY_SWEEP``)."""
     def drop() -> None:  # the server's volume files as they are now (the large objects add some)
@@ -240,7 +241,7 @@ def whole_object_rates(server, shard_sizes: dict[str, int], link: LinkProxy, set
     return whole, whole_large, sweep
 
 
-def feature_rates(server, link: LinkProxy, settings: dict, args, workdir: Path) -> dict[str, float]:
+def feature_rates(server, link: LinkProcess, settings: dict, args, workdir: Path) -> dict[str, float]:
     """MB/s of one epoch of the in-process feature loader (``cache="none"``) over ``--feature-shards`` feature
     shards of 1,000 rows of 2,048 float16 values (4 MiB: ImageNet-size resnet50 features) per link setting: what
     ``train-from-shards`` on cached features reads (whole objects, the next ones read ahead while one loads)."""
@@ -258,7 +259,7 @@ def feature_rates(server, link: LinkProxy, settings: dict, args, workdir: Path) 
         dataset = shards.open_dataset(url, "train", seed=0, cache="none",
                                       remote=shards.Remote(storage_options=settings[name]["options"]),
                                       distributed=shards.Distributed(rank=0, world_size=1))
-        rows = sum(len(labels) for _, labels in shards.make_loader(dataset, batch_size=4096))
+        rows = sum(len(labels) for _, labels in shards.make_loader(dataset, batch_size=4096, drop_last=False))
         assert rows == 1000 * args.feature_shards
         return total / (time.perf_counter() - began) / 1e6
 
@@ -275,7 +276,7 @@ def run(args, workdir: Path, server) -> None:
     tars = sorted(folder.glob("*.tar"))
     weed_files = [p for p in (server.log_path.parent / "data").rglob("*") if p.is_file()]
     model = (args.latency_ms / 1000, args.rate_mb * 1e6)
-    with LinkProxy(server.endpoint_url) as link:
+    with LinkProcess(server.endpoint_url) as link:
         endpoint = {"endpoint_url": link.endpoint_url}
         settings = {"nolink": {"link": (0.0, 0.0), "options": endpoint},
                     "link_seq": {"link": model, "options": {**endpoint, "max_concurrency": 1, "read_ahead_bytes": 0}},

@@ -131,3 +131,48 @@ class LinkProxy:
     def __exit__(self, *exc) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class _SharedModel(LinkProxy):
+    """A ``LinkProxy`` whose model is read, per request and per chunk, from an array another process sets."""
+
+    def __init__(self, upstream: str, model):
+        self._model = model
+        super().__init__(upstream)
+
+    latency_s = property(lambda self: self._model[0], lambda self, value: None)
+    rate = property(lambda self: self._model[1], lambda self, value: None)
+
+
+def _serve_shared(upstream: str, model, ready) -> None:
+    with _SharedModel(upstream, model) as proxy:
+        ready.put(proxy.endpoint_url)
+        threading.Event().wait()  # until the parent terminates this process
+
+
+class LinkProcess:
+    """The same link model in a process of its own (``set_link`` and ``endpoint_url`` as ``LinkProxy``; no request
+    counters). A benchmark uses it so that the proxy's threads take no GIL time from the reader's main process,
+    which consumes the batches: on a store that is another machine, the link costs the reader nothing but time."""
+
+    def __init__(self, upstream: str):
+        import multiprocessing
+
+        context = multiprocessing.get_context("fork")
+        self._model = context.Array("d", 2)
+        ready = context.Queue()
+        self._process = context.Process(target=_serve_shared, args=(upstream, self._model, ready), daemon=True)
+        self._process.start()
+        self.endpoint_url = ready.get(timeout=60)
+        self.pid = self._process.pid
+
+    def set_link(self, latency_s: float, rate: float) -> None:
+        """Switch the model (applies to the requests that start after)."""
+        self._model[0], self._model[1] = latency_s, rate
+
+    def __enter__(self) -> "LinkProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._process.terminate()
+        self._process.join(10)
