@@ -17,7 +17,10 @@ neither hang nor take unbounded memory nor end in a raw ``RecursionError``:
 
 ``parse_json`` and the JSON Lines reader (``shards.jsonlines``) are the one way untrusted JSON text becomes a
 value; ``read_json_file`` and ``read_regular_file`` the one way such a file is read whole, and
-``open_regular_file`` the way one is opened to be streamed (a CSV list).
+``open_regular_file`` the way one is opened to be streamed (a CSV list). The value's shape is then checked with
+``shards.shape``. Third-party parsers (pyarrow, h5py, torch.load, numpy, PIL) run inside ``parser_guard``, which
+turns what they raise on hostile bytes (``MemoryError``, ``RecursionError``, ``OverflowError`` and their own
+exceptions) into one ``ShardcacheError`` naming the file: together these are the one door of docs/trust-model.md.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ from __future__ import annotations
 import json
 import os
 import stat
-from typing import Any, BinaryIO
+from contextlib import contextmanager
+from typing import Any, BinaryIO, Iterator
 
-from shards.errors import InputError, ManifestError, MissingInputError
+from shards.errors import CorruptDataError, InputError, ManifestError, MissingInputError, ShardcacheError
 from shards.units import human_bytes
 
 MAX_JSON_DEPTH = 64
@@ -85,6 +89,8 @@ def parse_json(text: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
         too_deep = text.count("[") + text.count("{") > max_depth and _deeper_than(value, max_depth)
     except json.JSONDecodeError as exc:
         raise JSONError(f"not valid JSON ({exc})", exc.msg) from None
+    except ValueError as exc:  # an integer of more digits than int() converts (4,300)
+        raise JSONError(f"not valid JSON ({exc})".split(";")[0] + ")", "number too long") from None
     except RecursionError:  # deeper than the interpreter's limit, so deeper than ours
         too_deep = True
     if too_deep:
@@ -157,3 +163,35 @@ def read_json_file(path: str | os.PathLike, *, limit: int = MAX_FILE_BYTES) -> A
         return parse_json(data)
     except JSONError as exc:
         raise ManifestError(str(exc), path=str(path)) from None
+
+
+# What a third-party parser may raise on hostile bytes besides its own exception types: resources asked for by a
+# declared size (MemoryError, OverflowError), nesting (RecursionError), and the generic errors parsers let escape
+# (ValueError, TypeError, KeyError, IndexError, EOFError, UnicodeError, OSError, RuntimeError from torch and h5py).
+PARSER_FAILURES: tuple[type[BaseException], ...] = (
+    MemoryError, RecursionError, OverflowError, ValueError, TypeError, KeyError, IndexError, EOFError,
+    UnicodeError, OSError, RuntimeError, AssertionError)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    reason = text[0] if text else ""
+    reason = reason if len(reason) <= 200 else reason[:197] + "..."
+    return f"{type(exc).__name__}: {reason}" if reason else type(exc).__name__
+
+
+@contextmanager
+def parser_guard(where: str, what: str, *, error: type[ShardcacheError] = CorruptDataError,
+                 catch: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+    """Run a third-party parser on untrusted bytes: any failure becomes one ``error`` naming ``where``
+    (``... : cannot read Parquet metadata (OSError: Couldn't deserialize thrift)``).
+
+    A ``ShardcacheError`` raised inside (a shape check) passes through unchanged; ``catch`` adds a parser's own
+    exception types that derive from none of ``PARSER_FAILURES`` (``pyarrow.ArrowException``). What the guard
+    cannot turn into an error is an abort inside C code: such parsers are given only input validated first."""
+    try:
+        yield
+    except ShardcacheError:
+        raise
+    except (PARSER_FAILURES + catch) as exc:
+        raise error(f"{what} ({_first_line(exc)})", path=where) from None
