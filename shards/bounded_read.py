@@ -25,8 +25,11 @@ exceptions) into one ``ShardcacheError`` naming the file: together these are the
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import pickle
+import re
 import stat
 from contextlib import contextmanager
 from typing import Any, BinaryIO, Iterator
@@ -98,13 +101,18 @@ def parse_json(text: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     return value
 
 
-def open_regular_file(path: str | os.PathLike, *, error: type[InputError] = InputError) -> BinaryIO:
+def open_regular_file(path: str | os.PathLike, *, error: type[ShardcacheError] = InputError,
+                      follow_symlinks: bool = True) -> BinaryIO:
     """``path`` opened for reading in binary if it is a regular file; else ``error`` naming it
     (``MissingInputError`` when it does not exist). ``stat`` first, so a FIFO or device is never opened; the open
-    is non-blocking and the descriptor checked again, so one swapped in after the check cannot block either."""
+    is non-blocking and the descriptor checked again, so one swapped in after the check cannot block either.
+    ``follow_symlinks=False`` (a folder other users write, such as the node cache): a symlink is refused, also one
+    swapped in after the check (``O_NOFOLLOW``)."""
     where = str(path)
     try:
-        mode = os.stat(path).st_mode
+        mode = (os.stat if follow_symlinks else os.lstat)(path).st_mode
+        if stat.S_ISLNK(mode):
+            raise error("a symbolic link (not followed here)", path=where)
     except FileNotFoundError:
         raise MissingInputError("no such file", path=where) from None
     except OSError as exc:
@@ -112,8 +120,11 @@ def open_regular_file(path: str | os.PathLike, *, error: type[InputError] = Inpu
     reason = not_regular_reason(mode)
     if reason is None:
         try:
-            handle = os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb")
+            flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+            handle = os.fdopen(os.open(path, flags), "rb")
         except OSError as exc:
+            if exc.errno == errno.ELOOP and not follow_symlinks:
+                raise error("a symbolic link (not followed here)", path=where) from None
             raise error(f"cannot read ({exc.strerror or exc})", path=where) from None
         reason = not_regular_reason(os.fstat(handle.fileno()).st_mode)
         if reason is None:
@@ -123,11 +134,11 @@ def open_regular_file(path: str | os.PathLike, *, error: type[InputError] = Inpu
 
 
 def read_regular_file(path: str | os.PathLike, *, limit: int = MAX_FILE_BYTES,
-                      error: type[InputError] = InputError) -> bytes:
+                      error: type[ShardcacheError] = InputError, follow_symlinks: bool = True) -> bytes:
     """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes (checked on its size before
     reading, and while reading); else ``error`` naming the file (``MissingInputError`` when it does not exist)."""
     where = str(path)
-    with open_regular_file(path, error=error) as handle:
+    with open_regular_file(path, error=error, follow_symlinks=follow_symlinks) as handle:
         size = os.fstat(handle.fileno()).st_size
         if size > limit:
             raise error(f"{human_bytes(size)}: larger than the {human_bytes(limit)} shardcache reads whole",
@@ -155,10 +166,10 @@ def read_capped(stream: BinaryIO, where: str, *, limit: int = MAX_FILE_BYTES,
             raise error(f"more than the {human_bytes(limit)} shardcache reads whole", path=where)
 
 
-def read_json_file(path: str | os.PathLike, *, limit: int = MAX_FILE_BYTES) -> Any:
+def read_json_file(path: str | os.PathLike, *, limit: int = MAX_FILE_BYTES, follow_symlinks: bool = True) -> Any:
     """The JSON value in file ``path`` (a manifest, a run config, a record); every problem is a ``ManifestError``
     naming the file, a missing file a ``MissingInputError``."""
-    data = read_regular_file(path, limit=limit, error=ManifestError)
+    data = read_regular_file(path, limit=limit, error=ManifestError, follow_symlinks=follow_symlinks)
     try:
         return parse_json(data)
     except JSONError as exc:
@@ -170,11 +181,24 @@ def read_json_file(path: str | os.PathLike, *, limit: int = MAX_FILE_BYTES) -> A
 # (ValueError, TypeError, KeyError, IndexError, EOFError, UnicodeError, OSError, RuntimeError from torch and h5py).
 PARSER_FAILURES: tuple[type[BaseException], ...] = (
     MemoryError, RecursionError, OverflowError, ValueError, TypeError, KeyError, IndexError, EOFError,
-    UnicodeError, OSError, RuntimeError, AssertionError)
+    UnicodeError, OSError, RuntimeError, AssertionError, pickle.UnpicklingError)
+
+# torch's weights-only refusal: "Weights only load failed. ... Re-running `torch.load` with `weights_only` set to
+# `False` will likely succeed, but it can result in arbitrary code execution. ... WeightsUnpickler error: <reason>
+# Please use `torch.serialization.add_safe_globals([...])` ...". Only the reason is kept: repeating the advice to
+# load with ``weights_only=False`` would tell a user to run the file's code.
+_REFUSAL = re.compile(r"WeightsUnpickler error:\s*(.*?)\s*(?:Please use|Check the documentation|$)", re.S)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
+    if isinstance(exc, pickle.UnpicklingError):
+        match = _REFUSAL.search(_ANSI.sub("", str(exc)))
+        detail = " ".join(match.group(1).split()).rstrip(".") if match else "not a weights-only file"
+        detail = detail if len(detail) <= 200 else detail[:197] + "..."
+        return (f"torch.load(weights_only=True) refused it: {detail}; shardcache never unpickles Python "
+                "objects")
+    text = _ANSI.sub("", str(exc)).strip().splitlines()
     reason = text[0] if text else ""
     reason = reason if len(reason) <= 200 else reason[:197] + "..."
     return f"{type(exc).__name__}: {reason}" if reason else type(exc).__name__
@@ -195,3 +219,17 @@ def parser_guard(where: str, what: str, *, error: type[ShardcacheError] = Corrup
         raise
     except (PARSER_FAILURES + catch) as exc:
         raise error(f"{what} ({_first_line(exc)})", path=where) from None
+
+
+def load_weights_only(source: str | os.PathLike | BinaryIO, where: str, what: str, *,
+                      error: type[ShardcacheError] = CorruptDataError, mmap: bool = False) -> Any:
+    """``torch.load(source, weights_only=True)`` through the door: a path must be a regular file (checked before
+    torch opens it), and every failure is one ``error`` line naming ``where`` (``what`` says what the file was
+    meant to be); a refused pickle names what it refused, never torch's advice to set ``weights_only=False``.
+    ``mmap`` needs a path (a feature shard mapped rather than read)."""
+    import torch
+
+    if isinstance(source, (str, os.PathLike)):
+        open_regular_file(source, error=error).close()
+    with parser_guard(where, what, error=error):
+        return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)

@@ -20,6 +20,7 @@ is the caller's ``what`` (a dotted field path), so one function serves every rea
 from __future__ import annotations
 
 import math
+import reprlib
 from typing import Any, Mapping
 
 from shards.errors import InputError, ManifestError
@@ -30,8 +31,14 @@ MAX_COUNT = 1 << 53
 MISSING: Any = object()
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 2, 4, 4, 30, 30
+
+
 def _show(value: Any) -> str:
-    text = repr(value)
+    """A short picture of a refused value: bounded in depth and items, so a refused 10-million-item list or a
+    value nested thousands deep costs microseconds, not a recursive repr of all of it."""
+    text = _REPR.repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 

@@ -3,6 +3,12 @@
 A checkpoint holds only tensors and plain containers of numbers and strings: model, optimizer, scheduler and
 scaler state dicts, the loader's position, epoch and step, the epoch's running sums, the metrics history, the
 config, and every RNG state converted to tensors and lists (never pickled objects). Writes are atomic.
+
+A checkpoint handed to ``--resume`` is untrusted input (docs/trust-model.md): it is opened as a regular file only,
+``torch.load`` runs with ``weights_only=True`` inside the one parser guard, and the loader state in it is checked
+field by field (``LoaderState.from_dict``) before anything is restored. A file holding pickled objects is refused in
+one line that names what torch refused, without torch's advice to load it with ``weights_only=False`` (which would
+run the file's code).
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ import numpy as np
 import torch
 
 from shards.atomic import atomic_output
-from shards.errors import CorruptDataError, MissingInputError
+from shards.bounded_read import load_weights_only, open_regular_file
+from shards.errors import CorruptDataError, InputError, MissingInputError
+from shards.stream.resume import LoaderState
 
 CHECKPOINT_VERSION = 1
 
@@ -64,14 +72,20 @@ def copy_checkpoint(source: str | os.PathLike, target: str | os.PathLike) -> Non
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Load with ``weights_only=True``: a checkpoint can never execute code."""
-    path = Path(path)
-    if not path.is_file():
-        raise MissingInputError("no checkpoint", path=str(path))
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises many types for a truncated or foreign file
-        raise CorruptDataError(f"unreadable checkpoint ({type(exc).__name__}: {exc})", path=str(path)) from exc
-    if not isinstance(state, dict) or state.get("checkpoint_version") != CHECKPOINT_VERSION:
-        raise CorruptDataError(f"not a shardcache checkpoint of version {CHECKPOINT_VERSION}", path=str(path))
+    """Load with ``weights_only=True``: a checkpoint can never execute code. The loader state in it is checked
+    here, so a tampered one is an ``InputError`` naming the file and the field before anything is restored."""
+    where = str(path)
+    if not Path(path).exists():
+        raise MissingInputError("no checkpoint", path=where)
+    with open_regular_file(path, error=CorruptDataError) as handle:
+        state = load_weights_only(handle, where, "unreadable checkpoint")
+    version = state.get("checkpoint_version") if isinstance(state, dict) else None
+    if type(version) is not int or version != CHECKPOINT_VERSION:
+        raise CorruptDataError(f"not a shardcache checkpoint of version {CHECKPOINT_VERSION}", path=where)
+    if state.get("loader") is not None:
+        try:
+            LoaderState.from_dict(state["loader"])
+        except InputError as exc:
+            raise InputError(f"{exc.reason} (in the checkpoint's 'loader')", path=where) from None
     return state
+

@@ -36,6 +36,13 @@ costs one read of the copy, which also warms the page cache for the reads that f
 Leftover temp files and reservations of killed processes are removed when a cache opens; lock and lease files stay
 (removing a lock file someone waits on would let two holders in). This module fetches, checks and leases copies;
 the room, eviction and leftovers are ``shards.cache.node_index``'s.
+
+The folder may be shared with other jobs and users, so anything in it may have been planted
+(``shards.cache.node_locks``): a lease or fetch lock that cannot be taken, an entry folder that is a link, a copy or
+stamp that cannot be removed, a folder this user may not write in: the shard is read from the source (``acquire``
+returns None, counted as a bypass) with one warning per file, never a crash. Only a regular file, never a link, is
+a copy; it is hashed through a non-blocking open (``shards.bounded_read.open_regular_file``), so a FIFO cannot hang
+``verify_all`` either.
 """
 
 from __future__ import annotations
@@ -48,19 +55,21 @@ import io
 import logging
 import os
 import re
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from shards.atomic import sha256_file, unique_tmp_path, write_json_atomic
-from shards.bounded_read import read_json_file
+from shards.atomic import unique_tmp_path, write_json_atomic
+from shards.bounded_read import open_regular_file
 # The folder's layout, locks, room and counters live in node_index.
 from shards.cache.node_index import (
     ENTRY_PATTERN, LAYOUT, NEEDED_LATER, RESERVED, CacheIndex, CacheStats, stamp_path)
-from shards.cache.node_locks import SHA256_PATTERN, locked, open_locked, unlink
+from shards.cache.node_locks import SHA256_PATTERN, locked, open_locked, read_cache_json, unlink, warn_once
 from shards.cache.plan_view import PLANS
 from shards.errors import ChecksumError, InputError, ShardcacheError
+from shards.shape import as_int, as_object, as_str
 from shards.units import human_bytes, parse_size
 
 log = logging.getLogger("shardcache.cache")
@@ -68,6 +77,9 @@ log = logging.getLogger("shardcache.cache")
 _SUFFIX = re.compile(r"^\.[a-z0-9]{1,8}$")
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _DISK_FULL_FALLBACK = "disk-full"
+_UNUSABLE = "unusable"  # a planted lock, folder or file stands in the way: read the source (warned once)
+_NOT_A_FOLDER = "not a folder of the node cache (a link or a file); reading around it"
+MAX_STAMP_BYTES = 4096  # a stamp is four fields, under 200 bytes
 _NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP)
 _OK, _MISSING, _BAD, _CORRUPT = "ok", "missing", "bad", "corrupt"
 NEXT_USE, LRU = "next-use", "lru"
@@ -205,8 +217,12 @@ class NodeCache:
         self._index = CacheIndex(self.root, settings.limit, self.stats, by_next_use=settings.eviction == NEXT_USE)
         self._warned_full = False
         try:
-            for folder in ("locks", "leases", "reserve", PLANS):
-                (self.root / folder).mkdir(parents=True, exist_ok=True)
+            Path(settings.dir).mkdir(parents=True, exist_ok=True)
+            self._index.folder_mode = stat.S_IMODE(os.stat(settings.dir).st_mode)
+            for folder in (self.root, *(self.root / name for name in ("locks", "leases", "reserve", PLANS))):
+                if not self._index.make_folder(folder):
+                    raise InputError(f"cannot use the cache folder: {folder} is not a folder (a link or a file)",
+                                     path=settings.dir)
             with locked(self._index.evict_lock):
                 pass
         except OSError as exc:
@@ -231,26 +247,19 @@ class NodeCache:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise InputError(f"a shard size is a non-negative number of bytes, got {size!r}", path=source)
         # The lease comes first: once it is held, a copy found below cannot be evicted before the reader opens it.
-        lease_fd = open_locked(self._index.lease_file(sha256), fcntl.LOCK_SH)
-        assert lease_fd is not None
+        lease_fd = open_locked(self._index.lease_file(sha256), fcntl.LOCK_SH) if self._folder_ok(path) else None
+        if lease_fd is None:  # a planted lease or folder (warned once): nothing here can be trusted or protected
+            self.stats.add(bypasses=1, bypassed_bytes=size)
+            return None
         try:
             if self._check_copy(path, sha256, size) == _OK:
                 self._hit(path, size)
                 return Lease(path, lease_fd)
-            with locked(self._index.key_lock(sha256)):
-                state = self._check_copy(path, sha256, size)
-                if state == _OK:  # another process finished it while this one waited
-                    self._hit(path, size)
-                    return Lease(path, lease_fd)
-                if state == _BAD:
-                    log.info("%s: cached copy of %s is partial or was changed; fetching it again", path, source)
-                    self.stats.add(refetches=1)
-                elif state == _CORRUPT:
-                    log.warning("%s: the node cache's copy of this shard (%s) does not match its sha256 (changed in "
-                                "place on the node's disk); removed, fetching it again", source, path)
-                    self.stats.add(refetches=1)
-                self._remove_entry(path)
-                written = self._fetch(path, sha256, size, fetch, source, spare_only)
+            with locked(self._index.key_lock(sha256)) as taken:
+                written = self._fill(path, sha256, size, fetch, source, spare_only) if taken else _UNUSABLE
+            if written == _OK:  # another process finished it while this one waited
+                self._hit(path, size)
+                return Lease(path, lease_fd)
             if isinstance(written, str):  # nothing cached: read the source, or (a prefetch) fetch it when read
                 if written != NEEDED_LATER:
                     self.stats.add(bypasses=1, bypassed_bytes=size)
@@ -261,6 +270,37 @@ class NodeCache:
         except BaseException:
             os.close(lease_fd)
             raise
+
+    @staticmethod
+    def _folder_ok(path: Path) -> bool:
+        """Whether the entry's folder ``v1/<xx>`` is one of the cache's (or not made yet): a link planted in its
+        place is never followed, for reading, removing or writing (warned once)."""
+        try:
+            mode = os.lstat(path.parent).st_mode
+        except FileNotFoundError:
+            return True
+        if stat.S_ISDIR(mode):
+            return True
+        warn_once(path.parent, _NOT_A_FOLDER)
+        return False
+
+    def _fill(self, path: Path, sha256: str, size: int, fetch: Callable[[BinaryIO], None], source: str,
+              spare_only: bool) -> int | str:
+        """Under the key's fetch lock: ``_OK`` when a finished copy is there now, else what ``_fetch`` says (bytes
+        written, or why nothing was); ``_UNUSABLE`` when what stands under the copy's name cannot be removed."""
+        state = self._check_copy(path, sha256, size)
+        if state == _OK:
+            return _OK
+        if state == _BAD:
+            log.info("%s: cached copy of %s is partial or was changed; fetching it again", path, source)
+            self.stats.add(refetches=1)
+        elif state == _CORRUPT:
+            log.warning("%s: the node cache's copy of this shard (%s) does not match its sha256 (changed in "
+                        "place on the node's disk); removed, fetching it again", source, path)
+            self.stats.add(refetches=1)
+        if not self._remove_entry(path):
+            return _UNUSABLE
+        return self._fetch(path, sha256, size, fetch, source, spare_only)
 
     def verify_all(self) -> dict[str, int]:
         """Rehash every entry now (a process rehashes a copy only when it first uses it); remove those whose bytes
@@ -277,9 +317,8 @@ class NodeCache:
                         counts["skipped"] += 1
                         continue
                     counts["checked"] += 1
-                    if not self._rehash_matches(path, match["sha"]):
+                    if not self._rehash_matches(path, match["sha"]) and self._remove_entry(path):
                         log.warning("%s: cached shard does not match its sha256; removed", path)
-                        self._remove_entry(path)
                         counts["removed"] += 1
         return counts
 
@@ -293,47 +332,53 @@ class NodeCache:
         since; ``_MISSING``; ``_BAD`` when the stamp does not vouch for it; ``_CORRUPT`` when its bytes are not the
         shard's."""
         try:
-            info = os.stat(path)
+            info = os.lstat(path)
         except FileNotFoundError:
             return _MISSING
+        if not stat.S_ISREG(info.st_mode):  # a planted link, FIFO or folder is no copy
+            return _BAD
         signature = (info.st_size, info.st_mtime_ns, info.st_ino)
         if self._index.verified.get(str(path)) == signature and info.st_size == size:
             return _OK
-        try:
-            stamp = read_json_file(stamp_path(path))
-            recorded = (stamp["size"], stamp["mtime_ns"], stamp["inode"])
-            stamped_sha = stamp["sha256"]
-        except (OSError, ValueError, KeyError, TypeError):
+        if self._stamped(path) != (*signature, sha256) or info.st_size != size:
             return _BAD
-        if recorded != signature or stamped_sha != sha256 or info.st_size != size:
-            return _BAD
-        try:
-            # The stamp vouches only for size and mtime, which an in-place change can keep: hash once per process.
-            if sha256_file(path) != sha256:
-                return _CORRUPT
-        except FileNotFoundError:
+        # The stamp vouches only for size and mtime, which an in-place change can keep: hash once per process.
+        digest = _sha256_of(path)
+        if digest is None:
             return _MISSING
+        if digest != sha256:
+            return _CORRUPT
         self._index.verified[str(path)] = signature
         return _OK
 
+    @staticmethod
+    def _stamped(path: Path) -> tuple[int, int, int, str] | None:
+        """What the copy's stamp records: (size, mtime_ns, inode, sha256); None when it is missing or is no stamp
+        this cache wrote (a planted one of another shape is never trusted)."""
+        where = stamp_path(path)
+        try:
+            stamp = as_object(read_cache_json(where, MAX_STAMP_BYTES), "the stamp")
+            return (as_int(stamp.get("size"), "size"), as_int(stamp.get("mtime_ns"), "mtime_ns", hi=1 << 64),
+                    as_int(stamp.get("inode"), "inode", hi=1 << 64), as_str(stamp.get("sha256"), "sha256"))
+        except ShardcacheError:
+            return None
+
     def _rehash_matches(self, path: Path, sha256: str) -> bool:
         try:
-            stamp = read_json_file(stamp_path(path))
-            info = os.stat(path)
-            digest = sha256_file(path)
-        except (OSError, ValueError):
+            info = os.lstat(path)
+        except FileNotFoundError:
             return False
-        return (isinstance(stamp, dict) and stamp.get("sha256") == sha256 == digest
-                and (stamp.get("size"), stamp.get("mtime_ns"), stamp.get("inode"))
-                == (info.st_size, info.st_mtime_ns, info.st_ino))
+        signature = (info.st_size, info.st_mtime_ns, info.st_ino)
+        return (stat.S_ISREG(info.st_mode) and self._stamped(path) == (*signature, sha256)
+                and _sha256_of(path) == sha256)
 
     def _hit(self, path: Path, size: int) -> None:
-        with contextlib.suppress(OSError):
-            os.utime(stamp_path(path))  # the stamp's mtime is the entry's last use (LRU order)
+        with contextlib.suppress(OSError):  # another user's stamp is theirs to touch
+            os.utime(stamp_path(path), follow_symlinks=False)  # the stamp's mtime is the entry's last use (LRU)
         self.stats.add(hits=1, served_bytes=size)
 
-    def _remove_entry(self, path: Path) -> None:
-        self._index.remove_entry(path)
+    def _remove_entry(self, path: Path) -> bool:
+        return self._index.remove_entry(path)
 
     # -- fetching ------------------------------------------------------------------------------------------------
     def _fetch(self, path: Path, sha256: str, size: int, fetch: Callable[[BinaryIO], None], source: str,
@@ -365,12 +410,25 @@ class NodeCache:
             if limited:
                 self._index.release(sha256)
 
-    def _download(self, path: Path, sha256: str, size: int, fetch: Callable[[BinaryIO], None], source: str) -> int:
-        path.parent.mkdir(exist_ok=True)
-        tmp = unique_tmp_path(path)
+    def _download(self, path: Path, sha256: str, size: int, fetch: Callable[[BinaryIO], None],
+                  source: str) -> int | str:
+        """Bytes written under the final name, or ``_UNUSABLE`` when this process cannot write in the entry's
+        folder (a planted link, another user's folder; warned once)."""
+        try:
+            if not self._index.make_folder(path.parent):
+                warn_once(path.parent, _NOT_A_FOLDER)
+                return _UNUSABLE
+            tmp = unique_tmp_path(path)
+            handle = open(tmp, "xb")
+        except OSError as exc:
+            if exc.errno in _DISK_FULL:
+                raise
+            warn_once(path.parent, f"cannot write in this node-cache folder ({exc.strerror or exc}); reading "
+                                   "around it")
+            return _UNUSABLE
         placed = False
         try:
-            with open(tmp, "xb") as handle:
+            with handle:
                 writer = _HashingWriter(handle, size, source)
                 fetch(writer)  # type: ignore[arg-type]
                 if writer.size != size or writer.hexdigest() != sha256:
@@ -391,3 +449,13 @@ class NodeCache:
             raise
         self._index.verified[str(path)] = (info.st_size, info.st_mtime_ns, info.st_ino)
         return writer.size
+
+
+def _sha256_of(path: Path) -> str | None:
+    """The sha256 of the regular file ``path`` (opened without blocking: a FIFO swapped in is refused, not waited
+    on); None when it is gone or is not a regular file."""
+    try:
+        with open_regular_file(path) as handle:
+            return hashlib.file_digest(handle, "sha256").hexdigest()
+    except (ShardcacheError, OSError):
+        return None

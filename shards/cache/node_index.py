@@ -15,17 +15,25 @@ never wedges the node:
   waited for: a DataLoader whose own workers hold the leases would otherwise deadlock.
 - A reservation or temp file whose key's fetch lock (``locks/<sha>.lock``) is free has no live writer and is
   removed; a held fetch lock always protects its files, so a slow live download is never cut.
+
+Everything under the folder may have been planted by another job or user (``shards.cache.node_locks``): a lock that
+cannot be taken reads as held (no room is made, nothing is removed), a reservation is written only as a new file of
+ours (never through a planted link) and counts only when it is a regular file holding a size no larger than the
+limit, and only regular files count as entries. Folders are made with the cache folder's own permissions, so a
+folder its owner made group- or world-writable (sticky, like ``/tmp``) is shared by every user who may write it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
 import math
 import os
 import re
+import stat
 import time
 from collections.abc import Iterator
 from multiprocessing.context import BaseContext
@@ -33,11 +41,12 @@ from pathlib import Path
 from typing import Any
 
 from shards.atomic import host_tag
-from shards.bounded_read import read_json_file
 from shards.cache.eviction import REASONS, Entry, choose_victims
-from shards.cache.node_locks import SHA256_PATTERN, locked, unlink
+from shards.cache.node_locks import SHA256_PATTERN, locked, read_cache_json, unlink, warn_once
 from shards.cache.plan_view import live_plans, next_uses, remove_dead_plans
+from shards.errors import MissingInputError, ShardcacheError
 from shards.lock import pid_alive
+from shards.shape import as_int, as_object
 from shards.stream.shared_values import SharedValues
 
 log = logging.getLogger("shardcache.cache")
@@ -57,6 +66,8 @@ ENTRY_PATTERN = re.compile(r"^(?P<sha>[0-9a-f]{64})\.[a-z0-9]{1,8}$")
 # Temp files of a shard and of its stamp: ``<final>.<host>.<pid>.<token>.tmp`` (``shards.atomic.unique_tmp_path``).
 _TMP = re.compile(r"^(?P<sha>[0-9a-f]{64})\.[a-z0-9]{1,8}(\.ok)?\.(?P<host>[A-Za-z0-9-]{1,32})\.(?P<pid>\d+)"
                   r"\.[0-9a-f]{8}\.tmp$")
+MAX_RESERVATION_BYTES = 4096  # {"size": ..., "host": ..., "pid": ...} is under 100 bytes
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def ideal_fetch_bytes(planned_bytes: int, limit: int | None, nodes: int = 1) -> int:
@@ -111,6 +122,7 @@ class CacheIndex:
         self.root, self.limit, self.stats = root, limit, stats
         self.by_next_use = by_next_use  # False: least recently used, whatever the readers' plans say
         self.verified: dict[str, tuple[int, int, int]] = {}
+        self.folder_mode: int | None = None  # the cache folder's permission bits, given to the folders made in it
 
     # -- paths ---------------------------------------------------------------------------------------------------
     def key_lock(self, sha256: str) -> Path:
@@ -128,11 +140,22 @@ class CacheIndex:
             if len(folder.name) == 2 and folder.is_dir(follow_symlinks=False):
                 yield folder
 
-    def remove_entry(self, path: Path) -> None:
-        """Stamp first: a copy without its stamp is never used, whatever happens between the two unlinks."""
+    def make_folder(self, path: Path) -> bool:
+        """Make ``path`` (one level, with the cache folder's permissions) unless it exists; whether it is a folder
+        of this cache: a directory, not a link out of it. ``OSError`` when it cannot be made."""
+        try:
+            path.mkdir()
+            if self.folder_mode is not None:
+                os.chmod(path, self.folder_mode)  # mkdir's mode passes through the umask, which drops group bits
+        except FileExistsError:
+            pass
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+
+    def remove_entry(self, path: Path) -> bool:
+        """Stamp first: a copy without its stamp is never used, whatever happens between the two unlinks. Whether
+        both are gone (False: this process may not remove them, warned once)."""
         self.verified.pop(str(path), None)
-        unlink(stamp_path(path))
-        unlink(path)
+        return unlink(stamp_path(path)) and unlink(path)
 
     # -- room ----------------------------------------------------------------------------------------------------
     def reserve(self, sha256: str, size: int, *, spare_only: bool = False) -> str:
@@ -144,7 +167,9 @@ class CacheIndex:
         assert limit is not None
         if size > limit:
             return NO_ROOM
-        with locked(self.evict_lock):
+        with locked(self.evict_lock) as taken:
+            if not taken:  # an evict.lock planted by someone else (warned once): no room can be made safely
+                return NO_ROOM
             entries = self._entries()
             used = self.scan_reservations({entry.key for entry in entries})[0] + sum(entry.size for entry in entries)
             horizon: float | None = None
@@ -157,8 +182,26 @@ class CacheIndex:
             if used + size > limit:
                 return NEEDED_LATER if horizon else NO_ROOM
             record = {"size": size, "host": host_tag(), "pid": os.getpid()}
-            (self.root / "reserve" / sha256).write_text(json.dumps(record), encoding="utf-8")
+            if not self._write_reservation(self.root / "reserve" / sha256, json.dumps(record).encode()):
+                return NO_ROOM
         return RESERVED
+
+    @staticmethod
+    def _write_reservation(path: Path, data: bytes) -> bool:
+        """``data`` in ``path`` as a new file of this process: whatever was there (a leftover, or a link planted to
+        make this process write through it) is removed first, and the new file is never a link's target
+        (``O_EXCL``). False when that cannot be done (warned once); a full disk raises."""
+        unlink(path)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            if exc.errno in _DISK_FULL:
+                raise
+            warn_once(path, f"cannot reserve room in the node cache ({exc.strerror or exc}); reading the source")
+            return False
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        return True
 
     def _make_room(self, entries: list[Entry], uses: dict[str, int] | None, needed: int,
                    horizon: float | None) -> int:
@@ -178,11 +221,12 @@ class CacheIndex:
 
     def release(self, sha256: str) -> None:
         """Drop the reservation of a fetch that has finished, failed or bypassed (caller holds its fetch lock)."""
-        with locked(self.evict_lock):
+        with locked(self.evict_lock):  # removed even when the lock cannot be taken: the reservation is ours
             unlink(self.root / "reserve" / sha256)
 
     def _entries(self) -> list[Entry]:
-        """Every copy under its final name, with its size and last use (a copy without a stamp: 0, the oldest)."""
+        """Every copy under its final name, with its size and last use (a copy without a stamp: 0, the oldest).
+        Only regular files count: a planted link or FIFO is no copy (the next reader of its key replaces it)."""
         entries = []
         for folder in self.entry_dirs():
             for entry in os.scandir(folder.path):
@@ -190,12 +234,14 @@ class CacheIndex:
                 if not match:
                     continue
                 with contextlib.suppress(FileNotFoundError):
-                    size = entry.stat().st_size
+                    info = entry.stat(follow_symlinks=False)
+                    if not stat.S_ISREG(info.st_mode):
+                        continue
                     try:
-                        last_use = os.stat(entry.path + STAMP_SUFFIX).st_mtime
+                        last_use = os.lstat(entry.path + STAMP_SUFFIX).st_mtime
                     except FileNotFoundError:
                         last_use = 0.0
-                    entries.append(Entry(match["sha"], size, last_use, Path(entry.path)))
+                    entries.append(Entry(match["sha"], info.st_size, last_use, Path(entry.path)))
         return entries
 
     def scan_reservations(self, placed: frozenset[str] | set[str] = frozenset()) -> tuple[int, int]:
@@ -208,24 +254,30 @@ class CacheIndex:
                 continue
             with locked(self.key_lock(entry.name), fcntl.LOCK_EX | fcntl.LOCK_NB) as taken:
                 if taken:
-                    unlink(Path(entry.path))
-                    removed += 1
+                    removed += unlink(Path(entry.path))
                     continue
-            try:
-                total += int(read_json_file(entry.path)["size"])
-            except FileNotFoundError:
-                continue
-            except (OSError, ValueError, KeyError, TypeError):
-                # Cut short by a full disk: its writer is about to remove it, and wrote no shard bytes either.
-                continue
+            total += self._reserved_bytes(Path(entry.path))
         return total, removed
+
+    def _reserved_bytes(self, path: Path) -> int:
+        """The size a live fetch's reservation claims; 0 for one that is gone, or is no reservation this cache
+        could have written (warned once): not a regular file, not JSON of the right shape, or more than the limit
+        (``reserve`` never claims more). A reservation cut short by a full disk is one of those too: its writer is
+        about to remove it, and wrote no shard bytes either."""
+        try:
+            record = as_object(read_cache_json(path, MAX_RESERVATION_BYTES), "the reservation")
+            return as_int(record.get("size"), "size", hi=self.limit if self.limit is not None else 1 << 53)
+        except MissingInputError:
+            return 0
+        except ShardcacheError as exc:
+            warn_once(path, f"ignored a node-cache reservation: {exc.reason}")
+            return 0
 
     def _evict(self, entry: Entry, reason: str) -> bool:
         assert entry.path is not None
         with locked(self.lease_file(entry.key), fcntl.LOCK_EX | fcntl.LOCK_NB) as unleased:
-            if not unleased:
+            if not unleased or not self.remove_entry(entry.path):
                 return False
-            self.remove_entry(entry.path)
         self.stats.add(evictions=1, **{f"evictions_{reason}": 1})
         log.debug("%s: evicted (%s)", entry.path, reason)
         return True
@@ -244,15 +296,14 @@ class CacheIndex:
                     continue
                 dead = match["host"] == host and not pid_alive(int(match["pid"]))
                 try:
-                    old = now - entry.stat().st_mtime > STALE_TMP_S
+                    old = now - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_S
                 except FileNotFoundError:
                     continue
                 if not (dead or old):
                     continue
                 with locked(self.key_lock(match["sha"]), fcntl.LOCK_EX | fcntl.LOCK_NB) as taken:
                     if taken:
-                        unlink(Path(entry.path))
-                        removed["temp_files"] += 1
+                        removed["temp_files"] += unlink(Path(entry.path))
         with locked(self.evict_lock):
             removed["reservations"] = self.scan_reservations()[1]
         plans = remove_dead_plans(self.root)  # counted apart: a plan is a reader's, not a fetch's leftover

@@ -14,8 +14,13 @@ DataLoader worker, or a process reading in-process) keeps:
   epoch's (``epoch_reads``) and how many the reader has begun (``position``). It is replaced whole (temp file and
   rename) when the plan starts and each time the reader moves to its next shard, so no reader ever sees it torn.
 
-Plans are read as untrusted (bounded size, every field checked; a malformed one is ignored). A plan holds at most
-``MAX_PLAN_READS`` reads: beyond that a reader's future is unknown, which only makes its shards look unneeded.
+Plans are untrusted: another job or user may write the folder. Each is read through the one door
+(``shards.cache.node_locks.read_cache_json``: a regular file, not a link, at most ``MAX_PLAN_FILE_BYTES``) and its
+shape checked field by field (``shards.shape``: counts are JSON integers in range, keys sha256 digests); one that
+fails is ignored, with one warning per file for the life of the process (eviction reads the plans on every fetch).
+A plan whose lock cannot be taken for any reason reads as live, and one whose files cannot be removed stays. A plan
+holds at most ``MAX_PLAN_READS`` reads: beyond that a reader's future is unknown, which only makes its shards look
+unneeded.
 """
 
 from __future__ import annotations
@@ -30,9 +35,9 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from shards.atomic import host_tag, write_json_atomic
-from shards.bounded_read import read_json_file
-from shards.cache.node_locks import SHA256_PATTERN, locked, open_locked, unlink
-from shards.errors import MissingInputError, ShardcacheError
+from shards.cache.node_locks import SHA256_PATTERN, locked, open_locked, read_cache_json, unlink, warn_once
+from shards.errors import ManifestError, MissingInputError, ShardcacheError
+from shards.shape import as_int, as_int_list, as_list, as_object
 
 log = logging.getLogger("shardcache.cache")
 
@@ -123,10 +128,9 @@ def _scan(root: Path) -> tuple[list[Plan], int]:
         lock_path = folder / f"{match['name']}.lock"
         with locked(lock_path, fcntl.LOCK_EX | fcntl.LOCK_NB) as dead:
             if dead:  # no live holder: its reader is gone
-                unlink(folder / name)
-                unlink(lock_path)
-                removed += 1
-                log.debug("%s: removed the plan of a reader that is gone", folder / name)
+                if unlink(folder / name) and unlink(lock_path):
+                    removed += 1
+                    log.debug("%s: removed the plan of a reader that is gone", folder / name)
                 continue
         plan = read_plan(folder / name)
         if plan is not None:
@@ -135,31 +139,29 @@ def _scan(root: Path) -> tuple[list[Plan], int]:
 
 
 def read_plan(path: Path) -> Plan | None:
-    """The plan in ``path``, or None when it is gone or malformed (logged: plans are untrusted input)."""
+    """The plan in ``path``, or None when it is gone or is not a plan (warned once per file: plans are untrusted)."""
     try:
-        value = read_json_file(path, limit=MAX_PLAN_FILE_BYTES)
+        return _checked(read_cache_json(path, MAX_PLAN_FILE_BYTES), str(path))
     except MissingInputError:  # its reader finished and removed it
         return None
     except ShardcacheError as exc:
-        log.warning("%s: ignored a node-cache plan: %s", path, exc)
+        warn_once(path, f"ignored a node-cache plan: {exc.reason}")
         return None
-    plan = _checked(value)
-    if plan is None:
-        log.warning("%s: ignored a node-cache plan that is not one", path)
-    return plan
 
 
-def _checked(value: Any) -> Plan | None:
-    if not isinstance(value, dict) or value.get("format") != PLAN_FORMAT or value.get("version") != PLAN_VERSION:
-        return None
-    keys, reads = value.get("keys"), value.get("reads")
-    position, epoch_reads = value.get("position"), value.get("epoch_reads")
-    if not (isinstance(keys, list) and isinstance(reads, list) and len(reads) <= MAX_PLAN_READS
-            and all(isinstance(k, str) and SHA256_PATTERN.match(k) for k in keys)
-            and all(type(i) is int and 0 <= i < len(keys) for i in reads)
-            and type(position) is int and type(epoch_reads) is int
-            and 0 <= position <= len(reads) and 0 <= epoch_reads <= len(reads)):
-        return None
+def _checked(value: Any, where: str) -> Plan:
+    """The plan ``value`` holds, every field checked (``ManifestError`` naming the first that is wrong)."""
+    plan = as_object(value, "the plan", where=where)
+    if plan.get("format") != PLAN_FORMAT or plan.get("version") != PLAN_VERSION:
+        raise ManifestError(f"not a {PLAN_FORMAT} of version {PLAN_VERSION}", path=where)
+    keys = as_list(plan.get("keys"), "keys", max_len=MAX_PLAN_READS, where=where)
+    for key in keys:
+        if type(key) is not str or not SHA256_PATTERN.match(key):
+            raise ManifestError(f"an item of keys is {repr(key)[:70]}: expected a sha256 (64 lowercase hex digits)",
+                                path=where)
+    reads = as_int_list(plan.get("reads"), "reads", hi=len(keys) - 1, max_len=MAX_PLAN_READS, where=where)
+    epoch_reads = as_int(plan.get("epoch_reads"), "epoch_reads", hi=len(reads), where=where)
+    position = as_int(plan.get("position"), "position", hi=len(reads), where=where)
     return Plan(tuple(keys[i] for i in reads), position, epoch_reads)
 
 

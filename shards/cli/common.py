@@ -158,9 +158,10 @@ def emit_json(result: Any) -> None:
 
 def s3_options(func: Callable) -> Callable:
     """``--s3-endpoint-url``, ``--s3-profile``, ``--s3-unsigned``, ``--s3-max-concurrency``, ``--s3-read-ahead``:
-    how to reach ``s3://`` locations, passed on as
-    ``s3=S3Options(...)``. Unset options fall back to botocore's chain (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``,
-    ``~/.aws/config``); credentials are never options (environment, ``~/.aws/credentials`` or the profile)."""
+    how to reach ``s3://`` locations; ``--min-transfer-rate``, ``--request-deadline``: how slow an ``s3://`` or
+    ``http(s)://`` server may be before a request is cut off. Passed on as ``s3=S3Options(...)``. Unset options
+    fall back to botocore's chain (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ``~/.aws/config``); credentials are never
+    options (environment, ``~/.aws/credentials`` or the profile)."""
 
     @click.option("--s3-endpoint-url", default=None, metavar="URL",
                   help="S3-compatible endpoint (MinIO, Ceph, R2, SeaweedFS). Default: $AWS_ENDPOINT_URL or AWS.")
@@ -170,13 +171,22 @@ def s3_options(func: Callable) -> Callable:
                   help="Ranged requests in flight per process for long reads (parallel parts). Default: 8.")
     @click.option("--s3-read-ahead", type=ByteSize(), default=None,
                   help="Bytes of a reader's coming reads fetched ahead of the one it reads (0: none). Default: 64M.")
+    @click.option("--min-transfer-rate", type=ByteSize(), default=None, metavar="BYTES",
+                  help="Bytes per second an s3:// or http(s):// server must send, averaged over 30 s of waiting, "
+                       "else the request is cut off (0: no minimum). Default: 1K.")
+    @click.option("--request-deadline", type=click.FloatRange(0, None, min_open=True), default=None,
+                  metavar="SECONDS", help="Seconds one request may wait on an s3:// or http(s):// server in all. "
+                                          "Default: 1800.")
     @functools.wraps(func)
     def wrapper(*args, s3_endpoint_url: str | None, s3_profile: str | None, s3_unsigned: bool,
-                s3_max_concurrency: int | None, s3_read_ahead: int | None, **kwargs):
+                s3_max_concurrency: int | None, s3_read_ahead: int | None, min_transfer_rate: int | None,
+                request_deadline: float | None, **kwargs):
         from shards.formats.s3 import S3Options
 
         tuned = {name: value for name, value in (("max_concurrency", s3_max_concurrency),
-                                                 ("read_ahead_bytes", s3_read_ahead)) if value is not None}
+                                                 ("read_ahead_bytes", s3_read_ahead),
+                                                 ("min_transfer_rate", min_transfer_rate),
+                                                 ("request_deadline_s", request_deadline)) if value is not None}
         options = S3Options(endpoint_url=s3_endpoint_url, profile=s3_profile, unsigned=s3_unsigned, **tuned)
         return func(*args, s3=options, **kwargs)
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from shards.atomic import atomic_output, sha256_file
+from shards.bounded_read import load_weights_only, open_regular_file, parser_guard
 from shards.errors import ChecksumError, CorruptDataError, InputError
 
 # The names and the task rule need no torch (``pack-shards`` imports them); they live in feature_names.
@@ -85,22 +86,24 @@ def write_feature_shard(path: str | os.PathLike, shard: FeatureShard, storage: s
 def load_feature_shard(path: str | os.PathLike, *, mmap: bool = True) -> FeatureShard:
     """Load a feature shard without unpickling anything (``weights_only=True``)."""
     path = Path(path)
-    try:
-        if path.suffix == ".pt":
-            data = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-            if not isinstance(data, dict):
-                raise TypeError(f"holds a {type(data).__name__}, not a dict")
-            return _from_mapping(data)
-        if path.suffix == ".h5":
-            import h5py
+    where = str(path)
+    if path.suffix == ".pt":
+        data = load_weights_only(path, where, "unreadable feature shard", mmap=mmap)
+        with parser_guard(where, "unreadable feature shard"):
+            return _from_mapping(_as_dict(data))
+    if path.suffix == ".h5":
+        import h5py
 
-            with h5py.File(path, "r") as f:
-                return _from_h5(f)
-    except FileNotFoundError:
-        raise
-    except Exception as exc:  # torch and h5py raise many types for a damaged file
-        raise CorruptDataError(f"unreadable feature shard ({type(exc).__name__}: {exc})", path=str(path)) from exc
-    raise InputError(f"unknown feature file suffix {path.suffix!r}", path=str(path))
+        open_regular_file(path, error=CorruptDataError).close()
+        with parser_guard(where, "unreadable feature shard"), h5py.File(path, "r") as f:
+            return _from_h5(f)
+    raise InputError(f"unknown feature file suffix {path.suffix!r}", path=where)
+
+
+def _as_dict(data: Any) -> dict:
+    if not isinstance(data, dict):
+        raise TypeError(f"holds a {type(data).__name__}, not a dict")
+    return data
 
 
 def load_feature_bytes(data: bytes, where: str) -> FeatureShard:
@@ -111,18 +114,14 @@ def load_feature_bytes(data: bytes, where: str) -> FeatureShard:
     suffix = os.path.splitext(where)[1]
     if suffix not in FEATURE_SUFFIXES.values():
         raise InputError(f"unknown feature file suffix {suffix!r}", path=where)
-    try:
-        if suffix == ".pt":
-            loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-            if not isinstance(loaded, dict):
-                raise TypeError(f"holds a {type(loaded).__name__}, not a dict")
-            return _from_mapping(loaded)
-        import h5py
+    if suffix == ".pt":
+        loaded = load_weights_only(io.BytesIO(data), where, "unreadable feature shard")
+        with parser_guard(where, "unreadable feature shard"):
+            return _from_mapping(_as_dict(loaded))
+    import h5py
 
-        with h5py.File(io.BytesIO(data), "r") as f:
-            return _from_h5(f)
-    except Exception as exc:  # torch and h5py raise many types for a damaged file
-        raise CorruptDataError(f"unreadable feature shard ({type(exc).__name__}: {exc})", path=where) from exc
+    with parser_guard(where, "unreadable feature shard"), h5py.File(io.BytesIO(data), "r") as f:
+        return _from_h5(f)
 
 
 def _from_mapping(data: dict) -> FeatureShard:

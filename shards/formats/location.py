@@ -18,9 +18,10 @@ read a small file whole with the bounded-read rules (``read_capped``, ``read_jso
 path (``is_local``, ``path``) for the few places that need one (mmap, the confinement of local sidecars).
 
 How remote kinds are reached comes only from the caller, never from a manifest: ``storage_options`` (an
-``S3Options`` or a mapping of its fields) for ``s3://``, ``origins`` (``shards.formats.locations.request_origins``)
-for the redirects of ``http(s)``. A location carries them to every location joined under it, and pickles with
-them into DataLoader workers.
+``S3Options`` or a mapping of its fields) for ``s3://``, and for ``http(s)`` how slow a server may be
+(``S3Options.transfer_limits``), ``origins`` (``shards.formats.locations.request_origins``) for the redirects of
+``http(s)``. A location carries them to every location joined under it, and pickles with them into DataLoader
+workers.
 """
 
 from __future__ import annotations
@@ -345,18 +346,25 @@ class _Stream(Location):
 
 class HttpUrl(_Stream):
     """``http(s)://``: redirects only to the URL's own origin and the caller's ``origins``. Where the server answers
-    range requests, a tar slice is read by its byte index in parallel parts, like ``s3://``; else as a stream."""
+    range requests, a tar slice is read by its byte index in parallel parts, like ``s3://``; else as a stream.
+    Every request is held to the storage options' ``transfer_limits`` (a server that dribbles is cut off)."""
 
     reads_ahead = True
+
+    def limits(self) -> Any:
+        from shards.formats.s3 import S3Options
+
+        return S3Options.from_mapping(self.storage_options).transfer_limits()
 
     def load_index(self, info: Any) -> Any:
         """The byte index, only where the server answers ranges (a stream from byte 0 has no use for it)."""
         from shards.formats.remote import accepts_ranges, open_url
         from shards.formats.s3shards import load_index_by
 
-        if getattr(info, "index", None) is None or not accepts_ranges(self.text, self.origins):
+        limits = self.limits()
+        if getattr(info, "index", None) is None or not accepts_ranges(self.text, self.origins, limits):
             return None
-        return load_index_by(lambda where: open_url(where, origins=self.origins), self.text, info)
+        return load_index_by(lambda where: open_url(where, origins=self.origins, limits=limits), self.text, info)
 
     def read_slice(self, storage: Any, start: int, stop: int, *, size: int, offsets: Any = None,
                    sha256: str | None = None, resync: bool = False) -> Iterator[Any]:
@@ -372,25 +380,25 @@ class HttpUrl(_Stream):
 
         first, last = tar_slice_range(offsets, start, stop)
         if first < last:
-            with open_parts(self.text, first, last, self.origins) as stream:
+            with open_parts(self.text, first, last, self.origins, self.limits()) as stream:
                 yield from iter_tar_range(stream, self.text, start, stop, offsets, resync=resync)
 
     def read_ahead(self, storage: Any, start: int, stop: int, *, offsets: Any = None) -> bool:
         from shards.formats.remote import read_ahead
 
         span = _indexed_span(storage, start, stop, offsets)
-        return span is None or read_ahead(self.text, *span, self.origins)
+        return span is None or read_ahead(self.text, *span, self.origins, self.limits())
 
     def open(self) -> ContextManager[BinaryIO]:
         """The whole object: in parallel ranged parts where the server answers ranges, else one stream."""
         from shards.formats.remote import open_whole
 
-        return open_whole(self.text, origins=self.origins)
+        return open_whole(self.text, origins=self.origins, limits=self.limits())
 
     def open_stream(self) -> ContextManager[BinaryIO]:
         from shards.formats.remote import open_url
 
-        return open_url(self.text, origins=self.origins)
+        return open_url(self.text, origins=self.origins, limits=self.limits())
 
 
 class PipeCommand(_Stream):

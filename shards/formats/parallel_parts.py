@@ -17,6 +17,13 @@ caller's, per part).
   reaches it; ``close()`` cancels the parts not started.
 - ``ReadAhead`` (``READ_AHEAD``): streams opened ahead of their reader, keyed by ``(url, start, stop)``, within a
   byte budget; ``take`` hands one over (and drops those offered before it: the reader has passed them).
+- ``TransferLimits`` and ``TransferClock``: how slow a server may be before a request is cut off, the one rule
+  every ``s3://`` and ``http(s)://`` response body is read under (docs/object-storage.md, "Slow servers"). A socket
+  timeout bounds only the wait for the next byte, so a server that sends one byte every few seconds would hold a
+  read for hours; the clock times each read of a body (one ``recv`` at most, so it is checked between bytes) and
+  cuts the request off when a window of waiting brought less than the minimum rate, or the request has waited
+  longer than its deadline in all. Only time spent waiting inside reads counts: a reader that pauses between reads
+  (a DataLoader worker blocked on a full queue) is never taken for a slow server.
 """
 
 from __future__ import annotations
@@ -26,11 +33,14 @@ import io
 import itertools
 import os
 import threading
+import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from shards.errors import CorruptDataError
+from shards.units import human_bytes
 
 PART = 8 << 20  # bytes per request of a long range: 0.13 s at 60 MB/s, so 20 ms of latency costs ~13%
 MIN_PART = 4 << 20  # a shorter range is cut into parts of at least this (fewer, so requests cost less CPU and latency)
@@ -40,6 +50,70 @@ DEFAULT_CONCURRENCY = 8  # requests in flight per process (S3Options.max_concurr
 DEFAULT_READ_AHEAD_BYTES = 64 << 20  # bytes of coming reads in flight ahead (S3Options.read_ahead_bytes; http(s))
 
 Fetch = Callable[[int, int], bytes]
+# The defaults of ``TransferLimits`` (and so of ``S3Options``): a live link moves far more than 1 KiB in 30 s of
+# waiting, and the slowest honest request (one 64 MiB GET of S3, or a whole shard streamed from a server without
+# ranges) waits far less than 30 minutes, while a server sending a byte every second is cut off within 30 s.
+DEFAULT_MIN_RATE = 1024  # bytes per second of waiting, averaged over a window
+DEFAULT_RATE_WINDOW_S = 30.0
+DEFAULT_REQUEST_DEADLINE_S = 1800.0
+
+
+@dataclass(frozen=True)
+class TransferLimits:
+    """How slow a server may be (see the module docstring): at least ``min_rate`` bytes per second of waiting over
+    every ``window_s`` seconds of waiting (0: no minimum), and at most ``deadline_s`` seconds of waiting per
+    request. The status line and headers of an ``http(s)`` answer must arrive within ``header_s``."""
+
+    min_rate: int = DEFAULT_MIN_RATE
+    window_s: float = DEFAULT_RATE_WINDOW_S
+    deadline_s: float = DEFAULT_REQUEST_DEADLINE_S
+
+    @property
+    def header_s(self) -> float:
+        return min(self.window_s, self.deadline_s)
+
+
+class TransferClock:
+    """The waiting of one request: each read of its body goes through ``read`` (or ``read_up_to``), which raises a
+    ``CorruptDataError`` naming ``url`` once the server is slower than ``limits`` allow. Not retried: a server that
+    slow on one request is not expected to be faster on the next, and a retry would start the wait over."""
+
+    def __init__(self, limits: TransferLimits, url: str):
+        self.limits, self.url = limits, url
+        self.waited = 0.0  # seconds inside reads, this request
+        self._window_waited = 0.0
+        self._window_bytes = 0
+
+    def read(self, read: Callable[[int], bytes], size: int) -> bytes:
+        """``read(size)`` (a read of at most one ``recv``: ``read1``), timed."""
+        began = time.monotonic()
+        data = read(size)
+        self.count(len(data), time.monotonic() - began)
+        return data
+
+    def read_up_to(self, read: Callable[[int], bytes], size: int) -> bytes:
+        """``size`` bytes by ``read`` calls (each timed), fewer only where the body ends."""
+        parts, got = [], 0
+        while got < size and (data := self.read(read, size - got)):
+            parts.append(data)
+            got += len(data)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def count(self, nbytes: int, seconds: float) -> None:
+        self.waited += seconds
+        self._window_waited += seconds
+        self._window_bytes += nbytes
+        limits = self.limits
+        if self.waited > limits.deadline_s:
+            raise CorruptDataError(f"cut off: the request waited on the server for more than {limits.deadline_s:g} s "
+                                   "in all (request_deadline_s, --request-deadline)", path=self.url)
+        if self._window_waited >= limits.window_s:
+            if self._window_bytes < limits.min_rate * self._window_waited:
+                raise CorruptDataError(
+                    f"cut off: the server sent {self._window_bytes} bytes in {self._window_waited:.1f} s, slower than "
+                    f"the minimum of {human_bytes(limits.min_rate)}/s (min_transfer_rate, --min-transfer-rate)",
+                    path=self.url)
+            self._window_waited, self._window_bytes = 0.0, 0
 
 
 class PartPool:

@@ -4,8 +4,9 @@ Everything S3 goes through botocore (``pip install 'shardcache[s3]'``): signing,
 (environment, ``~/.aws/config`` and ``credentials``, profiles, ``AWS_ENDPOINT_URL`` for MinIO, Ceph, R2 or
 SeaweedFS) and connection pooling. This module adds what a shard reader needs on top:
 
-- ``S3Options``: the caller's choices (endpoint, profile, region, unsigned access, attempts, timeouts). It never
-  holds credentials, so it can be logged, pickled to DataLoader workers and recorded in a config.
+- ``S3Options``: the caller's choices (endpoint, profile, region, unsigned access, attempts, timeouts, and how slow
+  a server may be: ``transfer_limits``, which ``http(s)://`` locations read under too). It never holds
+  credentials, so it can be logged, pickled to DataLoader workers and recorded in a config.
 - ``make_client``: one client per process and options. Clients are not fork-safe, so the cache is keyed by the
   process id: a DataLoader worker builds its own after fork.
 - The retry policy of every request: ``retryable_types`` (what may be retried), ``backoff_delay`` (exponential
@@ -25,6 +26,7 @@ responses carry only a code and a message.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import re
@@ -33,7 +35,10 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
 from shards.errors import CorruptDataError, InputError, MissingInputError
-from shards.formats.parallel_parts import DEFAULT_CONCURRENCY, DEFAULT_READ_AHEAD_BYTES
+from shards.formats.parallel_parts import (
+    DEFAULT_CONCURRENCY, DEFAULT_MIN_RATE, DEFAULT_RATE_WINDOW_S, DEFAULT_READ_AHEAD_BYTES,
+    DEFAULT_REQUEST_DEADLINE_S, TransferLimits)
+from shards.units import parse_size
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +71,11 @@ class S3Options:
     ``endpoint_url`` in ``~/.aws/config``, else AWS); ``profile`` picks a profile of ``~/.aws/config``;
     ``unsigned=True`` sends anonymous requests (public buckets). ``max_concurrency``: requests in flight per
     process for the parts of long reads (``shards.formats.parallel_parts``); ``read_ahead_bytes``: how many bytes of
-    the coming covering reads a reader may have in flight ahead of the one it reads (0: none). Credentials are
-    never options: they come from the AWS chain (environment, ``~/.aws/credentials``, the profile, instance
-    roles)."""
+    the coming covering reads a reader may have in flight ahead of the one it reads (0: none).
+    ``min_transfer_rate`` (bytes per second, or ``"1K"``; 0: none), ``rate_window_s`` and ``request_deadline_s``:
+    how slow a server may be before a request is cut off, for ``s3://`` and ``http(s)://`` alike
+    (``transfer_limits``; docs/object-storage.md, "Slow servers"). Credentials are never options: they come from
+    the AWS chain (environment, ``~/.aws/credentials``, the profile, instance roles)."""
 
     endpoint_url: str | None = None
     profile: str | None = None
@@ -79,6 +86,9 @@ class S3Options:
     read_timeout_s: float = 60.0
     max_concurrency: int = DEFAULT_CONCURRENCY
     read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES
+    min_transfer_rate: int | str = DEFAULT_MIN_RATE
+    rate_window_s: float = DEFAULT_RATE_WINDOW_S
+    request_deadline_s: float = DEFAULT_REQUEST_DEADLINE_S
 
     def __post_init__(self) -> None:
         for name in ("endpoint_url", "profile", "region"):
@@ -98,9 +108,11 @@ class S3Options:
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
             raise InputError(f"S3Options.read_ahead_bytes={self.read_ahead_bytes!r} must be an integer >= 0 (0: no "
                              "read-ahead)")
-        for name in ("connect_timeout_s", "read_timeout_s"):
+        object.__setattr__(self, "min_transfer_rate",
+                           parse_size(self.min_transfer_rate, "S3Options.min_transfer_rate"))
+        for name in ("connect_timeout_s", "read_timeout_s", "rate_window_s", "request_deadline_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise InputError(f"S3Options.{name}={value!r} must be a positive number of seconds")
 
     @classmethod
@@ -123,6 +135,10 @@ class S3Options:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def transfer_limits(self) -> TransferLimits:
+        """How slow a server may be before a request is cut off (``shards.formats.parallel_parts``)."""
+        return TransferLimits(int(self.min_transfer_rate), float(self.rate_window_s), float(self.request_deadline_s))
 
 
 # -- URLs -------------------------------------------------------------------------------------------------------------

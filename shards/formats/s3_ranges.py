@@ -6,7 +6,9 @@ and the mid-body resume a shard reader needs.
   exponential backoff and full jitter (``shards.formats.s3.backoff_delay``: the jitter is not seeded on purpose, it
   only spreads clients apart and never changes what is read); a body that breaks mid-read is re-requested from
   the byte where it stopped, so a long read never starts over. After ``max_attempts`` a ``CorruptDataError``
-  names the URL and the last cause; 403 and 404 are final at once (``shards.formats.s3.final_error``).
+  names the URL and the last cause; 403 and 404 are final at once (``shards.formats.s3.final_error``). Each GET's
+  body is read under the options' ``transfer_limits`` (``shards.formats.parallel_parts.TransferClock``): a server
+  that dribbles is cut off, finally, with a ``CorruptDataError`` naming the URL.
 - ``head_object``, ``read_object``, ``iter_chunks``: a size and metadata, a whole object, an object in pieces.
 
 Kept apart from the client and its errors so that the byte bookkeeping of a resumed read reads on its own. The
@@ -24,6 +26,7 @@ from typing import Any, Iterator
 
 from shards.errors import CorruptDataError
 from shards.formats import s3
+from shards.formats.parallel_parts import TransferClock
 from shards.formats.s3 import S3Options
 
 log = logging.getLogger("shards.formats.s3")  # the logger these reads have always used
@@ -52,6 +55,8 @@ class RangeReader(io.RawIOBase):
         self._body_stop = start  # the body in flight covers [position, _body_stop)
         self._chunk = chunk
         self._retryable = s3.retryable_types()
+        self._limits = self.options.transfer_limits()
+        self._clock = TransferClock(self._limits, url)  # the GET in flight's
 
     def readable(self) -> bool:
         return True
@@ -83,6 +88,7 @@ class RangeReader(io.RawIOBase):
                                    "replaced)", path=self.url)
         self._body = response["Body"]
         self._body_stop = self.position + length
+        self._clock = TransferClock(self._limits, self.url)
 
     def _close_body(self) -> None:
         if self._body is not None:
@@ -104,7 +110,10 @@ class RangeReader(io.RawIOBase):
         # and the retry asks for the rest from exactly there; StreamingBody.read would drop a partial read.
         raw = getattr(self._body, "_raw_stream", None)
         read1 = getattr(raw, "read1", None)
-        data = read1(wanted) if read1 is not None else self._body.read(min(wanted, 1 << 18))
+        if read1 is not None:
+            data = self._clock.read(read1, wanted)
+        else:
+            data = self._clock.read(self._body.read, min(wanted, 1 << 18))
         if not data:
             raise ConnectionResetError(f"body ended at byte {self.position}, expected up to {self._body_stop}")
         return data

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
+from shards.bounded_read import load_weights_only, open_regular_file, parser_guard
 from shards.errors import InputError, MissingInputError
 
 WRAPPER_KEYS = ("state_dict", "model")
@@ -45,18 +46,15 @@ def unwrap_state_dict(data: Any, where: str) -> dict[str, torch.Tensor]:
 
 
 def _load(path: Path) -> Any:
-    try:
-        if path.suffix == ".safetensors":
-            try:
-                from safetensors.torch import load_file
-            except ImportError:
-                raise InputError("reading .safetensors needs the 'safetensors' package (pip install safetensors), "
-                                 "or save the weights with torch.save as .pt", path=str(path)) from None
-            return load_file(str(path))
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except InputError:
-        raise
-    except Exception as exc:  # torch raises many types for damaged, pickled-object or foreign files
-        first_line = (str(exc).splitlines() or [""])[0][:200]
-        raise InputError(f"not a readable weights file with weights_only=True ({type(exc).__name__}: {first_line})",
-                         path=str(path)) from exc
+    where = str(path)
+    if path.suffix == ".safetensors":
+        try:
+            from safetensors import SafetensorError
+            from safetensors.torch import load_file
+        except ImportError:
+            raise InputError("reading .safetensors needs the 'safetensors' package (pip install safetensors), "
+                             "or save the weights with torch.save as .pt", path=where) from None
+        open_regular_file(path).close()
+        with parser_guard(where, "not a readable weights file", error=InputError, catch=(SafetensorError,)):
+            return load_file(where)
+    return load_weights_only(path, where, "not a readable weights file", error=InputError)

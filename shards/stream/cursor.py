@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from shards.errors import InputError
 from shards.stream.elastic import Continuation, continuation, dataset_fingerprint, sampling_settings
 from shards.stream.plan import epoch_sizes
 from shards.stream.resume import (
     LoaderState, Resume, check_quarantine_size, consumed_batches, quarantine_of, quarantine_record, stream_resume,
+    worker_batches,
 )
 
 
@@ -52,9 +54,19 @@ class Cursor:
 
     def load(self, state: dict[str, Any]) -> Continuation:
         """Continue ``state`` from the next iteration on: bitwise exactly in the same layout, over the rows its epoch
-        had left in another (``shards.stream.elastic``)."""
+        had left in another (``shards.stream.elastic``). Everything is checked before anything changes: the state's
+        fields (``LoaderState.from_dict``), its batch count against the epoch's batches, its quarantined rows
+        against the split."""
         continued = continuation(state, self.position(0), self.dataset.epoch_source())
-        quarantine = {**self.dataset.quarantine, **quarantine_of(state.get("quarantined"))}  # kept out from now on
+        position, had = continued.position, self.epoch_batches(continued)
+        if position.layout_batches > had:  # refused, not clamped: no run was ever at that position
+            raise InputError(f"loader state batches is {position.batches}: epoch {position.epoch} has "
+                             f"{continued.batches_before + had} batches in this layout")
+        saved = quarantine_of(state.get("quarantined"))
+        rows = sum(self.dataset.split_info.shard_sizes)
+        if saved and max(saved) >= rows:
+            raise InputError(f"loader state quarantined row {max(saved)} is not a row of this split ({rows} rows)")
+        quarantine = {**self.dataset.quarantine, **saved}  # kept out from now on
         check_quarantine_size(len(quarantine))
         self.dataset.quarantine = quarantine
         self._pending = continued
@@ -85,11 +97,18 @@ class Cursor:
 
     def rank_samples(self) -> int:
         """Samples this rank reads in the current epoch (of the remainder, in an epoch continued in another layout)."""
-        remainder = self.remainder()
-        if remainder is None:
+        return self._samples(self.remainder())
+
+    def _samples(self, continued: Continuation | None) -> int:
+        if continued is None or continued.left is None:
             return len(self.dataset)
         c = self.dataset.config
-        return epoch_sizes(len(remainder.left), c.world_size, c.drop_last).per_rank
+        return epoch_sizes(len(continued.left), c.world_size, c.drop_last).per_rank
+
+    def epoch_batches(self, continued: Continuation | None) -> int:
+        """Batches this rank's epoch has in this cursor's layout (of the remainder, when ``continued`` is one)."""
+        return sum(worker_batches(self._samples(continued), self.num_workers, self.batch_size, self.drop_last,
+                                  self.split_batch))
 
     def resume(self, continued: Continuation | None) -> Resume | None:
         """What each worker skips to continue ``continued`` (from ``begin``), and which worker goes first."""

@@ -10,6 +10,9 @@ number of batches, so the position is the same on every rank (``shards.stream.re
 every rank of any world size: the same layout bitwise, another elastically (``shards.stream.elastic``). A key per rank
 would make a resume on more ranks fail, since a new rank would ask for a key no rank wrote. What one copy loses is the
 samples other ranks quarantined (``shards.stream.watchdog``): the kept copy carries its own rank's list only.
+
+A checkpoint is untrusted input: the string is parsed through the one door (``bounded_read.parse_json``: a length
+cap, a nesting cap) and the record checked field by field by ``load_state_dict`` (``LoaderState.from_dict``).
 """
 
 from __future__ import annotations
@@ -17,9 +20,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from shards.bounded_read import JSONError, parse_json
 from shards.errors import InputError
+from shards.units import human_bytes
 
 KEY = "loader_state"
+# The longest record a loader saves: ~340 bytes, class weights, 10,000 quarantined samples and up to 10 million
+# excluded rows (``elastic.MAX_EXCLUDED``) at ~9 characters each.
+MAX_STATE_CHARS = 128 << 20
 
 
 class DcpLoaderState:
@@ -37,8 +45,11 @@ class DcpLoaderState:
         if not isinstance(text, str):
             raise InputError(f"the checkpoint entry is not a shardcache loader state saved with loader.dcp_state() "
                              f"(expected a dict with a {KEY!r} string)")
+        if len(text) > MAX_STATE_CHARS:
+            raise InputError(f"the checkpoint's {KEY!r} holds {human_bytes(len(text))}, more than a loader state "
+                             f"({human_bytes(MAX_STATE_CHARS)} at most)")
         try:
-            record = json.loads(text)
-        except ValueError as error:
-            raise InputError(f"the checkpoint's {KEY!r} is not valid JSON: {error}") from None
+            record = parse_json(text)
+        except JSONError as error:
+            raise InputError(f"the checkpoint's {KEY!r} is {error}") from None
         self.loader.load_state_dict(record)

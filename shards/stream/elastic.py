@@ -32,26 +32,25 @@ from typing import Any, Sequence
 import numpy as np
 
 from shards.errors import InputError
+from shards.shape import as_int_list
 from shards.stream.order import EpochSource, Layout, worker_order
 from shards.stream.plan import epoch_sizes
-from shards.stream.resume import LoaderState, check_compatible, worker_consumed
+from shards.stream.resume import LoaderState, check_compatible, worker_batches, worker_consumed
 
 LAYOUT_FIELDS = ("world_size", "num_workers", "batch_size", "drop_last")
 EXCLUDED = "excluded"  # a saved state's key: the global rows its layout's stream left out
 MAX_EXCLUDED = 10_000_000  # rows a state may list (80 MB as int64): more is not a list of bad samples
 
 
-def excluded_of(record: dict[str, Any]) -> np.ndarray | None:
-    """The sorted rows a saved state's stream left out (None: none), checked."""
+def excluded_of(record: dict[str, Any], what: str = "loader state excluded") -> np.ndarray | None:
+    """The sorted rows a saved state's stream left out (None: none): a saved list checked (``what`` names it), or
+    a live dataset's own array (``lineage``)."""
     rows = record.get(EXCLUDED)
-    if rows is None or len(rows) == 0:
+    if rows is None:
         return None
-    if len(rows) > MAX_EXCLUDED:
-        raise InputError(f"loader state lists {len(rows)} excluded rows, more than the {MAX_EXCLUDED} it may")
-    array = np.asarray(rows)
-    if array.ndim != 1 or array.dtype.kind not in "iu" or int(array.min()) < 0:
-        raise InputError("loader state 'excluded' must be a list of non-negative row numbers")
-    return np.unique(array.astype(np.int64))
+    if not isinstance(rows, np.ndarray):
+        rows = np.asarray(as_int_list(rows, what, max_len=MAX_EXCLUDED, error=InputError), dtype=np.int64)
+    return np.unique(rows.astype(np.int64)) if len(rows) else None
 
 
 def without(rows: np.ndarray, excluded: np.ndarray | None) -> np.ndarray:
@@ -109,7 +108,7 @@ def continuation(state: dict[str, Any], current: LoaderState, source: EpochSourc
         position = replace(current, epoch=saved.epoch, batches=saved.batches, prior=saved.prior)
         if saved.prior is None:
             return Continuation(position)  # the bitwise exact path: per-worker skips in the normal plan
-        return Continuation(position, without(remaining_after(source, saved.prior), source.excluded))
+        return Continuation(position, without(remaining_after(source, saved.prior, "prior."), source.excluded))
     if source.class_weights:
         raise InputError(f"the saved state's layout (world_size, num_workers, batch_size, drop_last, nodes) "
                          f"{_shown(saved)} differs from this loader's {_shown(current)}, and class-weighted "
@@ -125,31 +124,44 @@ def _shown(state: LoaderState) -> tuple:
     return (*state.layout()[:4], state.node_count)
 
 
-def remaining_after(source: EpochSource, state: LoaderState | dict[str, Any]) -> np.ndarray:
+def remaining_after(source: EpochSource, state: LoaderState | dict[str, Any], path: str = "") -> np.ndarray:
     """Global indices of the samples of saved ``state``'s epoch that no rank had yielded (nor its layouts left
-    out), in the epoch's order; ``state`` as saved (a dict, with the rows it left out) or a ``LoaderState``."""
-    gone, rows = _replay(source, state.to_dict() if isinstance(state, LoaderState) else state)
+    out), in the epoch's order; ``state`` as saved (a dict, with the rows it left out: checked, ``path`` naming
+    where it sits in the state being loaded) or a ``LoaderState``."""
+    if isinstance(state, LoaderState):
+        gone, rows = _replay(source, state, None, path)
+    else:
+        gone, rows = _replay(source, LoaderState.from_dict(state), excluded_of(state, f"loader state {path}excluded"),
+                             path)
     return rows[~gone]
 
 
-def _replay(source: EpochSource, record: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-    """(a mask over the epoch's stream positions yielded or left out up to saved state ``record``, the epoch's rows
-    in stream order), following ``prior`` links. Positions, not rows: a mixture may read a row twice in one epoch,
-    once per pass."""
-    state = LoaderState.from_dict(record)
-    excluded = excluded_of(record)
+def _replay(source: EpochSource, state: LoaderState, excluded: np.ndarray | None,
+            path: str) -> tuple[np.ndarray, np.ndarray]:
+    """(a mask over the epoch's stream positions yielded or left out up to saved ``state``, the epoch's rows in
+    stream order), following ``prior`` links (``LoaderState.from_dict`` bounds their depth). Positions, not rows:
+    a mixture may read a row twice in one epoch, once per pass. A batch count beyond what the saved layout's epoch
+    had is refused, naming the field: clamped, it would resume from a position no run was at."""
     if state.prior is None:
         rows = replace(source, excluded=excluded).epoch_stream(state.epoch, state.world_size, state.node_count)
         consumed = np.zeros(len(rows), dtype=bool)
     else:
-        consumed, rows = _replay(source, state.prior)
+        prior = path + "prior."
+        consumed, rows = _replay(source, LoaderState.from_dict(state.prior),
+                                 excluded_of(state.prior, f"loader state {prior}excluded"), prior)
         if excluded is not None:
             consumed |= np.isin(rows, excluded)
     stream = np.flatnonzero(~consumed).astype(np.int64)
     layout = Layout.of(state)
     per_rank = epoch_sizes(len(stream), state.world_size, source.drop_last).per_rank
+    had = sum(worker_batches(per_rank, state.logical_workers, state.batch_size, state.drop_last,
+                             state.split_batch or 1))
+    if state.layout_batches > had:
+        raise InputError(f"loader state {path}batches is {state.batches}: epoch {state.epoch} had "
+                         f"{state.batches - state.layout_batches + had} batches in the layout that saved it")
     counts, _ = worker_consumed(per_rank, state)
-    for rank in range(state.world_size):
-        for worker, count in enumerate(counts):
-            consumed[worker_order(source, layout, state.epoch, rank, worker, stream).yielded(count)] = True
+    for worker, count in enumerate(counts):
+        if count:  # a worker that yielded nothing marks nothing, on any rank
+            for rank in range(state.world_size):
+                consumed[worker_order(source, layout, state.epoch, rank, worker, stream).yielded(count)] = True
     return consumed, rows

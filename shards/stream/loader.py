@@ -37,7 +37,7 @@ from shards.stream.feature_loader import FeatureBatchLoader
 from shards.stream.feature_stream import FeatureShardDataset
 from shards.stream.loader_base import Loader
 from shards.stream.resume import STREAM, SharedResume
-from shards.stream.watchdog import StallPolicy, Watchdog
+from shards.stream.watchdog import StallPolicy, Watchdog, check_stack_dir
 from shards.stream.worker_status import WorkerStatus
 
 
@@ -147,9 +147,10 @@ class ShardLoader(Loader):
 
     def report_faults(self, stack_dir: str | None, on_event: Callable[[dict], Any] | None) -> None:
         """Where stall recovery writes stack dumps and sends its events, for a caller that knows only after making
-        the loader (a trainer's run folder); nothing without ``stall_timeout``."""
+        the loader (a trainer's run folder); nothing without ``stall_timeout``. The folder is checked now."""
         if self.watchdog is not None:
-            self.watchdog.stack_dir, self.watchdog.on_event = stack_dir, on_event
+            self.watchdog.stack_dir = None if stack_dir is None else check_stack_dir(stack_dir)
+            self.watchdog.on_event = on_event
 
     def __iter__(self) -> Iterator[Any]:
         if self.watchdog is not None:
@@ -194,10 +195,12 @@ def make_loader(dataset: ShardDataset, batch_size: int = 256, *, num_workers: in
     off the per-stage seconds (``stage_seconds()`` then stays at 0), for measuring what they cost.
 
     ``stall_timeout`` (seconds; None: off): no batch for that long, or a worker process gone, restarts the workers
-    at the exact position (``shards.stream.watchdog``), at most ``max_restarts`` times per epoch; a sample a worker
-    hung or died on twice is quarantined (``loader.quarantined``, carried in ``state_dict``). Stack dumps go to
-    ``stack_dir`` (default: a temporary folder), ``restart``/``quarantine`` events to ``on_event(dict)``. Loaders
-    without worker processes have nothing to restart and ignore it.
+    at the exact position (``shards.stream.watchdog``); a sample a worker hung or died on twice is quarantined
+    (``loader.quarantined``, carried in ``state_dict``). More than ``max_restarts`` restarts in one epoch that
+    followed no progress (no batch delivered, no sample quarantined since the restart before) is an error. Stack
+    dumps go to ``stack_dir`` (default: a temporary folder; one that is not a writable folder is refused here),
+    ``restart``/``quarantine`` events to ``on_event(dict)``. Loaders without worker processes have nothing to
+    restart and ignore it.
     """
     if drop_last is None:
         drop_last = dataset.config.shuffle

@@ -20,10 +20,12 @@ it starts an epoch.
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from shards.errors import InputError
+from shards.shape import MAX_COUNT, as_bool, as_int, as_list, as_number, as_object, as_str
 from shards.stream.plan import round_robin_consumed, worker_sample_counts
 from shards.stream.shared_values import SharedValues
 
@@ -113,6 +115,15 @@ FEATURE_BATCHES = "feature_batches"
 KINDS = (STREAM, FEATURE_BATCHES)
 # Fields added to a version after it was first written: a state saved before them lacks them and still loads.
 LATER_FIELDS = ("nodes", "quarantined")
+# What a saved state may hold (``check_record``). A state is untrusted input (docs/trust-model.md): each bound keeps
+# a tampered field from making a resume loop or allocate without end, far above anything a real run saves.
+MAX_EPOCH = 1 << 31
+MAX_BATCH_SIZE = 1 << 24
+MAX_WORLD_SIZE = 1 << 17  # an elastic replay deals the epoch to every saved rank: work grows with the world size
+MAX_SEED = (1 << 64) - 1  # what torch.Generator.manual_seed takes
+MAX_PRIOR_DEPTH = 32  # layout changes within one epoch, each nesting the state it continued
+MAX_CLASSES = 1 << 20
+MAX_KEY_CHARS = 4096
 # Settings a resumed run must share with the saved one, in the order they are checked; the layout (world size,
 # nodes, workers, batch size, drop_last) may change (``shards.stream.elastic``).
 COMPATIBLE = ("kind", "seed", "dataset", "sampling")
@@ -149,6 +160,7 @@ class LoaderState:
     version: int = LOADER_STATE_VERSION
 
     def __post_init__(self) -> None:
+        """A cheap sanity check for states made in code; a saved one is checked field by field in ``from_dict``."""
         if self.kind not in KINDS:
             raise InputError(f"loader state kind must be one of {list(KINDS)}, got {self.kind!r}")
         if self.epoch < 0 or self.batches < 0:
@@ -156,7 +168,6 @@ class LoaderState:
                              f"batches={self.batches}")
         if self.nodes is not None and self.nodes < 1:
             raise InputError(f"loader state nodes must be at least 1, got {self.nodes}")
-        quarantine_of(self.quarantined)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain numbers, booleans, strings, lists and dicts: loadable with ``torch.load(weights_only=True)``."""
@@ -191,22 +202,128 @@ class LoaderState:
         return self.batches - (self.prior["batches"] if self.prior is not None else 0)
 
     @classmethod
-    def from_dict(cls, state: dict[str, Any]) -> LoaderState:
-        """Read a saved state of this version; any other version (or none) is refused, not guessed at."""
-        if not isinstance(state, dict):
-            raise InputError(f"a loader state is a dict, got {type(state).__name__}")
-        version = state.get("version")
-        if version != LOADER_STATE_VERSION:
-            raise InputError(f"loader state version {version!r} is not one this shardcache reads (it reads version "
-                             f"{LOADER_STATE_VERSION}); resume with the version that saved it")
-        names = [f.name for f in fields(cls) if f.name != "version"]
-        missing = [n for n in names if n not in state and n not in LATER_FIELDS]
-        if missing:
-            raise InputError(f"loader state of version {version} lacks {', '.join(missing)}")
-        loaded = cls(**{n: state[n] for n in names if n in state})
-        if loaded.prior is not None and loaded.prior.get("epoch") != loaded.epoch:
-            raise InputError("loader state continues a state of another epoch: it was not saved by shardcache")
-        return loaded
+    def from_dict(cls, state: Any) -> LoaderState:
+        """Read a saved state of this version (any other version, or none, is refused, not guessed at), every
+        field checked for type and range, the ``prior`` chain included (``check_record``)."""
+        return cls(**check_record(state))
+
+
+# -- reading a saved state: the one validator ----------------------------------------------------------------------
+def check_record(state: Any) -> dict[str, Any]:
+    """The fields of saved state ``state`` (as ``LoaderState.to_dict`` wrote it, from ``load_state_dict``, DCP, a
+    checkpoint or a run's events: untrusted), each checked for type and range, or an ``InputError`` naming the
+    field (``loader state prior.batches is 2.5: expected an integer``).
+
+    Types are exact (``"7"``, ``2.5``, ``True``, ``NaN`` or ``None`` where an integer belongs are refused, never
+    converted) and every count bounded, so no field can make a resume loop or allocate without end; the
+    ``prior`` chain is walked iteratively, at most ``MAX_PRIOR_DEPTH`` deep, and each state it continued must
+    belong to the same epoch, settings and kind, with no more batches. What only the loader can check (the batch
+    count against the epoch's batches in the saved layout, the quarantined rows against the split) is checked
+    where the state is continued (``Cursor.load``, ``elastic.remaining_after``). The rows a stream left out
+    (``"excluded"``, beside the fields) are checked where they are read (``elastic.excluded_of``)."""
+    checked = _own_fields(state, "")
+    path, level = "", checked
+    for _ in range(MAX_PRIOR_DEPTH):
+        if level["prior"] is None:
+            return checked
+        path += "prior."
+        prior = _own_fields(level["prior"], path)
+        _check_continued(prior, level, path)
+        level = prior
+    raise InputError(f"loader state {path}prior: a state may continue at most {MAX_PRIOR_DEPTH} others (one per "
+                     f"layout change within an epoch); this one goes deeper")
+
+
+def _own_fields(record: Any, path: str) -> dict[str, Any]:
+    """One state's fields, checked; ``prior`` only for being an object (``check_record`` walks the chain)."""
+    record = as_object(record, f"loader state {path}".rstrip("."), error=InputError)
+    version = record.get("version")
+    if type(version) is not int or version != LOADER_STATE_VERSION:
+        raise InputError(f"loader state {path}version {reprlib.repr(version)} is not one this shardcache reads (it "
+                         f"reads version {LOADER_STATE_VERSION}); resume with the version that saved it")
+    names = [f.name for f in fields(LoaderState) if f.name != "version"]
+    missing = [n for n in names if n not in record and n not in LATER_FIELDS]
+    if missing:
+        where = f"loader state {path}".rstrip(".")
+        raise InputError(f"{where} of version {version} lacks {', '.join(missing)}")
+
+    def name(field_name: str) -> str:
+        return f"loader state {path}{field_name}"
+
+    def count(field_name: str, lo: int, hi: int) -> int:
+        return as_int(record[field_name], name(field_name), lo=lo, hi=hi, error=InputError)
+
+    kind = as_str(record["kind"], name("kind"), error=InputError)
+    if kind not in KINDS:
+        raise InputError(f"{name('kind')} must be one of {list(KINDS)}, got {reprlib.repr(kind)}")
+    world_size = count("world_size", 1, MAX_WORLD_SIZE)
+    nodes = record.get("nodes")
+    if nodes is not None:
+        nodes = count("nodes", 1, world_size)
+        if world_size % nodes:
+            raise InputError(f"{name('nodes')} is {nodes}: it must divide world_size={world_size}")
+    prior = record["prior"]
+    return dict(
+        kind=kind, epoch=count("epoch", 0, MAX_EPOCH), batches=count("batches", 0, MAX_COUNT),
+        batch_size=count("batch_size", 1, MAX_BATCH_SIZE), num_workers=count("num_workers", 0, MAX_WORKERS),
+        drop_last=as_bool(record["drop_last"], name("drop_last"), error=InputError),
+        seed=count("seed", 0, MAX_SEED), world_size=world_size,
+        split_batch=count("split_batch", 1, MAX_BATCH_SIZE),
+        dataset=as_str(record["dataset"], name("dataset"), max_len=64, error=InputError),
+        sampling=_sampling(record["sampling"], name("sampling")),
+        prior=None if prior is None else as_object(prior, name("prior"), error=InputError),
+        nodes=nodes, quarantined=_quarantined(record.get("quarantined"), name("quarantined")))
+
+
+def _check_continued(prior: dict[str, Any], state: dict[str, Any], path: str) -> None:
+    """A state a layout change continued: the same epoch, kind and settings, and no more batches."""
+    for setting in ("epoch", *COMPATIBLE):
+        if prior[setting] != state[setting]:
+            raise InputError(f"loader state {path}{setting} differs from the state that continued it: it was not "
+                             "saved by shardcache")
+    if prior["batches"] > state["batches"]:
+        raise InputError(f"loader state {path}batches is {prior['batches']}, more than the {state['batches']} of "
+                         "the state that continued it")
+
+
+# The settings ``elastic.sampling_settings`` writes: those always present, and those recorded only when set.
+SAMPLING_ALWAYS = ("shuffle", "shuffle_buffer", "class_weights", "weight_window", "drop_last")
+SAMPLING_WHEN_SET = ("rotate_every", "feature_window")
+
+
+def _sampling(value: Any, what: str) -> dict[str, Any]:
+    settings = as_object(value, what, error=InputError)
+    unknown = [key for key in settings if key not in SAMPLING_ALWAYS + SAMPLING_WHEN_SET]
+    if unknown:
+        raise InputError(f"{what} has {reprlib.repr(unknown[0])}, which is not a sampling setting")
+    missing = [key for key in SAMPLING_ALWAYS if key not in settings]
+    if missing:
+        raise InputError(f"{what} lacks {', '.join(missing)}")
+    for key in ("shuffle", "drop_last"):
+        as_bool(settings[key], f"{what}.{key}", error=InputError)
+    as_int(settings["shuffle_buffer"], f"{what}.shuffle_buffer", error=InputError)
+    as_int(settings["weight_window"], f"{what}.weight_window", lo=1, error=InputError)
+    for key in SAMPLING_WHEN_SET:
+        if key in settings:
+            as_int(settings[key], f"{what}.{key}", lo=1, error=InputError)
+    weights = settings["class_weights"]
+    if weights is not None:
+        for index, weight in enumerate(as_list(weights, f"{what}.class_weights", max_len=MAX_CLASSES,
+                                               error=InputError)):
+            as_number(weight, f"{what}.class_weights[{index}]", lo=0, error=InputError)
+    return settings
+
+
+def _quarantined(record: Any, what: str) -> list | None:
+    if record is None:
+        return None
+    for index, item in enumerate(as_list(record, what, max_len=MAX_QUARANTINED, error=InputError)):
+        pair = as_list(item, f"{what}[{index}]", max_len=2, error=InputError)
+        if len(pair) != 2:
+            raise InputError(f"{what}[{index}] must be a [row, key] pair")
+        as_int(pair[0], f"{what}[{index}] row", error=InputError)
+        as_str(pair[1], f"{what}[{index}] key", max_len=MAX_KEY_CHARS, error=InputError)
+    return record
 
 
 def check_compatible(saved: LoaderState, current: LoaderState) -> None:
@@ -215,10 +332,16 @@ def check_compatible(saved: LoaderState, current: LoaderState) -> None:
         value, ours = getattr(saved, name), getattr(current, name)
         if value is not None and value != ours:
             if name == "dataset":
-                raise InputError("the saved state was taken on another dataset (its shard sizes differ); resume on "
-                                 "the dataset it was saved with")
-            raise InputError(f"the saved state has {name}={value} but this loader has {name}={ours}; "
-                             "resume with the same setting")
+                raise InputError("loader state dataset: the saved state was taken on another dataset (its shard "
+                                 "sizes differ); resume on the dataset it was saved with")
+            raise InputError(f"loader state {name}: the saved state has {name}={_short(value)} but this loader has "
+                             f"{name}={_short(ours)}; resume with the same setting")
+
+
+def _short(value: Any) -> str:
+    """A value for a one-line message: as is when short, else cut (a saved ``sampling`` may list many weights)."""
+    text = str(value)
+    return text if len(text) <= 80 else reprlib.repr(value)
 
 
 MAX_QUARANTINED = 10_000  # a state carries them all; more means a broken node or dataset, not a few bad samples
@@ -232,14 +355,7 @@ def quarantine_record(quarantine: dict[int, str]) -> list[list[Any]]:
 
 def quarantine_of(record: list | None) -> dict[int, str]:
     """The quarantined samples of a state's ``quarantined`` record (None: none), checked."""
-    record = [] if record is None else record
-    if not isinstance(record, list) or not all(
-            isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], int) and item[0] >= 0
-            and isinstance(item[1], str) for item in record):
-        raise InputError("loader state 'quarantined' must be a list of [row, key] pairs (row a non-negative "
-                         "integer, key a string)")
-    check_quarantine_size(len(record))
-    return {row: key for row, key in record}
+    return {row: key for row, key in _quarantined(record, "loader state quarantined") or ()}
 
 
 def check_quarantine_size(count: int) -> None:
@@ -253,10 +369,10 @@ def consumed_batches(batches_consumed: int | None, handed_out: int) -> int:
     prefetch thread draws ahead of the training step) says how many it really used."""
     if batches_consumed is None:
         return handed_out
-    if not 0 <= batches_consumed <= handed_out:
-        raise InputError(f"batches_consumed must be in 0..{handed_out} (the batches this loader has handed out "
-                         f"this epoch), got {batches_consumed}")
-    return int(batches_consumed)
+    if type(batches_consumed) is not int or not 0 <= batches_consumed <= handed_out:
+        raise InputError(f"batches_consumed must be an integer in 0..{handed_out} (the batches this loader has "
+                         f"handed out this epoch), got {batches_consumed!r}")
+    return batches_consumed
 
 
 # -- from a batch count to per-worker skips --------------------------------------------------------------------------

@@ -18,8 +18,16 @@ publishes the sample it is decoding (``shards.stream.worker_status``), so when n
 
 With ``on_error="raise"`` a stall is an error naming shard, key and the stuck frame instead of a restart; a dead
 worker is restarted under either policy (the OOM killer is no verdict on the sample), and a sample that kills
-workers twice is quarantined under either: that it ends every process that decodes it is the verdict. More than
-``max_restarts`` restarts in one epoch is an error: a broken node should fail loudly.
+workers twice is quarantined under either: that it ends every process that decodes it is the verdict.
+
+The cap counts failures without progress, not events: a restart counts against ``max_restarts`` only when no batch
+was delivered and no sample quarantined since the restart before it. A bad sample takes two restarts to quarantine,
+so counting every restart would stop a healthy epoch that met two; counted so, an epoch meets any number of sparse
+bad samples, while a node that fails on everything still stops loudly after a few restarts.
+
+Each watched worker leads a process group, and a restart kills the group: whatever a hung decoder started dies with
+it. The stacks go to the dump file; the log gets one warning naming it, and the stacks at INFO, so ``--quiet``
+(warnings only) keeps them out of stderr.
 
 What it watches is torch's worker iterator, through two of its private hooks: ``_get_data`` (replaced on the
 iterator by a loop of short ``_try_get_data`` polls that watches the clock and the worker processes) and the
@@ -64,8 +72,10 @@ _OPEN_DUMPS: list = []  # a worker's dump file stays open for its lifetime (faul
 @dataclass(frozen=True)
 class StallPolicy:
     """When to call a worker stalled and what to do about it: no batch for ``timeout_s`` seconds; at most
-    ``max_restarts`` restarts per epoch; stack dumps into ``stack_dir`` (None: a temporary folder); events
-    (``{"kind": "restart" | "quarantine", ...}``, the data-events contract) to ``on_event``."""
+    ``max_restarts`` restarts without progress per epoch (see the module docstring); stack dumps into ``stack_dir``
+    (None: a temporary folder; checked here, so a folder that cannot take them fails when the loader is made, not
+    at the first stall); events (``{"kind": "restart" | "quarantine", ...}``, the data-events contract) to
+    ``on_event``."""
 
     timeout_s: float
     max_restarts: int = 3
@@ -77,6 +87,8 @@ class StallPolicy:
             raise InputError(f"stall_timeout must be a positive number of seconds, got {self.timeout_s}")
         if self.max_restarts < 0:
             raise InputError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if self.stack_dir is not None:
+            check_stack_dir(self.stack_dir)
 
     @property
     def poll_s(self) -> float:
@@ -84,17 +96,37 @@ class StallPolicy:
         return min(0.1, self.timeout_s / 4)  # a wake-up only while the queue is empty: nothing while batches flow
 
 
+def check_stack_dir(stack_dir: str) -> str:
+    """``stack_dir`` if it is a folder this process can create files in; else an ``InputError`` naming it."""
+    if not os.path.isdir(stack_dir):
+        raise InputError(f"stack_dir {stack_dir!r} is not a folder: stack dumps of stalled workers go there")
+    try:
+        tempfile.TemporaryFile(dir=stack_dir).close()  # what a write needs, whatever the mode bits say (root)
+    except OSError as exc:
+        raise InputError(f"stack_dir {stack_dir!r} is not writable ({exc.strerror or exc}): stack dumps of stalled "
+                         "workers go there") from None
+    return stack_dir
+
+
 class StackDumps:
     """A ``worker_init_fn``: the worker writes all its threads' Python stacks to ``<folder>/worker-<id>.txt`` on
     ``SIGUSR1`` (``faulthandler`` writes from the signal handler, so a worker stuck in a loop or a C call answers
     too); ``then`` (the caller's ``worker_init_fn``) still runs. The file is emptied when a worker starts: the
-    workers before it with that id were stopped (an epoch's end or a restart) after their dumps were read."""
+    workers before it with that id were stopped (an epoch's end or a restart) after their dumps were read.
+
+    The worker also leads a process group, which ``stop_workers`` kills (a decoder's subprocess would otherwise
+    outlive every restart); torch's workers ignore the terminal's Ctrl-C anyway, and ``OrphanGuard`` still ends
+    one whose main process is gone."""
 
     def __init__(self, folder: str, then: Callable[[int], Any] | None = None):
         self.folder = folder
         self.then = then
 
     def __call__(self, worker_id: int) -> None:
+        try:
+            os.setpgid(0, 0)
+        except OSError:  # not permitted (a session leader): its children are then killed with it only by luck
+            pass
         handle = open(dump_path(self.folder, worker_id), "w")
         _OPEN_DUMPS.append(handle)
         faulthandler.register(signal.SIGUSR1, file=handle, all_threads=True)
@@ -127,6 +159,8 @@ class Watchdog:
         weakref.finalize(self, shutil.rmtree, self.folder, True)
         self.faults: Counter[int] = Counter()  # global row -> times a worker hung or died on it
         self.restarts: Counter[int] = Counter()  # epoch -> restarts
+        self.fruitless: Counter[int] = Counter()  # epoch -> restarts without progress (the ones the cap counts)
+        self._progress = (0, 0)  # (batches handed out, samples quarantined) at the last restart or iteration start
         self.dumps = 0
         self.stack_dir, self.on_event = policy.stack_dir, policy.on_event  # a trainer sets them once it has a run
         self._awaited: tuple[int, int] | None = None  # (iterator id, batch index) the clock runs for
@@ -139,17 +173,30 @@ class Watchdog:
     def batches(self, loader: Any) -> Iterator[Any]:
         """The loader's batches of its current epoch, healed: ``loader.start_iteration()`` gives a DataLoader
         iterator at the cursor's position, ``loader.restart()`` reloads its own position on fresh workers."""
+        iterator = self._start(loader)
+        self._progress = self._position(loader)
         while True:
-            self.status.clear()
-            iterator = loader.start_iteration()
-            self._adopt(iterator)
+            # The yield stays outside the try: a generator dropped mid-epoch and closed at interpreter exit would
+            # otherwise evaluate ``except WorkerFault`` after module teardown and print a TypeError.
             try:
-                for batch in iterator:
-                    loader.cursor.handed += 1
-                    yield batch
+                batch = next(iterator)
+            except StopIteration:
                 return
             except WorkerFault as fault:
                 self._recover(loader, iterator, fault)
+                iterator = self._start(loader)
+                continue
+            loader.cursor.handed += 1
+            yield batch
+
+    def _start(self, loader: Any) -> Any:
+        self.status.clear()
+        iterator = loader.start_iteration()
+        self._adopt(iterator)
+        return iterator
+
+    def _position(self, loader: Any) -> tuple[int, int]:
+        return loader.cursor.handed, len(self.dataset.quarantine)
 
     def _adopt(self, iterator: Any) -> None:
         if getattr(iterator, "_worker_pids_set", False):
@@ -201,8 +248,9 @@ class Watchdog:
         self.dumps += 1
         report = self._report(workers, fault, on, reasons, stacks)
         dump = self._write_dump(report)
-        log.warning("DataLoader worker(s) %s %s; stacks in %s\n%s", fault.workers,
-                    "stalled" if fault.reason == "stall" else "died", dump, report)
+        log.warning("DataLoader worker(s) %s %s; stacks in %s", fault.workers,
+                    "stalled" if fault.reason == "stall" else "died", dump)
+        log.info("%s", report)  # INFO: --quiet keeps the stacks to the file
         reason = "; ".join(reasons.values()) or "stall"
         self._event({"kind": "restart", "workers": fault.workers, "reason": reason, "stacks": self._relative(dump)})
         if fault.reason == "stall" and self.dataset.config.on_error == "raise":
@@ -211,10 +259,14 @@ class Watchdog:
             if on[worker] is not None:
                 self._blame(on[worker], reasons[worker])
         self.restarts[epoch] += 1
-        if self.restarts[epoch] > self.policy.max_restarts:
-            raise ShardcacheError(f"DataLoader workers restarted {self.restarts[epoch]} times in epoch {epoch} "
-                                  f"(max_restarts={self.policy.max_restarts}); last: {reason}; "
-                                  f"stacks in {dump}")
+        before, self._progress = self._progress, self._position(loader)
+        if before == self._progress:  # no batch delivered and no sample quarantined since the last restart
+            self.fruitless[epoch] += 1
+        if self.fruitless[epoch] > self.policy.max_restarts:
+            raise ShardcacheError(f"DataLoader workers restarted {self.fruitless[epoch]} times in epoch {epoch} "
+                                  f"(max_restarts={self.policy.max_restarts}); last: {reason}; counted are restarts "
+                                  f"with no batch delivered and no sample quarantined since the one before "
+                                  f"({self.restarts[epoch]} in all); stacks in {dump}")
         loader.restart()
 
     def _blame(self, busy: Busy, reason: str) -> None:
@@ -315,9 +367,14 @@ def gone(iterator: Any, expected: list[bool], wait_s: float = 0.0) -> list[int]:
 
 
 def stop_workers(iterator: Any) -> None:
-    """Kill every worker (SIGKILL reaches a stopped or hung one too) and let the iterator release its queues."""
+    """Kill every worker with its process group (SIGKILL reaches a stopped or hung one too, and whatever a decoder
+    started; a dead worker's group may still hold its children) and let the iterator release its queues."""
     for process in iterator._workers:
-        if process.is_alive():
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # the group each worker leads (``StackDumps``)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if process.is_alive():  # one that leads no group (or has not been reaped yet: a zombie ignores this)
             try:
                 os.kill(process.pid, signal.SIGKILL)
             except ProcessLookupError:
