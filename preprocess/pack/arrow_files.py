@@ -4,6 +4,23 @@ Both kinds of table file that image datasets arrive as (Parquet from the Hub and
 files from ``datasets.save_to_disk``) are read here in bounded memory: one row group of only the columns asked
 for, never the whole table. pyarrow is optional (the ``parquet`` extra) and imported only when such a file is read.
 
+A table file is untrusted (docs/trust-model.md, "One door"), and pyarrow trusts what a file declares, so every
+read is bounded and checked first, and every pyarrow call runs inside ``parser_guard`` (one ``InputError`` naming
+the file, never a traceback):
+- A row group is decoded only if its metadata says it fits in ``max_bytes`` (``--max-bytes``): its uncompressed
+  size, and 16 bytes a row for each column read. A few KB of zstd can hold GBs of zeros. (The row group's size
+  counts every column, not only those read: pyarrow aborts the process when asked for a corrupt column chunk's
+  own metadata, ``row_group(i).column(j)``, so that is never asked.)
+- Byte-array columns are read as dictionaries, and of a struct column only its flat children: a value stored once
+  and indexed by every row (a *dictionary* bomb, invisible in the sizes above) stays one value in memory, and is
+  counted once per row (``cell_bytes``) against ``max_bytes`` before any cell is used. So each cell is bounded too.
+- An Arrow stream's messages are walked by their headers first (``_check_messages``): a compressed body, or one
+  larger than ``max_bytes`` or than the file, is refused before pyarrow reads it.
+- Every row group and record batch is validated in full before use: pyarrow reads a batch's buffers as declared,
+  and a corrupt offset aborts the process (SIGSEGV, SIGABRT) when a cell is read.
+What is not bounded: a Parquet page header may lie about its uncompressed size, and pyarrow allocates what it says
+(at most 2 GiB, the format's limit) while decompressing that page.
+
 The checks on a column's type live here too, so the scan and the packer read cells the same way: an image cell is
 binary, or a ``{bytes, path}`` struct (the Hugging Face ``Image`` feature) of which only ``bytes`` is ever used:
 a path in a dataset is never followed (it would let a dataset make the packer read any file on the machine).
@@ -13,12 +30,23 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import struct
+from collections import Counter
+from contextlib import AbstractContextManager
 from typing import Any, Iterator, Sequence
 
-from shards.bounded_read import open_regular_file
+from preprocess.pack.members import DEFAULT_MAX_BYTES
+from shards.bounded_read import open_regular_file, parser_guard
 from shards.errors import InputError
+from shards.shape import as_int
+from shards.units import human_bytes
 
 PYARROW_HINT = "pip install 'shardcache[parquet]'"
+KIND_NAMES = {"parquet": "Parquet", "arrow": "Arrow IPC stream"}
+ROW_OVERHEAD_BYTES = 16  # what a decoded row costs a column besides its bytes: offsets, indices, validity
+# Arrow IPC message header types (format/Message.fbs) that carry a body of column buffers.
+DICTIONARY_BATCH, RECORD_BATCH = 2, 3
 
 
 def pyarrow() -> Any:
@@ -33,28 +61,48 @@ def pyarrow() -> Any:
     return pa
 
 
-class TableFile:
-    """A context manager over one table file; ``schema`` is its Arrow schema, ``groups`` reads it in order."""
+def arrow_guard(path: str, what: str) -> AbstractContextManager[None]:
+    """``parser_guard`` for pyarrow on the file ``path``: any failure, pyarrow's own too, is one InputError."""
+    return parser_guard(path, what, error=InputError, catch=(pyarrow().ArrowException,))
 
-    def __init__(self, path: str, container: str):
-        self.path, self.container = path, container
+
+class TableFile:
+    """A context manager over one table file; ``schema`` is its Arrow schema (the file's own column types),
+    ``groups`` reads it in order, each row group bounded by ``max_bytes`` and validated (see the module docstring)."""
+
+    def __init__(self, path: str, container: str, max_bytes: int = DEFAULT_MAX_BYTES):
+        self.path, self.container, self.max_bytes = path, container, max_bytes
+        self.unit, self.units = ("row group", "row groups") if container == "parquet" else ("record batch",
+                                                                                            "record batches")
         self.pa = pyarrow()
 
     def __enter__(self) -> "TableFile":
-        pa = self.pa
         self._handle = open_regular_file(self.path)  # never a FIFO or device named like a data file
         try:
-            if self.container == "parquet":
-                self._parquet = pa.parquet.ParquetFile(self._handle)
-                self.schema = self._parquet.schema_arrow
-            else:
-                self._stream = pa.ipc.open_stream(self._handle)
-                self.schema = self._stream.schema
-        except (pa.ArrowException, OSError) as exc:
+            with arrow_guard(self.path, f"not a readable {KIND_NAMES[self.container]} file"):
+                self._open_parquet() if self.container == "parquet" else self._open_stream()
+                twice = sorted(name for name, count in Counter(self.schema.names).items() if count > 1)
+                if twice:  # pyarrow finds no column of a name two columns have
+                    raise InputError(f"column {twice[0]!r} appears twice", path=self.path)
+        except BaseException:
             self.close()
-            what = "Parquet" if self.container == "parquet" else "Arrow IPC stream"
-            raise InputError(f"not a readable {what} file ({_first_line(exc)})", path=self.path) from None
+            raise
         return self
+
+    def _open_parquet(self) -> None:
+        parquet = self.pa.parquet
+        plain = parquet.ParquetFile(self._handle)
+        self.schema, meta = plain.schema_arrow, plain.metadata
+        leaves = [meta.schema.column(i) for i in range(meta.num_columns)]
+        # Leaves inside a list or map are never read: they may decode to more values than the row group has rows.
+        self._flat = [leaf.path for leaf in leaves if leaf.max_repetition_level == 0]
+        text = [i for i, leaf in enumerate(leaves) if leaf.physical_type == "BYTE_ARRAY"]
+        self._parquet = parquet.ParquetFile(self._handle, metadata=meta, read_dictionary=text) if text else plain
+
+    def _open_stream(self) -> None:
+        self._check_messages()
+        self._stream = self.pa.ipc.open_stream(self._handle)
+        self.schema = self._stream.schema
 
     def __exit__(self, *exc_info) -> None:
         self.close()
@@ -71,8 +119,10 @@ class TableFile:
         last = wanted_rows[-1] if wanted_rows else None
         if self.container == "parquet":
             meta, first, at = self._parquet.metadata, 0, 0
+            paths = [path for path in self._flat if any(path == c or path.startswith(c + ".") for c in columns)]
             for group in range(meta.num_row_groups):
-                rows = meta.row_group(group).num_rows
+                row_group = meta.row_group(group)
+                rows = as_int(row_group.num_rows, f"row group {group}: num_rows", where=self.path, error=InputError)
                 if wanted_rows is not None:
                     while at < len(wanted_rows) and wanted_rows[at] < first:
                         at += 1
@@ -81,32 +131,160 @@ class TableFile:
                     if wanted_rows[at] >= first + rows:
                         first += rows
                         continue
+                declared = max(0, row_group.total_byte_size) + ROW_OVERHEAD_BYTES * rows * len(paths)
+                self._check_size(f"row group {group}", declared, "uncompressed")
                 # One thread: packing runs in --workers processes, forked after this scan has read.
-                yield group, first, self._read(group, lambda: self._parquet.read_row_group(group, list(columns),
+                yield group, first, self._read(group, lambda: self._parquet.read_row_group(group, paths,
                                                                                            use_threads=False))
                 first += rows
             return
         first = 0
         for group in itertools.count():
-            batch = self._read(group, self._stream.read_next_batch, end_ok=True)
-            if batch is None or (last is not None and first > last):
+            if last is not None and first > last:
                 return
-            yield group, first, batch.select(list(columns))
+            batch = self._read(group, lambda: self._next_batch(columns))
+            if batch is None:
+                return
+            yield group, first, batch
             first += batch.num_rows
 
-    def _read(self, group: int, read, end_ok: bool = False) -> Any:
+    def _next_batch(self, columns: Sequence[str]) -> Any:
         try:
-            return read()
+            return self._stream.read_next_batch().select(list(columns))
         except StopIteration:
-            if end_ok:
-                return None
-            raise
-        except (self.pa.ArrowException, OSError) as exc:
-            raise InputError(f"row group {group}: unreadable ({_first_line(exc)})", path=self.path) from None
+            return None
+
+    def _read(self, group: int, read) -> Any:
+        """What ``read`` gives (a table or batch, None at the end), validated and its cells counted."""
+        with arrow_guard(self.path, f"{self.unit} {group}: unreadable"):
+            data = read()
+            if data is not None:
+                data.validate(full=True)
+                self._check_size(f"{self.unit} {group}", cell_bytes(self.pa, data), "once its cells are read")
+            return data
+
+    def _check_size(self, name: str, size: int, how: str) -> None:
+        if size > self.max_bytes:
+            raise InputError(f"{name} holds {human_bytes(size)} {how}, more than --max-bytes "
+                             f"({human_bytes(self.max_bytes)}): not read (write the file in smaller {self.units}, "
+                             "or give a larger --max-bytes)", path=self.path)
+
+    def _check_messages(self) -> None:
+        """Walk the stream's messages by their headers, skipping their bodies, before pyarrow reads any: a body
+        is refused if compressed (pyarrow would decompress it whole; ``datasets.save_to_disk`` writes none),
+        larger than ``max_bytes`` or past the end of the file. Then back to the start."""
+        handle, size = self._handle, os.fstat(self._handle.fileno()).st_size
+        batch = 0
+        while handle.tell() < size:
+            length = _read_int32(handle)
+            if length == -1:  # the continuation marker before each message (format 0.15 and later)
+                length = _read_int32(handle)
+            if length == 0:  # end of stream
+                break
+            if not 0 < length <= size - handle.tell():
+                raise ValueError(f"message {length} bytes long, past the end of the file")
+            kind, body, compressed = _message_header(handle.read(length))
+            if not 0 <= body <= size - handle.tell():
+                raise ValueError(f"message body {body} bytes long, past the end of the file")
+            if kind in (DICTIONARY_BATCH, RECORD_BATCH):
+                name = f"record batch {batch}" if kind == RECORD_BATCH else f"a dictionary batch (before {batch})"
+                if compressed:
+                    raise InputError(f"{name} is compressed: not read (decompressing takes memory its size does not "
+                                     "show; datasets.save_to_disk writes uncompressed streams)", path=self.path)
+                self._check_size(name, body, "in its body")
+            batch += kind == RECORD_BATCH
+            handle.seek(body, os.SEEK_CUR)
+        handle.seek(0)
 
 
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip() or type(exc).__name__).splitlines()[0][:200]
+def _read_int32(handle: Any) -> int:
+    data = handle.read(4)
+    if len(data) != 4:
+        raise ValueError("truncated message prefix")
+    return struct.unpack("<i", data)[0]
+
+
+class _FlatTable:
+    """One table of a flatbuffer, the encoding of Arrow IPC message headers: its fields by number, every offset
+    checked against the buffer (a hostile header must not make ``struct`` read from the end)."""
+
+    def __init__(self, buf: bytes, pos: int):
+        self.buf, self.pos = buf, pos
+        self.vtable = pos - self._unpack("<i", pos)
+        self.vtable_len = self._unpack("<H", self.vtable)
+
+    def _unpack(self, fmt: str, at: int) -> int:
+        if not 0 <= at <= len(self.buf) - struct.calcsize(fmt):
+            raise ValueError("message header offset out of range")
+        return struct.unpack_from(fmt, self.buf, at)[0]
+
+    def where(self, field: int) -> int | None:
+        slot = 4 + 2 * field
+        offset = self._unpack("<H", self.vtable + slot) if slot + 2 <= self.vtable_len else 0
+        return self.pos + offset if offset else None
+
+    def scalar(self, field: int, fmt: str) -> int:
+        at = self.where(field)
+        return 0 if at is None else self._unpack(fmt, at)
+
+    def table(self, field: int) -> "_FlatTable | None":
+        at = self.where(field)
+        return None if at is None else _FlatTable(self.buf, at + self._unpack("<I", at))
+
+
+def _message_header(meta: bytes) -> tuple[int, int, bool]:
+    """``(header type, body length, compressed)`` of an IPC message header (``Message``: 1 header_type, 2 header,
+    3 bodyLength; ``RecordBatch``: 3 compression; ``DictionaryBatch``: 1 data, a RecordBatch)."""
+    if len(meta) < 4:
+        raise ValueError("message header too short")
+    message = _FlatTable(meta, struct.unpack_from("<I", meta)[0])  # the root table's offset
+    kind, body, header = message.scalar(1, "<B"), message.scalar(3, "<q"), message.table(2)
+    if kind == DICTIONARY_BATCH and header is not None:
+        header = header.table(1)
+    return kind, body, kind in (DICTIONARY_BATCH, RECORD_BATCH) and header is not None and header.where(3) is not None
+
+
+def _chunks(pa: Any, values: Any) -> list[Any]:
+    return values.chunks if isinstance(values, pa.ChunkedArray) else [values]
+
+
+def cell_bytes(pa: Any, values: Any) -> int:
+    """The bytes ``values`` (a table, batch, column or array) holds with every cell its own value: a dictionary
+    column's cells counted once per row (one 50 MiB value that 100 rows index is 5 GiB once they are read), a
+    struct by its children, any other array by its buffers."""
+    if isinstance(values, (pa.Table, pa.RecordBatch)):
+        return sum(cell_bytes(pa, column) for column in values.columns)
+    total = 0
+    for chunk in _chunks(pa, values):
+        kind = chunk.type
+        if pa.types.is_struct(kind):
+            total += sum(cell_bytes(pa, chunk.field(i)) for i in range(kind.num_fields))
+        elif pa.types.is_dictionary(kind) and (_is_binary(pa, kind.value_type) or _is_string(pa, kind.value_type)):
+            lengths = _lengths(pa, chunk.dictionary).take(chunk.indices)
+            total += (pa.compute.sum(lengths).as_py() or 0) + chunk.indices.nbytes
+        else:
+            total += chunk.nbytes
+    return total
+
+
+def cell_sizes(pa: Any, values: Any) -> list[int | None]:
+    """The byte length of each cell of a binary column (None for a null); a dictionary column's without
+    expanding it."""
+    sizes: list[int | None] = []
+    for chunk in _chunks(pa, values):
+        if pa.types.is_dictionary(chunk.type):
+            sizes += _lengths(pa, chunk.dictionary).take(chunk.indices).to_pylist()
+        else:
+            sizes += _lengths(pa, chunk).to_pylist()
+    return sizes
+
+
+def _lengths(pa: Any, array: Any) -> Any:
+    """``binary_length`` of a binary or string array, views too (which it has no kernel for: copied first)."""
+    views = (getattr(pa.types, "is_binary_view", None), getattr(pa.types, "is_string_view", None))
+    if any(check is not None and check(array.type) for check in views):
+        array = array.cast(pa.large_binary())
+    return pa.compute.binary_length(array)
 
 
 def column_error(path: str, group: int, column: str, what: str) -> InputError:
@@ -140,6 +318,12 @@ def check_label_type(pa: Any, schema: Any, column: str, path: str) -> None:
         kind = kind.value_type
     if not (pa.types.is_integer(kind) or _is_string(pa, kind)):
         raise column_error(path, 0, column, f"type {kind} cannot be read as a label (an integer or a string)")
+
+
+def check_split_type(pa: Any, schema: Any, column: str, path: str) -> None:
+    kind = schema.field(column).type
+    if not _is_string(pa, kind.value_type if pa.types.is_dictionary(kind) else kind):
+        raise column_error(path, 0, column, f"type {kind} cannot be read as a split name (a string)")
 
 
 def is_scalar(pa: Any, kind: Any) -> bool:

@@ -10,12 +10,13 @@ and the packer, which reads a shard's members grouped by container (``preprocess
 container once per shard job.
 
 ``MemberSpec`` is what the packer needs beyond the address to read a member (which column holds the image, which
-columns become metadata); it is recorded in the plan, so it is part of the dataset's identity.
+columns become metadata); it is recorded in the plan, so it is part of the dataset's identity. It also carries the
+most bytes one read of a container may decode (``--max-bytes``, which the plan records as such).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple
 
 from shards.errors import InputError
@@ -24,6 +25,9 @@ MEMBER_MARK = "#"
 # Fields every packed sample's ``<key>.json`` holds (``preprocess.pack.validate.sample_meta``): a source column or
 # JSON field of the same name cannot also be kept as metadata.
 RESERVED_META = ("path", "class", "width", "height", "mode", "format")
+# The most one read of a container may decode (a Parquet row group, an Arrow record batch) unless the scan is given
+# ``--max-bytes``: the option's default, the bytes of a shard, which the packer holds anyway.
+DEFAULT_MAX_BYTES = 256 << 20
 
 
 def member_path(container_rel: str, place: int | str) -> str:
@@ -68,6 +72,8 @@ class MemberSpec:
     container: str
     image_column: str | None = None  # parquet/arrow: the column with the image cells
     meta_columns: tuple[str, ...] = ()  # parquet/arrow: scalar columns kept as per-sample metadata
+    # parquet/arrow: the most one row group may decode (``--max-bytes``, recorded in the plan as such)
+    max_bytes: int = field(default=DEFAULT_MAX_BYTES, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {"container": self.container, "image_column": self.image_column,

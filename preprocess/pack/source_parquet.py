@@ -10,26 +10,33 @@ Each row is a member ``<file>#<row>`` (``preprocess.pack.members``), so its key 
 name and the row number and stays the same on every rerun. The scan reads only the image, label and split columns,
 a row group at a time, to learn each image's size and refuse bad rows before anything is written; the packer reads
 the image cells back with the metadata columns. Labels are class names: the ``ClassLabel`` names in the file's
-Hugging Face metadata when present (integer labels index them, string labels must be one of them), otherwise the
-distinct values; either way sorted, as every manifest's classes are, with labels mapped by name.
+Hugging Face metadata when present (integer labels index them, string labels must be one of them, and a name
+listed twice is an error, not a merge), otherwise the distinct values; either way sorted, as every manifest's
+classes are, with labels mapped by name.
+
+Every file here is untrusted (docs/trust-model.md, "One door"): the JSON files of a ``save_to_disk`` folder and the
+``huggingface`` schema metadata are parsed with a depth bound and checked field by field (``shards.shape``), and the
+table files are read through ``TableFile`` (``preprocess.pack.arrow_files``), which bounds each row group by
+``--max-bytes`` and validates it; what is computed on its cells runs inside ``arrow_guard``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Sequence
 
-from preprocess.pack.arrow_files import (TableFile, check_label_type, column_error, image_cell_kind, image_cells,
-                                         is_scalar, json_scalar, missing_image_reason, pyarrow)
+from preprocess.pack.arrow_files import (TableFile, arrow_guard, cell_sizes, check_label_type, check_split_type,
+                                         column_error, image_cell_kind, image_cells, is_scalar, json_scalar,
+                                         missing_image_reason, pyarrow)
 from preprocess.pack.csv_records import SPLIT_NAME
-from preprocess.pack.members import RESERVED_META, MemberBytes, MemberSpec, member_path
+from preprocess.pack.members import DEFAULT_MAX_BYTES, RESERVED_META, MemberBytes, MemberSpec, member_path
 from preprocess.pack.source_columns import SamplesBuilder, SourceSample
-from shards.bounded_read import read_json_file
-from shards.errors import InputError
+from shards.bounded_read import JSONError, parse_json, read_json_file
+from shards.errors import InputError, ManifestError
+from shards.shape import as_list, as_object, as_str, field
 
 log = logging.getLogger("shardcache.sources")
 
@@ -37,6 +44,7 @@ SPLIT_COLUMN = "split"
 HUB_FILE = re.compile(r"^(?P<split>[A-Za-z0-9_]+?)-\d+-of-\d+(?:-[0-9a-f]+)?\.parquet$")
 SPLIT_ALIASES = {"validation": "val"}  # the Hub's name for what every shardcache stage calls val
 NO_LABEL = "no label"
+HF_METADATA = "schema metadata 'huggingface'"
 
 
 def table_source_kind(path: Path) -> str | None:
@@ -64,12 +72,21 @@ def _table_files(root: Path, kind: str) -> list[tuple[str, str, str | None]]:
                        if not any(part.startswith(".") for part in p.relative_to(root).parts))
         return [(str(root / rel), rel, _hub_split(rel.rpartition("/")[2])) for rel in found]
     if (root / "dataset_dict.json").is_file():
-        splits = read_json_file(root / "dataset_dict.json").get("splits")
-        if not isinstance(splits, list) or not all(isinstance(s, str) and SPLIT_NAME.match(s) for s in splits):
-            raise InputError("dataset_dict.json: 'splits' is not a list of plain names", path=str(root))
         return [(str(root / s / name), f"{s}/{name}", _split_name(s))
-                for s in splits for name in _arrow_names(root / s)]
+                for s in _dataset_dict_splits(root / "dataset_dict.json") for name in _arrow_names(root / s)]
     return [(str(root / name), name, None) for name in _arrow_names(root)]
+
+
+def _dataset_dict_splits(path: Path) -> list[str]:
+    """The splits ``dataset_dict.json`` lists: plain names, so also folder names inside the dataset."""
+    where = str(path)
+    data = as_object(read_json_file(path), "the file", where=where)
+    splits = as_list(field(data, "splits", "", where=where), "splits", where=where)
+    names = [as_str(split, f"splits[{i}]", where=where) for i, split in enumerate(splits)]
+    for i, name in enumerate(names):
+        if not SPLIT_NAME.match(name):
+            raise ManifestError(f"splits[{i}] is {name!r}: not a plain name (letters, digits, _)", path=where)
+    return names
 
 
 def _hub_split(name: str) -> str | None:
@@ -81,11 +98,18 @@ def _arrow_names(folder: Path) -> list[str]:
     """The data files ``state.json`` lists (in its order), else ``data-*.arrow`` sorted."""
     state = folder / "state.json"
     if state.is_file():
-        files = read_json_file(state).get("_data_files")
-        if isinstance(files, list) and files:
-            names = [f.get("filename") if isinstance(f, Mapping) else None for f in files]
-            if not all(isinstance(n, str) and n and "/" not in n and not n.startswith(".") for n in names):
-                raise InputError("state.json: '_data_files' names a file outside the folder", path=str(state))
+        where = str(state)
+        data = as_object(read_json_file(state), "the file", where=where)
+        files = as_list(field(data, "_data_files", "", default=[], where=where), "_data_files", where=where)
+        names = []
+        for i, entry in enumerate(files):
+            what = f"_data_files[{i}]"
+            entry = as_object(entry, what, where=where)
+            name = as_str(field(entry, "filename", what, where=where), f"{what}.filename", where=where)
+            if not name or "/" in name or name.startswith("."):
+                raise ManifestError(f"{what}.filename is {name!r}: not a file in this folder", path=where)
+            names.append(name)
+        if names:
             return names
     names = sorted(p.name for p in folder.glob("data-*.arrow"))
     if not names:
@@ -93,23 +117,48 @@ def _arrow_names(folder: Path) -> list[str]:
     return names
 
 
-def class_label_names(schema: Any, column: str, info_file: Path | None) -> tuple[str, ...] | None:
-    """The ``ClassLabel`` names of ``column``: from the schema's ``huggingface`` metadata, else (``save_to_disk``)
-    from ``dataset_info.json``'s features; None when the column is no ClassLabel."""
-    features = None
+def class_label_names(schema: Any, column: str, path: str, info_file: Path | None) -> tuple[str, ...] | None:
+    """The ``ClassLabel`` names of ``column`` in the file ``path``: from the schema's ``huggingface`` metadata,
+    else (``save_to_disk``) from ``dataset_info.json``'s features; None when the column is no ClassLabel."""
     raw = (schema.metadata or {}).get(b"huggingface")
     if raw:
         try:
-            features = json.loads(raw).get("info", {}).get("features")
-        except (ValueError, AttributeError):
-            features = None
-    if features is None and info_file is not None and info_file.is_file():
-        features = read_json_file(info_file).get("features")
-    feature = features.get(column) if isinstance(features, Mapping) else None
-    names = feature.get("names") if isinstance(feature, Mapping) else None
-    if isinstance(names, list) and names and all(isinstance(n, str) for n in names):
-        return tuple(names)
+            value = parse_json(raw)
+        except JSONError as exc:
+            raise InputError(f"{HF_METADATA}: {exc}", path=path) from None
+        metadata = as_object(value, HF_METADATA, where=path, error=InputError)
+        info = as_object(field(metadata, "info", "", default={}, where=path, error=InputError),
+                         f"{HF_METADATA}: info", where=path, error=InputError)
+        features = field(info, "features", "", default=None, where=path, error=InputError)
+        if features is not None:
+            return _label_names(features, column, f"{HF_METADATA}: info.features", path, InputError)
+    if info_file is not None and info_file.is_file():
+        where = str(info_file)
+        info = as_object(read_json_file(info_file), "the file", where=where)
+        features = field(info, "features", "", default=None, where=where)
+        if features is not None:
+            return _label_names(features, column, "features", where, ManifestError)
     return None
+
+
+def _label_names(features: Any, column: str, what: str, where: str,
+                 error: type[InputError]) -> tuple[str, ...] | None:
+    """The ``names`` of ``column``'s feature in a features object (named ``what`` in errors), each once."""
+    features = as_object(features, what, where=where, error=error)
+    feature = features.get(column)
+    if feature is None:
+        return None
+    what = f"{what}.{column}"
+    names = as_object(feature, what, where=where, error=error).get("names")
+    if names is None:
+        return None
+    names = as_list(names, f"{what}.names", where=where, error=error)
+    seen: set[str] = set()
+    for i, name in enumerate(names):
+        if as_str(name, f"{what}.names[{i}]", where=where, error=error) in seen:
+            raise error(f"ClassLabel name {name!r} appears twice in {what}.names", path=where)
+        seen.add(name)
+    return tuple(names) or None
 
 
 class _Labels:
@@ -157,9 +206,11 @@ def _meta_columns(schemas: Sequence[Any], pa: Any, skip: set[str]) -> tuple[str,
     return kept
 
 
-def scan_table_source(root: Path, kind: str, image_column: str, label_column: str):
+def scan_table_source(root: Path, kind: str, image_column: str, label_column: str, *,
+                      max_bytes: int = DEFAULT_MAX_BYTES):
     """Every row of every file as a member: ``(classes, samples, skipped, MemberSpec)`` for ``SourceScan``,
-    ``skipped`` as ``(relative path, reason)`` pairs."""
+    ``skipped`` as ``(relative path, reason)`` pairs. ``max_bytes`` (``--max-bytes``) bounds what one row group may
+    decode, here and when the packer reads the rows back."""
     pa = pyarrow()
     files = _table_files(root, kind)
     if not files:
@@ -167,23 +218,28 @@ def scan_table_source(root: Path, kind: str, image_column: str, label_column: st
     container = "parquet" if kind == "parquet" else "arrow"
     schemas = []
     for path, _, _ in files:
-        with TableFile(path, container) as table:
+        with TableFile(path, container, max_bytes) as table:
             schemas.append(table.schema)
     labels, skipped = _Labels(), []
     builder = SamplesBuilder(str(root if root.is_dir() else root.parent), members=True, blocks=True)
     blocks = 0  # every row group of the source gets its own number: the unit the plan keeps together
     for (path, rel, layout_split), schema in zip(files, schemas):
-        kind_of_image = image_cell_kind(pa, schema, image_column, path)
-        check_label_type(pa, schema, label_column, path)
-        info = Path(path).parent / "dataset_info.json" if kind == "hf-arrow" else None
-        labels.use_names(class_label_names(schema, label_column, info), path, label_column)
-        has_split = SPLIT_COLUMN in schema.names and SPLIT_COLUMN not in (image_column, label_column)
+        with arrow_guard(path, "unreadable schema"):
+            kind_of_image = image_cell_kind(pa, schema, image_column, path)
+            check_label_type(pa, schema, label_column, path)
+            info = Path(path).parent / "dataset_info.json" if kind == "hf-arrow" else None
+            labels.use_names(class_label_names(schema, label_column, path, info), path, label_column)
+            has_split = SPLIT_COLUMN in schema.names and SPLIT_COLUMN not in (image_column, label_column)
+            if has_split:
+                check_split_type(pa, schema, SPLIT_COLUMN, path)
         columns = [image_column, label_column] + ([SPLIT_COLUMN] if has_split else [])
         mtime_ns = os.stat(path).st_mtime_ns
-        with TableFile(path, container) as table:
+        with TableFile(path, container, max_bytes) as table:
             for group, first, data in table.groups(columns):
                 blocks += 1
-                for row, size, label, split, problem in _group_rows(pa, data, kind_of_image, columns, first):
+                with arrow_guard(path, f"{table.unit} {group}: unreadable cells"):
+                    rows = _group_rows(pa, data, kind_of_image, columns, first)
+                for row, size, label, split, problem in rows:
                     rel_path = member_path(rel, row)
                     number = labels.number(label, path, group, label_column) if problem is None else None
                     if problem is None and number is None:
@@ -198,18 +254,19 @@ def scan_table_source(root: Path, kind: str, image_column: str, label_column: st
     index_of = {name: i for i, name in enumerate(classes)}
     builder.renumber_labels([index_of[name] for name in labels.numbers])
     meta = _meta_columns(schemas, pa, {image_column, label_column, SPLIT_COLUMN})
-    return classes, builder.build(), skipped, MemberSpec(container, image_column, meta)
+    return classes, builder.build(), skipped, MemberSpec(container, image_column, meta, max_bytes)
 
 
-def _group_rows(pa: Any, data: Any, image_kind: str, columns: list[str], first: int) -> Iterator[tuple]:
-    """``(row, image size, label, split, problem)`` of each row of one row group."""
+def _group_rows(pa: Any, data: Any, image_kind: str, columns: list[str], first: int) -> list[tuple]:
+    """``(row, image size, label, split, problem)`` of each row of one row group (its cells already counted
+    against ``--max-bytes`` by ``TableFile``, so turning them into Python values is bounded)."""
     images, paths = image_cells(pa, data.column(columns[0]), image_kind)
-    sizes = pa.compute.binary_length(images).to_pylist()
+    sizes = cell_sizes(pa, images)
     path_cells = paths.to_pylist() if paths is not None else [None] * len(sizes)
     labels = data.column(columns[1]).to_pylist()
     splits = data.column(columns[2]).to_pylist() if len(columns) > 2 else [None] * len(sizes)
-    for i, (size, label, split, path_cell) in enumerate(zip(sizes, labels, splits, path_cells)):
-        yield first + i, size or 0, label, split, missing_image_reason(path_cell) if size is None else None
+    return [(first + i, size or 0, label, split, missing_image_reason(path_cell) if size is None else None)
+            for i, (size, label, split, path_cell) in enumerate(zip(sizes, labels, splits, path_cells))]
 
 
 def _checked_split(value: Any, path: str, group: int) -> str:
@@ -233,22 +290,33 @@ def fetch_table_members(spec: MemberSpec, container: str, wanted: Sequence[tuple
     rows = [sample.offset for _, sample in by_row]
     columns = [spec.image_column, *spec.meta_columns]
     at = 0
-    with TableFile(container, spec.container) as table:
-        kind = image_cell_kind(pa, table.schema, spec.image_column, container)
-        for _, first, data in table.groups(columns, rows):
+    with TableFile(container, spec.container, spec.max_bytes) as table:
+        with arrow_guard(container, "unreadable schema"):
+            kind = image_cell_kind(pa, table.schema, spec.image_column, container)
+        for group, first, data in table.groups(columns, rows):
             stop = at
             while stop < len(rows) and rows[stop] < first + data.num_rows:
                 stop += 1
-            # Cell by cell: only the wanted rows become Python values (``take`` would also import pandas, a second).
-            images = image_cells(pa, data.column(spec.image_column), kind)[0]
-            metas = [data.column(name) for name in spec.meta_columns]
-            for position, sample in by_row[at:stop]:
-                i = sample.offset - first
-                meta = {name: json_scalar(values[i].as_py()) for name, values in zip(spec.meta_columns, metas)}
-                yield position, _checked_cell(images[i].as_py(), sample, mtime_ns, meta)
+            with arrow_guard(container, f"{table.unit} {group}: unreadable cells"):
+                found = _wanted_cells(pa, data, spec, kind, by_row[at:stop], first, mtime_ns)
+            yield from found
             at = stop
     for position, _ in by_row[at:]:
         yield position, MemberBytes(None, "row no longer in its file (changed since the scan)")
+
+
+def _wanted_cells(pa: Any, data: Any, spec: MemberSpec, kind: str, wanted: Sequence[tuple[int, SourceSample]],
+                  first: int, mtime_ns: int) -> list[tuple[int, MemberBytes]]:
+    """The image and metadata cells of the ``wanted`` rows of one row group that starts at row ``first``."""
+    # Cell by cell: only the wanted rows become Python values (``take`` would also import pandas, a second).
+    images = image_cells(pa, data.column(spec.image_column), kind)[0]
+    metas = [data.column(name) for name in spec.meta_columns]
+    found = []
+    for position, sample in wanted:
+        i = sample.offset - first
+        meta = {name: json_scalar(values[i].as_py()) for name, values in zip(spec.meta_columns, metas)}
+        found.append((position, _checked_cell(images[i].as_py(), sample, mtime_ns, meta)))
+    return found
 
 
 def _checked_cell(data: bytes | None, sample: SourceSample, mtime_ns: int, meta: dict[str, Any]) -> MemberBytes:
