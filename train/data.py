@@ -65,6 +65,11 @@ class RunData:
         """What the loaders yield beside the inputs: float targets for regression (``--task`` checked to agree)."""
         return manifest_task(self.manifest)
 
+    def close(self) -> None:
+        """Stop the loaders' worker processes as the run ends (``Loader.close``), not at garbage collection."""
+        for loader in (self.train_loader, self.val_loader):
+            loader.close()
+
     def cache_counts(self) -> dict[str, int] | None:
         """This rank's node-cache counters (train and val readers together, all epochs so far), or None."""
         caches = [getattr(loader.dataset, "shard_cache", None) for loader in (self.train_loader, self.val_loader)]

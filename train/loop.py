@@ -58,6 +58,7 @@ def train(cfg: TrainConfig, *, started: float | None = None) -> dict[str, Any]:
     ctx = setup_distributed(cfg.device)
     if not ctx.is_main:
         logging.getLogger("shardcache").setLevel(logging.WARNING)  # one voice per job: rank 0's
+    data: RunData | None = None
     try:
         if cfg.amp and ctx.device.type != "cuda":
             log.warning("--amp needs CUDA; training in float32 on %s", ctx.device)
@@ -71,6 +72,8 @@ def train(cfg: TrainConfig, *, started: float | None = None) -> dict[str, Any]:
         ctx.barrier()
         return Run(cfg, ctx, data, plan, started, scale).fit()
     finally:
+        if data is not None:
+            data.close()
         ctx.close()
 
 

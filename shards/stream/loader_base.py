@@ -57,6 +57,16 @@ class Loader:
     def set_epoch(self, epoch: int) -> None:
         self.dataset.set_epoch(epoch)
 
+    def close(self) -> None:
+        """Stop what the loader runs beside the caller (worker processes) now, rather than when the garbage
+        collector reaches it. Iterating again starts afresh. Also ``with make_loader(...) as loader:``."""
+
+    def __enter__(self) -> "Loader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def epoch(self) -> int:
         return self.dataset.epoch

@@ -158,3 +158,17 @@ def test_forkserver_workers_are_not_taken_for_orphans(tmp_path):
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == str([f"train_{i:05d}" for i in range(11)])
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_closing_a_loader_left_mid_epoch_stops_its_workers_at_once(tar_folder, persistent):
+    import multiprocessing
+
+    ds = shards.open_dataset(tar_folder, transform="eval", seed=0)
+    with shards.make_loader(ds, batch_size=4, num_workers=2, persistent_workers=persistent) as loader:
+        batches = iter(loader)
+        next(batches)  # left mid-epoch, the generator still held
+        assert len(multiprocessing.active_children()) == 2
+    assert multiprocessing.active_children() == []
+    assert sum(1 for _ in loader) == len(loader)  # iterating again starts afresh
+    loader.close()
