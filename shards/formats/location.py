@@ -34,8 +34,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, ContextManager, Iterable, Iterator
 
-from shards.bounded_read import JSONError, parse_json, read_capped, read_regular_file
-from shards.errors import ChecksumError, InputError, ManifestError, MissingInputError
+from shards.bounded_read import JSONError, open_regular_file, parse_json, read_capped, read_regular_file
+from shards.errors import ChecksumError, CorruptDataError, InputError, ManifestError, MissingInputError
 from shards.formats.locations import shard_location
 
 CHUNK = 8 << 20  # bytes per read when a whole object streams through (fetching, copying)
@@ -224,11 +224,8 @@ class LocalFile(Location):
 
     @contextmanager
     def open(self) -> Iterator[BinaryIO]:
-        try:
-            stream = open(self.text, "rb")
-        except FileNotFoundError:
-            raise MissingInputError("no such file", path=self.text) from None
-        with stream:
+        """A regular file only: a FIFO or device in a shard's place is refused unopened, never waited on."""
+        with open_regular_file(self.text, error=CorruptDataError) as stream:
             yield stream
 
     def read_slice(self, storage: Any, start: int, stop: int, *, size: int, offsets: Any = None,

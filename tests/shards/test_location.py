@@ -146,3 +146,18 @@ def test_manifests_load_by_one_rule_wherever_they_are(served, tmp_path):
     assert manifest == local and digest == dataset_sha256_at(folder) == dataset_sha256_at(url)
     with pytest.raises(MissingInputError, match="no dataset.json or features.json under this prefix"):
         load_manifest_at(f"{url}/nothing-here")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_a_local_shard_that_is_not_a_regular_file_is_refused_unopened(tmp_path, kind):
+    """A FIFO in a shard's place would block ``open()`` until a writer came (a cache fetch or a check hangs)."""
+    import time
+
+    from shards.errors import CorruptDataError
+
+    shard = tmp_path / "train-000000.tar"
+    os.mkfifo(shard) if kind == "fifo" else shard.mkdir()
+    started = time.monotonic()
+    with pytest.raises(CorruptDataError, match=r"train-000000\.tar: not a regular file"):
+        locate(str(shard)).check(10, None)
+    assert time.monotonic() - started < 5
