@@ -15,6 +15,14 @@ joined by ``/`` (no ``.`` or ``..`` part, so no ``../`` can reach a key); a key 
 is skipped with its reason, like a broken image (``--strict``: fatal). Damage in a tar (a bad header, a member
 cut short, no end-of-archive marker) skips the rest of that tar, the sample in progress included, with the
 reason; the whole samples before it are packed.
+
+Memory follows what is kept, not what a tar declares or holds (docs/trust-model.md, "One door"): a sample larger
+than ``--max-bytes`` (its members' headers and data, as their headers declare them: a sparse 3 GiB member costs a
+seek) is skipped by that size, never read, and the packer reads no further than the scan measured; a sample
+holding one extension twice (webdataset refuses it) or more than ``MAX_SAMPLE_MEMBERS`` members is skipped
+without keeping its member list; and of the samples skipped, the first ``MAX_LISTED_SKIPS`` are named one by one
+and the rest only counted, in one line per tar (a tar of a million empty members is 512 MB of headers that would
+otherwise become a million manifest entries).
 """
 
 from __future__ import annotations
@@ -24,18 +32,21 @@ import re
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from preprocess.pack.members import MemberBytes, MemberSpec, SourceFields, member_key, member_path
+from preprocess.pack.members import DEFAULT_MAX_BYTES, MemberBytes, MemberSpec, SourceFields, member_key, member_path
 from preprocess.pack.source_columns import SamplesBuilder, SourceSample
+from shards.bounded_read import open_regular_file, parse_json
 from shards.errors import CorruptDataError, InputError, MissingInputError
 from shards.formats.sample import IMAGE_EXTENSIONS
-from shards.bounded_read import open_regular_file, parse_json
 from shards.formats.tarheader import ByteSource, read_member, split_member_name
+from shards.units import human_bytes
 
 MAX_LABEL_BYTES = 1 << 20  # a label member or .json member is text, not data
 MAX_CLASS_CHARS = 256  # a class name, as the manifest records it
 MAX_EXPANDED = 100_000  # files one pattern may name
 KEY = re.compile(r"^[A-Za-z0-9_-]+(/[A-Za-z0-9_-]+)*$")
 MAX_NAME_BYTES = 100  # a ustar header's name field: each member the packer writes must fit it
+MAX_SAMPLE_MEMBERS = 1024  # members of one sample: a WebDataset sample has a handful
+MAX_LISTED_SKIPS = 1000  # skipped samples named one by one in the scan (and the manifest); the rest are counted
 _BRACE = re.compile(r"\{([^{}]*)\}")
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 # Members whose extension the packer writes itself (its image, label and metadata): a source member of that
@@ -96,10 +107,24 @@ class _Sample:
         self.key, self.start, self.end = key, start, start
         self.exts: list[str] = []
         self.texts: dict[str, bytes | None] = {}  # the label member / .json member (None: too large)
+        self.problem: str | None = None  # found while walking: its members are no longer recorded
+
+    def add(self, ext: str) -> None:
+        if self.problem is not None:
+            return
+        if ext in self.exts:
+            self.problem = f"duplicate member {self.key[:80]}.{ext[:40]} (a sample holds each extension once)"
+        elif len(self.exts) >= MAX_SAMPLE_MEMBERS:
+            self.problem = f"more than {MAX_SAMPLE_MEMBERS} members"
+        else:
+            self.exts.append(ext)
+            return
+        self.exts, self.texts = [], {}
 
 
 def _walk(path: str, text_exts: set[str]) -> Iterator[_Sample | CorruptDataError]:
-    """The samples of one tar in order, members grouped by key; the first damage is yielded last."""
+    """The samples of one tar in order, members grouped by key; the first damage is yielded last. Only headers and
+    label members are read: every other member is passed over by a seek."""
     with open_regular_file(path) as handle:
         source = ByteSource(handle, path, total=os.fstat(handle.fileno()).st_size, hashing=False)
         current: _Sample | None = None
@@ -111,12 +136,13 @@ def _walk(path: str, text_exts: set[str]) -> Iterator[_Sample | CorruptDataError
                     if current is not None:
                         yield current
                     current = _Sample(key, source.member_start)
-                current.exts.append(ext)
-                if ext.lower() in text_exts:
-                    current.texts[ext.lower()] = source.read(size, key=key) if size <= MAX_LABEL_BYTES else None
-                    if size > MAX_LABEL_BYTES:
-                        source.skip(size)
+                current.add(ext)
+                text = current.problem is None and ext.lower() in text_exts
+                if text and size <= MAX_LABEL_BYTES:
+                    current.texts[ext.lower()] = source.read(size, key=key)
                 else:
+                    if text:
+                        current.texts[ext.lower()] = None  # too large to be a label
                     source.skip(size)
                 current.end = source.offset
         except CorruptDataError as damage:
@@ -154,9 +180,14 @@ def output_ext(ext: str) -> str:
     return f"source.{ext}" if ext.lower() in OWN_EXTENSIONS else ext
 
 
-def _problem(sample: _Sample, first_tar: dict[str, str]) -> str | None:
+def _problem(sample: _Sample, first_tar: dict[str, str], max_bytes: int) -> str | None:
     if not KEY.match(sample.key):
         return f"bad key {sample.key[:80]!r} (keys are ASCII letters, digits, _ and -, parts joined by /)"
+    if sample.problem is not None:
+        return sample.problem
+    if sample.end - sample.start > max_bytes:
+        return (f"too large: {human_bytes(sample.end - sample.start)} of members, more than --max-bytes "
+                f"({human_bytes(max_bytes)})")
     longest = max(len(f"{sample.key}.{output_ext(ext)}".encode("utf-8", "surrogateescape")) for ext in sample.exts)
     if longest > MAX_NAME_BYTES:
         return f"member names too long ({longest} bytes; a tar shard's names hold {MAX_NAME_BYTES})"
@@ -167,33 +198,58 @@ def _problem(sample: _Sample, first_tar: dict[str, str]) -> str | None:
     return None
 
 
-def scan_tar_source(pattern: str, fields: SourceFields):
-    """Every sample of every tar as a member: ``(classes, samples, skipped pairs, MemberSpec)``."""
+class _Skips:
+    """Skipped samples and why: the first ``MAX_LISTED_SKIPS`` named one by one, the rest counted and named in one
+    line per tar, so neither memory nor the manifest grows with the members a tar holds."""
+
+    def __init__(self) -> None:
+        self.listed: list[tuple[str, str]] = []
+        self.unlisted, self.first_unlisted = 0, ""
+
+    def add(self, rel_path: str, reason: str) -> None:
+        if len(self.listed) < MAX_LISTED_SKIPS:
+            self.listed.append((rel_path, reason))
+            return
+        self.unlisted += 1
+        self.first_unlisted = self.first_unlisted or f"{rel_path}: {reason}"
+
+    def end_of_tar(self, rel: str) -> None:
+        if self.unlisted:
+            self.listed.append((rel, f"not listed one by one: {self.unlisted:,} more samples skipped in this tar "
+                                     f"(the first: {self.first_unlisted})"))
+            self.unlisted, self.first_unlisted = 0, ""
+
+
+def scan_tar_source(pattern: str, fields: SourceFields, *, max_bytes: int = DEFAULT_MAX_BYTES):
+    """Every sample of every tar as a member: ``(classes, samples, skipped pairs, MemberSpec)``. A sample of more
+    than ``max_bytes`` (``--max-bytes``; its headers and data, as declared) is skipped unread: the packer holds a
+    sample's bytes whole, and a shard's at most about that much."""
     base, tars = _tar_files(pattern)
     text_exts = {"json"} if fields.label_field is not None else {(fields.label_member or "cls").lower()}
     builder = SamplesBuilder(base, members=True, kept_keys=True)
     numbers: dict[str, int] = {}
-    skipped: list[tuple[str, str]] = []
+    skips = _Skips()
     first_tar: dict[str, str] = {}
     for path, rel in tars:
         mtime_ns = os.stat(path).st_mtime_ns
         for found in _walk(path, text_exts):
             if isinstance(found, CorruptDataError):
-                skipped.append((rel, f"damaged tar, the rest of it skipped ({found.reason})"))
+                skips.add(rel, f"damaged tar, the rest of it skipped ({found.reason})")
                 continue
             rel_path = member_path(rel, found.key)
-            problem = _problem(found, first_tar)
+            problem = _problem(found, first_tar, max_bytes)
             label, label_problem = _label(found, fields) if problem is None else (None, None)
             if problem is not None or label_problem is not None:
-                skipped.append((rel_path, problem or label_problem))
+                skips.add(rel_path, problem or label_problem)
                 continue
             first_tar[found.key] = rel
             builder.add(rel_path, numbers.setdefault(label, len(numbers)), None, found.end - found.start,
                         mtime_ns, found.start)
+        skips.end_of_tar(rel)
     classes = tuple(sorted(numbers))
     index_of = {name: i for i, name in enumerate(classes)}
     builder.renumber_labels([index_of[name] for name in numbers])
-    return classes, builder.build(), skipped, MemberSpec("tar")
+    return classes, builder.build(), skips.listed, MemberSpec("tar", max_bytes=max_bytes)
 
 
 def fetch_tar_members(spec: MemberSpec, container: str, wanted: Sequence[tuple[int, SourceSample]]
@@ -225,7 +281,7 @@ def _sample_members(source: ByteSource, key: str, end: int) -> MemberBytes:
     while source.offset + source.padding < end and (member := read_member(source)) is not None:
         name, size = member
         member_key_, ext = split_member_name(name)
-        if member_key_ != key:
+        if member_key_ != key or source.offset + size > end:  # never read past what the scan measured
             return MemberBytes(None, "its tar changed since the scan")
         parts.append((ext, source.read(size, key=key)))
     image_ext = next((ext for ext in IMAGE_EXTENSIONS if any(e.lower() == ext for e, _ in parts)), None)

@@ -11,22 +11,30 @@ checksum. Feature folders are checked by ``shards.check.features_verify``. Every
 sample key), so a corrupt file can be found and repacked. Shards are checked in worker processes (``workers``),
 each returning what it found on its own; the dataset-wide checks (keys unique across shards, split totals) are made
 here in shard order, so the report is the same for any number of workers.
+
+Every file is opened through the one door (``shards.bounded_read``): a FIFO, device, socket, folder or link loop in
+place of a shard, a sidecar or a column file is one problem line naming it, never a hang. The column index
+(``shards.formats.columns``) is checked twice over: each file against the manifest's size and sha256, and the
+fields verify can recompute from the samples it reads anyway (keys and labels) row by row against those samples,
+as each shard's result comes in. A manifest's checksum only says the file is the one the manifest names; a column
+edited by hand, its checksum fixed up to match, is caught by the second check.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from shards.atomic import sha256_file
+from shards.bounded_read import open_regular_file
 from shards.check.verify_core import (
     DEFAULT_SAMPLES_PER_SHARD, ShardTally, Tally, VerifyOptions, VerifyReport, check_samples, check_split_totals,
 )
-from shards.errors import InputError, ManifestError, MissingInputError, ShardcacheError
-from shards.formats.columns import verify_columns
+from shards.errors import CorruptDataError, InputError, ManifestError, MissingInputError, ShardcacheError
+from shards.formats.columns import open_columns, verify_columns
 from shards.formats.location import Location, locate
 from shards.formats.manifest_io import load_manifest_at
 from shards.formats.storage import get_storage
@@ -47,13 +55,25 @@ class ShardJob:
     decode_wanted: int | None
 
 
+HASH_BLOCK = 4 << 20
+
+
+def _size_and_sha256(path: Path) -> tuple[int, str]:
+    """The size and sha256 of a file opened through the one door: anything but a regular file raises
+    ``CorruptDataError`` naming it (none at all: ``MissingInputError``), and nothing else is read of it."""
+    with open_regular_file(path, error=CorruptDataError) as handle:
+        digest = hashlib.sha256()
+        while block := handle.read(HASH_BLOCK):
+            digest.update(block)
+        return os.fstat(handle.fileno()).st_size, digest.hexdigest()
+
+
 def _check_bytes(path: Path, shard: ShardInfo, limit: int, tally: ShardTally) -> None:
     """Size and sha256 against the manifest (a copy that stopped at ``limit`` bytes is longer than recorded)."""
-    size = path.stat().st_size
+    size, digest = _size_and_sha256(path)
     if size != shard.bytes:
         shown = f"more than {shard.bytes}" if size == limit else str(size)
         tally.problem(f"{shard.path}: size {shown} bytes, manifest says {shard.bytes}")
-    digest = sha256_file(path)
     if digest != shard.sha256:
         tally.problem(f"{shard.path}: sha256 {digest[:16]}... does not match the manifest's {shard.sha256[:16]}...")
 
@@ -81,8 +101,6 @@ def check_shard(job: ShardJob) -> ShardTally:
     limit = shard.bytes + 1
     try:
         with where.local_copy(limit) as path:
-            if not path.is_file():
-                raise MissingInputError("missing", path=where.text)
             _check_bytes(path, shard, limit, tally)
             if shard.index is not None and get_storage(job.storage).indexed:
                 _check_index(where, path, shard, tally)
@@ -105,15 +123,56 @@ def _check_source_index(base: Location, manifest: DatasetManifest, tally: Tally)
     try:
         where = base.child(entry["path"], where=str(base.file(DATASET_FILE)), what="source index")
         with where.local_copy() as path:
-            if not path.is_file():
-                raise MissingInputError("missing", path=where.text)
             recorded = entry.get("sha256")
-            if recorded and sha256_file(path) != recorded:
+            digest = _size_and_sha256(path)[1]  # through the door even when no checksum is recorded
+            if recorded and digest != recorded:
                 tally.problems.append(f"{name}: source index does not match the checksum in dataset.json")
     except ManifestError as exc:  # a name or symlink out of the folder: reported, never read
         tally.problems.append(str(exc))
     except MissingInputError:
         tally.problems.append(f"{name}: missing (the manifest names it as the source index)")
+    except CorruptDataError as exc:  # a FIFO, a folder... in its place
+        tally.problems.append(f"{name}: {exc.reason}")
+
+
+class _IndexedFields:
+    """A split's key and label columns, held row by row to the samples its shards hold, one shard at a time in
+    manifest order (the column's row order). Columns that fail their own checks, or a dataset without columns,
+    give nothing to compare: ``verify_columns`` reports the former."""
+
+    FIELDS = ("key", "label")
+
+    def __init__(self, base: Location, manifest: DatasetManifest, split: str):
+        self.row = 0  # the split's row of the next shard's first sample
+        self.fields: list[tuple[str, str, Any]] = []  # (field, its column file, its values)
+        try:
+            columns = open_columns(base, manifest, split)
+            if columns is not None:
+                self.fields = [(name, columns.path_of(name), columns.column(name)) for name in self.FIELDS]
+        except (ShardcacheError, KeyError):
+            self.fields = []
+
+    def check(self, shard: ShardInfo, read: ShardTally) -> list[str]:
+        """One line per field whose column disagrees with ``shard`` (the split's next one), naming the first row
+        that does; nothing when the shard did not read whole (already a problem, and its rows would not align)."""
+        first, self.row = self.row, self.row + shard.samples
+        if not self.fields or len(read.keys) != shard.samples:
+            return []
+        problems = []
+        for name, column_path, values in self.fields:
+            recorded = values[first:first + shard.samples].tolist()
+            found = [key.encode("utf-8") for key in read.keys] if name == "key" else read.labels
+            wrong = [i for i, (mine, theirs) in enumerate(zip(recorded, found)) if mine != theirs]
+            if wrong:
+                i = wrong[0]
+                more = f"; {len(wrong) - 1} more of its rows differ" if len(wrong) > 1 else ""
+                problems.append(f"{column_path}: row {first + i} (sample {read.keys[i]}): {name} {_shown(recorded[i])} "
+                                f"in the column index, {_shown(found[i])} in {shard.path}{more}")
+        return problems
+
+
+def _shown(value: Any) -> str:
+    return repr(value.decode("utf-8", "replace")) if isinstance(value, bytes) else str(value)
 
 
 def _verify_images(shown: str, base: Location, manifest: DatasetManifest, options: VerifyOptions) -> VerifyReport:
@@ -123,10 +182,14 @@ def _verify_images(shown: str, base: Location, manifest: DatasetManifest, option
             for split in manifest.splits.values() for shard in split.shards]
     with progress(total=len(jobs), desc="verify", unit="shard", quiet=options.quiet) as bar, \
             closing(ordered_map(check_shard, jobs, options.workers, lambda _: bar.update(1))) as results:
+        disagreements: list[str] = []  # reported after the shards' own problems, which the totals check counts
         for split_name, split in manifest.splits.items():
+            indexed = _IndexedFields(base, manifest, split_name)
             for shard, result in zip(split.shards, results):
                 tally.add(split_name, shard.path, result)
+                disagreements += indexed.check(shard, result)
             check_split_totals(split_name, split, tally)
+    tally.problems.extend(disagreements)
     _check_source_index(base, manifest, tally)
     tally.problems.extend(verify_columns(base, manifest))  # the column index (shards.formats.columns)
     return VerifyReport(shown, "images", tuple(tally.problems), len(jobs), tally.read, tally.decoded)

@@ -69,12 +69,14 @@ def decode_positions(count: int, wanted: int) -> set[int]:
 class ShardTally:
     """What checking one shard found, on its own (so a worker process can check it and send it back): its problems
     in the order found, each tagged with how many of its keys had been read when it was found (where the dataset's
-    duplicate-key check of the next key goes between them), its keys in order, its in-range class counts and the
-    samples read and decoded."""
+    duplicate-key check of the next key goes between them), its keys and labels in order (for the dataset-wide
+    checks: keys unique, the column index agreeing), its in-range class counts and the samples read and
+    decoded."""
 
     n_classes: int
     problems: list[tuple[int, str]] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)
+    labels: list[int] = field(default_factory=list)
     read: int = 0
     decoded: int = 0
     class_counts: list[int] = field(init=False)
@@ -123,7 +125,8 @@ class Tally:
 def check_samples(path: Path, storage: str, shard: ShardInfo, decode_wanted: int | None, tally: ShardTally) -> None:
     """Read the samples of one shard (the file at ``path``: the shard itself, or a copy of it): labels in range,
     the recorded sample and class counts, and the images at the ``decode_wanted`` spread positions (every one with
-    ``None``) decode. Its keys are kept in ``tally`` for the dataset-wide uniqueness check (``Tally.add``)."""
+    ``None``) decode. Its keys and labels are kept in ``tally`` for the dataset-wide checks (``Tally.add``, the
+    column index in ``shards.check.verify``)."""
     positions = None if decode_wanted is None else decode_positions(shard.samples, decode_wanted)
     seen, last_key = 0, None
     own = tally.class_counts  # this shard's, against its recorded class_counts (what subsets skip shards by)
@@ -132,6 +135,7 @@ def check_samples(path: Path, storage: str, shard: ShardInfo, decode_wanted: int
             seen, last_key = seen + 1, sample.key
             where = f"{shard.path} [sample {sample.key}]"
             tally.keys.append(sample.key)
+            tally.labels.append(sample.label)
             # The range only: the shard's recorded class counts are compared whole below (one line, not one a sample).
             problem = label_problem(sample.label, tally.n_classes)
             if problem is not None:

@@ -10,10 +10,14 @@ row. ``dataset.json`` records each file's path, size, sha256 and dtype under ``e
 Writing is ``shards.formats.column_writer``'s; this module holds the format's constants, the manifest entry's
 helpers and reading.
 
-Reading trusts nothing on disk: the ``.npy`` header is parsed here from a bounded read (version 1.0, C order,
-1-D, a dtype ``allowed_dtype`` accepts; never pickles), the file's size must be exactly header + rows * itemsize,
-and its sha256 must equal the manifest's (hashed once per process per file, streamed) before the file is mapped
-read-only. A remote dataset's column files are copied (into the node cache when there is one) and mapped there.
+Reading trusts nothing on disk: a column file is opened through the one door (``shards.bounded_read``: a
+FIFO, device, socket, folder or link loop in its place is one ``CorruptDataError`` naming it, never opened), its
+size must be the manifest's before a byte is read (a sparse 3 GiB file is refused on its ``fstat``), the ``.npy``
+header is matched here from a bounded read (version 1.0 as NumPy writes it, C order, 1-D, a dtype
+``allowed_dtype`` accepts; never pickles, never NumPy's own header parser), the file's size must be exactly header + rows * itemsize, and its sha256 must equal the manifest's
+(hashed once per process per file, streamed) before the file is mapped read-only. A remote dataset's column files
+are copied (into the node cache when there is one) and mapped there. That a column holds what the shards hold is
+``shards verify``'s to check (``shards.check.verify``): it reads the shards anyway.
 """
 
 from __future__ import annotations
@@ -30,14 +34,18 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from shards.atomic import unique_tmp_path
-from shards.errors import CorruptDataError, ManifestError, ShardcacheError
+from shards.bounded_read import open_regular_file
+from shards.errors import CorruptDataError, ManifestError, MissingInputError, ShardcacheError
 from shards.formats.location import Location, locate
 
 COLUMNS_KEY = "columns"
 FORMAT = "npy-1"
 FOLDER = "columns"
 HASH_BLOCK = 1 << 20
-MAX_HEADER = 65535 + 10  # magic, version, 2-byte length, and the longest header version 1.0 allows
+NPY_MAGIC = b"\x93NUMPY"
+# A version 1.0 ``.npy`` header as NumPy writes it: ``{'descr': '<i8', 'fortran_order': False, 'shape': (7,), }``.
+_NPY_HEADER = re.compile(r"\{'descr': '(?P<descr>[^'\\]{1,40})', 'fortran_order': (?P<fortran>False|True), "
+                         r"'shape': \((?P<shape>(?:\d{1,19}(?:, \d{1,19})*,?)?)\), \} *\n")
 # The only dtypes a column may have: no objects (pickles), no big-endian or structured types.
 _FIXED = {"|b1": np.dtype(bool), "<i4": np.dtype("<i4"), "<i8": np.dtype("<i8"), "<f8": np.dtype("<f8")}
 _BYTES = re.compile(r"^\|S([1-9][0-9]{0,8})$")
@@ -80,17 +88,28 @@ def next_column_number(split_entry: Any) -> int:
 _VERIFIED: set[tuple[Any, ...]] = set()  # (device, inode, size, mtime_ns, sha256) of files hashed in this process
 
 
-def _header(handle: Any, shown: str) -> tuple[np.dtype, tuple[int, ...], bool, int]:
-    """The dtype, shape, order and data offset of the ``.npy`` file ``handle``, from at most ``MAX_HEADER``
-    bytes; a file that is not a version 1.0 ``.npy`` is ``CorruptDataError``."""
-    try:
-        version = np.lib.format.read_magic(handle)
-        if version != (1, 0):
-            raise ValueError(f"format version {version}, expected (1, 0)")
-        shape, fortran, dtype = np.lib.format.read_array_header_1_0(handle, max_header_size=MAX_HEADER)
-    except (ValueError, EOFError, SyntaxError, TypeError) as exc:
-        raise CorruptDataError(f"not a readable .npy column ({str(exc).splitlines()[0][:200]})", path=shown) from None
-    return dtype, shape, fortran, handle.tell()
+def _header(handle: Any, shown: str) -> tuple[str, tuple[int, ...], bool, int]:
+    """The dtype (its descr), shape, order and data offset of the ``.npy`` file ``handle``; a file that is not a
+    version 1.0 ``.npy`` with the header NumPy writes is ``CorruptDataError``.
+
+    The header is matched here, never handed to NumPy's reader: that one runs Python's tokenizer and
+    ``ast.literal_eval`` over up to 64 KiB of untrusted text, which raise errors of their own and can take
+    hundreds of MB on a nested one. Every NumPy writer produces this one form (keys sorted, padded with spaces)."""
+    def refuse(why: str) -> CorruptDataError:
+        return CorruptDataError(f"not a readable .npy column ({why})", path=shown)
+
+    prefix = handle.read(10)  # magic, version, header length
+    if len(prefix) < 10 or prefix[:6] != NPY_MAGIC:
+        raise refuse("no .npy magic")
+    if prefix[6:8] != b"\x01\x00":
+        raise refuse(f"format version ({prefix[6]}, {prefix[7]}), expected (1, 0)")
+    length = int.from_bytes(prefix[8:10], "little")
+    text = handle.read(length)
+    match = _NPY_HEADER.fullmatch(text.decode("latin-1")) if len(text) == length else None
+    if match is None:
+        raise refuse(f"a header other than NumPy writes: {text[:60]!r}")
+    shape = tuple(int(size) for size in match["shape"].replace(",", " ").split())
+    return match["descr"], shape, match["fortran"] == "True", len(prefix) + length
 
 
 def _sha256(handle: Any) -> str:
@@ -106,9 +125,11 @@ def map_column(path: Path, spec: Mapping[str, Any], rows: int, dtype: np.dtype, 
     """The checked, read-only array of the column file ``path`` (``spec``: its manifest entry; ``shown``: its name
     in messages). The sha256 is hashed once per process per file, or every time with ``recheck``."""
     try:
-        handle = open(path, "rb")
-    except FileNotFoundError:
+        handle = open_regular_file(path, error=CorruptDataError)
+    except MissingInputError:
         raise CorruptDataError("column file listed in the manifest is missing", path=shown) from None
+    except CorruptDataError as exc:  # named as the caller shows it
+        raise CorruptDataError(exc.reason, path=shown) from None
     with handle:
         stat = os.fstat(handle.fileno())
         expected_bytes = spec.get("bytes")
@@ -116,8 +137,8 @@ def map_column(path: Path, spec: Mapping[str, Any], rows: int, dtype: np.dtype, 
             raise CorruptDataError(f"{stat.st_size} bytes, the manifest records {expected_bytes} "
                                    "(truncated, extended or replaced)", path=shown)
         found, shape, fortran, offset = _header(handle, shown)
-        if found.hasobject or found != dtype or found.str != dtype.str:
-            raise CorruptDataError(f"dtype {found.str}, the manifest records {dtype.str}", path=shown)
+        if found != dtype.str:
+            raise CorruptDataError(f"dtype {found}, the manifest records {dtype.str}", path=shown)
         if fortran or shape != (rows,):
             raise CorruptDataError(f"shape {shape}{' in Fortran order' if fortran else ''}, expected ({rows},) "
                                    "in C order", path=shown)
@@ -247,6 +268,10 @@ class SplitColumns:
         if name not in self._masks:
             self._masks[name] = self._open(spec, np.dtype(bool))
         return self._masks[name]
+
+    def path_of(self, name: str) -> str:
+        """The manifest's path of field ``name``'s column file (``KeyError`` if it has no column)."""
+        return self._specs[name]["path"]
 
     def files(self) -> Iterator[tuple[Mapping[str, Any], np.dtype]]:
         """The manifest entry and dtype of every file of this split (each column, then its mask, if any)."""

@@ -12,22 +12,31 @@ Layout of one ``<split>-NNNNNN.h5`` file (plain h5py reads it)::
 
 One flat byte array with offsets (rather than a variable-length ``uint8`` dataset) reads a whole shard in one
 sequential ``read`` instead of one small HDF5 read per sample, and is just as easy to read without shardcache.
+
+A shard is untrusted bytes handed to a third-party parser, so it goes through the one door (``shards.bounded_read``):
+a local file is opened by ``open_regular_file`` (a FIFO would block HDF5's own ``open`` forever) and h5py reads
+that handle; h5py runs inside ``parser_guard``; and every dataset's kind, rank, dtype and declared size is checked
+before any is read (a shape of 10**12 in a 1 KB file is refused, never allocated).
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, BinaryIO, Iterator, Sequence
 
 import numpy as np
 
 from shards.atomic import atomic_output, sha256_file
+from shards.bounded_read import open_regular_file, parser_guard
 from shards.errors import CorruptDataError
 from shards.formats.sample import RawSample
 
 HDF5_FORMAT = "shardcache.hdf5"
 CHUNK_BYTES = 1 << 20
+COLUMNS = ("labels", "keys", "exts", "meta")  # one row per sample, beside ``offsets`` (one more) and ``data``
+UNREADABLE = "unreadable HDF5 shard"
 
 
 def _h5py():
@@ -87,8 +96,8 @@ class Hdf5ShardWriter:
         self._rows = []
 
 
-def iter_hdf5_shard(path: str | os.PathLike, start: int = 0, stop: int | None = None, *,
-                    resync: bool = False) -> Iterator[RawSample | CorruptDataError]:
+def iter_hdf5_shard(path: str | os.PathLike | BinaryIO, start: int = 0, stop: int | None = None, *,
+                    resync: bool = False, where: str | None = None) -> Iterator[RawSample | CorruptDataError]:
     """Yield samples ``start:stop`` of one HDF5 shard, reading their bytes in one contiguous slice.
 
     The file is untrusted: anything h5py cannot read, and any layout that does not hold together (columns of other
@@ -96,33 +105,29 @@ def iter_hdf5_shard(path: str | os.PathLike, start: int = 0, stop: int | None = 
     ``CorruptDataError`` naming the shard. A sample whose bytes the offsets do not locate (``_unlocated``) costs
     that sample: with ``resync`` it is yielded as its ``CorruptDataError`` and reading goes on, otherwise it
     raises. ``path`` may also be a seekable binary file object (``shards.formats.s3shards.S3File``: a shard on
-    object storage).
+    object storage; bytes in memory), ``where`` then naming it in messages.
     """
     h5py = _h5py()
-    where = _where(path)
-    try:
-        file_bytes = _file_bytes(path)
-        with h5py.File(path, "r") as f:
-            offsets = np.asarray(f["offsets"][...])
+    where = where or _where(path)
+    with _opened(path, where) as source, parser_guard(where, UNREADABLE):
+        file_bytes = source.seek(0, os.SEEK_END)
+        with h5py.File(source, "r") as f:
+            columns = _checked_columns(f, file_bytes, where)
+            offsets = np.asarray(columns["offsets"][...])
             n = len(offsets) - 1
-            data = f["data"]
-            _check_layout(f, offsets, data.shape, file_bytes, where)
             stop = n if stop is None else min(stop, n)
             if start >= stop:
                 return
+            data = columns["data"]
             data_bytes = int(data.shape[0])
             unlocated = _unlocated(offsets, data_bytes)[start:stop]
-            labels = f["labels"][start:stop]
-            keys = f["keys"].asstr()[start:stop]
-            exts = f["exts"].asstr()[start:stop]
-            meta = f["meta"].asstr()[start:stop]
+            labels = columns["labels"][start:stop]
+            keys = columns["keys"].asstr()[start:stop]
+            exts = columns["exts"].asstr()[start:stop]
+            meta = columns["meta"].asstr()[start:stop]
             located = np.flatnonzero(~unlocated) + start
             base = int(offsets[located].min()) if len(located) else 0
             blob = data[base : int(offsets[located + 1].max())].tobytes() if len(located) else b""
-    except (FileNotFoundError, CorruptDataError):
-        raise
-    except Exception as exc:  # h5py raises OSError, KeyError, ValueError, TypeError, ... for a damaged file
-        raise CorruptDataError(f"unreadable HDF5 shard ({type(exc).__name__}: {exc})", path=where) from exc
     for i in range(stop - start):
         lo = int(offsets[start + i])
         hi = int(offsets[start + i + 1])
@@ -170,38 +175,52 @@ def iter_hdf5_slice(path: str | os.PathLike, start: int = 0, stop: int | None = 
         yield from iter_hdf5_shard(path, lo, min(stop, lo + HDF5_WINDOW), resync=resync)
 
 
-def shard_length(path: str | os.PathLike) -> int:
+def shard_length(path: str | os.PathLike | BinaryIO) -> int:
     """Samples in an HDF5 shard, from its offsets (nothing else is read)."""
-    try:
-        with _h5py().File(path, "r") as f:
-            return max(0, int(f["offsets"].shape[0]) - 1)
-    except FileNotFoundError:
-        raise
-    except Exception as exc:  # a damaged file: see iter_hdf5_shard
-        raise CorruptDataError(f"unreadable HDF5 shard ({type(exc).__name__}: {exc})", path=_where(path)) from exc
+    where = _where(path)
+    with _opened(path, where) as source, parser_guard(where, UNREADABLE):
+        file_bytes = source.seek(0, os.SEEK_END)
+        with _h5py().File(source, "r") as f:
+            return _checked_columns(f, file_bytes, where)["offsets"].shape[0] - 1
 
 
 def _where(path) -> str:
     return str(getattr(path, "name", path)) if hasattr(path, "read") else str(path)
 
 
-def _file_bytes(path) -> int:
-    """The size of a shard given as a path or as a seekable file object."""
+@contextmanager
+def _opened(path: str | os.PathLike | BinaryIO, where: str) -> Iterator[BinaryIO]:
+    """A shard given by its path, opened through the one door (a regular file only, else ``CorruptDataError``
+    naming it); a file object as it is."""
     if hasattr(path, "read"):
-        return path.seek(0, os.SEEK_END)
-    return os.path.getsize(path)
+        yield path
+        return
+    with open_regular_file(path, error=CorruptDataError) as handle:
+        yield handle
 
 
-def _check_layout(f, offsets: np.ndarray, data_shape: tuple, file_bytes: int, where: str) -> None:
-    n = len(offsets) - 1
+def _checked_columns(f: Any, file_bytes: int, where: str) -> dict[str, Any]:
+    """The shard's datasets by name, each checked before any is read: present and a dataset, 1-D, ``offsets`` and
+    ``labels`` integers, one row per sample in every per-sample column, and ``offsets`` and ``data`` no larger than
+    the file could store uncompressed, as the writer stores them (so a declared shape never allocates more than
+    the file's size)."""
+    found = {name: f.get(name) for name in ("data", "offsets", *COLUMNS)}
+    missing = [name for name, dataset in found.items() if not isinstance(dataset, _h5py().Dataset)]
     problem = None
-    if offsets.ndim != 1 or n < 0 or offsets.dtype.kind not in "iu" or len(data_shape) != 1:
-        problem = "offsets or data are not 1-D integer arrays"
-    elif data_shape[0] > file_bytes:
-        problem = f"data claims {data_shape[0]} bytes, more than the {file_bytes}-byte file holds"
+    if missing:
+        problem = f"no dataset {missing[0]!r}"
+    elif any(len(found[name].shape) != 1 for name in found) or not found["offsets"].shape[0] \
+            or found["offsets"].dtype.kind not in "iu" or found["labels"].dtype.kind not in "iu":
+        problem = "offsets, labels or data are not 1-D integer arrays"
+    elif found["data"].shape[0] > file_bytes:
+        problem = f"data claims {found['data'].shape[0]} bytes, more than the {file_bytes}-byte file holds"
+    elif found["offsets"].shape[0] * found["offsets"].dtype.itemsize > file_bytes:
+        problem = f"offsets claim {found['offsets'].shape[0]} entries, more than the {file_bytes}-byte file holds"
     else:
-        lengths = {name: f[name].shape for name in ("labels", "keys", "exts", "meta")}
+        n = found["offsets"].shape[0] - 1
+        lengths = {name: found[name].shape for name in COLUMNS}
         if any(shape != (n,) for shape in lengths.values()):
             problem = f"{n} samples in offsets, but column shapes {lengths}"
     if problem is not None:
         raise CorruptDataError(f"corrupt HDF5 shard: {problem}", path=where)
+    return found

@@ -54,7 +54,7 @@ def _tar_bytes(data: bytes, where: str) -> Iterator[RawSample]:
 
 
 def _hdf5_bytes(data: bytes, where: str) -> Iterator[RawSample]:
-    return iter_hdf5_shard(io.BytesIO(data))
+    return iter_hdf5_shard(io.BytesIO(data), where=where)
 
 
 STORAGES: dict[str, Storage] = {

@@ -9,6 +9,11 @@ or truncated member is a ``CorruptDataError`` naming the shard and the sample ke
 header when no key can be read. A member's size is checked against the bytes left in the file before anything is
 read, so a forged size never allocates memory; streams of unknown length are read in bounded chunks. Grouping
 members into samples, and resyncing after damage, is ``shards.formats.tarseek``'s.
+
+A pax ``path`` or ``size`` record overrides the ustar field of the member it precedes, as in ``tarfile`` and GNU
+tar: a member of 8 GiB or more has its size only there (``tarfile`` writes 0 in the ustar field), and a reader
+that believed the ustar field would read the member's data as headers, or see other members than every other tar
+reader does. When several extended headers precede one member, the first to set a field wins (``tarfile``'s rule).
 """
 
 from __future__ import annotations
@@ -87,9 +92,13 @@ def _guess_key(header: bytes) -> str | None:
     return split_member_name(name)[0] if name.isprintable() and name.strip() else None
 
 
-def _pax_path(payload: bytes) -> str | None:
-    """The ``path`` record of a pax extended header (``"<len> <key>=<value>\\n"`` records), if any."""
-    path, pos = None, 0
+MAX_SIZE_DIGITS = 20  # a pax size record: 10**20 bytes is past any file, and int() of it is cheap
+
+
+def _pax_records(payload: bytes) -> tuple[str | None, int | None]:
+    """The ``path`` and ``size`` records of a pax extended header (``"<len> <key>=<value>\\n"`` records), None
+    where absent. A size is decimal digits only (no sign, space or exponent), as POSIX writes it."""
+    path, size, pos = None, None, 0
     while pos < len(payload) and payload[pos]:  # NUL padding may follow the last record
         space = payload.find(b" ", pos, pos + 21)
         if space < 0 or not payload[pos:space].isdigit():
@@ -100,8 +109,12 @@ def _pax_path(payload: bytes) -> str | None:
         keyword, _, value = payload[space + 1 : end - 1].partition(b"=")
         if keyword == b"path":
             path = _text(value, "pax path")
+        elif keyword == b"size":
+            if not (value.isdigit() and value.isascii() and len(value) <= MAX_SIZE_DIGITS):
+                raise ValueError(f"pax size record {bytes(value[:40])!r} is not a decimal size")
+            size = int(value)
         pos = end
-    return path
+    return path, size
 
 
 # -- the byte source ------------------------------------------------------------------------------------------------
@@ -175,10 +188,12 @@ def read_member(source: ByteSource) -> tuple[str, int] | None:
     A damaged header is a ``CorruptDataError``; ``source.header_start`` says where it starts."""
     source.skip(source.padding)
     source.padding = 0
-    long_name: str | None = None
+    extended = False  # extended headers were read for the coming member: its first header started there
+    long_name: str | None = None  # from a GNU long-name header or a pax path record
+    pax_size: int | None = None
     while True:
         offset = source.header_start = source.offset
-        if long_name is None:
+        if not extended:
             source.member_start = offset
         header = source.read(BLOCK)
         if len(header) < BLOCK:
@@ -200,6 +215,8 @@ def read_member(source: ByteSource) -> tuple[str, int] | None:
         except ValueError as exc:
             raise CorruptDataError(f"bad tar header at byte {offset} ({exc})", path=source.where,
                                    key=_guess_key(header)) from None
+        if pax_size is not None and kind not in (b"L", b"x"):
+            size = pax_size
         key = split_member_name(long_name if name is None else name)[0] if kind in REGULAR else None
         left = None if source.total is None else source.total - source.offset
         if left is not None and size > left:
@@ -212,13 +229,16 @@ def read_member(source: ByteSource) -> tuple[str, int] | None:
                                        path=source.where)
             payload = source.read(padded)[:size]
             try:
-                long_name = _text(payload, "GNU long name") if kind == b"L" else _pax_path(payload)
+                path, size_record = (_text(payload, "GNU long name"), None) if kind == b"L" else _pax_records(payload)
             except ValueError as exc:
                 raise CorruptDataError(f"bad tar header at byte {offset} ({exc})", path=source.where) from None
+            long_name = long_name if long_name is not None else path
+            pax_size = pax_size if pax_size is not None else size_record
+            extended = True
             continue
         if kind not in REGULAR:
             source.skip(padded)
-            long_name = None
+            extended, long_name, pax_size = False, None, None
             continue
         source.padding = padded - size
         return (long_name if name is None else name), size

@@ -9,7 +9,10 @@ sample's data (where the end-of-archive marker starts). Samples ``a:b`` are byte
 
 The sidecar is untrusted like every shard byte: ``read_index`` checks the magic and version, the size, the count
 against the manifest, that offsets start at 0, rise strictly and end inside the shard; any failure is a
-``CorruptDataError`` naming the sidecar. Its sha256 is recorded in the manifest (``ShardInfo.index_sha256``).
+``CorruptDataError`` naming the sidecar. Its sha256 is recorded in the manifest (``ShardInfo.index_sha256``). A
+local sidecar is opened through the one door (``shards.bounded_read``): a FIFO, device, folder or link loop in
+its place is refused unopened, and a file of any size other than the one its sample count implies (a sparse
+3 GiB file) is refused on its ``fstat``, before a byte is read.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from shards.errors import ChecksumError, CorruptDataError
+from shards.bounded_read import MAX_FILE_BYTES, open_regular_file, read_capped
+from shards.errors import ChecksumError, CorruptDataError, MissingInputError
 from shards.formats.locations import local_shard_path
 
 log = logging.getLogger("shardcache.tarindex")
@@ -118,14 +122,20 @@ def load_local_index(location: str | os.PathLike, info: Any) -> np.ndarray | Non
     where = sidecar_of(str(location), info)
     path = local_shard_path(_names_root(Path(location), info.path), info.index, where=where, what="tar index")
     try:
-        size = path.stat().st_size
-    except FileNotFoundError:
+        handle = open_regular_file(path, error=CorruptDataError)
+    except MissingInputError:
         log.warning("%s: tar index missing; reading the shard by scanning its headers", where)
         return None
-    if size != index_size(info):  # refused before reading: a sidecar swapped for a large file is never read
-        raise CorruptDataError(f"bad tar index ({size} bytes, expected {index_size(info)} for {info.samples} "
-                               "samples)", path=where)
-    return checked_index(path.read_bytes()[:size], where, info)
+    with handle:
+        size, expected = os.fstat(handle.fileno()).st_size, index_size(info)
+        # Refused before reading: a sidecar swapped for a large file (or a manifest counting absurd samples, whose
+        # sidecar would be larger than shardcache reads whole) is never read.
+        if size != expected or size > MAX_FILE_BYTES:
+            too_large = ", more than shardcache reads whole" if size > MAX_FILE_BYTES else ""
+            raise CorruptDataError(f"bad tar index ({size} bytes, expected {expected} for {info.samples} samples"
+                                   f"{too_large})", path=where)
+        data = read_capped(handle, where, limit=size, error=CorruptDataError)  # it may have grown since
+    return checked_index(data, where, info)
 
 
 def _names_root(shard: Path, name: str) -> Path:

@@ -12,14 +12,20 @@ jumps to the next sample's offset. Without one (an http stream, an older dataset
 to the next header whose checksum is right; the damage is charged to the sample in progress when the header names
 it or the next member continues it (or it lacks its image or label), else to the sample that follows. Without
 ``resync`` the first damaged sample raises, after the good samples before it.
+
+A local shard is opened through the one door (``shards.bounded_read.open_regular_file``): a FIFO, device, socket,
+folder or link loop in its place is one ``CorruptDataError`` naming it (never a hang, a traceback or an endless
+read of ``/dev/zero``), checked once per file, not per sample.
 """
 
 from __future__ import annotations
 
+import io
 import os
 from bisect import bisect_left, bisect_right
 from typing import BinaryIO, Iterator, Sequence
 
+from shards.bounded_read import open_regular_file
 from shards.errors import CorruptDataError
 from shards.formats.sample import IMAGE_EXTENSIONS, RawSample
 from shards.formats.tarheader import (BLOCK, READ_BUFFER, REGULAR, ByteSource, header_name, is_header, read_member,
@@ -190,10 +196,17 @@ def iter_tar_slice(path: str | os.PathLike, start: int = 0, stop: int | None = N
     return items if resync else _first_error_raises(items)
 
 
+def open_tar(path: str | os.PathLike) -> io.BufferedReader:
+    """A local tar opened for a sequential read with a large buffer, if it is a regular file; else
+    ``CorruptDataError`` naming it (``MissingInputError``, a ``FileNotFoundError``, when there is none)."""
+    checked = open_regular_file(path, error=CorruptDataError)
+    return io.BufferedReader(checked.detach(), READ_BUFFER)
+
+
 def _read_tar_slice(path: str | os.PathLike, start: int, stop: int | None, sha256: str | None,
                     offsets: Sequence[int] | None) -> Iterator[RawSample | CorruptDataError]:
     hashing = sha256 is not None and start == 0
-    with open(path, "rb", buffering=READ_BUFFER) as handle:
+    with open_tar(path) as handle:
         source = ByteSource(handle, str(path), total=os.fstat(handle.fileno()).st_size, hashing=hashing)
         first = 0
         if offsets is not None and start > 0 and not hashing:
@@ -211,7 +224,7 @@ def tar_sample_offsets(path: str | os.PathLike) -> list[int]:
     """What a correct per-sample index of this local tar holds (``shards.formats.tarindex``), found by walking
     every header: where each sample's first header starts, then where the last sample's data ends."""
     offsets: list[int] = []
-    with open(path, "rb", buffering=READ_BUFFER) as handle:
+    with open_tar(path) as handle:
         source = ByteSource(handle, str(path), total=os.fstat(handle.fileno()).st_size, hashing=False)
         key = None
         while (member := read_member(source)) is not None:
