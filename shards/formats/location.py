@@ -34,7 +34,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, ContextManager, Iterable, Iterator
 
-from shards.bounded_read import JSONError, open_regular_file, parse_json, read_capped, read_regular_file
+from shards.bounded_read import (JSONError, not_regular_reason, open_regular_file, parse_json, read_capped,
+                                 read_regular_file)
 from shards.errors import ChecksumError, CorruptDataError, InputError, ManifestError, MissingInputError
 from shards.formats.locations import shard_location
 
@@ -215,12 +216,23 @@ class LocalFile(Location):
         return os.path.abspath(self.text)
 
     def check_image_shard(self, storage: Any) -> None:
-        if not self.path.is_file():
-            raise MissingInputError("shard listed in the manifest is missing", path=self.text)
+        self._check_present("shard")
 
     def check_feature_shard(self) -> None:
-        if not self.path.is_file():
-            raise MissingInputError("feature shard listed in the manifest is missing", path=self.text)
+        self._check_present("feature shard")
+
+    def _check_present(self, what: str) -> None:
+        """Missing, or there but not a regular file (a FIFO, a folder): two different lines."""
+        try:
+            mode = os.stat(self.text).st_mode
+        except FileNotFoundError:
+            raise MissingInputError(f"{what} listed in the manifest is missing", path=self.text) from None
+        except OSError as exc:
+            raise CorruptDataError(f"{what} listed in the manifest cannot be read ({exc.strerror or exc})",
+                                   path=self.text) from None
+        reason = not_regular_reason(mode)
+        if reason is not None:
+            raise CorruptDataError(f"{what} listed in the manifest is {reason}", path=self.text)
 
     @contextmanager
     def open(self) -> Iterator[BinaryIO]:

@@ -161,3 +161,13 @@ def test_a_local_shard_that_is_not_a_regular_file_is_refused_unopened(tmp_path, 
     with pytest.raises(CorruptDataError, match=r"train-000000\.tar: not a regular file"):
         locate(str(shard)).check(10, None)
     assert time.monotonic() - started < 5
+
+
+def test_a_shard_that_is_a_fifo_is_not_called_missing(tmp_path):
+    from shards.errors import CorruptDataError
+
+    os.mkfifo(tmp_path / "train-000000.tar")
+    with pytest.raises(CorruptDataError, match="is not a regular file .FIFO."):
+        locate(str(tmp_path / "train-000000.tar")).check_image_shard(get_storage("tar"))
+    with pytest.raises(MissingInputError, match="missing"):
+        locate(str(tmp_path / "train-000001.tar")).check_image_shard(get_storage("tar"))
