@@ -94,9 +94,10 @@ def load_feature_shard(path: str | os.PathLike, *, mmap: bool = True) -> Feature
     if path.suffix == ".h5":
         import h5py
 
-        open_regular_file(path, error=CorruptDataError).close()
-        with parser_guard(where, "unreadable feature shard"), h5py.File(path, "r") as f:
-            return _from_h5(f)
+        with open_regular_file(path, error=CorruptDataError) as handle:
+            size = os.fstat(handle.fileno()).st_size
+            with parser_guard(where, "unreadable feature shard"), h5py.File(handle, "r") as f:
+                return _from_h5(f, size)
     raise InputError(f"unknown feature file suffix {path.suffix!r}", path=where)
 
 
@@ -121,15 +122,30 @@ def load_feature_bytes(data: bytes, where: str) -> FeatureShard:
     import h5py
 
     with parser_guard(where, "unreadable feature shard"), h5py.File(io.BytesIO(data), "r") as f:
-        return _from_h5(f)
+        return _from_h5(f, len(data))
 
 
 def _from_mapping(data: dict) -> FeatureShard:
     return FeatureShard(data["features"], data["labels"], list(data["keys"]), data.get("views"), data.get("targets"))
 
 
-def _from_h5(f: Any) -> FeatureShard:
-    """The datasets of an open ``h5py.File``; the optional ones (views, targets) as None when absent."""
+def _from_h5(f: Any, file_bytes: int) -> FeatureShard:
+    """The datasets of an open ``h5py.File``; the optional ones (views, targets) as None when absent. Each is
+    checked before it is read: a dataset, uncompressed (as written here), and declaring no more bytes than the
+    file holds, so a forged shape never allocates more than the file's size."""
+    import h5py
+
+    for name in ("features", "labels", "keys", "views", "targets"):
+        dataset = f.get(name)
+        if dataset is None and name in ("views", "targets"):
+            continue
+        if not isinstance(dataset, h5py.Dataset):
+            raise TypeError(f"no dataset {name!r}")
+        if dataset.compression is not None or dataset.shape is None:
+            raise TypeError(f"dataset {name!r} is compressed or empty (feature shards are written plain)")
+        declared = int(np.prod(dataset.shape, dtype=np.float64)) * max(dataset.dtype.itemsize, 1)
+        if declared > file_bytes:
+            raise ValueError(f"dataset {name!r} declares {declared} bytes, more than the {file_bytes}-byte file")
     optional = {name: torch.from_numpy(f[name][...]) if name in f else None for name in ("views", "targets")}
     return FeatureShard(torch.from_numpy(f["features"][...]), torch.from_numpy(f["labels"][...]),
                         [str(k) for k in f["keys"].asstr()[...]], **optional)
