@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from shards.atomic import on_disk_full
 from shards.errors import InputError
 from shards.formats.feature_names import is_feature_file
 from shards.formats.s3 import S3Options, is_s3, make_client
@@ -52,7 +53,8 @@ def run_staged(staged: StagedOutput, run: Callable[[Path], tuple[Any, dict[str, 
     summary), then, when complete, publish the stage to the URL. The summary gains ``out``, ``stage_dir``,
     ``upload``."""
     preflight(staged, spec)  # no credentials, no bucket, foreign objects, a live lease: refused before local work
-    manifest, summary = run(staged.stage_dir)
+    with on_disk_full(staged.stage_dir):  # a full stage disk: one line naming it, as for a local --out
+        manifest, summary = run(staged.stage_dir)
     summary = {**summary, "out": staged.url, "stage_dir": str(staged.stage_dir)}
     if manifest is None:
         return None, {**summary, "upload": None}

@@ -5,27 +5,106 @@ rename survives a crash. Temp names are unique per host, process and call (``<na
 so two writers (two Slurm tasks on different nodes finishing together, or a second run started by mistake) never
 share a temp file. A killed job leaves at most ``*.tmp`` files; ``tmp_target`` maps such a name back to the file it
 was meant to become, so the next run of the job that owns that file can remove it (``remove_stale_tmp``).
+
+A full disk (``ENOSPC``, or ``EDQUOT`` for a quota) while writing is a ``DiskFullError``: one line naming the folder
+and the space left there, exit code 1, the temp file removed. Every writer that goes through ``atomic_output``
+(shards, feature files, part manifests, checkpoints, manifests) gets it; ``on_disk_full`` gives it to a write that
+does not (an appended line) and to a whole command, for writes below it that raise a bare ``OSError``. A rerun after
+making room does only what is not finished, as after a kill.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import re
 import secrets
+import shutil
 import socket
 from pathlib import Path
 from typing import Any, Collection, Iterator
 
-from shards.errors import InputError
+from shards.bounded_read import open_regular_file
+from shards.errors import CorruptDataError, InputError, ShardcacheError
+from shards.units import human_bytes
 
 TMP_SUFFIX = ".tmp"
 # ``<final>.<host>.<pid>.<token>.tmp``: host is reduced to [A-Za-z0-9-] so the pattern below can parse it.
 _UNIQUE_TMP = re.compile(r"^(?P<final>.+)\.[A-Za-z0-9-]{1,32}\.\d+\.[0-9a-f]{8}" + re.escape(TMP_SUFFIX) + "$")
 _HOST_CHARS = re.compile(r"[^A-Za-z0-9-]+")
 _URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+AGAIN = "make room or write elsewhere, then run again: what is finished is kept"
+
+
+class DiskFullError(ShardcacheError, OSError):
+    """The disk (or quota) of an output folder filled up while shardcache wrote to it (exit code 1); ``errno`` is
+    the cause's (``ENOSPC`` or ``EDQUOT``), for callers that test it."""
+
+    def __init__(self, message: str, *, path: str | None = None, cause_errno: int = errno.ENOSPC):
+        super().__init__(message, path=path)
+        self.errno = cause_errno
+
+
+def free_space(folder: str | os.PathLike) -> str:
+    """``"1.2 MiB free of 2.0 GiB"`` for the file system holding ``folder`` (or its nearest existing parent)."""
+    place = Path(folder)
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    try:
+        usage = shutil.disk_usage(place)
+    except OSError:
+        return "free space unknown"
+    return f"{human_bytes(usage.free)} free of {human_bytes(usage.total)}"
+
+
+@contextlib.contextmanager
+def on_disk_full(folder: str | os.PathLike, writing: str | None = None) -> Iterator[None]:
+    """Turn a full disk or quota met inside into one ``DiskFullError`` naming ``folder`` (and the file being
+    written) with the space left there; every other error passes unchanged."""
+    try:
+        yield
+    except Exception as exc:
+        cause = None if isinstance(exc, ShardcacheError) else disk_full_cause(exc)
+        if cause is None:
+            raise
+        what = "disk quota exceeded" if cause == errno.EDQUOT else "no space left on device"
+        raise DiskFullError(f"{what}{f' writing {writing}' if writing else ''} ({free_space(folder)}); {AGAIN}",
+                            path=str(folder), cause_errno=cause) from None
+
+
+def disk_full_cause(exc: BaseException) -> int | None:
+    """``ENOSPC`` or ``EDQUOT`` when ``exc``, or an exception it was raised while handling, is a full disk's
+    ``OSError``: a writer that fails again while closing replaces the first error (``torch.save`` raises its own
+    ``RuntimeError`` when its archive cannot be finished after the write failed)."""
+    for _ in range(8):  # a chain is short; a loop in it must not hang
+        if exc is None:
+            return None
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL:
+            return exc.errno
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def check_room(folder: str | os.PathLike, nbytes: int, writing: str) -> None:
+    """A ``DiskFullError`` before writing about ``nbytes`` (plus a tenth and 64 KiB for the format's own
+    structures) into ``folder`` when its disk has less free: for a writer that cannot fail cleanly midway. HDF5
+    (libhdf5 1.14 under h5py 3) crashes the process with a segmentation fault when it closes a file whose writes
+    met a full disk, so the HDF5 writers ask first. A check, not a reservation: a disk another process fills in
+    between still fails the write itself."""
+    needed = nbytes + nbytes // 10 + (64 << 10)
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return
+    if free < needed:
+        raise DiskFullError(f"no space left on device for {writing} (about {human_bytes(needed)} needed, "
+                            f"{free_space(folder)}); {AGAIN}", path=str(folder))
 
 
 def check_local_output(out: str | os.PathLike, option: str = "--out") -> None:
@@ -101,16 +180,18 @@ def remove_stale_tmp(folder: str | os.PathLike, finals: Collection[str]) -> int:
 
 @contextlib.contextmanager
 def atomic_output(final: str | os.PathLike) -> Iterator[Path]:
-    """Yield a unique temp path to write; on success fsync it and rename it to ``final``; on error remove it."""
+    """Yield a unique temp path to write; on success fsync it and rename it to ``final``; on error remove it (a
+    full disk is a ``DiskFullError`` naming ``final``'s folder)."""
     final = Path(final)
     tmp = unique_tmp_path(final)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
     try:
-        yield tmp
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, final)
-        fsync_dir(final.parent)
+        with on_disk_full(final.parent, final.name):
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            yield tmp
+            with open(tmp, "rb+") as handle:
+                os.fsync(handle.fileno())
+            os.replace(tmp, final)
+            fsync_dir(final.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
@@ -180,8 +261,10 @@ def write_text_shared(final: str | os.PathLike, text: str) -> None:
 
 
 def sha256_file(path: str | os.PathLike, chunk_size: int = 1 << 22) -> str:
+    """The file's sha256, read in blocks; a FIFO or device in its place is refused unopened (the file may be one a
+    manifest names)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with open_regular_file(path, error=CorruptDataError) as handle:
         while block := handle.read(chunk_size):
             digest.update(block)
     return digest.hexdigest()

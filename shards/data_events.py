@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import time
 from pathlib import Path
 from typing import Any
 
+from shards.atomic import on_disk_full
 from shards.bounded_read import read_regular_file
 from shards.errors import ManifestError
 from shards.jsonlines import json_lines
@@ -40,13 +42,14 @@ def events_path(run_dir: str | os.PathLike, rank: int = 0) -> Path:
 def append_event(run_dir: str | os.PathLike, event: dict[str, Any]) -> None:
     """Append ``event`` (which names its ``"kind"``) as one line, flushed and fsynced; ``"time"`` is filled in
     when absent. A torn last line left by a killed writer is closed with a newline first, so it stays one bad line
-    instead of swallowing this one."""
+    instead of swallowing this one; a full disk is a ``DiskFullError`` naming the run folder (the line it tore
+    is one such bad line)."""
     if not isinstance(event.get("kind"), str):
         raise ValueError(f"a data event needs a string 'kind', got {event!r}")
     record = {"time": time.time(), **event}
     line = json.dumps(record, sort_keys=True, allow_nan=False) + "\n"
     path = events_path(run_dir, int(record.get("rank") or 0))
-    with open(path, "ab") as handle:
+    with on_disk_full(run_dir, path.name), open(path, "ab") as handle:
         if handle.tell() > 0:
             with open(path, "rb") as reader:
                 reader.seek(-1, os.SEEK_END)
@@ -62,14 +65,24 @@ def _read_file(path: Path) -> list[dict[str, Any]]:
     last = len(text.splitlines())
     events = []
     for number, value, why in json_lines(text):
-        if why is None and isinstance(value, dict) and isinstance(value.get("kind"), str):
+        if why is None and _is_event(value):
             events.append(value)
         elif number == last and not text.endswith("\n"):
             continue  # the line a killed writer left torn
         else:
             log.warning("%s: line %d is not a data event (%s); left out", path, number, why or "not an object "
-                        "with a 'kind'")
+                        "with a string 'kind' and a finite 'time'")
     return events
+
+
+def _is_event(value: Any) -> bool:
+    """An event is an object with a string ``kind`` and, when it has one, a finite number of seconds ``time`` (the
+    events are merged in time order: a ``NaN`` there would scramble the order silently). The fields each kind
+    holds are checked by the reader that uses them (lineage's layouts, the report's quarantines)."""
+    if type(value) is not dict or type(value.get("kind")) is not str:
+        return False
+    stamp = value.get("time", 0.0)
+    return type(stamp) in (int, float) and math.isfinite(stamp)
 
 
 def read_events(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
@@ -79,7 +92,6 @@ def read_events(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     if not folder.is_dir():
         return []
     per_file = [_read_file(path) for path in sorted(folder.iterdir()) if _EVENTS_NAME.match(path.name)]
-    merged = [(event.get("time") if isinstance(event.get("time"), (int, float)) else 0.0, index, event)
-              for index, events in enumerate(per_file) for event in events]
+    merged = [(event.get("time", 0.0), index, event) for index, events in enumerate(per_file) for event in events]
     # sort on (time, file, line) stably: equal times keep rank 0's file first and each file's own order
     return [event for _, _, event in sorted(merged, key=lambda item: (item[0], item[1]))]

@@ -4,6 +4,12 @@
 (written by ``precompute-features``). Both are written last and atomically; a folder without one is unfinished.
 Readers check ``format`` and ``version`` and refuse what they do not know. Unknown extra keys are kept in
 ``extra`` so a newer minor writer does not break an older reader.
+
+A manifest is untrusted (docs/trust-model.md, "One door"): every field is read through ``shards.shape``, never
+converted, so ``"7"``, ``2.5``, ``true``, ``NaN`` or ``1e30`` where a count belongs, or a list where an object
+belongs, is one ``ManifestError`` naming the file and the field's path
+(``dataset.json: splits.train.shards[3].samples is 2.5: expected an integer``). Per-shard class counts can be
+millions of integers in all, so lists of counts are checked in C (``as_int_list``).
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ from typing import Any, ClassVar, Iterable, Mapping
 from shards.atomic import write_json_atomic
 from shards.bounded_read import read_json_file
 from shards.errors import ManifestError, MissingInputError
+from shards.formats.feature_names import check_target
 from shards.formats.locations import check_dataset_dir, check_shard_path
+from shards.shape import as_int, as_int_list, as_list, as_object, as_str, field as get
 
 TOOL = "shardcache 0.1.0"
 DATASET_FORMAT = "shardcache.dataset"
@@ -26,6 +34,10 @@ FEATURES_FORMAT = "shardcache.features"
 DATASET_FILE = "dataset.json"
 FEATURES_FILE = "features.json"
 VERSION = 1
+# Bounds on what a feature manifest may declare: every reader allocates rows x features_dim (x views) from them, so
+# a tampered value must not ask for an allocation or a loop no real backbone or table needs.
+MAX_FEATURES_DIM = 1 << 24
+MAX_VIEWS = 1 << 12
 
 
 def utc_now() -> str:
@@ -61,39 +73,45 @@ class ShardInfo:
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], where: str | None = None,
-                  url_origins: Iterable[str] = ()) -> "ShardInfo":
-        """Checks ``path`` (and ``source``) are shard names confined to the manifest's folder; see
-        ``shards.formats.locations.check_shard_path`` (``url_origins``: where shard URLs may point)."""
-        source = data.get("source")
-        index = data.get("index")
-        index_sha256 = data.get("index_sha256")
+    def from_dict(cls, data: Any, where: str | None = None, url_origins: Iterable[str] = (),
+                  what: str = "shard") -> "ShardInfo":
+        """The shard entry ``data`` (named ``what`` in errors: ``splits.train.shards[3]``), every field checked for
+        its type and range; ``path`` (and ``source``, ``index``) must be shard names confined to the manifest's
+        folder (``shards.formats.locations.check_shard_path``; ``url_origins``: where shard URLs may point)."""
+        data = as_object(data, what, where=where)
+        samples = as_int(get(data, "samples", what, where=where), f"{what}.samples", where=where)
+        source, index = _optional_str(data, "source", what, where), _optional_str(data, "index", what, where)
         return cls(
-            path=check_shard_path(data["path"], where=where, url_origins=url_origins),
-            samples=int(data["samples"]),
-            bytes=int(data["bytes"]),
-            sha256=str(data["sha256"]),
+            path=check_shard_path(as_str(get(data, "path", what, where=where), f"{what}.path", where=where),
+                                  where=where, url_origins=url_origins),
+            samples=samples,
+            bytes=as_int(get(data, "bytes", what, where=where), f"{what}.bytes", where=where),
+            sha256=as_str(get(data, "sha256", what, where=where), f"{what}.sha256", max_len=128, where=where),
             source=None if source is None else check_shard_path(source, where=where),
-            source_sha256=data.get("source_sha256"),
+            source_sha256=_optional_str(data, "source_sha256", what, where, max_len=128),
             index=None if index is None else check_shard_path(index, where=where),
-            index_sha256=None if index_sha256 is None else str(index_sha256),
-            class_counts=cls._parse_class_counts(data.get("class_counts"), int(data["samples"])),
+            index_sha256=_optional_str(data, "index_sha256", what, where, max_len=128),
+            class_counts=cls._parse_class_counts(data.get("class_counts"), samples, f"{what}.class_counts", where),
         )
 
     @staticmethod
-    def _parse_class_counts(value: Any, samples: int) -> tuple[int, ...] | None:
-        """Absent (None), or a list of non-negative ints summing to the shard's ``samples``; a ValueError
-        otherwise, which the manifest readers turn into one ``ManifestError`` line."""
+    def _parse_class_counts(value: Any, samples: int, what: str, where: str | None) -> tuple[int, ...] | None:
+        """Absent (None), or a list of counts summing to the shard's ``samples``. ``as_int_list`` checks in C: at
+        1,000 classes x 1,280 shards a generator over every count was most of the time ``open_dataset`` spent
+        before its first batch."""
         if value is None:
             return None
-        # Set and min over the list run in C: at 1,000 classes x 1,280 shards a generator over every count was
-        # most of the time ``open_dataset`` spent before its first batch. ``type(c) is int`` refuses bools.
-        if not isinstance(value, list) or not set(map(type, value)) <= {int} or (value and min(value) < 0):
-            raise ValueError(f"shard class_counts {value!r} is not a list of non-negative integers")
-        if sum(value) != samples:
-            raise ValueError(f"shard class_counts {value!r} sum to {sum(value)}, but the shard has {samples} "
-                             "samples")
-        return tuple(value)
+        counts = as_int_list(value, what, hi=None, where=where)  # bounded by their sum, checked next
+        if sum(counts) != samples:
+            raise ManifestError(f"{what} sum to {sum(counts):,}, but the shard has {samples:,} samples", path=where)
+        return tuple(counts)
+
+
+def _optional_str(data: Mapping[str, Any], name: str, what: str, where: str | None,
+                  max_len: int = 4096) -> str | None:
+    """``data[name]`` when it is a string, None when absent or null; anything else is an error naming it."""
+    value = data.get(name)
+    return None if value is None else as_str(value, f"{what}.{name}", max_len=max_len, where=where)
 
 
 @dataclass(frozen=True)
@@ -110,12 +128,17 @@ class SplitInfo:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], where: str | None = None,
-                  url_origins: Iterable[str] = ()) -> "SplitInfo":
+    def from_dict(cls, data: Any, where: str | None = None, url_origins: Iterable[str] = (),
+                  what: str = "split") -> "SplitInfo":
+        """The split entry ``data`` (named ``what`` in errors: ``splits.train``), each shard checked in turn."""
+        data = as_object(data, what, where=where)
+        entries = as_list(get(data, "shards", what, where=where), f"{what}.shards", where=where)
         return cls(
-            samples=int(data["samples"]),
-            class_counts=tuple(int(c) for c in data["class_counts"]),
-            shards=tuple(ShardInfo.from_dict(s, where, url_origins) for s in data["shards"]),
+            samples=as_int(get(data, "samples", what, where=where), f"{what}.samples", where=where),
+            class_counts=tuple(as_int_list(get(data, "class_counts", what, where=where), f"{what}.class_counts",
+                                           where=where)),
+            shards=tuple(ShardInfo.from_dict(s, where, url_origins, f"{what}.shards[{i}]")
+                         for i, s in enumerate(entries)),
         )
 
     @property
@@ -130,6 +153,12 @@ class SkippedFile:
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "reason": self.reason}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str | None = None, what: str = "skipped") -> "SkippedFile":
+        data = as_object(data, what, where=where)
+        return cls(as_str(get(data, "path", what, where=where), f"{what}.path", max_len=1 << 16, where=where),
+                   as_str(get(data, "reason", what, where=where), f"{what}.reason", max_len=1 << 16, where=where))
 
 
 @dataclass(frozen=True)
@@ -148,28 +177,44 @@ class SourceInfo:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "SourceInfo":
+    def from_dict(cls, data: Any, where: str | None = None, what: str = "source") -> "SourceInfo":
+        data = as_object(data, what, where=where)
+        skipped = as_list(get(data, "skipped", what, default=[], where=where), f"{what}.skipped", where=where)
         return cls(
-            kind=str(data["kind"]),
-            root=str(data["root"]),
-            files_seen=int(data["files_seen"]),
-            skipped=tuple(SkippedFile(str(s["path"]), str(s["reason"])) for s in data.get("skipped", [])),
+            kind=as_str(get(data, "kind", what, where=where), f"{what}.kind", where=where),
+            root=as_str(get(data, "root", what, where=where), f"{what}.root", max_len=1 << 16, where=where),
+            files_seen=as_int(get(data, "files_seen", what, where=where), f"{what}.files_seen", where=where),
+            skipped=tuple(SkippedFile.from_dict(s, where, f"{what}.skipped[{i}]") for i, s in enumerate(skipped)),
         )
 
 
-def _check_header(data: Mapping[str, Any], expected_format: str, where: str) -> None:
-    if not isinstance(data, Mapping):
+def _check_header(data: Any, expected_format: str, where: str) -> None:
+    if type(data) is not dict:
         raise ManifestError("not a JSON object", path=where)
     fmt = data.get("format")
-    if fmt != expected_format:
+    if type(fmt) is not str or fmt != expected_format:
         raise ManifestError(f"format is {fmt!r}, expected {expected_format!r}", path=where)
     version = data.get("version")
-    if version != VERSION:
+    if type(version) is not int or version != VERSION:  # True == 1 == 1.0 in Python; only the integer 1 is 1
         raise ManifestError(
             f"manifest version {version!r} is not supported by {TOOL} (knows version {VERSION}); "
             "upgrade shardcache or repack",
             path=where,
         )
+
+
+def _classes(value: Any, where: str) -> tuple[str, ...]:
+    """The class names: a list of distinct strings (a label is an index into it, so a name listed twice would merge
+    two labels silently). Checked with set and max over the list, in C, as a class list may be long."""
+    names = as_list(value, "classes", where=where)
+    if names and (not set(map(type, names)) <= {str} or max(map(len, names)) > 4096):
+        index, bad = next((i, n) for i, n in enumerate(names) if type(n) is not str or len(n) > 4096)
+        as_str(bad, f"classes[{index}]", where=where)
+    if len(set(names)) != len(names):
+        seen: set[str] = set()
+        twice = next(n for n in names if n in seen or seen.add(n))
+        raise ManifestError(f"classes name {twice!r} twice: each class is one label", path=where)
+    return tuple(names)
 
 
 _COMMON_KEYS = frozenset({"format", "version", "storage", "classes", "splits", "created", "tool"})
@@ -204,22 +249,18 @@ class _ManifestBase:
         where = cls.FILE if where is None else where
         _check_header(data, cls.FORMAT, where)
         origins = tuple(url_origins)
-        try:
-            body = cls._parse_body(data, where)
-            known = _COMMON_KEYS | set(body)
-            return cls(
-                storage=str(data["storage"]),
-                classes=tuple(str(c) for c in data["classes"]),
-                splits={name: SplitInfo.from_dict(s, where, origins) for name, s in data["splits"].items()},
-                created=str(data.get("created", "")),
-                tool=str(data.get("tool", "")),
-                extra={k: v for k, v in data.items() if k not in known},
-                **body,
-            )
-        except ManifestError:
-            raise
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ManifestError(f"malformed manifest ({type(exc).__name__}: {exc})", path=where) from exc
+        body = cls._parse_body(data, where)
+        known = _COMMON_KEYS | set(body)
+        splits = as_object(get(data, "splits", "", where=where), "splits", where=where)
+        return cls(
+            storage=as_str(get(data, "storage", "", where=where), "storage", max_len=64, where=where),
+            classes=_classes(get(data, "classes", "", where=where), where),
+            splits={name: SplitInfo.from_dict(s, where, origins, f"splits.{name}") for name, s in splits.items()},
+            created=as_str(get(data, "created", "", default="", where=where), "created", where=where),
+            tool=as_str(get(data, "tool", "", default="", where=where), "tool", where=where),
+            extra={k: v for k, v in data.items() if k not in known},
+            **body,
+        )
 
     @property
     def class_to_idx(self) -> dict[str, int]:
@@ -262,7 +303,23 @@ class DatasetManifest(_ManifestBase):
 
     @classmethod
     def _parse_body(cls, data: Mapping[str, Any], where: str) -> dict[str, Any]:
-        return {"source": SourceInfo.from_dict(data["source"]), "packing": dict(data.get("packing", {}))}
+        _check_source_index(data.get("source_index"), where)
+        return {"source": SourceInfo.from_dict(get(data, "source", "", where=where), where),
+                "packing": as_object(get(data, "packing", "", default={}, where=where), "packing", where=where)}
+
+
+def _check_source_index(entry: Any, where: str) -> None:
+    """The ``source_index`` entry pack-shards writes (``{"path", "entries", "sha256"}``), kept in ``extra`` for
+    the readers of the index (``shards.stream.rows``, ``shards verify``, ``--append``): its name held to the
+    shards' rule, its count and digest of their types. Absent in datasets packed before it existed."""
+    if entry is None:
+        return
+    entry = as_object(entry, "source_index", where=where)
+    check_shard_path(as_str(get(entry, "path", "source_index", where=where), "source_index.path", where=where),
+                     where=where, what="source index")
+    as_int(get(entry, "entries", "source_index", default=0, where=where), "source_index.entries", where=where)
+    if entry.get("sha256") is not None:
+        as_str(entry["sha256"], "source_index.sha256", max_len=128, where=where)
 
 
 @dataclass(frozen=True)
@@ -298,11 +355,18 @@ class FeatureManifest(_ManifestBase):
 
     @classmethod
     def _parse_body(cls, data: Mapping[str, Any], where: str) -> dict[str, Any]:
-        return {"features_dim": int(data["features_dim"]), "dtype": str(data["dtype"]),
-                "views": int(data.get("views", 0)), "config": dict(data["config"]),
-                "config_hash": str(data["config_hash"]),
-                "dataset_dir": check_dataset_dir(data["dataset_dir"], where=where),
-                "dataset_sha256": str(data["dataset_sha256"])}
+        config = as_object(get(data, "config", "", where=where), "config", where=where)
+        check_target(config, where)
+        return {"features_dim": as_int(get(data, "features_dim", "", where=where), "features_dim", lo=1,
+                                       hi=MAX_FEATURES_DIM, where=where),
+                "dtype": as_str(get(data, "dtype", "", where=where), "dtype", max_len=64, where=where),
+                "views": as_int(get(data, "views", "", default=0, where=where), "views", hi=MAX_VIEWS, where=where),
+                "config": config,
+                "config_hash": as_str(get(data, "config_hash", "", where=where), "config_hash", max_len=128,
+                                      where=where),
+                "dataset_dir": check_dataset_dir(get(data, "dataset_dir", "", where=where), where=where),
+                "dataset_sha256": as_str(get(data, "dataset_sha256", "", where=where), "dataset_sha256", max_len=128,
+                                         where=where)}
 
 
 Manifest = DatasetManifest | FeatureManifest

@@ -102,14 +102,16 @@ def as_bool(value: Any, what: str, *, where: str | None = None, error: type[Inpu
     return value
 
 
-def as_int_list(value: Any, what: str, *, lo: int = 0, hi: int = MAX_COUNT, max_len: int = MAX_COUNT,
+def as_int_list(value: Any, what: str, *, lo: int = 0, hi: int | None = MAX_COUNT, max_len: int = MAX_COUNT,
                 where: str | None = None, error: type[InputError] = ManifestError) -> list[int]:
     """``value`` if it is a list of JSON integers in ``[lo, hi]``; checked with set and min/max (in C), since a
-    manifest may hold millions of them."""
+    manifest may hold millions of them. ``hi=None`` skips the pass for the upper bound, for a caller that bounds
+    the items otherwise (class counts must sum to a bounded sample count)."""
     items = as_list(value, what, max_len=max_len, where=where, error=error)
-    if items and (not set(map(type, items)) <= {int} or min(items) < lo or max(items) > hi):
-        bad = next(v for v in items if type(v) is not int or not lo <= v <= hi)
-        raise _fail(f"an item of {what}", bad, f"an integer from {lo:,} to {hi:,}", where, error)
+    if items and (not set(map(type, items)) <= {int} or min(items) < lo or (hi is not None and max(items) > hi)):
+        top = MAX_COUNT if hi is None else hi
+        bad = next(v for v in items if type(v) is not int or v < lo or (hi is not None and v > hi))
+        raise _fail(f"an item of {what}", bad, f"an integer from {lo:,} to {top:,}", where, error)
     return items
 
 

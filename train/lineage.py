@@ -17,23 +17,26 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
 
-from shards.atomic import atomic_output
-from shards.bounded_read import read_json_file, read_regular_file
+from shards.atomic import atomic_output, on_disk_full
+from shards.bounded_read import read_regular_file
 from shards.stream.mixture import read_keys
+from shards.data_events import EVENTS_FILE, read_events
 from shards.errors import InputError, ManifestError
 from shards.jsonlines import json_lines
+from shards.shape import MAX_COUNT, as_int, as_list, as_object, as_str, field as get
 from train.config import TrainConfig
 from train.data import build_data, prepare_manifest
-from shards.data_events import read_events
 from train.distributed import DistContext
+from train.run_dir import CONFIG_FILE, KEYS_FILE, read_run_config
 
-KEYS_FILE = "keys.jsonl"  # as train.run_dir.KEYS_FILE
-CONFIG_FILE = "config.json"  # as train.run_dir.CONFIG_FILE (that module's imports are not needed here)
+KEPT_KEYS_FILE = re.compile(r"^exclude-keys-[0-9a-f]{16}\.txt$")  # what keep_keys_file names a copy
+MAX_WORLD = 1 << 16  # ranks, workers per rank and nodes a recorded layout may name: lineage builds a loader per rank
 
 
 def keep_keys_file(run_dir: str | os.PathLike, path: str) -> dict[str, Any]:
@@ -55,8 +58,8 @@ class KeyRecorder:
     step (``O_APPEND``, one write per line, so the ranks' lines never interleave within a line)."""
 
     def __init__(self, run_dir: str | os.PathLike, rank: int):
-        self.rank = rank
-        self._fd = os.open(Path(run_dir) / KEYS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self.rank, self.run_dir = rank, Path(run_dir)
+        self._fd = os.open(self.run_dir / KEYS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
 
     def record(self, batches: Any, state: Any) -> "RecordedBatches":
         """``batches`` unchanged (and its ``len``); each one's keys (its third element) written under the step it
@@ -65,7 +68,8 @@ class KeyRecorder:
 
     def write(self, epoch: int, step: int, keys: Iterable[str]) -> None:
         line = {"epoch": epoch, "step": step, "rank": self.rank, "keys": list(keys)}
-        os.write(self._fd, (json.dumps(line) + "\n").encode("utf-8"))
+        with on_disk_full(self.run_dir):
+            os.write(self._fd, (json.dumps(line) + "\n").encode("utf-8"))
 
     def close(self) -> None:
         os.close(self._fd)
@@ -87,45 +91,67 @@ class RecordedBatches:
 
 
 def read_recorded_keys(run_dir: str | os.PathLike) -> dict[tuple[int, int, int], list[str]]:
-    """``(epoch, step, rank) -> keys`` from ``keys.jsonl``, the last line of each step winning."""
-    text = read_regular_file(Path(run_dir) / KEYS_FILE).decode("utf-8")
+    """``(epoch, step, rank) -> keys`` from ``keys.jsonl``, the last line of each step winning. A line that is not
+    JSON (the one a killed writer left torn) is left out; one of another shape is a ``ManifestError`` naming it."""
+    path = Path(run_dir) / KEYS_FILE
+    where = str(path)
+    try:
+        text = read_regular_file(path, error=ManifestError).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ManifestError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", path=where) from None
     out = {}
-    for _, value, why in json_lines(text):
-        if why is None:
-            out[(value["epoch"], value["step"], value["rank"])] = value["keys"]
+    for number, value, why in json_lines(text):
+        if why is not None:
+            continue
+        line = as_object(value, f"line {number}", where=where)
+        at = tuple(as_int(get(line, name, f"line {number}", where=where), f"line {number}: {name}", where=where)
+                   for name in ("epoch", "step", "rank"))
+        keys = as_list(get(line, "keys", f"line {number}", where=where), f"line {number}: keys", where=where)
+        out[at] = [as_str(key, f"line {number}: a key", where=where) for key in keys]
     return out
 
 
-def _config(folder: Path) -> TrainConfig:
-    path = folder / CONFIG_FILE
-    try:
-        return TrainConfig.from_dict(read_json_file(path))
-    except (ValueError, TypeError) as exc:
-        raise ManifestError(f"not a readable run config ({getattr(exc, 'reason', exc)})", path=str(path)) from exc
+def _layout(event: dict[str, Any], where: str) -> dict[str, Any]:
+    """A layout event as lineage uses it, each field of its type and range (a ``ManifestError`` naming the events
+    file and the field otherwise). The loader state it resumed from is the loader's to check, when it is loaded;
+    the exclusion list it names must be a copy ``keep_keys_file`` made in the run folder, never a path elsewhere."""
+    what = f"layout event of step {event['step']}"
+    as_int(event["step"], f"{what}: step", where=where)
+    for name, lo, hi in (("epoch", 1, MAX_COUNT), ("world_size", 1, MAX_WORLD), ("num_workers", 0, MAX_WORLD),
+                         ("batch_size", 1, MAX_COUNT)):
+        as_int(get(event, name, what, where=where), f"{what}: {name}", lo=lo, hi=hi, where=where)
+    as_int(get(event, "nodes", what, default=1, where=where), f"{what}: nodes", lo=1, hi=MAX_WORLD, where=where)
+    if event.get("loader_state") is not None:
+        as_object(event["loader_state"], f"{what}: loader_state", where=where)
+    kept = event.get("exclude_keys")
+    if kept is not None and not KEPT_KEYS_FILE.match(as_str(kept, f"{what}: exclude_keys", where=where)):
+        raise ManifestError(f"{what}: exclude_keys {kept!r} is not a key list this run kept in its folder",
+                            path=where)
+    return event
 
 
 def layout_at(folder: Path, step: int) -> dict[str, Any]:
     """The layout event that fed global step ``step``: the last one (in time) written before it was taken."""
-    layouts = [e for e in read_events(folder) if e.get("kind") == "layout" and isinstance(e.get("step"), int)]
+    layouts = [e for e in read_events(folder) if e.get("kind") == "layout" and type(e.get("step")) is int]
     before = [e for e in layouts if e["step"] < step]
     if not before:
         raise InputError(f"no layout event before step {step} in its data-events.jsonl (a run started before "
                          "lineage was recorded, or not a train-from-shards run folder)", path=str(folder))
-    return before[-1]
+    return _layout(before[-1], str(folder / EVENTS_FILE))
 
 
 def _train_loader(cfg: TrainConfig, manifest: Any, layout: dict[str, Any], rank: int) -> Any:
     """Rank ``rank``'s train loader in ``layout``, built as the run built it (no worker is started)."""
     kept = layout.get("exclude_keys")
-    steering = cfg.replace(workers=int(layout["num_workers"]), batch_size=int(layout["batch_size"]),
+    steering = cfg.replace(workers=layout["num_workers"], batch_size=layout["batch_size"],
                            exclude_keys=str(Path(cfg.out_dir) / kept) if kept else None,
                            cache_images=False, memory_limit=None, cache_dir=None, cache_limit=None,
                            record_keys=False, resume=False, overwrite=False, dry_run=False)
-    world = int(layout["world_size"])
+    world = layout["world_size"]
     ctx = DistContext(rank, world, 0, torch.device("cpu"), owns_group=False)
     loader = build_data(steering, manifest, ctx).train_loader
     dataset = loader.dataset
-    nodes = int(layout.get("nodes") or 1)
+    nodes = layout.get("nodes") or 1
     if dataset.config.nodes != nodes:  # node affinity followed the run's cache, which is not ours to open here
         dataset.config = dataclasses.replace(dataset.config, nodes=nodes)
     return loader
@@ -139,9 +165,11 @@ def _walk_to(loader: Any, layout: dict[str, Any], step: int, epochs: int) -> tup
         loader.load_state_dict(state)
         epoch, batch = int(state["epoch"]), int(state["batches"])
     else:
-        epoch, batch = int(layout["epoch"]) - 1, 0
+        epoch, batch = layout["epoch"] - 1, 0
         loader.set_epoch(epoch)
-    taken = int(layout["step"])
+    taken = layout["step"]
+    if len(loader) == 0:  # no step was ever taken in this layout: walking epochs would never reach one
+        raise InputError(f"step {step}: the run's train loader in this layout yields no batches")
     while True:
         left = len(loader) - batch
         if step - taken <= left:
@@ -158,14 +186,14 @@ def run_lineage(run_dir: str | os.PathLike, epoch: int, step: int, rank: int | N
     if epoch < 1 or step < 1:
         raise InputError(f"--epoch and --step count from 1, got epoch={epoch}, step={step}")
     folder = Path(run_dir)
-    cfg = _config(folder)
+    cfg = read_run_config(folder / CONFIG_FILE)
     layout = layout_at(folder, step)
-    world = int(layout["world_size"])
+    world = layout["world_size"]
     if rank is not None and not 0 <= rank < world:
         raise InputError(f"--rank {rank}: the step ran on {world} rank(s)")
-    quarantined = {int(e["row"]): str(e.get("key")) for e in read_events(folder)
-                   if e.get("kind") == "quarantine" and isinstance(e.get("row"), int)
-                   and isinstance(e.get("step"), int) and e["step"] <= step}
+    quarantined = {e["row"]: str(e.get("key")) for e in read_events(folder)
+                   if e.get("kind") == "quarantine" and type(e.get("row")) is int and e["row"] >= 0
+                   and type(e.get("step")) is int and e["step"] <= step}
     manifest = prepare_manifest(cfg)
     answers = {}
     for one in ([rank] if rank is not None else range(world)):

@@ -9,17 +9,20 @@ rank (read-only), so an error stops all ranks alike instead of leaving some wait
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from shards.atomic import atomic_output, write_json_atomic
-from shards.bounded_read import read_json_file
+from shards.bounded_read import read_json_file, read_regular_file
 from shards.data_events import EVENTS_FILE  # layouts, exclusions, quarantines, restarts
 from shards.errors import ManifestError, OutputExistsError
+from shards.jsonlines import json_lines
 from shards.owned import refuse_clobber, remove_owned
-from shards.report.run import is_run_folder
+from shards.report.run import is_run_folder, metrics_row_problem
+from shards.shape import MAX_COUNT, as_bool, as_int, as_list, as_number, as_object, as_str, field as get
 from train.config import TrainConfig
 
 CONFIG_FILE = "config.json"
@@ -47,12 +50,79 @@ class RunPlan:
         return self.folder / name
 
 
-def _read_config(path: Path) -> TrainConfig:
+def read_run_config(path: Path, advice: str = "") -> TrainConfig:
+    """A run's ``config.json``, read back from an untrusted folder (a resume, ``shards lineage``): every field of
+    the type ``TrainConfig`` declares, the sources and subset of a mixture too, then ``TrainConfig``'s own checks;
+    any failure is one ``ManifestError`` naming the file and the field (``advice`` ends its message)."""
     try:
-        return TrainConfig.from_dict(read_json_file(path))
-    except (ValueError, TypeError) as exc:
-        raise ManifestError(f"not a readable run config ({getattr(exc, 'reason', exc)}); use --overwrite to replace "
-                            "the run", path=str(path)) from exc
+        return TrainConfig.from_dict(config_shape(read_json_file(path), str(path)))
+    except (ValueError, TypeError) as exc:  # a ManifestError is a ValueError: its reason is kept
+        raise ManifestError(f"not a readable run config ({getattr(exc, 'reason', exc)}){advice}",
+                            path=str(path)) from exc
+
+
+def _signed(value: Any, what: str, *, where: str | None) -> int:
+    return as_int(value, what, lo=-MAX_COUNT, where=where)  # ranges are TrainConfig's to check (a seed may be < 0)
+
+
+# The shape of each annotation ``TrainConfig`` uses, by its type's name; ``X | None`` is X or null.
+_FIELD_SHAPES: dict[str, Callable[..., Any]] = {"int": _signed, "float": as_number, "bool": as_bool, "str": as_str,
+                                                 "dict": as_object, "list": as_list}
+
+
+# A mixture's parts as config.json records them (train.cli.data_sources, --classes/--keys/--where/--max-samples).
+SOURCE_FIELDS = ("path", "weight", "repeat", "choose")
+SUBSET_FIELDS = ("classes", "keys", "where", "max_samples")
+
+
+def _record(value: Any, what: str, fields: tuple[str, ...], where: str) -> dict[str, Any]:
+    """A recorded source or subset: an object of ``fields`` only (a null one is absent)."""
+    record = as_object(value, what, where=where)
+    unknown = sorted(set(record) - set(fields))
+    if unknown:
+        raise ManifestError(f"{what} has unknown field {unknown[0]!r} (it records {', '.join(fields)})", path=where)
+    return {name: item for name, item in record.items() if item is not None}
+
+
+def _check_mixture(data: Mapping[str, Any], where: str) -> None:
+    """The recorded ``sources`` and ``subset``, field by field: what ``SourceSpec`` and ``Subset`` are then made
+    from (they check how the fields combine)."""
+    for index, value in enumerate(data.get("sources") or ()):
+        what = f"sources[{index}]"
+        source = _record(value, what, SOURCE_FIELDS, where)
+        as_str(get(source, "path", what, where=where), f"{what}.path", where=where)
+        for name in ("weight", "repeat"):
+            if name in source and not as_number(source[name], f"{what}.{name}", where=where) > 0:
+                raise ManifestError(f"{what}.{name} is {source[name]!r}: expected a number above 0", path=where)
+        if "choose" in source:
+            as_int(source["choose"], f"{what}.choose", lo=1, where=where)
+    if data.get("subset") is None:
+        return
+    subset = _record(data["subset"], "subset", SUBSET_FIELDS, where)
+    for index, name in enumerate(as_list(subset.get("classes", []), "subset.classes", where=where)):
+        as_str(name, f"subset.classes[{index}]", where=where)
+    for name in ("keys", "where"):
+        if name in subset:
+            as_str(subset[name], f"subset.{name}", where=where)
+    if "max_samples" in subset:
+        as_int(subset["max_samples"], "subset.max_samples", lo=1, where=where)
+
+
+def config_shape(data: Any, where: str) -> dict[str, Any]:
+    """``data`` if it is a run config as ``train-from-shards`` writes it: an object whose every ``TrainConfig``
+    field holds a value of that field's type (``"7"``, ``2.5`` or ``true`` for epochs, ``NaN`` for a rate are
+    refused, not converted), with recorded ``sources`` and ``subset`` checked field by field."""
+    data = as_object(data, "the run config", where=where)
+    for item in dataclasses.fields(TrainConfig):
+        kind, _, optional = str(item.type).partition(" | ")
+        required = item.default is dataclasses.MISSING and item.default_factory is dataclasses.MISSING
+        if item.name not in data and not required:
+            continue
+        value = get(data, item.name, "", where=where)
+        if value is not None or not optional:
+            _FIELD_SHAPES[kind](value, item.name, where=where)
+    _check_mixture(data, where)
+    return data
 
 
 def plan_run(cfg: TrainConfig) -> RunPlan:
@@ -68,7 +138,7 @@ def plan_run(cfg: TrainConfig) -> RunPlan:
     if not config_path.exists():
         raise OutputExistsError("is not empty and holds no training run; choose another --out or pass --overwrite",
                                 path=str(folder))
-    recorded = _read_config(config_path)
+    recorded = read_run_config(config_path, "; use --overwrite to replace the run")
     differences = recorded.differences(cfg)
     if cfg.mixed and recorded.exclude_keys != cfg.exclude_keys and not differences:
         # A mixture leaves keys out where it selects its runs, so its draw (and fingerprint) would change.
@@ -109,5 +179,18 @@ def write_metrics(path: Path, history: Iterable[Mapping[str, Any]]) -> None:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+    """``metrics.jsonl``'s rows, read back through the door: every line a JSON object whose ``epoch`` is a positive
+    integer (``shards.report.run.metrics_row_problem``, the report's rule too), else a ``ManifestError`` naming
+    the file and the line."""
+    where = str(path)
+    try:
+        text = read_regular_file(path, error=ManifestError).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ManifestError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", path=where) from None
+    rows = []
+    for number, row, why in json_lines(text):
+        problem = f"is not JSON ({why})" if why is not None else metrics_row_problem(row)
+        if problem is not None:
+            raise ManifestError(f"line {number} {problem}", path=where)
+        rows.append(row)
+    return rows

@@ -10,6 +10,7 @@ from shards.image.options import INTERPOLATIONS
 from preprocess.features.featurize import AMP_MODES, DTYPES, FeatureConfig, merge_features, run_precompute
 from preprocess.pack.cli import stage_root
 from preprocess.staging import features_spec, resolve_stage, run_staged
+from shards.atomic import on_disk_full
 from shards.cli.common import cache_options, emit_json, handle_errors, quiet_option, s3_options, task_options
 from shards.formats.location import locate
 from shards.formats.s3 import S3Options
@@ -91,7 +92,8 @@ def precompute_features_command(data_dir: str | None, out_dir: Path | None, back
     exist. Reruns skip finished shards; a different config refuses without --overwrite.
     """
     if merge_dir is not None:
-        manifest = merge_features(merge_dir, storage_options=s3)
+        with on_disk_full(merge_dir):
+            manifest = merge_features(merge_dir, storage_options=s3)
         emit_json({"out": str(merge_dir), "complete": True, "config_hash": manifest.config_hash,
                    "shards_total": sum(len(s.shards) for s in manifest.splits.values())})
         return
@@ -116,5 +118,6 @@ def precompute_features_command(data_dir: str | None, out_dir: Path | None, back
     if staged is not None:
         _, summary = run_staged(staged, lambda stage: run_precompute(cfg), features_spec())
     else:
-        _, summary = run_precompute(cfg)
+        with on_disk_full(cfg.out_dir):  # what a writer below raised as a bare OSError (a full disk: one line, exit 1)
+            _, summary = run_precompute(cfg)
     emit_json(summary)

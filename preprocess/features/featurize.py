@@ -30,13 +30,13 @@ import torch
 from preprocess.features.backbones import Backbone, build_backbone
 from preprocess.features.assembly import FeatureAssembly
 from preprocess.features.loader import FeatureDecoder, ShardJob, ShardReader, shard_jobs
-from preprocess.features.state import (STATE_DIR, assemble_manifest, check_output, config_hash, feature_path,
+from preprocess.features.state import (CONFIG_RECORD, STATE_DIR, assemble_manifest, check_output, config_hash, feature_path,
                                       finished_shard, prepare_output, read_config_record, write_shard_record)
 from preprocess.features.transforms import AugmentSpec, FeatureTransform, eval_tensors, views_tensors
 from shards.devices import resolve_device
 from shards.image.device import Normalize, decode_images
 from shards.image.options import DEFAULT_INTERPOLATION, IMAGENET_MEAN, IMAGENET_STD
-from shards.atomic import check_local_output, remove_stale_tmp
+from shards.atomic import check_local_output, check_room, remove_stale_tmp
 from shards.errors import CorruptDataError, InputError, ShardcacheError
 from shards.lock import claim_output
 from shards.stream.options import DECODES
@@ -239,9 +239,17 @@ def _model_inputs(job: ShardJob, pieces: list[dict[str, Any]], spec: FeatureTran
 
 def _write_job(cfg: FeatureConfig, job: ShardJob, shard: FeatureShard, digest: str) -> None:
     path = feature_path(cfg.out_dir, job, cfg.storage)
+    if cfg.storage == "hdf5":  # HDF5 crashes on a disk that fills up under it: refused before (shards.atomic)
+        check_room(cfg.out_dir, _tensor_bytes(shard) + sum(len(k) + 16 for k in shard.keys), path.name)
     size, sha256 = write_feature_shard(path, shard, cfg.storage)
     info = ShardInfo(path.name, len(shard), size, sha256, source=job.shard.path, source_sha256=job.shard.sha256)
     write_shard_record(cfg.out_dir, job, cfg.storage, info, digest)
+
+
+def _tensor_bytes(shard: FeatureShard) -> int:
+    """The bytes of a feature shard's tensors (features, labels, views, targets)."""
+    tensors = (shard.features, shard.labels, shard.views, shard.targets)
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def _featurize(cfg: FeatureConfig, jobs: list[ShardJob], reader: ShardReader, extractor: FeatureExtractor,
@@ -277,7 +285,8 @@ def _featurize(cfg: FeatureConfig, jobs: list[ShardJob], reader: ShardReader, ex
     bar = progress(total=sum(job.shard.samples for job in jobs), desc="features", unit="img", quiet=cfg.quiet)
     start = time.perf_counter()
     batches = iter(loader)
-    with bar, ThreadPoolExecutor(1, thread_name_prefix="precompute-write") as writer:
+    # The loader closed on the way out, an error included: its workers stop now, not at garbage collection.
+    with loader, bar, ThreadPoolExecutor(1, thread_name_prefix="precompute-write") as writer:
         unwritten += [writer.submit(finish, job, shard) for job, shard in assembly.empty_shards()]
         while True:
             waited = time.perf_counter()
@@ -370,10 +379,13 @@ def merge_features(out_dir: str | Path, storage_options: Any = None) -> FeatureM
     """Write ``features.json`` once every task's shards exist (what the last array task does on its own).
     ``storage_options``: how to reach the dataset when the run read it from ``s3://``."""
     out_dir = Path(out_dir)
-    record = read_config_record(out_dir)
-    if record is None:
+    if not (out_dir / STATE_DIR / CONFIG_RECORD).is_file():
         raise InputError("not a precompute-features folder (no .precompute/config.json)", path=str(out_dir))
     with claim_output(out_dir, STATE_DIR, what="precompute-features --merge", exclusive=True):
+        # Read once the folder is ours: a task still running may yet rewrite it.
+        record = read_config_record(out_dir)
+        if record is None:
+            raise InputError("not a precompute-features folder (no .precompute/config.json)", path=str(out_dir))
         return _merge_claimed(out_dir, record, storage_options)
 
 

@@ -24,12 +24,15 @@ from preprocess.features.loader import ShardJob
 from shards.atomic import sha256_file, write_json_atomic, write_json_shared
 from shards.bounded_read import read_json_file
 from shards.check.freshness import shard_staleness
-from shards.errors import OutputExistsError, ShardcacheError
+from shards.errors import ManifestError, OutputExistsError, ShardcacheError
 from shards.lock import FolderLock, merge_lock
+from shards.formats.feature_names import FEATURE_SUFFIXES
 from shards.formats.features import feature_shard_name
-from shards.manifest import (FEATURES_FILE, DatasetManifest, FeatureManifest, ShardInfo, SplitInfo,
-                             load_feature_manifest)
+from shards.formats.locations import check_dataset_dir
+from shards.manifest import (FEATURES_FILE, MAX_FEATURES_DIM, MAX_VIEWS, DatasetManifest, FeatureManifest,
+                             ShardInfo, SplitInfo, load_feature_manifest)
 from shards.owned import plain_names, refuse_clobber, remove_owned
+from shards.shape import as_int, as_list, as_object, as_str, field as get
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +47,28 @@ def config_hash(config: Mapping[str, Any]) -> str:
 
 
 def read_config_record(out_dir: Path) -> dict[str, Any] | None:
+    """The folder's ``.precompute/config.json`` (None when there is none), each field of the type this module
+    writes: a merge follows its ``dataset_dir`` and copies its numbers into ``features.json``, so a tampered one
+    is a ``ManifestError`` naming the field, never a raw error or a manifest of nonsense."""
     path = out_dir / STATE_DIR / CONFIG_RECORD
     if not path.is_file():
         return None
-    return read_json_file(path)
+    where = str(path)
+    record = as_object(read_json_file(path), "the record", where=where)
+    as_str(get(record, "config_hash", "", where=where), "config_hash", max_len=128, where=where)
+    check_dataset_dir(get(record, "dataset_dir", "", where=where), where=where)
+    for index, split in enumerate(as_list(get(record, "splits", "", where=where), "splits", where=where)):
+        as_str(split, f"splits[{index}]", where=where)
+    as_int(get(record, "features_dim", "", where=where), "features_dim", lo=1, hi=MAX_FEATURES_DIM, where=where)
+    as_object(get(record, "provenance", "", default={}, where=where), "provenance", where=where)
+    config = as_object(get(record, "config", "", where=where), "config", where=where)
+    storage = as_str(get(config, "storage", "config", where=where), "config.storage", where=where)
+    if storage not in FEATURE_SUFFIXES:
+        raise ManifestError(f"config.storage is {storage!r:.40}: expected one of {sorted(FEATURE_SUFFIXES)}",
+                            path=where)
+    as_str(get(config, "dtype", "config", where=where), "config.dtype", max_len=64, where=where)
+    as_int(get(config, "views", "config", where=where), "config.views", hi=MAX_VIEWS, where=where)
+    return record
 
 
 def check_output(out_dir: Path, record: Mapping[str, Any], *, overwrite: bool,
@@ -143,10 +164,15 @@ def finished_shard(out_dir: Path, job: ShardJob, storage: str, digest: str) -> S
     path = _record_path(out_dir, job, storage)
     if not path.is_file():
         return None
-    record = read_json_file(path)
-    info = ShardInfo.from_dict(record["shard"])
+    try:  # a record of another shape describes nothing: its shard is computed again
+        record = as_object(read_json_file(path), "the record", where=str(path))
+        info = ShardInfo.from_dict(get(record, "shard", "", where=str(path)), str(path))
+    except ManifestError as exc:
+        log.warning("%s; recomputing", exc)
+        return None
     feature_file = out_dir / info.path
-    if record.get("config_hash") != digest or not feature_file.is_file():
+    if record.get("config_hash") != digest or info.path != feature_path(out_dir, job, storage).name \
+            or not feature_file.is_file():
         return None
     stale = shard_staleness(info, job.shard.sha256) if info.source_sha256 else "its record names no source sha256"
     if stale is not None:
@@ -180,9 +206,9 @@ def assemble_manifest(out_dir: Path, record: Mapping[str, Any], dataset: Dataset
         storage=storage,
         classes=dataset.classes,
         splits=splits,
-        features_dim=int(record["features_dim"]),
+        features_dim=record["features_dim"],
         dtype=config["dtype"],
-        views=int(config["views"]),
+        views=config["views"],
         config=config,
         config_hash=record["config_hash"],
         dataset_dir=record["dataset_dir"],

@@ -255,7 +255,8 @@ def _append_claimed(cfg: PackConfig, out: Path, prune: bool, started: float) -> 
     manifest = load_dataset_manifest(out)
     index = read_index(out, manifest)
     cfg = recorded_config(cfg, manifest)
-    scan = scan_source(cfg.source, allow_empty_classes=cfg.allow_empty_classes, fields=cfg.source_fields)
+    scan = scan_source(cfg.source, allow_empty_classes=cfg.allow_empty_classes, fields=cfg.source_fields,
+                       max_bytes=cfg.max_bytes)
     check_strict(scan, cfg.strict)
     diff, taken = _refuse_taken_keys(scan, diff_source(relabel(scan, manifest), index), index)
     _report(diff, prune)

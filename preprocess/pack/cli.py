@@ -17,7 +17,7 @@ from preprocess.pack.parts import STATE_DIR, merge_parts, read_plan_doc
 from preprocess.pack.table import pack_table
 from preprocess.pack.table_config import ENCODINGS, IMPUTE_STATISTICS, TASKS, TableConfig
 from preprocess.staging import dataset_spec, resolve_stage, run_staged
-from shards.atomic import check_local_output
+from shards.atomic import check_local_output, on_disk_full
 from shards.lock import claim_output
 from shards.cli.common import ByteSize, emit_json, handle_errors, quiet_option, s3_options, task_options
 from shards.image.decode import DEFAULT_MAX_PIXELS
@@ -119,13 +119,14 @@ def pack_shards_command(source, out, storage, max_samples, max_bytes, val_fracti
                           val_fraction=val_fraction if "val_fraction" in given else None, seed=seed,
                           shuffle=not no_shuffle, max_samples=max_samples,
                           storage="hdf5" if storage == "hdf5" else "pt", overwrite=overwrite)
-        emit_json(pack_table(cfg).summary)
+        with on_disk_full(out):
+            emit_json(pack_table(cfg).summary)
         return
     if merge_dir is not None:
         started = time.monotonic()
         check_local_output(merge_dir, "--merge")
         read_plan_doc(Path(merge_dir))  # a folder that was never packed: refuse before creating a lock file there
-        with claim_output(merge_dir, STATE_DIR, what="pack-shards --merge", exclusive=True):
+        with claim_output(merge_dir, STATE_DIR, what="pack-shards --merge", exclusive=True), on_disk_full(merge_dir):
             manifest = merge_parts(merge_dir)
         shards = [s for split in manifest.splits.values() for s in split.shards]
         emit_json({"out": merge_dir, "complete": True, "samples": sum(s.samples for s in shards),
@@ -155,7 +156,8 @@ def pack_shards_command(source, out, storage, max_samples, max_bytes, val_fracti
     if staged is not None:
         manifest, summary = run_staged(staged, lambda stage: _pack_result(pack(cfg)), dataset_spec())
     else:
-        manifest, summary = _pack_result(append(cfg, prune=prune) if append_new else pack(cfg))
+        with on_disk_full(out):  # what a writer below raised as a bare OSError (a full disk: one line, exit 1)
+            manifest, summary = _pack_result(append(cfg, prune=prune) if append_new else pack(cfg))
     if manifest is None:
         log.info("task %d/%d done; dataset.json appears when every task has finished", task_index, num_tasks)
     else:

@@ -20,15 +20,15 @@ from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
-from preprocess.pack.parts import (STATE_DIR, check_output, load_part, merge_parts, missing_parts, prepare_output,
-                                   read_plan_doc, write_part)
+from preprocess.pack.parts import (STATE_DIR, check_output, load_part, merge_parts, missing_parts, part_path,
+                                   prepare_output, read_plan_doc, shard_files, write_part)
 from preprocess.pack.member_read import fetch_members
-from preprocess.pack.members import MemberBytes, MemberSpec, SourceFields
+from preprocess.pack.members import DEFAULT_MAX_BYTES, MemberBytes, MemberSpec, SourceFields
 from preprocess.pack.plan import PackPlan, PlannedShard, make_plan
 from preprocess.pack.sources import SourceScan, check_out_outside_source, scan_source
-from shards.atomic import check_local_output
+from shards.atomic import check_local_output, check_room, on_disk_full, remove_stale_tmp
 from preprocess.pack.validate import (InvalidImage, ValidateOptions, read_ahead, read_and_validate, sample_meta,
                                       validate_image)
 from shards.image.decode import DEFAULT_MAX_PIXELS
@@ -52,7 +52,7 @@ class PackConfig:
     out: str
     storage: str = "tar"
     max_samples: int = 1000
-    max_bytes: int = 256 * 1024 * 1024
+    max_bytes: int = DEFAULT_MAX_BYTES
     val_fraction: float = 0.0
     seed: int = 0
     shuffle: bool = True
@@ -151,7 +151,7 @@ def pack_shard(job: ShardJob, on_file: Callable[[int], None] | None = None) -> d
     counts = [0] * len(job.classes)
     skipped: list[dict] = []
     index: list[dict] = []
-    writer = None
+    writer, payload = None, 0
     samples = list(job.shard.samples)
     with ExitStack() as stack:
         if job.members is None:
@@ -167,8 +167,12 @@ def pack_shard(job: ShardJob, on_file: Callable[[int], None] | None = None) -> d
                     writer = stack.enter_context(spec.writer(out / job.shard.name, classes=job.classes))
                 writer.write(raw)
                 counts[raw.label] += 1
+                payload += len(raw.data) + len(raw.meta) + len(raw.key) + 32
             if on_file is not None:
                 on_file(sample.size)
+        if writer is not None and job.storage == "hdf5":
+            # Written whole as the writer closes, and HDF5 crashes on a disk that fills up under it: ask first.
+            check_room(out, payload, job.shard.name)
     info = None
     if writer is not None:
         info = {"path": job.shard.name, "samples": writer.samples, "bytes": writer.bytes, "sha256": writer.sha256}
@@ -271,7 +275,8 @@ def warn_dropped_members(scan: SourceScan, storage: str) -> None:
 def pack(cfg: PackConfig) -> PackResult:
     """Pack this task's share of the shards (resuming what is finished) and merge if all parts are there."""
     started = time.monotonic()
-    scan = scan_source(cfg.source, allow_empty_classes=cfg.allow_empty_classes, fields=cfg.source_fields)
+    scan = scan_source(cfg.source, allow_empty_classes=cfg.allow_empty_classes, fields=cfg.source_fields,
+                       max_bytes=cfg.max_bytes)
     check_strict(scan, cfg.strict)
     warn_dropped_members(scan, cfg.storage)
     plan = make_plan(scan, source_packing(cfg, scan), cfg.storage)
@@ -293,11 +298,19 @@ def _pack_claimed(cfg: PackConfig, plan: PackPlan, out: Path, started: float) ->
                      summary_only=True, members=scan.members) for s in todo]
     meter = PackMeter(sum(len(s.samples) for s in todo), cfg.quiet)
     try:
-        packed = run_jobs(jobs, cfg.workers, meter)
+        with on_disk_full(out):  # the space left as the disk filled up, before the cleanup below frees some
+            packed = run_jobs(jobs, cfg.workers, meter)
+    except BaseException:
+        # A shard writer that failed while closing (a full disk fails the close too) leaves its temp file until
+        # the writer is collected: this task's own temps go now (its names, under its lock), so a failed run
+        # leaves a full disk no fuller. Finished shards and parts stay for the rerun.
+        remove_stale_tmp(out, set(shard_files(s.name for s in todo)))
+        remove_stale_tmp(out / STATE_DIR, {part_path(out, s.name).name for s in todo})
+        raise
     finally:
         meter.bar.close()
     manifest = _finish(out, plan, len(todo))
-    summary = _summary(cfg, plan, manifest, mine, len(todo), time.monotonic() - started)
+    summary = _summary(cfg, plan, manifest, mine, todo, packed, time.monotonic() - started)
     if manifest is not None:  # the whole dataset's
         log_skipped([(s.path, s.reason) for s in manifest.source.skipped], manifest.source.files_seen)
     else:  # what the scan refused and what this task's shards left out
@@ -308,26 +321,32 @@ def _pack_claimed(cfg: PackConfig, plan: PackPlan, out: Path, started: float) ->
 
 
 def _summary(cfg: PackConfig, plan: PackPlan, manifest: DatasetManifest | None, mine: Sequence[PlannedShard],
-             written: int, seconds: float) -> dict[str, Any]:
+             todo: Sequence[PlannedShard], packed: Sequence[Mapping[str, Any]], seconds: float) -> dict[str, Any]:
+    """What the run did, counted as it is on disk: ``shards_written`` and ``shards_reused`` are shard files (this
+    run's, and this task's kept from before), so a planned shard whose every file was skipped is neither;
+    ``shards``, ``samples`` and ``bytes`` are the manifest's (the whole dataset's) when it is complete, else this
+    task's."""
+    written = sum(part["shard"] is not None for part in packed)
     summary: dict[str, Any] = {"out": str(cfg.out), "complete": manifest is not None, "task_index": cfg.task_index,
-                               "num_tasks": cfg.num_tasks, "shards_written": written,
-                               "shards_reused": len(mine) - written, "seconds": round(seconds, 3),
+                               "num_tasks": cfg.num_tasks, "shards_written": written, "seconds": round(seconds, 3),
                                "files_seen": plan.scan.files_seen}
     if manifest is not None:
         shards = [s for split in manifest.splits.values() for s in split.shards]
+        kept = {s.name for s in mine} - {s.name for s in todo}
         summary.update(samples=sum(s.samples for s in shards), shards=len(shards),
+                       shards_reused=sum(s.path in kept for s in shards),
                        bytes=sum(s.bytes for s in shards), skipped=len(manifest.source.skipped),
                        splits={name: split.samples for name, split in manifest.splits.items()})
     else:  # one part at a time: a part holds its shard's per-sample index rows
-        totals = Counter()
+        totals: Counter = Counter()
         for shard in mine:
             part = load_part(Path(cfg.out), shard.name, plan.sha256, check_sha256=False)
             if part is not None:
                 totals["skipped"] += len(part["skipped"])
                 if part["shard"] is not None:
                     totals.update(samples=part["shard"]["samples"], shards=1, bytes=part["shard"]["bytes"])
-        summary.update(samples=totals["samples"], shards=totals["shards"], bytes=totals["bytes"],
-                       skipped=totals["skipped"])
+        summary.update(samples=totals["samples"], shards=totals["shards"], shards_reused=totals["shards"] - written,
+                       bytes=totals["bytes"], skipped=totals["skipped"])
     return summary
 
 

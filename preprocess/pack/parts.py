@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -37,7 +38,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from shards.atomic import (atomic_output, remove_stale_tmp, sha256_file, tmp_target, write_bytes_atomic,
                            write_json_shared)
-from shards.bounded_read import read_json_file
+from shards.bounded_read import parse_json, read_json_file
 from shards.errors import ManifestError, OutputExistsError, ShardcacheError
 from shards.formats.column_writer import Survey, manifest_order, write_split_columns
 from shards.formats.columns import COLUMNS_KEY, FORMAT as COLUMNS_FORMAT, column_files, next_column_number
@@ -47,6 +48,9 @@ from shards.lock import FolderLock
 from shards.manifest import (DATASET_FILE, DatasetManifest, ShardInfo, SkippedFile, SourceInfo, SplitInfo,
                              load_dataset_manifest)
 from shards.owned import manifest_names, nested_names, plain_names, refuse_clobber, remove_owned
+from shards.shape import as_int, as_int_list, as_list, as_object, as_str, field as get
+
+log = logging.getLogger("shardcache.pack")
 
 STATE_DIR = ".pack"
 PLAN_FILE = "plan.json"
@@ -67,8 +71,8 @@ def existing_plan_digest(out: Path) -> str | None:
     plan_file = out / STATE_DIR / PLAN_FILE
     if plan_file.is_file():
         try:
-            return str(read_json_file(plan_file)["plan_sha256"])
-        except (ValueError, KeyError, TypeError):
+            return plan_shape(read_json_file(plan_file), str(plan_file))["plan_sha256"]
+        except ValueError:  # unreadable or of another shape (a ManifestError is a ValueError)
             return ""
     if (out / DATASET_FILE).is_file():
         try:
@@ -86,7 +90,7 @@ def is_published_name(name: str) -> bool:
                 or _COLUMN_FILE.fullmatch(name) or name in _OWN_FILES)
 
 
-def _shard_files(names: Iterable[Any]) -> list[Any]:
+def shard_files(names: Iterable[Any]) -> list[Any]:
     """The files the shard writer makes for these shard names: each shard, and its byte index where its storage
     writes one (tar)."""
     indexed = tuple(spec.suffix for spec in STORAGES.values() if spec.indexed)
@@ -98,7 +102,7 @@ def planned_names(plan_doc: Mapping[str, Any]) -> set[str]:
     """The files at the top of OUT that packing this plan writes: shards, their sidecars, the index, the manifest."""
     shards = plan_doc.get("shards")
     names = [s.get("name") for s in shards if isinstance(s, Mapping)] if isinstance(shards, list) else []
-    return plain_names([*_shard_files(names), INDEX_FILE, DATASET_FILE])
+    return plain_names([*shard_files(names), INDEX_FILE, DATASET_FILE])
 
 
 def recorded_names(out: Path) -> set[str]:
@@ -113,7 +117,7 @@ def recorded_names(out: Path) -> set[str]:
             names += planned_names(read_json_file(state / PLAN_FILE))
         except (OSError, ValueError, AttributeError):
             pass  # no plan, or an unreadable one: it names nothing
-        names += _shard_files(p.name[:-len(".json")] for p in state.glob("*.json") if p.name != PLAN_FILE)
+        names += shard_files(p.name[:-len(".json")] for p in state.glob("*.json") if p.name != PLAN_FILE)
     names += manifest_names(out, DATASET_FILE, load_dataset_manifest, _dataset_names)
     return plain_names(names)
 
@@ -179,14 +183,62 @@ def prepare_output(out: Path, plan_doc: Mapping[str, Any], overwrite: bool,
         write_json_shared(plan_file, dict(plan_doc))
 
 
+def plan_shape(value: Any, where: str) -> dict[str, Any]:
+    """``value`` if it is a plan as ``pack-shards`` writes it (``.pack/plan.json``), each field of its type; its
+    shard names must be ones the packer makes (a name is a file in ``OUT`` and in ``OUT/.pack``), else a
+    ``ManifestError`` naming the field."""
+    plan = as_object(value, "the plan", where=where)
+    for name in ("plan_sha256", "storage"):
+        as_str(get(plan, name, "", where=where), name, max_len=128, where=where)
+    for name in ("classes", "splits"):
+        for index, item in enumerate(as_list(get(plan, name, "", where=where), name, where=where)):
+            as_str(item, f"{name}[{index}]", where=where)
+    for index, shard in enumerate(as_list(get(plan, "shards", "", where=where), "shards", where=where)):
+        what = f"shards[{index}]"
+        name = as_str(get(as_object(shard, what, where=where), "name", what, where=where), f"{what}.name",
+                      where=where)
+        as_str(get(shard, "split", what, where=where), f"{what}.split", where=where)
+        if not _SHARD_FILE.match(name):
+            raise ManifestError(f"{what}.name {name!r:.80} is not a shard name pack-shards writes", path=where)
+    SourceInfo.from_dict(get(plan, "source", "", where=where), where)
+    as_object(get(plan, "packing", "", where=where), "packing", where=where)
+    return plan
+
+
+def part_shape(value: Any, shard_name: str, where: str) -> dict[str, Any]:
+    """``value`` if it is the part manifest of shard ``shard_name`` as ``pack_shard`` writes it, each field of
+    its type and the shard entry a valid ``ShardInfo`` of that very name; else a ``ManifestError`` naming the
+    field."""
+    part = as_object(value, "the part", where=where)
+    as_str(get(part, "plan_sha256", "", where=where), "plan_sha256", max_len=128, where=where)
+    as_str(get(part, "split", "", where=where), "split", where=where)
+    counts = as_int_list(get(part, "class_counts", "", where=where), "class_counts", where=where)
+    for index, item in enumerate(as_list(get(part, "skipped", "", where=where), "skipped", where=where)):
+        SkippedFile.from_dict(item, where, f"skipped[{index}]")
+    for index, row in enumerate(as_list(get(part, "index", "", default=[], where=where), "index", where=where)):
+        as_object(row, f"index[{index}]", where=where)
+    for name in ("source_files", "source_bytes"):
+        as_int(get(part, name, "", default=0, where=where), name, where=where)
+    shard = part.get("shard")
+    if shard is not None:
+        info = ShardInfo.from_dict({"class_counts": counts, **as_object(shard, "shard", where=where)}, where)
+        if info.path != shard_name:
+            raise ManifestError(f"shard.path is {info.path!r:.80}, not {shard_name!r}", path=where)
+    return part
+
+
 def load_part(out: Path, shard_name: str, digest: str, *, check_sha256: bool) -> dict[str, Any] | None:
-    """The shard's part manifest if the shard is finished and intact, else None (so it is packed again)."""
+    """The shard's part manifest if the shard is finished and intact, else None (so it is packed again). A part
+    of another shape (``part_shape``) is not trusted to describe anything: its shard is packed again too."""
     path = part_path(out, shard_name)
     try:
-        part = read_json_file(path)
-    except (OSError, ValueError):
+        part = part_shape(read_json_file(path), shard_name, str(path))
+    except ManifestError as exc:
+        log.warning("%s; packing %s again", exc, shard_name)
         return None
-    if part.get("plan_sha256") != digest:
+    except (OSError, ValueError):  # not written yet (or unreadable): packed again
+        return None
+    if part["plan_sha256"] != digest:
         return None
     info = part.get("shard")
     if info is None:
@@ -217,7 +269,7 @@ def write_part(out: Path, shard_name: str, part: Mapping[str, Any]) -> None:
 def read_plan_doc(out: Path) -> dict[str, Any]:
     path = out / STATE_DIR / PLAN_FILE
     try:
-        return read_json_file(path)
+        return plan_shape(read_json_file(path), str(path))
     except FileNotFoundError:
         raise ManifestError(f"no {STATE_DIR}/{PLAN_FILE}: nothing was packed here", path=str(out)) from None
     except ManifestError as exc:
@@ -269,7 +321,7 @@ def index_file_rows(path: Path, split: str) -> Iterator[dict[str, Any]]:
     with open(path, encoding="utf-8") as handle:
         for line in handle:
             if needle in line:
-                yield json.loads(line)
+                yield parse_json(line)
 
 
 def write_columns(out: Path, manifest: DatasetManifest, rows: Callable[[str], Iterable[Mapping[str, Any]]],

@@ -26,13 +26,14 @@ from typing import Iterable, NamedTuple
 
 from preprocess.pack.source_columns import NO_SPLIT, SamplesBuilder, SourceSample, SourceSamples, as_samples, sample_key
 from preprocess.pack.csv_records import SPLIT_NAME, iter_csv_records
-from preprocess.pack.members import MemberSpec, SourceFields
+from preprocess.pack.members import DEFAULT_MAX_BYTES, MemberSpec, SourceFields
 from preprocess.pack.source_parquet import scan_table_source, table_source_kind
 from preprocess.pack.source_tars import is_tar_pattern, scan_tar_source
 from shards.bounded_read import not_regular_reason, read_regular_file
 from shards.errors import InputError, MissingInputError
 from shards.jsonlines import json_lines
 from shards.formats.sample import IMAGE_EXTENSIONS
+from shards.shape import as_str
 
 log = logging.getLogger("shardcache.sources")
 
@@ -190,7 +191,18 @@ def _list_rows_jsonl(path: Path) -> Iterable[tuple[int, dict[str, str]]]:
         if not isinstance(row, dict):
             raise InputError(f"line {line_num}: expected a JSON object", path=str(path))
         _check_columns(list(row), path, line_num)
-        yield line_num, {k: "" if v is None else str(v).strip() for k, v in row.items()}
+        yield line_num, {name: _list_cell(value, name, line_num, path) for name, value in row.items()}
+
+
+def _list_cell(value: object, name: str, line_num: int, path: Path) -> str:
+    """A JSONL list's cell as text: a string (stripped), null (empty), or for a label an integer (``3`` names
+    class "3", as a CSV cell would). Anything else is refused, not turned into text: ``str()`` would make a list,
+    an object, ``true`` or ``NaN`` a class name or a path silently."""
+    if value is None:
+        return ""
+    if name == "label" and type(value) is int:
+        return str(value)
+    return as_str(value, f"line {line_num}: {name}", where=str(path), error=InputError).strip()
 
 
 def _check_columns(columns: list[str], path: Path, line_num: int) -> None:
@@ -274,13 +286,16 @@ def check_out_outside_source(source: str | os.PathLike, out: str | os.PathLike) 
 
 
 def scan_source(source: str | os.PathLike, *, allow_empty_classes: bool = False,
-                fields: SourceFields | None = None) -> SourceScan:
+                fields: SourceFields | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> SourceScan:
     """Dispatch on what ``source`` is: WebDataset tars (a ``.tar`` path or a brace pattern), a Parquet file or
     folder, a ``datasets.save_to_disk`` folder, a folder tree or a ``.csv``/``.jsonl`` list file. ``fields`` (where
-    the image and label are) applies to the container sources only."""
+    the image and label are) applies to the container sources only; ``max_bytes`` (a shard's, ``--max-bytes``)
+    bounds what a container may make a reader decode at once (a sample, a row group), judged from what it
+    declares before anything is read."""
     if is_tar_pattern(str(source)):
         pattern = os.path.join(os.getcwd(), source)  # not normalised: ``..`` after a brace must stay
-        return _member_scan("webdataset", pattern, scan_tar_source(pattern, fields or SourceFields()))
+        return _member_scan("webdataset", pattern,
+                            scan_tar_source(pattern, fields or SourceFields(), max_bytes=max_bytes))
     path = Path(source)
     if not path.exists():
         raise MissingInputError("no such file or folder", path=str(path))
@@ -290,7 +305,8 @@ def scan_source(source: str | os.PathLike, *, allow_empty_classes: bool = False,
         if given.label_member is not None or given.label_field is not None:
             raise InputError("--label-member and --label-field apply to WebDataset tars; use --label-column",
                              path=str(path))
-        found = scan_table_source(path.absolute(), kind, given.image_column, given.label_column)
+        found = scan_table_source(path.absolute(), kind, given.image_column, given.label_column,
+                                  max_bytes=max_bytes)
         return _member_scan(kind, str(path.absolute()), found)
     if fields is not None and fields != SourceFields():
         raise InputError("--image-column, --label-column, --label-member and --label-field apply to Parquet, Arrow "

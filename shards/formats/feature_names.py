@@ -9,6 +9,9 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
+from shards.errors import ManifestError
+from shards.shape import as_number
+
 FEATURE_SUFFIXES = {"pt": ".pt", "hdf5": ".h5"}
 TABLE_KIND = "table"  # ``config.kind`` of a feature folder packed from a CSV (``pack-shards --table``)
 
@@ -26,6 +29,19 @@ def is_feature_file(name: str) -> bool:
 
 
 _FEATURE_FILE = re.compile(r"^[A-Za-z0-9_]+-\d{6}\.(pt|h5)$")
+
+
+def check_target(config: Mapping[str, Any], where: str | None = None) -> None:
+    """A regression target's recorded statistics are finite, its std positive: training divides by the std and
+    adds the mean back to every prediction, so a ``NaN``, ``"1"`` or ``0`` there would train on nonsense silently.
+    A ``ManifestError`` naming ``config.target.<field>`` otherwise; nothing to check for a classification folder."""
+    if target_task(config) != "regression":
+        return
+    target = config["target"]
+    as_number(target.get("mean"), "config.target.mean", where=where)
+    std = as_number(target.get("std"), "config.target.std", where=where)
+    if not std > 0:
+        raise ManifestError(f"config.target.std is {std!r}: expected a number above 0", path=where)
 
 
 def target_task(config: Mapping[str, Any]) -> str:

@@ -99,9 +99,12 @@ class TarShardWriter:
                 self.sha256 = self._digest.hexdigest()
                 self.bytes = self._written
                 self._write_index(data_end)
+            self._file.close()  # a full disk may refuse the last buffered bytes here: the except cleans up
         except BaseException:
-            self._file.close()
-            self._atomic.__exit__(*sys.exc_info())
+            try:
+                self._file.close()
+            finally:
+                self._atomic.__exit__(*sys.exc_info())
             raise
         self._file.close()
         self._atomic.__exit__(exc_type, exc, tb)

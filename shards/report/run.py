@@ -79,12 +79,26 @@ def read_run(folder: Path) -> RunFiles:
             text = read_regular_file(metrics).decode("utf-8")
         except UnicodeDecodeError as exc:
             raise InputError(f"cannot read ({exc})", path=str(metrics)) from exc
-        for number_, row, _ in json_lines(text):
-            if isinstance(row, dict):
+        for number_, row, why in json_lines(text):
+            problem = "is not a JSON object" if why is not None else metrics_row_problem(row)
+            if problem is None:
                 rows.append(row)
             else:
-                problems.append(f"{METRICS_FILE} line {number_} is not a JSON object; left out")
+                problems.append(f"{METRICS_FILE} line {number_} {problem}; left out")
     return RunFiles(folder, config, rows, problems)
+
+
+def metrics_row_problem(row: Any) -> str | None:
+    """What is wrong with a parsed ``metrics.jsonl`` line, or None: a row is a JSON object, and its ``epoch``
+    (which orders the curves and names the checkpoints) a positive integer, not ``"3"``, ``2.5`` or ``true``.
+    The other fields are shown as far as they are finite numbers (``number``). One rule for the report, which
+    leaves such a line out, and for ``train.run_dir.read_metrics``, which refuses it."""
+    if not isinstance(row, dict):
+        return "is not a JSON object"
+    epoch = row.get("epoch")
+    if type(epoch) is not int or epoch < 1:
+        return f"has epoch {epoch!r}, not a positive integer"
+    return None
 
 
 def trained_on(config: Mapping[str, Any]) -> list[str]:

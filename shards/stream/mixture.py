@@ -18,20 +18,33 @@ the loader's state so a resume with other sources or weights is refused.
 
 from __future__ import annotations
 
+import codecs
 import functools
 import hashlib
-import io
+import math
+import numbers
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from shards.bounded_read import read_regular_file
+from shards.bounded_read import MAX_FILE_BYTES, open_regular_file
 from shards.errors import InputError
+from shards.shape import MAX_COUNT
+from shards.units import human_bytes
 from shards.stream.plan import STREAM_MIX_DRAW, STREAM_MIX_ORDER, rng_for
 
 CLASS_MAPS = ("same", "union")
+
+
+def _check_count(value: Any, what: str) -> None:
+    """A count of samples (``choose``, ``max_samples``, ``epoch_size``): None, or an integer from 1 to
+    ``MAX_COUNT``. ``int()`` would take ``"7"``, ``2.5`` and ``True`` silently, and the epoch's draw allocates by
+    it, so nothing is converted."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+                              or not 1 <= value <= MAX_COUNT):
+        raise InputError(f"{what}={value!r} must be an integer from 1 to {MAX_COUNT:,}")
 
 
 @dataclass(frozen=True)
@@ -56,8 +69,7 @@ class Subset:
             object.__setattr__(self, "classes", tuple(str(c) for c in self.classes))
             if not self.classes:
                 raise InputError("Subset.classes is empty: name at least one class")
-        if self.max_samples is not None and (isinstance(self.max_samples, bool) or int(self.max_samples) < 1):
-            raise InputError(f"Subset.max_samples={self.max_samples!r} must be an integer >= 1")
+        _check_count(self.max_samples, "Subset.max_samples")
         for name in ("keys", "exclude_keys"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):
@@ -72,11 +84,11 @@ class Subset:
         return self.classes is None and self.keys is None and self.where is None and self.max_samples is None \
             and self.exclude_keys is None
 
-    def key_set(self) -> frozenset[str] | None:
+    def key_set(self) -> KeySet | None:
         """The keys asked for, read once from their file (a path) or taken as given (an iterable of strings)."""
         return read_keys(self.keys)
 
-    def excluded_key_set(self) -> frozenset[str] | None:
+    def excluded_key_set(self) -> KeySet | None:
         """The keys left out (``exclude_keys``), read as ``key_set`` reads its keys."""
         return read_keys(self.exclude_keys)
 
@@ -90,19 +102,124 @@ class Subset:
                 "max_samples": self.max_samples, "exclude_keys": excluded}
 
 
-def read_keys(keys: Any) -> frozenset[str] | None:
+def read_keys(keys: Any) -> KeySet | None:
     """Sample keys from a file (a path: one per line, blank lines and surrounding spaces ignored) or as given."""
     if keys is None:
         return None
     if isinstance(keys, (str, os.PathLike)):
-        # Regular files only and at most MAX_FILE_BYTES: a FIFO or /dev/zero here would hang or fill memory.
-        try:
-            text = read_regular_file(keys).decode("utf-8-sig")
-        except UnicodeDecodeError as exc:
-            raise InputError(f"the keys file is not UTF-8 text ({exc.reason} at byte {exc.start})",
-                             path=str(keys)) from None
-        return frozenset(key for key in map(str.strip, io.StringIO(text, newline=None)) if key)
-    return keys
+        return KeySet.read(keys)
+    return KeySet.of(keys)
+
+
+KEY_BLOCK = 1 << 20  # bytes of a key list parsed at a time: the text, lines and bytes of one block are transient
+
+
+class KeySet:
+    """A set of sample keys held as sorted, distinct UTF-8 bytes in numpy arrays, one per key length rounded up
+    to a multiple of 8 (so a few long keys do not pad every short one): about the keys' own bytes, with no Python
+    object per key. A list of 10 million keys is a few hundred MB where a ``frozenset[str]`` took five times its
+    file. ``in`` is a binary search; ``member`` marks the rows of a fixed-width key column (a column index's).
+
+    A key ending in a NUL character cannot be told from a shorter one in a fixed-width array (numpy strips
+    trailing NULs), as in ``member_bytes``: such keys are never members. Keys shardcache makes hold none."""
+
+    def __init__(self, tables: dict[int, np.ndarray]):
+        self._tables = tables  # width -> sorted distinct keys of (width - 8, width] bytes, as ``S<width>``
+
+    @classmethod
+    def of(cls, keys: Iterable[str]) -> KeySet:
+        """The keys given from Python (an iterable of ``str``)."""
+        return cls._build([cls._encoded(str(k) for k in keys)])
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> KeySet:
+        """The keys of a file, one per line, parsed a block of ``KEY_BLOCK`` bytes at a time. A regular file of at
+        most ``MAX_FILE_BYTES`` only: a FIFO or ``/dev/zero`` here would hang or fill memory."""
+        chunks, rest, offset, total = [], b"", 0, 0  # offset: of ``rest`` in the file, for the error's byte
+        with open_regular_file(path) as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size > MAX_FILE_BYTES:  # refused unread, as ``read_regular_file`` refuses a file to read whole
+                raise InputError(f"{human_bytes(size)}: larger than the {human_bytes(MAX_FILE_BYTES)} shardcache "
+                                 "reads whole", path=str(path))
+            while True:
+                block = handle.read(KEY_BLOCK)
+                total += len(block)
+                if total > MAX_FILE_BYTES:
+                    raise InputError(f"more than the {human_bytes(MAX_FILE_BYTES)} shardcache reads whole",
+                                     path=str(path))
+                if total == len(block) and block.startswith(codecs.BOM_UTF8):  # Excel's "UTF-8" starts with one
+                    block, offset = block[3:], 3
+                data = rest + block
+                cut = data.rfind(b"\n") + 1 if block else len(data)  # a line, or a character, may straddle blocks
+                try:
+                    text = data[:cut].decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise InputError(f"the keys file is not UTF-8 text ({exc.reason} at byte {offset + exc.start})",
+                                     path=str(path)) from None
+                chunks.append(cls._encoded(map(str.strip, text.replace("\r", "\n").split("\n"))))
+                rest, offset = data[cut:], offset + cut
+                if not block:
+                    return cls._build(chunks)
+
+    @staticmethod
+    def _encoded(keys: Iterable[str]) -> dict[int, np.ndarray]:
+        """Non-empty ``keys`` as UTF-8 bytes, by rounded width; unsorted. One list of the block's bytes, then
+        numpy: a loop per key here was most of the time a large list took."""
+        data = [k.encode("utf-8", "surrogatepass") for k in keys if k and k[-1] != "\0"]
+        if not data:
+            return {}
+        every = np.asarray(data)
+        del data
+        widths = (np.char.str_len(every) + 7) // 8 * 8
+        return {int(w): every[widths == w].astype(f"S{w}") for w in np.unique(widths)}
+
+    @classmethod
+    def _build(cls, chunks: list[dict[int, np.ndarray]]) -> KeySet:
+        """Each width's chunks joined (and dropped as they are), sorted in place and made distinct."""
+        tables = {}
+        for width in sorted({w for chunk in chunks for w in chunk}):
+            table = np.concatenate([chunk.pop(width) for chunk in chunks if width in chunk])
+            table.sort()
+            tables[width] = table[np.concatenate(([True], table[1:] != table[:-1]))] if len(table) else table
+        return cls(tables)
+
+    def __len__(self) -> int:
+        return sum(len(table) for table in self._tables.values())
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, str) or not key or key.endswith("\0"):
+            return False
+        data = key.encode("utf-8", "surrogatepass")
+        table = self._tables.get(-(-len(data) // 8) * 8)
+        if table is None:
+            return False
+        at = int(np.searchsorted(table, data))
+        return at < len(table) and table[at] == data
+
+    def __iter__(self) -> Iterator[str]:
+        """The keys, shortest widths first (each width sorted): for a caller that needs them as ``str``."""
+        for table in self._tables.values():
+            for data in table:
+                yield data.decode("utf-8", "surrogatepass")
+
+    def member(self, column: np.ndarray, chunk: int = 1 << 16) -> np.ndarray:
+        """Which rows of a fixed-width ``S`` key column hold one of the keys: a binary search in each width's
+        sorted keys, a chunk of rows at a time, each chunk cast to that width (so no copy of the keys is made). A
+        row longer than a width's keys is not searched among them (the cast would cut it short)."""
+        out = np.zeros(len(column), dtype=bool)
+        for width, table in self._tables.items():
+            for start in range(0, len(column), chunk):
+                part = column[start:start + chunk]
+                fits = np.char.str_len(part) <= width if width < column.dtype.itemsize else True
+                part = part.astype(table.dtype)
+                at = np.minimum(np.searchsorted(table, part), len(table) - 1)
+                out[start:start + chunk] |= (table[at] == part) & fits
+        return out
+
+    def contains_each(self, keys: Sequence[str]) -> np.ndarray:
+        """``[key in self for key in keys]`` as one search over the whole list (a shard's keys)."""
+        column = np.asarray([b"" if k.endswith("\0") else k.encode("utf-8", "surrogatepass") for k in keys] or [b""])
+        return self.member(column)[: len(keys)]
 
 
 @dataclass(frozen=True)
@@ -130,10 +247,10 @@ class SourceSpec:
             raise InputError(f"source {self.path}: give one of weight, repeat or choose, not {' and '.join(given)}")
         for name in ("weight", "repeat"):
             value = getattr(self, name)
-            if value is not None and not (float(value) > 0 and np.isfinite(float(value))):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                                      or not (math.isfinite(value) and value > 0)):
                 raise InputError(f"source {self.path}: {name}={value!r} must be a positive number")
-        if self.choose is not None and (isinstance(self.choose, bool) or int(self.choose) < 1):
-            raise InputError(f"source {self.path}: choose={self.choose!r} must be an integer >= 1")
+        _check_count(self.choose, f"source {self.path}: choose")
 
     @classmethod
     def parse(cls, text: str, subset: Subset | None = None, option: str = "--data") -> SourceSpec:
@@ -171,8 +288,7 @@ class MixOptions:
     def __post_init__(self) -> None:
         if self.class_map not in CLASS_MAPS:
             raise InputError(f"class_map={self.class_map!r} is not one of {', '.join(CLASS_MAPS)}")
-        if self.epoch_size is not None and (isinstance(self.epoch_size, bool) or int(self.epoch_size) < 1):
-            raise InputError(f"MixOptions.epoch_size={self.epoch_size!r} must be an integer >= 1")
+        _check_count(self.epoch_size, "MixOptions.epoch_size")
 
 
 def draws(specs: Sequence[SourceSpec], available: Sequence[int], epoch_size: int | None = None) -> list[int]:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from shards.bounded_read import JSONError, parse_json
+from shards.bounded_read import JSONError, parse_json, read_regular_file
 from shards.errors import CorruptDataError, InputError, ManifestError
 from shards.formats.locations import local_shard_path
 from shards.jsonlines import json_lines
@@ -68,8 +68,8 @@ def index_rows(folder: str | None, manifest: Any) -> dict[str, list[dict[str, An
     if path is None or not path.is_file():
         return None
     entry = manifest.extra["source_index"]
-    data = path.read_bytes()  # read once: hashed, then parsed
-    if entry.get("sha256") and hashlib.sha256(data).hexdigest() != entry["sha256"]:
+    data = read_regular_file(path, error=ManifestError)  # read once: hashed, then parsed
+    if entry.get("sha256") and hashlib.sha256(data).hexdigest() != entry["sha256"]:  # a string: shards.manifest
         raise CorruptDataError("source index does not match the checksum in dataset.json", path=str(path))
     by_shard: dict[str, list[dict[str, Any]]] = {}
     try:
@@ -81,12 +81,14 @@ def index_rows(folder: str | None, manifest: Any) -> dict[str, list[dict[str, An
             raise ManifestError(f"source index line {number} is not JSON ({bad})", path=str(path))
         if not isinstance(row, dict) or not row.get("shard") or row.get("skipped"):
             continue
-        if not isinstance(row.get("row"), int):
+        if "row" not in row:
             return None  # packed before rows recorded their position: read the shards instead
-        if not isinstance(row.get("key"), str) or not isinstance(row.get("label"), int):
-            raise ManifestError(f"source index line {number} has no string key and integer label",
-                                   path=str(path))
-        by_shard.setdefault(str(row["shard"]), []).append(row)
+        # ``type() is``: a bool is an int to isinstance, and ``true`` is no position, key or label.
+        if type(row["row"]) is not int or type(row.get("key")) is not str or type(row.get("label")) is not int \
+                or type(row["shard"]) is not str:
+            raise ManifestError(f"source index line {number} has no string key, integer label, integer row and "
+                                "string shard", path=str(path))
+        by_shard.setdefault(row["shard"], []).append(row)
     for rows in by_shard.values():
         rows.sort(key=lambda r: r["row"])
     return by_shard

@@ -26,10 +26,10 @@ import numpy as np
 
 from shards.errors import CorruptDataError, InputError, ManifestError
 from shards.manifest import SplitInfo
-from shards.stream.mixture import MixOptions, Mixture, SourceSpec, draws
+from shards.stream.mixture import KeySet, MixOptions, Mixture, SourceSpec, draws
 from shards.stream.plan import ShardSlice
 from shards.stream.rows import SampleColumns, column_fields, index_rows, shard_fields
-from shards.stream.where import Where, member_bytes
+from shards.stream.where import Where
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +169,8 @@ def _indices(wanted: np.ndarray) -> list[int]:
     return np.flatnonzero(wanted).tolist()
 
 
-def _select_rows(source: LoadedSource, wanted: np.ndarray | None, keys: frozenset[str] | None,
-                 where: Callable | None, left: int | None, excluded: frozenset[str] | None = None
+def _select_rows(source: LoadedSource, wanted: np.ndarray | None, keys: KeySet | None,
+                 where: Callable | None, left: int | None, excluded: KeySet | None = None
                  ) -> tuple[list[tuple[int, np.ndarray]], list[int]]:
     """``_select`` shard by shard, filtering rows from the source index or the shards themselves."""
     own, split = list(source.manifest.classes), source.split
@@ -210,8 +210,8 @@ def _columns_cover(columns: Any, where: Callable | None) -> bool:
 
 
 def _select_columns(source: LoadedSource, view: SampleColumns, wanted: np.ndarray | None,
-                    keys: frozenset[str] | None, where: Callable | None, left: int | None,
-                    excluded: frozenset[str] | None = None) -> tuple[list[tuple[int, np.ndarray]], list[int]] | None:
+                    keys: KeySet | None, where: Callable | None, left: int | None,
+                    excluded: KeySet | None = None) -> tuple[list[tuple[int, np.ndarray]], list[int]] | None:
     """``_select`` over the column index: one pass of array operations over the split, no object per sample.
     None when the filter fails on a row and only the source index can name that row's fields in the error."""
     split, own = source.split, source.manifest.classes
@@ -232,9 +232,9 @@ def _select_columns(source: LoadedSource, view: SampleColumns, wanted: np.ndarra
     if wanted is not None:
         live &= wanted[labels]
     if keys is not None:
-        live &= member_bytes(view.column("key"), [k.encode("utf-8", "surrogatepass") for k in keys])
+        live &= keys.member(view.column("key"))
     if excluded is not None:
-        live &= ~member_bytes(view.column("key"), [k.encode("utf-8", "surrogatepass") for k in excluded])
+        live &= ~excluded.member(view.column("key"))
     if where is not None:
         live = _where_mask(view, where, live, starts, left)
         if live is None:
@@ -276,8 +276,8 @@ def _where_mask(view: SampleColumns, where: Callable, live: np.ndarray, starts: 
 
 
 def _filter_rows(source: LoadedSource, shard: int, indexed: dict, wanted: np.ndarray | None,
-                 keys: frozenset[str] | None, where: Callable | None,
-                 excluded: frozenset[str] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 keys: KeySet | None, where: Callable | None,
+                 excluded: KeySet | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The rows of one shard that pass the subset's filters, and every row's label."""
     info, where_at, own = source.split.shards[shard], source.locations[shard], source.manifest.classes
     fields = shard_fields(info, indexed, lambda: source.read_all(shard), own, where_at)
@@ -290,21 +290,20 @@ def _filter_rows(source: LoadedSource, shard: int, indexed: dict, wanted: np.nda
                                path=where_at, key=fields[int(bad[0])]["key"])
     mask = np.ones(len(fields), dtype=bool) if wanted is None else wanted[labels]
     if keys is not None:
-        mask &= np.asarray([f["key"] in keys for f in fields], dtype=bool)
+        mask &= keys.contains_each([f["key"] for f in fields])
     if excluded is not None:
-        mask &= np.asarray([f["key"] not in excluded for f in fields], dtype=bool)
+        mask &= ~excluded.contains_each([f["key"] for f in fields])
     if where is not None:
         mask &= np.asarray([bool(m and where(f)) for f, m in zip(fields, mask)], dtype=bool)
     return np.flatnonzero(mask), labels
 
 
-def excluded_rows(keys: frozenset[str], columns: Any, dataset: Any) -> np.ndarray:
+def excluded_rows(keys: KeySet, columns: Any, dataset: Any) -> np.ndarray:
     """The global rows of ``dataset``'s split whose key is in ``keys``, for ``ShardDataset.exclude_rows``: over
     the split's column index (``columns``, a binary search per chunk of the key column) or, without one, from the
     keys of every shard, read in order."""
-    wanted = [k.encode("utf-8", "surrogatepass") for k in keys]
     if columns is not None:
-        return np.flatnonzero(member_bytes(columns.column("key"), wanted))
+        return np.flatnonzero(keys.member(columns.column("key")))
     rows, first = [], 0
     for shard, info in enumerate(dataset.split_info.shards):
         rows.extend(first + i for i, sample in enumerate(dataset.read_slice(ShardSlice(shard, 0, info.samples)))

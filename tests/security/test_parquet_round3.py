@@ -258,6 +258,20 @@ def test_row_groups_and_cells_are_bounded_by_max_bytes(tmp_path):
     assert len(samples) == 6 and not skipped
 
 
+def test_pack_shards_max_bytes_reaches_the_container_scans(tmp_path):
+    """The limit a row group is judged by is the command's own ``--max-bytes``, not a default beside it."""
+    from click.testing import CliRunner
+
+    from preprocess.pack.cli import pack_shards_command
+
+    cells = [bytes([i]) * 300_000 for i in range(6)]
+    table = pa.table({"image": pa.array(cells, pa.binary()), "label": pa.array([0] * 6, pa.int64())})
+    pq.write_table(table, tmp_path / "x.parquet", row_group_size=3, compression="none")
+    result = CliRunner().invoke(pack_shards_command, [str(tmp_path / "x.parquet"), "-o", str(tmp_path / "out"),
+                                                      "--max-bytes", "800K", "--quiet"])
+    assert result.exit_code == 2 and "more than --max-bytes (800.0 KiB)" in result.output, result.output
+
+
 def test_a_normal_file_scans_as_before(tmp_path):
     table = image_table(6).replace_schema_metadata(hf_metadata(class_label(["b", "a"])))
     pq.write_table(table, tmp_path / "ok.parquet", row_group_size=2)

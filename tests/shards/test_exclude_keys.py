@@ -14,7 +14,7 @@ from preprocess.pack.packer import PackConfig, pack_shards
 from shards.errors import InputError
 from shards.formats.columns import open_columns
 from shards.manifest import load_manifest
-from shards.stream.mixture import Subset
+from shards.stream.mixture import KeySet, Subset
 from shards.stream.plan import ShardSlice
 from shards.stream.selection import excluded_rows
 from tests.helpers import make_shard_dataset, write_image_folder
@@ -67,7 +67,7 @@ def test_excluded_rows_from_columns_and_from_shards_agree(tmp_path):
     dataset = shards.open_dataset(tmp_path / "out", "train", return_keys=True)
     every = [sample.key for shard, info in enumerate(dataset.split_info.shards)
              for sample in dataset.read_slice(ShardSlice(shard, 0, info.samples))]
-    chosen = frozenset(every[::3] + ["not-a-key"])
+    chosen = KeySet.of(every[::3] + ["not-a-key"])
     columns = open_columns(tmp_path / "out", load_manifest(tmp_path / "out"), "train")
     assert columns is not None
     assert excluded_rows(chosen, columns, dataset).tolist() == excluded_rows(chosen, None, dataset).tolist() \
