@@ -86,6 +86,9 @@ def _dataset_dict_splits(path: Path) -> list[str]:
     for i, name in enumerate(names):
         if not SPLIT_NAME.match(name):
             raise ManifestError(f"splits[{i}] is {name!r}: not a plain name (letters, digits, _)", path=where)
+    if len(set(names)) != len(names):  # each listed split is read whole: a name listed twice would pack it twice
+        twice = next(name for i, name in enumerate(names) if name in names[:i])
+        raise ManifestError(f"split {twice!r} is listed twice", path=where)
     return names
 
 
@@ -101,13 +104,17 @@ def _arrow_names(folder: Path) -> list[str]:
         where = str(state)
         data = as_object(read_json_file(state), "the file", where=where)
         files = as_list(field(data, "_data_files", "", default=[], where=where), "_data_files", where=where)
-        names = []
+        names: list[str] = []
+        seen: set[str] = set()
         for i, entry in enumerate(files):
             what = f"_data_files[{i}]"
             entry = as_object(entry, what, where=where)
             name = as_str(field(entry, "filename", what, where=where), f"{what}.filename", where=where)
             if not name or "/" in name or name.startswith("."):
                 raise ManifestError(f"{what}.filename is {name!r}: not a file in this folder", path=where)
+            if name in seen:  # each file is read whole: one listed twice would pack its rows twice
+                raise ManifestError(f"{what}.filename is {name!r}, listed before", path=where)
+            seen.add(name)
             names.append(name)
         if names:
             return names

@@ -262,7 +262,7 @@ class SplitColumns:
 
     def present(self, name: str) -> np.ndarray | None:
         """Which rows have field ``name`` (a bool array), or None when every row has it."""
-        spec = self._specs[name]["present"]
+        spec = self._specs[name].get("present")
         if spec is None:
             return None
         if name not in self._masks:
@@ -277,7 +277,7 @@ class SplitColumns:
         """The manifest entry and dtype of every file of this split (each column, then its mask, if any)."""
         for spec in self._specs.values():
             yield spec, allowed_dtype(spec["dtype"])
-            if spec["present"] is not None:
+            if spec.get("present") is not None:
                 yield spec["present"], np.dtype(bool)
 
 
@@ -313,7 +313,10 @@ def verify_columns(base: Location | str | os.PathLike, manifest: Any) -> list[st
     base = locate(base)
     problems: list[str] = []
     entry = manifest.extra.get(COLUMNS_KEY)
-    for split in (entry.get("splits", {}) if isinstance(entry, Mapping) else {}):
+    splits = entry.get("splits") if isinstance(entry, Mapping) else None
+    if entry is not None and not isinstance(splits, Mapping):  # open_columns names what is wrong with it
+        splits = {name: None for name in manifest.splits}
+    for split in (splits or {}):
         try:
             columns = open_columns(base, manifest, split)
         except ShardcacheError as exc:

@@ -81,6 +81,11 @@ def check_shard_path(name: object, *, where: str | None = None, url_origins: Ite
         raise refuse(f"must be 1 to {MAX_NAME_CHARS} characters")
     if _CONTROL.search(name):
         raise refuse("contains control characters")
+    if not name.isascii():
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (JSON's "\ud800"): no file system can name it
+            raise refuse("is not valid Unicode text") from None
     if _SCHEME.match(name):
         origin = url_origin(name)
         if origin is not None and origin in {o.lower() for o in url_origins}:

@@ -29,6 +29,7 @@ from shards.errors import CorruptDataError, InputError, ManifestError
 from shards.formats.locations import local_shard_path
 from shards.jsonlines import json_lines
 from shards.manifest import DATASET_FILE
+from shards.shape import MAX_COUNT
 from shards.stream.where import column_value
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,9 @@ def index_rows(folder: str | None, manifest: Any) -> dict[str, list[dict[str, An
                 or type(row["shard"]) is not str:
             raise ManifestError(f"source index line {number} has no string key, integer label, integer row and "
                                 "string shard", path=str(path))
+        if not (0 <= row["row"] <= MAX_COUNT and -MAX_COUNT <= row["label"] <= MAX_COUNT):  # int64 holds them
+            raise ManifestError(f"source index line {number}: row {row['row']} or label {row['label']} is out of "
+                                "range", path=str(path))
         by_shard.setdefault(row["shard"], []).append(row)
     for rows in by_shard.values():
         rows.sort(key=lambda r: r["row"])
