@@ -133,12 +133,17 @@ class SplitInfo:
         """The split entry ``data`` (named ``what`` in errors: ``splits.train``), each shard checked in turn."""
         data = as_object(data, what, where=where)
         entries = as_list(get(data, "shards", what, where=where), f"{what}.shards", where=where)
+        shards = tuple(ShardInfo.from_dict(s, where, url_origins, f"{what}.shards[{i}]") for i, s in enumerate(entries))
+        paths = [shard.path for shard in shards]
+        if len(set(paths)) != len(paths):  # every reader would read it again: a 20 KB manifest, 20,000 reads
+            seen: set[str] = set()
+            twice = next(path for path in paths if path in seen or seen.add(path))
+            raise ManifestError(f"{what}.shards lists {twice!r} more than once", path=where)
         return cls(
             samples=as_int(get(data, "samples", what, where=where), f"{what}.samples", where=where),
             class_counts=tuple(as_int_list(get(data, "class_counts", what, where=where), f"{what}.class_counts",
                                            where=where)),
-            shards=tuple(ShardInfo.from_dict(s, where, url_origins, f"{what}.shards[{i}]")
-                         for i, s in enumerate(entries)),
+            shards=shards,
         )
 
     @property

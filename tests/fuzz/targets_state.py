@@ -166,13 +166,18 @@ def _cache_file_kinds(data: bytes, seeds: Seeds, work: Path) -> None:
     outside.write_text('{"format": "not yours"}')
     plans = root / "v1" / "plans"
     (plans / f"{PLAN_NAME}.plan").write_bytes(_plan_seed(seeds))
-    held = _hold(plans / f"{PLAN_NAME}.lock")
-    if "plan_lock" in kinds:  # the lock file is replaced below: its reader is gone
-        os.close(held)
-    for role, kind in sorted(kinds.items()):
-        if role in CACHE_ROLES and kind in FILE_KINDS:
-            _make_kind(_role_path(root, role), kind, outside)
-    readers.use_cache(root)
+    held: int | None = _hold(plans / f"{PLAN_NAME}.lock")
+    try:
+        if "plan_lock" in kinds:  # the lock file is replaced below: its reader is gone
+            os.close(held)
+            held = None
+        for role, kind in sorted(kinds.items()):
+            if role in CACHE_ROLES and kind in FILE_KINDS:
+                _make_kind(_role_path(root, role), kind, outside)
+        readers.use_cache(root)
+    finally:  # the plan's reader leaves: a descriptor per example would run a long run out of them
+        if held is not None:
+            os.close(held)
 
 
 # -- where expressions ----------------------------------------------------------------------------------------------

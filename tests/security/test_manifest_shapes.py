@@ -173,6 +173,15 @@ def test_the_same_class_twice_is_refused(dataset: Path):
         load_dataset_manifest(dataset)
 
 
+def test_the_same_shard_twice_in_a_split_is_refused(dataset: Path):
+    """Found by the fuzz suite: a spliced manifest listing one shard 20,000 times had every reader read it again."""
+    manifest = json.loads((dataset / "dataset.json").read_text())
+    shards = manifest["splits"]["train"]["shards"]
+    tamper(dataset / "dataset.json", ("splits", "train", "shards"), shards + shards[:1])
+    with pytest.raises(ManifestError, match=r"splits\.train\.shards lists '.*' more than once"):
+        load_dataset_manifest(dataset)
+
+
 @pytest.mark.parametrize("at,value", [(("created",), 7), (("tool",), []), (("source", "skipped", 0), "x")], ids=str)
 def test_provenance_fields_have_their_types(dataset: Path, at: tuple, value: Any):
     tamper(dataset / "dataset.json", at, value)
