@@ -3,8 +3,8 @@
 ``pack-shards --out s3://...`` and ``precompute-features --out s3://...`` run exactly as for a local folder, into
 ``stage_dir`` (by default a persistent folder per URL, so a rerun on the same node resumes the local work too),
 and when the job is complete (``dataset.json``/``features.json`` written) upload it with
-``shards.formats.s3_upload.publish_folder``: missing or changed objects only, the manifest last, under the
-writers' lease on the prefix (``shards.formats.s3_lease``). The tasks of a Slurm array share one explicit
+``shards.publish.s3_upload.publish_folder``: missing or changed objects only, the manifest last, under the
+writers' lease on the prefix (``shards.publish.s3_lease``). The tasks of a Slurm array share one explicit
 ``--stage-dir`` on a shared file system; the task that completes the job uploads. ``preflight`` refuses a prefix
 whose lease another writer holds before any local work (the lease itself is taken only to upload).
 """
@@ -19,9 +19,9 @@ from typing import Any, Callable, Mapping
 from shards.atomic import on_disk_full
 from shards.errors import InputError
 from shards.formats.feature_names import is_feature_file
-from shards.formats.s3 import S3Options, is_s3, make_client
-from shards.formats.s3_lease import read_lease, refuse_if_held
-from shards.formats.s3_upload import (PublishSpec, check_out_url, default_stage_dir, list_prefix, publish_folder,
+from shards.transport.s3 import S3Options, is_s3, make_client
+from shards.publish.s3_lease import read_lease, refuse_if_held
+from shards.publish.s3_upload import (PublishSpec, check_out_url, default_stage_dir, list_prefix, publish_folder,
                                       refuse_foreign)
 
 

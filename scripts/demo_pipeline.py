@@ -101,7 +101,7 @@ def choose_head(cfg: DemoConfig, feat_dir: Path) -> str:
     import torch
     from shards.cache.memory_budget import default_memory_limit
     from shards.manifest import load_feature_manifest
-    from train.probe import probe_bytes
+    from train.model.probe import probe_bytes
 
     manifest = load_feature_manifest(feat_dir)
     itemsize = torch.empty(0, dtype=getattr(torch, manifest.dtype, torch.float32)).element_size()

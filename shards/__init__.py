@@ -15,8 +15,8 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "open_dataset": "shards.stream.reader",
-    "make_loader": "shards.stream.loader",
-    "pad_collate": "shards.stream.loader",
+    "make_loader": "shards.loader.loader",
+    "pad_collate": "shards.loader.loader",
     "Sampling": "shards.stream.options",
     "ErrorPolicy": "shards.stream.options",
     "Decode": "shards.stream.options",
@@ -25,9 +25,9 @@ _LAZY = {
     "Distributed": "shards.stream.options",
     "MemoryCache": "shards.stream.options",
     "TransformSpec": "shards.image.transforms",
-    "SourceSpec": "shards.stream.mixture",
-    "Subset": "shards.stream.mixture",
-    "MixOptions": "shards.stream.mixture",
+    "SourceSpec": "shards.select.mixture",
+    "Subset": "shards.select.mixture",
+    "MixOptions": "shards.select.mixture",
 }
 
 __all__ = list(_LAZY)

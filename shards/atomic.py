@@ -27,7 +27,7 @@ import socket
 from pathlib import Path
 from typing import Any, Collection, Iterator
 
-from shards.bounded_read import open_regular_file
+from shards.door.bounded_read import open_regular_file
 from shards.errors import CorruptDataError, InputError, ShardcacheError
 from shards.units import human_bytes
 

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from shards.atomic import on_disk_full
-from shards.bounded_read import read_regular_file
+from shards.door.bounded_read import read_regular_file
 from shards.errors import ManifestError
-from shards.jsonlines import json_lines
+from shards.door.jsonlines import json_lines
 
 EVENTS_FILE = "data-events.jsonl"
 _EVENTS_NAME = re.compile(r"^data-events(\.rank(\d+))?\.jsonl$")

@@ -5,7 +5,7 @@
 Readers check ``format`` and ``version`` and refuse what they do not know. Unknown extra keys are kept in
 ``extra`` so a newer minor writer does not break an older reader.
 
-A manifest is untrusted (docs/trust-model.md, "One door"): every field is read through ``shards.shape``, never
+A manifest is untrusted (docs/trust-model.md, "One door"): every field is read through ``shards.door.shape``, never
 converted, so ``"7"``, ``2.5``, ``true``, ``NaN`` or ``1e30`` where a count belongs, or a list where an object
 belongs, is one ``ManifestError`` naming the file and the field's path
 (``dataset.json: splits.train.shards[3].samples is 2.5: expected an integer``). Per-shard class counts can be
@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any, ClassVar, Iterable, Mapping
 
 from shards.atomic import write_json_atomic
-from shards.bounded_read import read_json_file
+from shards.door.bounded_read import read_json_file
 from shards.errors import ManifestError, MissingInputError
 from shards.formats.feature_names import check_target
-from shards.formats.locations import check_dataset_dir, check_shard_path
-from shards.shape import as_int, as_int_list, as_list, as_object, as_str, field as get
+from shards.transport.locations import check_dataset_dir, check_shard_path
+from shards.door.shape import as_int, as_int_list, as_list, as_object, as_str, field as get
 
 TOOL = "shardcache 0.1.0"
 DATASET_FORMAT = "shardcache.dataset"
@@ -77,7 +77,7 @@ class ShardInfo:
                   what: str = "shard") -> "ShardInfo":
         """The shard entry ``data`` (named ``what`` in errors: ``splits.train.shards[3]``), every field checked for
         its type and range; ``path`` (and ``source``, ``index``) must be shard names confined to the manifest's
-        folder (``shards.formats.locations.check_shard_path``; ``url_origins``: where shard URLs may point)."""
+        folder (``shards.transport.locations.check_shard_path``; ``url_origins``: where shard URLs may point)."""
         data = as_object(data, what, where=where)
         samples = as_int(get(data, "samples", what, where=where), f"{what}.samples", where=where)
         source, index = _optional_str(data, "source", what, where), _optional_str(data, "index", what, where)
@@ -315,7 +315,7 @@ class DatasetManifest(_ManifestBase):
 
 def _check_source_index(entry: Any, where: str) -> None:
     """The ``source_index`` entry pack-shards writes (``{"path", "entries", "sha256"}``), kept in ``extra`` for
-    the readers of the index (``shards.stream.rows``, ``shards verify``, ``--append``): its name held to the
+    the readers of the index (``shards.select.rows``, ``shards verify``, ``--append``): its name held to the
     shards' rule, its count and digest of their types. Absent in datasets packed before it existed."""
     if entry is None:
         return

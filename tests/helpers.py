@@ -16,7 +16,7 @@ from PIL import Image
 
 from shards.manifest import DatasetManifest, ShardInfo, SourceInfo, SplitInfo
 from shards.formats.sample import RawSample
-from shards.formats.storage import get_storage, shard_name
+from shards.transport.storage import get_storage, shard_name
 
 class QuietHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args) -> None:

@@ -8,7 +8,7 @@ import time
 import click
 
 from shards.cli.common import ByteSize, class_names, cache_options, emit_json, handle_errors, quiet_option, s3_options
-from shards.formats.location import locate
+from shards.transport.location import locate
 from shards.stream.options import STREAM_DECODES
 from train.config import CLASS_MAPS, DATA_KINDS, DEFAULT_DECODE, DEVICES, HEADS, LOSSES, OPTIMIZERS, TASKS, TrainConfig
 
@@ -126,8 +126,8 @@ def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...],
     Prints one JSON line with val_top1 (val_r2, val_mse and val_mae for regression), data_wait_share and run_dir.
     Under torchrun, every process runs this command; rank 0 writes the run folder.
     """
-    started = time.perf_counter()  # the time to first batch counts from here (train.first_batch)
-    from train.loop import train
+    started = time.perf_counter()  # the time to first batch counts from here (train.run.first_batch)
+    from train.run.loop import train
 
     data, sources = data_sources(path, data_options)
     path = sources[0]["path"]
@@ -165,7 +165,7 @@ def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...],
 def data_sources(path: str | None, data_options: tuple[str, ...]) -> tuple[str, list[dict]]:
     """``(input kind, sources)`` from PATH and the ``--data`` values: a value in ``DATA_KINDS`` is the kind (the
     option's older use), any other a source ``PATH[:WEIGHT]``; PATH, when given, is the first source."""
-    from shards.stream.mixture import SourceSpec
+    from shards.select.mixture import SourceSpec
 
     kinds = [v for v in data_options if v in DATA_KINDS]
     if len(kinds) > 1:

@@ -16,8 +16,8 @@ from shards.errors import InputError
 from shards.stream.options import check_decode
 
 DATA_KINDS = ("auto", "images", "features")
-CLASS_MAPS = ("same", "union")  # as shards.stream.mixture.CLASS_MAPS, without importing the reader
-# logreg: a full-batch L-BFGS logistic regression on features held in memory (train.probe), fitted as scikit-learn's.
+CLASS_MAPS = ("same", "union")  # as shards.select.mixture.CLASS_MAPS, without importing the reader
+# logreg: a full-batch L-BFGS logistic regression on features held in memory (train.model.probe), fitted as scikit-learn's.
 HEADS = ("linear", "mlp", "logreg")
 OPTIMIZERS = ("sgd", "adamw")
 # The decode modes are defined and validated in shards.stream.options; training defaults to "fast" (the library
@@ -26,12 +26,12 @@ DEFAULT_DECODE = "fast"
 DEVICES = ("auto", "cpu", "cuda")
 # auto: regression when features.json's config.target says so (a table with a float target), else classification.
 TASKS = ("auto", "classification", "regression")
-LOSSES = ("mse", "huber")  # regression, on standardised targets (train.regression); classification: cross-entropy
+LOSSES = ("mse", "huber")  # regression, on standardised targets (train.model.regression); classification: cross-entropy
 DEFAULT_LR = {"sgd": 0.1, "adamw": 1e-3}
 
 # Fields a resumed run may change without it being a different run: they steer the process, not the numbers
 # (``epochs`` extends a run; the schedule then follows the new length; other ``workers`` continue the interrupted
-# epoch with exactly the samples it had left, see shards.stream.elastic).
+# epoch with exactly the samples it had left, see shards.position.elastic).
 RESUMABLE_CHANGES = frozenset(
     {"epochs", "resume", "overwrite", "quiet", "dry_run", "checkpoint_every", "stop_after_steps", "device",
      "storage_options", "workers", "cache_dir", "cache_limit", "cache_fallback", "cache_local", "cache_eviction",
@@ -50,7 +50,7 @@ class TrainConfig:
     task: str = "auto"
     loss: str = "mse"
     head: str = "linear"
-    # Features standardised with the train split's mean and std (train.standardize); None: the head's default,
+    # Features standardised with the train split's mean and std (train.model.standardize); None: the head's default,
     # on for logreg (the probe scikit-learn users compare with is fitted on standardised features), off for the
     # SGD heads (their recorded results stay reproducible; --standardize turns it on). Resolved on entry.
     standardize: bool | None = None
@@ -89,7 +89,7 @@ class TrainConfig:
     # Test and profiling hook: return after this many optimizer steps without writing anything more, exactly as
     # if the process had been killed there.
     stop_after_steps: int | None = None
-    # How to reach an s3:// data_path (shards.formats.s3.S3Options fields; never credentials).
+    # How to reach an s3:// data_path (shards.transport.s3.S3Options fields; never credentials).
     storage_options: dict | None = None
     # The node-local shard cache (shards.cache.cached_shards): a folder on this node's local disk, its size limit
     # in bytes, whether a full disk falls back to the source, whether local paths are cached too. Steering only:
@@ -104,17 +104,17 @@ class TrainConfig:
     # Decoded images kept in memory after the first epoch (shards.cache.images). Part of the run: train views
     # are then cropped from images bounded to size / 0.875, so a resume may not switch it. memory_limit (bytes;
     # None: half of what the job has left, shared by the node's ranks) only decides how much is kept: steering.
-    # With --head logreg it is the budget the train features must fit in (train.probe).
+    # With --head logreg it is the budget the train features must fit in (train.model.probe).
     cache_images: bool = False
     memory_limit: int | None = None
-    # A mixture (shards.stream.mixture): the sources beside data_path (which is the first), each
+    # A mixture (shards.select.mixture): the sources beside data_path (which is the first), each
     # {"path", "weight", "repeat", "choose"}; how class lists combine; a subset of every source
     # {"classes", "keys", "where", "max_samples"}; the samples per epoch of weighted sources.
     sources: list = dataclasses.field(default_factory=list)
     class_map: str = "same"
     subset: dict | None = None
     epoch_size: int | None = None
-    # Lineage (train.lineage): append the keys each step was fed to keys.jsonl (a debugging aid), and a file of
+    # Lineage (train.run.lineage): append the keys each step was fed to keys.jsonl (a debugging aid), and a file of
     # sample keys (one per line) left out of training from now on; both may be given or changed at a resume.
     record_keys: bool = False
     exclude_keys: str | None = None
@@ -194,7 +194,7 @@ class TrainConfig:
 
     @property
     def mixed(self) -> bool:
-        """Whether the input is several sources or a subset (``shards.stream.mixture``), not one whole folder."""
+        """Whether the input is several sources or a subset (``shards.select.mixture``), not one whole folder."""
         return bool(self.sources) or bool(self.subset)
 
     @property

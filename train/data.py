@@ -19,17 +19,17 @@ import shards
 from shards.check.freshness import check_features_fresh
 from shards.cache.node_index import STAT_NAMES
 from shards.errors import InputError, ManifestError
-from shards.formats.location import locate
-from shards.formats.manifest_io import load_manifest_at
+from shards.transport.location import locate
+from shards.transport.manifest_io import load_manifest_at
 from shards.manifest import DATASET_FILE, FEATURES_FILE, DatasetManifest, FeatureManifest
 from shards.image.transforms import TransformSpec
 from shards.formats.columns import open_columns
-from shards.stream.mixture import MixOptions, SourceSpec, Subset, read_keys, unweighted
+from shards.select.mixture import MixOptions, SourceSpec, Subset, read_keys, unweighted
 from shards.stream.options import Decode, Distributed, MemoryCache, Remote, Sampling
-from shards.stream.selection import combined_classes, excluded_rows
+from shards.select.selection import combined_classes, excluded_rows
 from shards.units import human_bytes
 from train.config import TrainConfig
-from train.regression import manifest_task, resolve_task
+from train.model.regression import manifest_task, resolve_task
 from train.distributed import DistContext
 
 log = logging.getLogger("shardcache.train")
@@ -50,7 +50,7 @@ class RunData:
     eval_transform: TransformSpec | None = None
     # The fast pipeline yields uint8 batches: this turns them into the model input on the device.
     normalize: torch.nn.Module | None = None
-    open_s: float = 0.0  # wall seconds of the two open_dataset calls (train.first_batch's open_s)
+    open_s: float = 0.0  # wall seconds of the two open_dataset calls (train.run.first_batch's open_s)
 
     @property
     def classes(self) -> list[str]:
@@ -110,7 +110,7 @@ _OTHER_KIND = {"features": "holds image shards (dataset.json), not features; use
 
 
 def read_manifest(path: str, data: str, storage_options: dict | None = None) -> DatasetManifest | FeatureManifest:
-    """The manifest the ``--data`` choice asks for (wherever the folder is: ``shards.formats.manifest_io``), with a
+    """The manifest the ``--data`` choice asks for (wherever the folder is: ``shards.transport.manifest_io``), with a
     clear error when the folder holds the other kind."""
     manifest = load_manifest_at(path, storage_options=storage_options)[0]
     if data != "auto" and manifest.kind != data:
@@ -247,7 +247,7 @@ def image_caches(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest,
 
 
 def affinity_nodes(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ctx: DistContext) -> int | None:
-    """Keep shards on the same node from epoch to epoch (``shards.stream.plan``'s node affinity) exactly when the
+    """Keep shards on the same node from epoch to epoch (``shards.order.plan``'s node affinity) exactly when the
     run has several nodes and a node's cache cannot hold the train split: then a global shuffle would make the
     caches miss every epoch; otherwise it costs shuffle quality for nothing."""
     if not cfg.cache_dir or cfg.cache_limit is None or ctx.nodes <= 1:

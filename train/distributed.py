@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shards.devices import resolve_device
+from shards.jobs.devices import resolve_device
 
 log = logging.getLogger("shardcache.train")
 

@@ -12,8 +12,8 @@ from preprocess.pack.cli import stage_root
 from preprocess.staging import features_spec, resolve_stage, run_staged
 from shards.atomic import on_disk_full
 from shards.cli.common import cache_options, emit_json, handle_errors, quiet_option, s3_options, task_options
-from shards.formats.location import locate
-from shards.formats.s3 import S3Options
+from shards.transport.location import locate
+from shards.transport.s3 import S3Options
 from shards.errors import InputError
 from shards.formats.feature_names import FEATURE_SUFFIXES
 from shards.stream.options import DECODES

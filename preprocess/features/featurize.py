@@ -5,7 +5,7 @@ transform, augmentation and views, output dtype, the resolved AMP mode, the reso
 ``decode_jpeg:cpu`` or ``decode_jpeg:cuda``: nvjpeg's pixels differ slightly from libjpeg's; ``@S+fast`` when
 ``device_share`` S leaves the other images to the workers' fast path) and the file format.
 Device, batch size and worker count are not in it (they change speed, not features beyond float noise) and are
-recorded as provenance instead. The dataset is wherever ``shards.formats.location`` reaches (a local folder, an
+recorded as provenance instead. The dataset is wherever ``shards.transport.location`` reaches (a local folder, an
 ``s3://bucket/prefix`` read with ``storage_options``): ``dataset_dir`` records where, ``dataset_sha256`` is the
 sha256 of the very ``dataset.json`` bytes the shards to featurise were listed from.
 
@@ -33,7 +33,7 @@ from preprocess.features.loader import FeatureDecoder, ShardJob, ShardReader, sh
 from preprocess.features.state import (CONFIG_RECORD, STATE_DIR, assemble_manifest, check_output, config_hash, feature_path,
                                       finished_shard, prepare_output, read_config_record, write_shard_record)
 from preprocess.features.transforms import AugmentSpec, FeatureTransform, eval_tensors, views_tensors
-from shards.devices import resolve_device
+from shards.jobs.devices import resolve_device
 from shards.image.device import Normalize, decode_images
 from shards.image.options import DEFAULT_INTERPOLATION, IMAGENET_MEAN, IMAGENET_STD
 from shards.atomic import check_local_output, check_room, remove_stale_tmp
@@ -42,12 +42,12 @@ from shards.lock import claim_output
 from shards.stream.options import DECODES
 from shards.formats.feature_names import FEATURE_SUFFIXES
 from shards.formats.features import FeatureShard, write_feature_shard
-from shards.formats.location import Location, locate
-from shards.formats.locations import check_dataset_dir
-from shards.formats.manifest_io import read_dataset_manifest
-from shards.formats.s3 import S3Options
+from shards.transport.location import Location, locate
+from shards.transport.locations import check_dataset_dir
+from shards.transport.manifest_io import read_dataset_manifest
+from shards.transport.s3 import S3Options
 from shards.manifest import FEATURES_FILE, DatasetManifest, FeatureManifest, ShardInfo
-from shards.progress import progress
+from shards.jobs.progress import progress
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """Feeding the backbone: the image shards a task featurises, read by the training reader and plan.
 
 precompute-features has no reader of its own. The shards still to featurise become one split of the training reader
-(``shards.stream.image_dataset.ImageShardDataset``: tar or HDF5 wherever ``shards.formats.location`` reaches, the
+(``shards.stream.image_dataset.ImageShardDataset``: tar or HDF5 wherever ``shards.transport.location`` reaches, the
 node cache with its prefetch when one is given, resync and label checks), read in manifest order (no shuffle) and
-dealt to DataLoader workers by the training plan and loader (``shards.stream.plan``, ``shards.stream.loader``).
+dealt to DataLoader workers by the training plan and loader (``shards.order.plan``, ``shards.loader.loader``).
 Its decoder is the ``--decode`` pipeline's step for one sample (``FeatureDecoder``), and every output carries its
 row of that split, so the consumer (``preprocess.features.assembly``) puts each feature shard together sample for
 sample, whichever worker read which rows. A sample that cannot be read or decoded stops the run with the reader's
@@ -26,17 +26,17 @@ from preprocess.features.transforms import AugmentSpec, FeatureTransform, eval_f
 from shards.cache.cached_shards import CachedShards
 from shards.cache.node import ShardCache
 from shards.errors import CorruptDataError
-from shards.formats.location import Location, locate
+from shards.transport.location import Location, locate
 from shards.formats.sample import RawSample
-from shards.formats.storage import get_storage
+from shards.transport.storage import get_storage
 from shards.image.decode import decode_image
 from shards.image.device import exif_orientation
 from shards.image.fast import decode_rgb_array
 from shards.manifest import DatasetManifest, ShardInfo, SplitInfo
 from shards.stream.dataset import StreamConfig
 from shards.stream.image_dataset import ImageShardDataset
-from shards.stream.loader import make_loader
-from shards.stream.loader_base import Loader
+from shards.loader.loader import make_loader
+from shards.loader.base import Loader
 
 
 @dataclass(frozen=True)

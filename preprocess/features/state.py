@@ -7,7 +7,7 @@ checksum and the feature file's own checksum all agree, so a killed run (a ``.tm
 simply completed by the next run, and parallel tasks never write the same file. ``features.json`` is assembled
 from the records last, atomically, and only when every shard has one. The writer locks live in
 ``FEAT_DIR/.precompute/lock*`` (``shards.lock``) and survive ``--overwrite``, which deletes only what the old
-``features.json`` and the records name (``recorded_names``, ``shards.owned``), never a file that merely looks like
+``features.json`` and the records name (``recorded_names``, ``shards.jobs.owned``), never a file that merely looks like
 a feature shard.
 """
 
@@ -22,17 +22,17 @@ from typing import Any, Collection, Mapping, Sequence
 
 from preprocess.features.loader import ShardJob
 from shards.atomic import sha256_file, write_json_atomic, write_json_shared
-from shards.bounded_read import read_json_file
+from shards.door.bounded_read import read_json_file
 from shards.check.freshness import shard_staleness
 from shards.errors import ManifestError, OutputExistsError, ShardcacheError
 from shards.lock import FolderLock, merge_lock
 from shards.formats.feature_names import FEATURE_SUFFIXES
 from shards.formats.features import feature_shard_name
-from shards.formats.locations import check_dataset_dir
+from shards.transport.locations import check_dataset_dir
 from shards.manifest import (FEATURES_FILE, MAX_FEATURES_DIM, MAX_VIEWS, DatasetManifest, FeatureManifest,
                              ShardInfo, SplitInfo, load_feature_manifest)
-from shards.owned import plain_names, refuse_clobber, remove_owned
-from shards.shape import as_int, as_list, as_object, as_str, field as get
+from shards.jobs.owned import plain_names, refuse_clobber, remove_owned
+from shards.door.shape import as_int, as_list, as_object, as_str, field as get
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def check_output(out_dir: Path, record: Mapping[str, Any], *, overwrite: bool,
                  writes: Collection[str]) -> str | None:
     """Refuse to mix configs or datasets in one folder unless ``overwrite`` (writes nothing); returns the conflict
     that ``prepare_output`` must clear first, or None. Even with ``overwrite``, a file this run ``writes`` that the
-    old output does not name is refused (``shards.owned.refuse_clobber``)."""
+    old output does not name is refused (``shards.jobs.owned.refuse_clobber``)."""
     conflict = _conflict(out_dir, read_config_record(out_dir), record)
     if conflict and not overwrite:
         raise OutputExistsError(f"{conflict}; choose another --out or pass --overwrite to replace it",

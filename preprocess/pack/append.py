@@ -24,23 +24,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from preprocess.pack.members import MemberSpec, SourceFields
+from preprocess.pack.sources.members import MemberSpec, SourceFields
 from preprocess.pack.packer import PackConfig, ShardJob, PackMeter, run_jobs, check_strict, log_skipped, pack
 from preprocess.pack.parts import PLAN_FILE, STATE_DIR, column_file_names, write_columns
 from preprocess.pack.plan import PlannedShard, assign_splits, cut_shards, split_order_key
-from preprocess.pack.sources import SourceSample, SourceScan, scan_source
+from preprocess.pack.sources.scan import SourceSample, SourceScan, scan_source
 from shards.atomic import sha256_file, write_bytes_atomic
-from shards.bounded_read import read_json_file
+from shards.door.bounded_read import read_json_file
 from shards.errors import CorruptDataError, InputError, ManifestError
-from shards.jsonlines import json_lines
+from shards.door.jsonlines import json_lines
 from shards.manifest import (DATASET_FILE, DatasetManifest, ShardInfo, SkippedFile, SourceInfo, SplitInfo,
                              load_dataset_manifest, utc_now)
 from shards.formats.columns import COLUMNS_KEY
-from shards.formats.locations import local_shard_path
-from shards.formats.storage import get_storage, shard_name
+from shards.transport.locations import local_shard_path
+from shards.transport.storage import get_storage, shard_name
 from shards.formats.tarindex import index_name
 from shards.lock import claim_output
-from shards.owned import remove_nested
+from shards.jobs.owned import remove_nested
 
 log = logging.getLogger("shardcache.append")
 _SHARD_INDEX = re.compile(r"-(\d{6})\.[a-z0-9]+$")
@@ -186,7 +186,7 @@ def rewrite_without(out: Path, manifest: DatasetManifest, index: dict[str, dict[
         for row in kept_rows:
             row["shard"] = name
             row.pop("row", None)
-            if row["key"] in positions:  # its new position (``shards.stream.rows`` selects rows by it)
+            if row["key"] in positions:  # its new position (``shards.select.rows`` selects rows by it)
                 row["row"] = positions[row["key"]]
     return replaced
 

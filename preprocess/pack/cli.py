@@ -11,19 +11,19 @@ from pathlib import Path
 import click
 
 from preprocess.pack.append import append
-from preprocess.pack.members import SourceFields
+from preprocess.pack.sources.members import SourceFields
 from preprocess.pack.packer import PackConfig, pack
 from preprocess.pack.parts import STATE_DIR, merge_parts, read_plan_doc
-from preprocess.pack.table import pack_table
-from preprocess.pack.table_config import ENCODINGS, IMPUTE_STATISTICS, TASKS, TableConfig
+from preprocess.pack.table.pack import pack_table
+from preprocess.pack.table.config import ENCODINGS, IMPUTE_STATISTICS, TASKS, TableConfig
 from preprocess.staging import dataset_spec, resolve_stage, run_staged
 from shards.atomic import check_local_output, on_disk_full
 from shards.lock import claim_output
 from shards.cli.common import ByteSize, emit_json, handle_errors, quiet_option, s3_options, task_options
 from shards.image.decode import DEFAULT_MAX_PIXELS
 from shards.errors import InputError
-from shards.formats.location import locate
-from shards.formats.storage import STORAGES
+from shards.transport.location import locate
+from shards.transport.storage import STORAGES
 
 log = logging.getLogger("shardcache.pack")
 

@@ -24,21 +24,21 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from preprocess.pack.parts import (STATE_DIR, check_output, load_part, merge_parts, missing_parts, part_path,
                                    prepare_output, read_plan_doc, shard_files, write_part)
-from preprocess.pack.member_read import fetch_members
-from preprocess.pack.members import DEFAULT_MAX_BYTES, MemberBytes, MemberSpec, SourceFields
+from preprocess.pack.sources.member_read import fetch_members
+from preprocess.pack.sources.members import DEFAULT_MAX_BYTES, MemberBytes, MemberSpec, SourceFields
 from preprocess.pack.plan import PackPlan, PlannedShard, make_plan
-from preprocess.pack.sources import SourceScan, check_out_outside_source, scan_source
+from preprocess.pack.sources.scan import SourceScan, check_out_outside_source, scan_source
 from shards.atomic import check_local_output, check_room, on_disk_full, remove_stale_tmp
 from preprocess.pack.validate import (InvalidImage, ValidateOptions, read_ahead, read_and_validate, sample_meta,
                                       validate_image)
 from shards.image.decode import DEFAULT_MAX_PIXELS
 from shards.errors import CorruptDataError, InputError
 from shards.manifest import DATASET_FILE, DatasetManifest, load_dataset_manifest
-from shards.progress import progress
+from shards.jobs.progress import progress
 from shards.formats.sample import RawSample
-from shards.formats.storage import STORAGES, get_storage
+from shards.transport.storage import STORAGES, get_storage
 from shards.lock import claim_output, merge_lock
-from shards.parallel import ordered_map
+from shards.jobs.parallel import ordered_map
 
 log = logging.getLogger("shardcache.pack")
 SHOWN_SKIPPED = 3  # paths named in the one warning line about skipped files
@@ -113,7 +113,7 @@ class ShardJob(NamedTuple):
     # The parent's copy of the part leaves out its per-sample index rows (the part file on disk holds them): a
     # pack of N files must not hold N rows in the parent. ``--append`` still takes them back (False).
     summary_only: bool = False
-    members: MemberSpec | None = None  # samples are members of container files (``preprocess.pack.members``)
+    members: MemberSpec | None = None  # samples are members of container files (``preprocess.pack.sources.members``)
 
 
 def _pack_sample(job: ShardJob, sample, skipped: list[dict], index: list[dict], position: int,
@@ -211,7 +211,7 @@ class PackMeter:
 
 
 def run_jobs(jobs: Sequence[ShardJob], workers: int, meter: PackMeter) -> list[dict[str, Any]]:
-    """Pack every job: here, file by file on the meter, or in worker processes (``shards.parallel``), a shard at a
+    """Pack every job: here, file by file on the meter, or in worker processes (``shards.jobs.parallel``), a shard at a
     time on the meter; the parts come back in job order either way."""
     if workers == 1 or len(jobs) <= 1:
         return [pack_shard(job, on_file=lambda nbytes: meter.add(1, nbytes)) for job in jobs]

@@ -20,7 +20,7 @@ recorded size and sha256, so a rerun redoes exactly the shards that are missing,
 
 ``--overwrite`` deletes only what this layout names (``recorded_names``: the old ``dataset.json`` and what it lists,
 the plan's and the parts' shards, their sidecars; ``recorded_column_files``: the column files it lists), never a file
-that merely looks like a shard (``shards.owned``).
+that merely looks like a shard (``shards.jobs.owned``).
 
 The merge streams: each part manifest is read once, its rows written to the source index and dropped, and the
 columns are built from the written index, so its memory is the manifest's per-shard entries, not the samples.
@@ -38,17 +38,17 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from shards.atomic import (atomic_output, remove_stale_tmp, sha256_file, tmp_target, write_bytes_atomic,
                            write_json_shared)
-from shards.bounded_read import parse_json, read_json_file
+from shards.door.bounded_read import parse_json, read_json_file
 from shards.errors import ManifestError, OutputExistsError, ShardcacheError
 from shards.formats.column_writer import Survey, manifest_order, write_split_columns
 from shards.formats.columns import COLUMNS_KEY, FORMAT as COLUMNS_FORMAT, column_files, next_column_number
-from shards.formats.storage import STORAGES
+from shards.transport.storage import STORAGES
 from shards.formats.tarindex import index_name
 from shards.lock import FolderLock
 from shards.manifest import (DATASET_FILE, DatasetManifest, ShardInfo, SkippedFile, SourceInfo, SplitInfo,
                              load_dataset_manifest)
-from shards.owned import manifest_names, nested_names, plain_names, refuse_clobber, remove_owned
-from shards.shape import as_int, as_int_list, as_list, as_object, as_str, field as get
+from shards.jobs.owned import manifest_names, nested_names, plain_names, refuse_clobber, remove_owned
+from shards.door.shape import as_int, as_int_list, as_list, as_object, as_str, field as get
 
 log = logging.getLogger("shardcache.pack")
 
@@ -144,7 +144,7 @@ def check_output(out: Path, plan_doc: Mapping[str, Any], overwrite: bool) -> str
     """Refuse a folder holding a different dataset (or foreign files) unless ``overwrite``; writes nothing.
 
     Returns what ``prepare_output`` must remove first: "foreign", "different", or None. Even with ``overwrite``,
-    a file this plan would write that the old output does not name is refused (``shards.owned.refuse_clobber``).
+    a file this plan would write that the old output does not name is refused (``shards.jobs.owned.refuse_clobber``).
     """
     if out.exists() and not out.is_dir():
         raise OutputExistsError("is a file, not a folder", path=str(out))

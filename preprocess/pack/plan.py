@@ -16,10 +16,10 @@ from typing import Any, Mapping, NamedTuple, Sequence, TypeVar
 
 import numpy as np
 
-from preprocess.pack.source_columns import NO_SPLIT, SourceSample, SourceSamples
-from preprocess.pack.sources import SourceScan
+from preprocess.pack.sources.columns import NO_SPLIT, SourceSample, SourceSamples
+from preprocess.pack.sources.scan import SourceScan
 from shards.errors import InputError
-from shards.formats.storage import shard_name
+from shards.transport.storage import shard_name
 
 T = TypeVar("T")
 

@@ -7,7 +7,7 @@ middle of a training epoch. Sizes are always checked from the header, so an over
 in full: it is skipped, or (when re-encoding a JPEG) decoded at 1/2, 1/4 or 1/8 scale with ``draft``.
 
 Reading is bounded too (``read_file``): only a regular file is read, opened the one way shardcache opens an
-untrusted file (``shards.bounded_read.open_regular_file``: ``stat`` first, a non-blocking open checked again on
+untrusted file (``shards.door.bounded_read.open_regular_file``: ``stat`` first, a non-blocking open checked again on
 its descriptor, so a FIFO swapped in after the scan cannot hang the job), and a file whose open and read do not
 finish within ``read_timeout_s`` (a hung network mount) is skipped. That read runs in a daemon thread that is
 abandoned on timeout: the kernel may keep it blocked, but the job goes on and can exit. The thread is kept
@@ -31,7 +31,7 @@ from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
 from PIL import Image, ImageOps
 
-from shards.bounded_read import open_regular_file
+from shards.door.bounded_read import open_regular_file
 from shards.image.decode import DEFAULT_MAX_PIXELS, to_rgb
 from shards.errors import InputError
 

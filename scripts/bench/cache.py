@@ -53,8 +53,8 @@ import loader as bench  # noqa: E402  (scripts/bench/loader.py: corpus, packing,
 import s3 as s3bench  # noqa: E402  (scripts/bench/s3.py: index recording and upload)
 import shards  # noqa: E402
 from shards.atomic import sha256_file  # noqa: E402
-from shards.formats import s3  # noqa: E402
-from shards.progress import setup_logging  # noqa: E402
+from shards.transport import s3  # noqa: E402
+from shards.jobs.progress import setup_logging  # noqa: E402
 
 log = logging.getLogger("bench.cache")
 EPOCHS = 2

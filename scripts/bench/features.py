@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 from preprocess.features.backbones import build_backbone  # noqa: E402
 from preprocess.features.transforms import FeatureTransform, eval_pil, eval_tensors  # noqa: E402
 from preprocess.features.featurize import FeatureConfig, run_precompute  # noqa: E402
-from shards.devices import resolve_device  # noqa: E402
+from shards.jobs.devices import resolve_device  # noqa: E402
 from shards.image.decode import decode_image  # noqa: E402
 from shards.image.device import decode_images  # noqa: E402
 import shards  # noqa: E402

@@ -14,7 +14,7 @@ installed. It writes its own corpus (20,000 photo-sized JPEGs, ``scripts/bench/c
   G2    decode + resize (256 short side, centre crop 224): batched ``decode_jpeg`` on the device against the CPU
         fast path (``FastEval``) in one process per core;
   G3    ``precompute-features`` end to end (``run_precompute``, ``--decode fast`` and ``device``) and its ratio to G1;
-  G4    the data-wait share of ``train-from-shards`` (``train.loop.train``) on the images (fast pipeline, resnet50,
+  G4    the data-wait share of ``train-from-shards`` (``train.run.loop.train``) on the images (fast pipeline, resnet50,
         AMP) and on G3's cached features (linear head, a few hundred steps).
 
 Each step runs in a process of its own under a time budget (the sum stays under 6 minutes): a step that runs out
@@ -99,7 +99,7 @@ def step_env(s: Settings) -> dict:
     import torch
     import torchvision
 
-    from shards.devices import resolve_device
+    from shards.jobs.devices import resolve_device
     from shards.image.device import jpeg_backend
 
     device = resolve_device(s.device_name)
@@ -186,7 +186,7 @@ def step_g1(s: Settings, deadline: float) -> dict:
     from preprocess.features.backbones import build_backbone
     from preprocess.features.featurize import FeatureExtractor
     from preprocess.features.transforms import FeatureTransform
-    from shards.devices import resolve_device
+    from shards.jobs.devices import resolve_device
     from shards.image.options import IMAGENET_MEAN, IMAGENET_STD
 
     device = resolve_device(s.device_name)
@@ -244,7 +244,7 @@ def step_g2(s: Settings) -> dict:
 
     import torch
 
-    from shards.devices import resolve_device
+    from shards.jobs.devices import resolve_device
     from shards.image import fast
     from shards.image.device import decode_images, exif_orientation, jpeg_backend, resize_center_crop
 
@@ -339,8 +339,8 @@ def _train(s: Settings, name: str, **fields) -> dict:
     import torch
 
     from train.config import TrainConfig
-    from train.loop import train
-    from train.run_dir import read_metrics
+    from train.run.loop import train
+    from train.run.run_dir import read_metrics
 
     cuda = s.device_name != "cpu" and torch.cuda.is_available()
     cfg = TrainConfig(out_dir=str(s.workdir / name), device=s.device_name, batch_size=s.batch, amp=cuda,
@@ -385,7 +385,7 @@ def run_step(name: str, s: Settings, deadline: float) -> dict:
 
 def child(args: argparse.Namespace) -> int:
     """One step in this process: its JSON line on stdout, an error as a JSON line and exit code 1."""
-    from shards.progress import setup_logging
+    from shards.jobs.progress import setup_logging
 
     setup_logging(quiet=True)
     s = Settings(args)

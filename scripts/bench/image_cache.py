@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import shards  # noqa: E402
 from loader import build_corpus, drop_cache, pack  # noqa: E402
-from shards.progress import setup_logging  # noqa: E402
+from shards.jobs.progress import setup_logging  # noqa: E402
 
 log = logging.getLogger("bench.image_cache")
 PRESETS = ("eval", "train")

@@ -59,12 +59,12 @@ from shards.image import fast  # noqa: E402
 from shards.image.decode import decode_image  # noqa: E402
 from shards.image.fast import FastDecoder  # noqa: E402
 from shards.manifest import DatasetManifest, ShardInfo, SourceInfo, SplitInfo  # noqa: E402
-from shards.progress import setup_logging  # noqa: E402
+from shards.jobs.progress import setup_logging  # noqa: E402
 from shards.formats.sample import RawSample  # noqa: E402
-from shards.formats.storage import get_storage, shard_name  # noqa: E402
+from shards.transport.storage import get_storage, shard_name  # noqa: E402
 from shards.image.transforms import TransformSpec, build_transform  # noqa: E402
-from shards.stream.stage_times import SharedStageTimes, StageTally  # noqa: E402
-from shards.stream.worker_status import WorkerStatus  # noqa: E402
+from shards.loader.stage_times import SharedStageTimes, StageTally  # noqa: E402
+from shards.loader.worker_status import WorkerStatus  # noqa: E402
 
 # Every library is imported above, before any timed pass, so no loader pays another's import time.
 

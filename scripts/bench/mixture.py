@@ -61,7 +61,7 @@ import loader as bench  # noqa: E402  (scripts/bench/loader.py: the corpus and p
 
 import shards  # noqa: E402
 from preprocess.pack.packer import PackConfig, pack_shards  # noqa: E402
-from shards.progress import setup_logging  # noqa: E402
+from shards.jobs.progress import setup_logging  # noqa: E402
 from shards.stream.dataset import ShardDataset  # noqa: E402
 
 log = logging.getLogger("bench.mixture")

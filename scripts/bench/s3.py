@@ -13,7 +13,7 @@ every shard object, what feature shards and the node cache do) over the link vs 
 and the same for ``--large-objects`` objects of ``--large-mb`` MiB (a feature shard's size; over the link also
 for ``max_concurrency`` 1 to 16: how the default was chosen); one epoch of the in-process feature loader over
 ``--feature-shards`` feature shards of 4 MiB (whole objects, the next ones read ahead) with each link setting;
-the bytes fetched per sample read (counted by ``shards.formats.s3`` across the workers) against the bytes those
+the bytes fetched per sample read (counted by ``shards.transport.s3`` across the workers) against the bytes those
 samples occupy in their shards; without ``--quick``, the S3 server's CPU share and the raw GET throughput of the
 two S3 clients tried (boto3/botocore and obstore, when installed).
 
@@ -46,8 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import loader as bench  # noqa: E402  (scripts/bench/loader.py: corpus, packing, loaders, timing)
 import shards  # noqa: E402
-from shards.formats import s3, s3_ranges  # noqa: E402
-from shards.progress import setup_logging  # noqa: E402
+from shards.transport import s3  # noqa: E402
+from shards.transport import s3_ranges  # noqa: E402
+from shards.jobs.progress import setup_logging  # noqa: E402
 from tests.s3.link import LinkProcess  # noqa: E402
 from tests.s3.server import ACCESS_KEY, SECRET_KEY, start_server  # noqa: E402
 
@@ -109,7 +110,7 @@ def fetched_per_sample(url: str, folder: Path, args, count: int, storage_options
 
 
 def raw_gets(bucket: str, keys: list[str], endpoint: str, repeat: int, drop) -> dict[str, float]:
-    """MB/s of whole-object GETs, 2 in flight, boto3 (through shards.formats.s3) and, when it is installed,
+    """MB/s of whole-object GETs, 2 in flight, boto3 (through shards.transport.s3) and, when it is installed,
     obstore (only the clients measured are in the result)."""
     clients = {"boto3": lambda key: len(s3_ranges.read_object(f"s3://{bucket}/{key}"))}
     try:
@@ -214,7 +215,7 @@ def large_objects(bucket: str, count: int, megabytes: int) -> dict[str, int]:
 
 def whole_objects(urls: list[str], link: LinkProcess, settings: dict, sizes: dict[str, int], drop) -> float:
     """MB/s of ``fetch_checked`` of every object in turn (a feature shard, the node cache's fetch)."""
-    from shards.formats.location import locate
+    from shards.transport.location import locate
 
     link.set_link(*settings["link"])
     drop()

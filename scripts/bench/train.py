@@ -35,14 +35,14 @@ import torch
 from PIL import Image
 
 from shards.formats.features import FeatureShard, feature_shard_name, write_feature_shard
-from shards.formats.manifest_io import dataset_sha256_at
+from shards.transport.manifest_io import dataset_sha256_at
 from shards.manifest import DatasetManifest, FeatureManifest, ShardInfo, SourceInfo, SplitInfo
-from shards.progress import setup_logging
+from shards.jobs.progress import setup_logging
 from shards.formats.sample import RawSample
-from shards.formats.storage import get_storage, shard_name
+from shards.transport.storage import get_storage, shard_name
 from train.config import TrainConfig
-from train.loop import train
-from train.run_dir import read_metrics
+from train.run.loop import train
+from train.run.run_dir import read_metrics
 
 log = logging.getLogger("bench.train")
 

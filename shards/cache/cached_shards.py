@@ -2,7 +2,7 @@
 the prefetch of a worker's next shard.
 
 The cache itself (``shards.cache.node``) knows nothing of sources: it is handed a function that writes a
-shard's bytes, here the location's own stream (``shards.formats.location``: ``s3://`` by ranged GETs with retries,
+shard's bytes, here the location's own stream (``shards.transport.location``: ``s3://`` by ranged GETs with retries,
 ``http(s)://`` as one stream, a path on a network file system as a file copy). This module decides what is worth
 caching: every remote location whose bytes can be fetched again by name (object storage, the web), local paths
 only on a network file system (NFS, Lustre, CIFS, GPFS, BeeGFS, CephFS, FUSE mounts) unless the caller says
@@ -34,7 +34,7 @@ import numpy as np
 from shards.cache.node import NEXT_USE, Lease, NodeCache, ShardCache, check_limit
 from shards.cache.node_index import CacheStats
 from shards.cache.plan_view import PlanPublisher
-from shards.formats.location import Location, locate
+from shards.transport.location import Location, locate
 from shards.units import human_bytes
 
 log = logging.getLogger("shardcache.cache")

@@ -41,7 +41,7 @@ The folder may be shared with other jobs and users, so anything in it may have b
 (``shards.cache.node_locks``): a lease or fetch lock that cannot be taken, an entry folder that is a link, a copy or
 stamp that cannot be removed, a folder this user may not write in: the shard is read from the source (``acquire``
 returns None, counted as a bypass) with one warning per file, never a crash. Only a regular file, never a link, is
-a copy; it is hashed through a non-blocking open (``shards.bounded_read.open_regular_file``), so a FIFO cannot hang
+a copy; it is hashed through a non-blocking open (``shards.door.bounded_read.open_regular_file``), so a FIFO cannot hang
 ``verify_all`` either.
 """
 
@@ -62,14 +62,14 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from shards.atomic import unique_tmp_path, write_json_atomic
-from shards.bounded_read import open_regular_file
+from shards.door.bounded_read import open_regular_file
 # The folder's layout, locks, room and counters live in node_index.
 from shards.cache.node_index import (
     ENTRY_PATTERN, LAYOUT, NEEDED_LATER, RESERVED, CacheIndex, CacheStats, stamp_path)
 from shards.cache.node_locks import SHA256_PATTERN, locked, open_locked, read_cache_json, unlink, warn_once
 from shards.cache.plan_view import PLANS
 from shards.errors import ChecksumError, InputError, ShardcacheError
-from shards.shape import as_int, as_object, as_str
+from shards.door.shape import as_int, as_object, as_str
 from shards.units import human_bytes, parse_size
 
 log = logging.getLogger("shardcache.cache")

@@ -46,8 +46,8 @@ from shards.cache.node_locks import SHA256_PATTERN, locked, read_cache_json, unl
 from shards.cache.plan_view import live_plans, next_uses, remove_dead_plans
 from shards.errors import MissingInputError, ShardcacheError
 from shards.lock import pid_alive
-from shards.shape import as_int, as_object
-from shards.stream.shared_values import SharedValues
+from shards.door.shape import as_int, as_object
+from shards.procs import SharedValues
 
 log = logging.getLogger("shardcache.cache")
 

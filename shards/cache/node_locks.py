@@ -15,7 +15,7 @@ them is followed, opened in a way that blocks, or allowed to crash a reader:
   lock someone else holds, so each caller's answer to "held" is its answer to "planted" too: read the shard from
   the source, keep the entry, skip the leftover;
 - a file that cannot be removed (another user's, in a sticky folder) is left where it is (``unlink`` says so);
-- a plan, stamp or reservation is read through the one door (``shards.bounded_read``: regular file, size cap, depth
+- a plan, stamp or reservation is read through the one door (``shards.door.bounded_read``: regular file, size cap, depth
   cap) after an ``lstat`` that refuses a symlink (``read_cache_json``), then checked for shape by its reader.
 
 Each such file is reported once per process (``warn_once``): an eviction scan runs on every fetch, and a planted
@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from shards.bounded_read import not_regular_reason, read_json_file
+from shards.door.bounded_read import not_regular_reason, read_json_file
 
 log = logging.getLogger("shardcache.cache")
 

@@ -2,7 +2,7 @@
 eviction and prefetch (``shards.cache.eviction``, ``shards.cache.cached_shards``) read every live reader's plan
 (docs/caching.md, "The shared plan").
 
-The epoch order is a pure function of (seed, epoch, layout) (``shards.stream.order``), so a reader knows its cached
+The epoch order is a pure function of (seed, epoch, layout) (``shards.order.order``), so a reader knows its cached
 shards for the rest of this epoch and all of the next before it reads one. Under ``<dir>/v1/plans/`` each reader (a
 DataLoader worker, or a process reading in-process) keeps:
 
@@ -16,7 +16,7 @@ DataLoader worker, or a process reading in-process) keeps:
 
 Plans are untrusted: another job or user may write the folder. Each is read through the one door
 (``shards.cache.node_locks.read_cache_json``: a regular file, not a link, at most ``MAX_PLAN_FILE_BYTES``) and its
-shape checked field by field (``shards.shape``: counts are JSON integers in range, keys sha256 digests); one that
+shape checked field by field (``shards.door.shape``: counts are JSON integers in range, keys sha256 digests); one that
 fails is ignored, with one warning per file for the life of the process (eviction reads the plans on every fetch).
 A plan whose lock cannot be taken for any reason reads as live, and one whose files cannot be removed stays. A plan
 holds at most ``MAX_PLAN_READS`` reads: beyond that a reader's future is unknown, which only makes its shards look
@@ -37,7 +37,7 @@ from typing import Any, Iterable, Sequence
 from shards.atomic import host_tag, write_json_atomic
 from shards.cache.node_locks import SHA256_PATTERN, locked, open_locked, read_cache_json, unlink, warn_once
 from shards.errors import ManifestError, MissingInputError, ShardcacheError
-from shards.shape import as_int, as_int_list, as_list, as_object
+from shards.door.shape import as_int, as_int_list, as_list, as_object
 
 log = logging.getLogger("shardcache.cache")
 

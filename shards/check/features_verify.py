@@ -8,7 +8,7 @@ since, an image shard was replaced or removed, or shards were added that have no
 keys and labels that differ sample for sample from the image shards. Problems are returned as one-line strings,
 not raised, so ``shards verify`` can report all of them at once.
 
-Every file is read once through its location (``shards.formats.location``): a local file in place, any other
+Every file is read once through its location (``shards.transport.location``): a local file in place, any other
 copied to a temporary file. The source dataset is the one ``dataset_location`` follows from ``dataset_dir``
 (docs/design.md, "Trust model"): only its ``dataset.json`` is read, and its image shards only as that manifest
 lists them, confined to its folder or prefix.
@@ -28,13 +28,13 @@ from shards.check.verify_core import VerifyOptions
 from shards.errors import MissingInputError, ShardcacheError
 from shards.formats.feature_names import from_table
 from shards.formats.features import FeatureShard, FeatureSpec, feature_shard_problems, load_feature_shard
-from shards.formats.location import Location, locate
-from shards.formats.locations import dataset_location
-from shards.formats.manifest_io import read_dataset_manifest, read_feature_manifest
-from shards.formats.storage import get_storage
+from shards.transport.location import Location, locate
+from shards.transport.locations import dataset_location
+from shards.transport.manifest_io import read_dataset_manifest, read_feature_manifest
+from shards.transport.storage import get_storage
 from shards.manifest import DATASET_FILE, DatasetManifest, FeatureManifest, ShardInfo
-from shards.parallel import ordered_map
-from shards.progress import progress
+from shards.jobs.parallel import ordered_map
+from shards.jobs.progress import progress
 
 log = logging.getLogger("shardcache.check")
 

@@ -5,7 +5,7 @@ through a DataLoader with the standard eval transform and reports shape, dtype, 
 first thing to look at when training misbehaves. ``save_grid`` writes augmented training images, each labelled
 with its class name, to look at.
 
-For a mixture (several sources, or one folder's subset: ``shards.stream.mixture``), ``mixture_report`` says what
+For a mixture (several sources, or one folder's subset: ``shards.select.mixture``), ``mixture_report`` says what
 each epoch holds per source: samples available and drawn, share of the epoch, passes, and the classes drawn. Those
 class counts are exact when a source is drawn a whole number of passes (every selected sample the same number of
 times) or when every row's label is read (``exact_classes``, no image decoded); otherwise a fraction of a pass
@@ -21,17 +21,17 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from shards.atomic import atomic_output
 from shards.errors import CorruptDataError, InputError
-from shards.formats.manifest_io import load_manifest_at
+from shards.transport.manifest_io import load_manifest_at
 from shards.manifest import DatasetManifest
 
 if TYPE_CHECKING:  # the reader (torch) loads only when a mixture is inspected: the CLI stays light
     import numpy as np
 
-    from shards.stream.mixture import MixOptions, Mixture, SourceSpec
+    from shards.select.mixture import MixOptions, Mixture, SourceSpec
 
 
 def _manifest(folder: str | os.PathLike, storage_options: Any = None, *, images: bool = False):
-    """The folder's manifest, wherever it is (``shards.formats.manifest_io``; ``storage_options`` for ``s3://``)."""
+    """The folder's manifest, wherever it is (``shards.transport.manifest_io``; ``storage_options`` for ``s3://``)."""
     manifest = load_manifest_at(folder, storage_options=storage_options)[0]
     if images and not isinstance(manifest, DatasetManifest):
         raise InputError("needs an image dataset (dataset.json), not a feature folder", path=str(folder))
@@ -80,7 +80,7 @@ def format_summary(summary: dict[str, Any]) -> str:
 def _loader(folder: Path | str, split: str, transform: Callable, batch_size: int, *, shuffle: bool = False,
             seed: int = 0, storage_options: Any = None):
     """The reader training uses (so a problem there shows here), in-process: one batch is all we need."""
-    from shards.stream.loader import make_loader
+    from shards.loader.loader import make_loader
     from shards.stream.options import Distributed, Remote, Sampling
     from shards.stream.reader import open_dataset
 
@@ -205,7 +205,7 @@ MAX_CLASS_LINES = 40  # classes listed per epoch in the text table; the JSON has
 def open_mixture(specs: Sequence[SourceSpec], split: str = "train", *, mix: MixOptions | None = None,
                  seed: int = 0, storage_options: Any = None):
     """The dataset training would stream from ``specs`` (one process, no transform: nothing is decoded)."""
-    from shards.stream.mixture import MixOptions
+    from shards.select.mixture import MixOptions
     from shards.stream.options import Distributed, Remote
     from shards.stream.reader import open_dataset
 
@@ -218,7 +218,7 @@ def row_labels(dataset: Any) -> np.ndarray:
     sample; a mixture's labels come mapped onto its combined classes."""
     import numpy as np
 
-    from shards.stream.plan import ShardSlice
+    from shards.order.plan import ShardSlice
 
     labels: list[int] = []
     for shard, samples in enumerate(dataset.split_info.shard_sizes):
@@ -275,7 +275,7 @@ def mixture_report(source: Any, split: str = "train", *, mix: MixOptions | None 
     ``classes``, else the sources' combined by ``mix.class_map``. ``exact_classes`` reads every selected shard's
     labels (no decoding) so each epoch's class counts are exact for every source. Epochs are numbered from 1, as
     ``metrics.jsonl`` numbers them: epoch ``e`` is the dataset's ``set_epoch(e - 1)``."""
-    from shards.stream.mixture import MixOptions, SourceSpec
+    from shards.select.mixture import MixOptions, SourceSpec
 
     mix = mix or MixOptions()
     if isinstance(epochs, bool) or int(epochs) < 1:

@@ -1,7 +1,7 @@
 """``shards verify``: does a dataset or feature folder, on this machine or under ``s3://``, still hold exactly what
 its manifest says?
 
-One implementation for every location (``shards.formats.location``): each shard is read once, a local file in
+One implementation for every location (``shards.transport.location``): each shard is read once, a local file in
 place, any other copied in one streaming read (at most one byte more than the manifest records) to a temporary
 file. For image shards: every shard exists with the recorded size and sha256, its byte index (a tar's sidecar)
 holds the offsets found by walking its headers, it reads to the end, holds the recorded number of samples with
@@ -12,7 +12,7 @@ sample key), so a corrupt file can be found and repacked. Shards are checked in 
 each returning what it found on its own; the dataset-wide checks (keys unique across shards, split totals) are made
 here in shard order, so the report is the same for any number of workers.
 
-Every file is opened through the one door (``shards.bounded_read``): a FIFO, device, socket, folder or link loop in
+Every file is opened through the one door (``shards.door.bounded_read``): a FIFO, device, socket, folder or link loop in
 place of a shard, a sidecar or a column file is one problem line naming it, never a hang. The column index
 (``shards.formats.columns``) is checked twice over: each file against the manifest's size and sha256, and the
 fields verify can recompute from the samples it reads anyway (keys and labels) row by row against those samples,
@@ -29,19 +29,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from shards.bounded_read import open_regular_file
+from shards.door.bounded_read import open_regular_file
 from shards.check.verify_core import (
     DEFAULT_SAMPLES_PER_SHARD, ShardTally, Tally, VerifyOptions, VerifyReport, check_samples, check_split_totals,
 )
 from shards.errors import CorruptDataError, InputError, ManifestError, MissingInputError, ShardcacheError
 from shards.formats.columns import open_columns, verify_columns
-from shards.formats.location import Location, locate
-from shards.formats.manifest_io import load_manifest_at
-from shards.formats.storage import get_storage
+from shards.transport.location import Location, locate
+from shards.transport.manifest_io import load_manifest_at
+from shards.transport.storage import get_storage
 from shards.formats.tarseek import tar_sample_offsets
 from shards.manifest import DATASET_FILE, DatasetManifest, ShardInfo
-from shards.parallel import ordered_map
-from shards.progress import progress
+from shards.jobs.parallel import ordered_map
+from shards.jobs.progress import progress
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Any
 
 from shards.errors import CorruptDataError, InputError
 from shards.formats.sample import label_problem
-from shards.formats.storage import get_storage
+from shards.transport.storage import get_storage
 from shards.image.decode import decode_image
 from shards.manifest import ShardInfo
 

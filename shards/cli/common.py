@@ -16,7 +16,7 @@ from typing import Any, Callable
 import click
 
 from shards.errors import InputError, ShardcacheError
-from shards.progress import setup_logging
+from shards.jobs.progress import setup_logging
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 log = logging.getLogger("shardcache")
@@ -181,7 +181,7 @@ def s3_options(func: Callable) -> Callable:
     def wrapper(*args, s3_endpoint_url: str | None, s3_profile: str | None, s3_unsigned: bool,
                 s3_max_concurrency: int | None, s3_read_ahead: int | None, min_transfer_rate: int | None,
                 request_deadline: float | None, **kwargs):
-        from shards.formats.s3 import S3Options
+        from shards.transport.s3 import S3Options
 
         tuned = {name: value for name, value in (("max_concurrency", s3_max_concurrency),
                                                  ("read_ahead_bytes", s3_read_ahead),

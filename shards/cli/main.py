@@ -13,8 +13,8 @@ from shards.cli.common import EXIT_FAILED, class_names, emit_json, handle_errors
 from shards.check.inspect import batch_report, format_mixture, format_summary, mixture_report, save_grid, summarize
 from shards.check.verify import verify_dataset
 from shards.check.verify_core import DEFAULT_SAMPLES_PER_SHARD
-from shards.parallel import default_workers
-from shards.stream.mixture import CLASS_MAPS, MixOptions, SourceSpec, Subset
+from shards.jobs.parallel import default_workers
+from shards.select.mixture import CLASS_MAPS, MixOptions, SourceSpec, Subset
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -175,6 +175,6 @@ def report_command(paths: tuple[str, ...], out: str | None, no_grid: bool, quiet
 def lineage_command(run_dir: str, epoch: int, step: int, rank: int | None, quiet: bool) -> None:
     """The sample keys (with shard and row) a train-from-shards step was fed, computed from the run's config.json
     and data-events.jsonl (layouts, resumes, quarantines), not from per-step logs."""
-    from train.lineage import run_lineage  # the run's loaders are train's: built as train-from-shards built them
+    from train.run.lineage import run_lineage  # the run's loaders are train's: built as train-from-shards built them
 
     emit_json(run_lineage(run_dir, epoch, step, rank))

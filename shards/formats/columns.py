@@ -10,7 +10,7 @@ row. ``dataset.json`` records each file's path, size, sha256 and dtype under ``e
 Writing is ``shards.formats.column_writer``'s; this module holds the format's constants, the manifest entry's
 helpers and reading.
 
-Reading trusts nothing on disk: a column file is opened through the one door (``shards.bounded_read``: a
+Reading trusts nothing on disk: a column file is opened through the one door (``shards.door.bounded_read``: a
 FIFO, device, socket, folder or link loop in its place is one ``CorruptDataError`` naming it, never opened), its
 size must be the manifest's before a byte is read (a sparse 3 GiB file is refused on its ``fstat``), the ``.npy``
 header is matched here from a bounded read (version 1.0 as NumPy writes it, C order, 1-D, a dtype
@@ -34,9 +34,9 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from shards.atomic import unique_tmp_path
-from shards.bounded_read import open_regular_file
+from shards.door.bounded_read import open_regular_file
 from shards.errors import CorruptDataError, ManifestError, MissingInputError, ShardcacheError
-from shards.formats.location import Location, locate
+from shards.transport.location import Location, locate
 
 COLUMNS_KEY = "columns"
 FORMAT = "npy-1"

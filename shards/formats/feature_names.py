@@ -10,7 +10,7 @@ import re
 from typing import Any, Mapping
 
 from shards.errors import ManifestError
-from shards.shape import as_number
+from shards.door.shape import as_number
 
 FEATURE_SUFFIXES = {"pt": ".pt", "hdf5": ".h5"}
 TABLE_KIND = "table"  # ``config.kind`` of a feature folder packed from a CSV (``pack-shards --table``)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from shards.atomic import atomic_output, sha256_file
-from shards.bounded_read import load_weights_only, open_regular_file, parser_guard
+from shards.door.bounded_read import load_weights_only, open_regular_file, parser_guard
 from shards.errors import ChecksumError, CorruptDataError, InputError
 
 # The names and the task rule need no torch (``pack-shards`` imports them); they live in feature_names.
@@ -162,7 +162,7 @@ def verify_feature_file(path: str | os.PathLike, expected_bytes: int, expected_s
 
 
 def load_checked(where: Any, info: Any, *, checked: bool = False) -> FeatureShard:
-    """The feature shard at location ``where`` (``shards.formats.location``), its size and sha256 checked against
+    """The feature shard at location ``where`` (``shards.transport.location``), its size and sha256 checked against
     its ``features.json`` entry ``info`` before a byte is parsed (``checked``: this process already checked this
     file). A local file is mmap'ed (paged in lazily); elsewhere it is fetched whole into memory, hashed on the way."""
     if where.is_local:

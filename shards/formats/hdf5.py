@@ -13,7 +13,7 @@ Layout of one ``<split>-NNNNNN.h5`` file (plain h5py reads it)::
 One flat byte array with offsets (rather than a variable-length ``uint8`` dataset) reads a whole shard in one
 sequential ``read`` instead of one small HDF5 read per sample, and is just as easy to read without shardcache.
 
-A shard is untrusted bytes handed to a third-party parser, so it goes through the one door (``shards.bounded_read``):
+A shard is untrusted bytes handed to a third-party parser, so it goes through the one door (``shards.door.bounded_read``):
 a local file is opened by ``open_regular_file`` (a FIFO would block HDF5's own ``open`` forever) and h5py reads
 that handle; h5py runs inside ``parser_guard``; and every dataset's kind, rank, dtype and declared size is checked
 before any is read (a shape of 10**12 in a 1 KB file is refused, never allocated).
@@ -29,7 +29,7 @@ from typing import Any, BinaryIO, Iterator, Sequence
 import numpy as np
 
 from shards.atomic import atomic_output, sha256_file
-from shards.bounded_read import open_regular_file, parser_guard
+from shards.door.bounded_read import open_regular_file, parser_guard
 from shards.errors import CorruptDataError
 from shards.formats.sample import RawSample
 
@@ -104,7 +104,7 @@ def iter_hdf5_shard(path: str | os.PathLike | BinaryIO, start: int = 0, stop: in
     lengths, more data than the file could store uncompressed, which is how the writer stores it) is a
     ``CorruptDataError`` naming the shard. A sample whose bytes the offsets do not locate (``_unlocated``) costs
     that sample: with ``resync`` it is yielded as its ``CorruptDataError`` and reading goes on, otherwise it
-    raises. ``path`` may also be a seekable binary file object (``shards.formats.s3shards.S3File``: a shard on
+    raises. ``path`` may also be a seekable binary file object (``shards.transport.s3shards.S3File``: a shard on
     object storage; bytes in memory), ``where`` then naming it in messages.
     """
     h5py = _h5py()

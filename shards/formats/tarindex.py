@@ -10,7 +10,7 @@ sample's data (where the end-of-archive marker starts). Samples ``a:b`` are byte
 The sidecar is untrusted like every shard byte: ``read_index`` checks the magic and version, the size, the count
 against the manifest, that offsets start at 0, rise strictly and end inside the shard; any failure is a
 ``CorruptDataError`` naming the sidecar. Its sha256 is recorded in the manifest (``ShardInfo.index_sha256``). A
-local sidecar is opened through the one door (``shards.bounded_read``): a FIFO, device, folder or link loop in
+local sidecar is opened through the one door (``shards.door.bounded_read``): a FIFO, device, folder or link loop in
 its place is refused unopened, and a file of any size other than the one its sample count implies (a sparse
 3 GiB file) is refused on its ``fstat``, before a byte is read.
 """
@@ -25,9 +25,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from shards.bounded_read import MAX_FILE_BYTES, open_regular_file, read_capped
+from shards.door.bounded_read import MAX_FILE_BYTES, open_regular_file, read_capped
 from shards.errors import ChecksumError, CorruptDataError, MissingInputError
-from shards.formats.locations import local_shard_path
+from shards.transport.locations import local_shard_path
 
 log = logging.getLogger("shardcache.tarindex")
 

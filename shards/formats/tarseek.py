@@ -13,7 +13,7 @@ to the next header whose checksum is right; the damage is charged to the sample 
 it or the next member continues it (or it lacks its image or label), else to the sample that follows. Without
 ``resync`` the first damaged sample raises, after the good samples before it.
 
-A local shard is opened through the one door (``shards.bounded_read.open_regular_file``): a FIFO, device, socket,
+A local shard is opened through the one door (``shards.door.bounded_read.open_regular_file``): a FIFO, device, socket,
 folder or link loop in its place is one ``CorruptDataError`` naming it (never a hang, a traceback or an endless
 read of ``/dev/zero``), checked once per file, not per sample.
 """
@@ -25,7 +25,7 @@ import os
 from bisect import bisect_left, bisect_right
 from typing import BinaryIO, Iterator, Sequence
 
-from shards.bounded_read import open_regular_file
+from shards.door.bounded_read import open_regular_file
 from shards.errors import CorruptDataError
 from shards.formats.sample import IMAGE_EXTENSIONS, RawSample
 from shards.formats.tarheader import (BLOCK, READ_BUFFER, REGULAR, ByteSource, header_name, is_header, read_member,

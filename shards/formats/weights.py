@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
-from shards.bounded_read import load_weights_only, open_regular_file, parser_guard
+from shards.door.bounded_read import load_weights_only, open_regular_file, parser_guard
 from shards.errors import InputError, MissingInputError
 
 WRAPPER_KEYS = ("state_dict", "model")

@@ -6,7 +6,7 @@ training log (``train-from-shards`` warns after each epoch) and the run report (
   ``WAIT_WARNING_SECONDS``. A share alone misleads on short epochs: a 0.1 s epoch spends most of its time starting
   its workers, and "60% waiting" there is 60 ms no setting gives back.
 - The advice names the stage the workers spend most of their time in (read, decode, transform, collate: the
-  stage names of ``shards.stream.stage_times``, repeated in ``shards.report.stages`` without torch) and what
+  stage names of ``shards.loader.stage_times``, repeated in ``shards.report.stages`` without torch) and what
   usually fixes it. A node-local cache (``--cache-dir``) or a local copy is suggested only when image shards are
   read over the network every epoch and not cached (``reads_over_network``): local files are local already,
   feature rows stay in memory after their first read, ``--cache-images`` keeps decoded images in memory and
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from shards.formats.location import locate
+from shards.transport.location import locate
 from shards.report.stages import LOOP_STAGES, WORKER_STAGES
 
 WAIT_WARNING_SHARE = 0.20

@@ -4,7 +4,7 @@ People look before they read, and share what they look at: the page opens from a
 any browser with no network (inline SVG and images, inline CSS, a few lines of script to sort tables). Each folder
 given becomes a section, and each section pulls in what it was made from when that is local and readable: a run
 its features or dataset (``config.json``'s ``data_path``), a feature cache its dataset (``features.json``'s
-``dataset_dir``, followed as ``shards.formats.locations.dataset_location`` allows). Every manifest is untrusted:
+``dataset_dir``, followed as ``shards.transport.locations.dataset_location`` allows). Every manifest is untrusted:
 folders are read through the manifest loaders' checks, shards through the library's reader, and every string is
 escaped on its way into the page.
 """
@@ -18,7 +18,7 @@ from typing import Any, Iterable, Sequence
 
 from shards.atomic import write_text_shared
 from shards.errors import InputError, MissingInputError, ShardcacheError
-from shards.formats.location import locate
+from shards.transport.location import locate
 from shards.manifest import (DATASET_FILE, FEATURES_FILE, TOOL, DatasetManifest, FeatureManifest, load_manifest,
                              utc_now)
 from shards.report.html import GENERATOR_META, Markup, Section, esc, note, page, tag

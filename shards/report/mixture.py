@@ -1,7 +1,7 @@
 """The run report's data mixture: what each epoch of a mixed or subset training set held, source by source.
 
 ``train-from-shards`` records the mixture it streamed in ``config.json`` (``"mixture": {"class_map", "epoch_size",
-"sources": [...]}``, each source as ``shards.stream.mixture.Mixture.composition`` describes it) and, per epoch, the
+"sources": [...]}``, each source as ``shards.select.mixture.Mixture.composition`` describes it) and, per epoch, the
 samples each source filled in ``metrics.jsonl`` (``"mixture_drawn": [n, ...]``, in source order). Both are
 untrusted: a value that is not what it should be shows as n/a, and at most ``MAX_SOURCES`` sources and
 ``MAX_CLASS_ROWS`` classes are listed.

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from shards.bounded_read import read_json_file, read_regular_file
+from shards.door.bounded_read import read_json_file, read_regular_file
 from shards.data_events import read_events
 from shards.errors import InputError, ManifestError, ShardcacheError
-from shards.jsonlines import json_lines
+from shards.door.jsonlines import json_lines
 from shards.report import svg
 from shards.report.advice import reads_over_network, starving, wait_advice
 from shards.report.curves import find_best_epoch
@@ -66,7 +66,7 @@ def _json_file(path: Path) -> Any:
 
 
 def read_run(folder: Path) -> RunFiles:
-    """The run's files, each read whole within ``shards.bounded_read``'s bounds: a config.json that cannot be read
+    """The run's files, each read whole within ``shards.door.bounded_read``'s bounds: a config.json that cannot be read
     is an error naming it; a metrics.jsonl line that is not a JSON object (malformed, nested too deep) is left out
     and said so on the page."""
     config = read_json_file(folder / CONFIG_FILE) if (folder / CONFIG_FILE).exists() else {}
@@ -92,7 +92,7 @@ def metrics_row_problem(row: Any) -> str | None:
     """What is wrong with a parsed ``metrics.jsonl`` line, or None: a row is a JSON object, and its ``epoch``
     (which orders the curves and names the checkpoints) a positive integer, not ``"3"``, ``2.5`` or ``true``.
     The other fields are shown as far as they are finite numbers (``number``). One rule for the report, which
-    leaves such a line out, and for ``train.run_dir.read_metrics``, which refuses it."""
+    leaves such a line out, and for ``train.run.run_dir.read_metrics``, which refuses it."""
     if not isinstance(row, dict):
         return "is not a JSON object"
     epoch = row.get("epoch")

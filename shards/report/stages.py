@@ -6,7 +6,7 @@ so with several ranks the last epoch is also shown rank by rank, with each epoch
 for data or computed (``shards.report.stragglers``, the rule the training log applies). Runs from before stage
 timing have neither and say so instead of showing an empty chart; one-process runs have no ranks to compare.
 
-Rows may also carry ``first_batch``: one record per start or resume of the run in that epoch (``train.first_batch``:
+Rows may also carry ``first_batch``: one record per start or resume of the run in that epoch (``train.run.first_batch``:
 the seconds to the first batch, split into open, plan, first read and other), shown as a table of starts.
 """
 
@@ -20,7 +20,7 @@ from shards.report.html import (Markup, count, figure, join, note, num_cell, num
 from shards.report.stragglers import (DATA_EXCESS_SHARE, Straggler, slowest_rank, straggler_warning,
                                       sustained_straggler)
 
-# The names are the contract of shards.stream.stage_times (not imported: it loads torch). Worker stages are busy
+# The names are the contract of shards.loader.stage_times (not imported: it loads torch). Worker stages are busy
 # seconds summed over a rank's DataLoader workers and overlap the loop; loop stages are the loop's wall seconds.
 WORKER_STAGES = ("read", "decode", "transform", "collate")
 LOOP_STAGES = ("wait", "to_device", "normalize", "step")
@@ -90,7 +90,7 @@ def stage_seconds(row: Mapping[str, Any]) -> dict[str, float] | None:
 MAX_EXTRA_STAGES = 8
 MAX_STRAGGLER_ROWS = 2000  # epochs listed in the slowest-rank table (the rows are untrusted)
 MAX_STARTS = 200  # starts and resumes listed: a run resumed more often than this shows its latest ones
-# train.first_batch's record: the total, then the parts that add up to it.
+# train.run.first_batch's record: the total, then the parts that add up to it.
 FIRST_BATCH_PARTS = (("first batch", "first_batch_s"), ("open", "open_s"), ("plan", "plan_s"),
                      ("first read", "first_read_s"), ("other", "other_s"))
 

@@ -1,6 +1,6 @@
 """The streaming ``IterableDataset`` family: one order, one stage pipeline, a reader per kind of shard.
 
-Per epoch and worker: take the worker's rows and yield order (``shards.stream.order``), read the rows as covering
+Per epoch and worker: take the worker's rows and yield order (``shards.order.order``), read the rows as covering
 reads, resample by class weight (optional), put them in yield order, skip what a resumed run already consumed
 (before any decoding), then decode and transform. The decode step is a pluggable ``decoder(sample, seed)`` callable taking a
 ``RawSample`` and the sample's augmentation seed, so other output formats (uint8 tensors, batched decoders)
@@ -20,20 +20,20 @@ from typing import Any, Callable, Iterator, Sequence
 from torch.utils.data import IterableDataset, get_worker_info
 
 from shards.cache.cached_shards import CachedShards, PlannedShard
-from shards.stream.cursor import Cursor
+from shards.position.cursor import Cursor
 from shards.stream.error_tally import ErrorTally, reason_of
-from shards.stream.resume import STREAM, SharedEpochState
+from shards.position.resume import STREAM, SharedEpochState
 from shards.errors import CorruptDataError, InputError
 from shards.manifest import SplitInfo
 from shards.stream.options import ErrorPolicy
-from shards.stream.order import EpochSource, Layout, WorkerOrder, worker_order
-from shards.stream.plan import (
+from shards.order.order import EpochSource, Layout, WorkerOrder, worker_order
+from shards.order.plan import (
     STREAM_CLASS_WEIGHTS, STREAM_TRANSFORM, ShardSlice, check_nodes, CoveringReads, epoch_sizes, indices_to_slices,
     rng_for, shard_offsets,
 )
-from shards.stream.mixture import Mixture
-from shards.stream.stages import Broken, weighted_windows
-from shards.stream.stage_times import SharedStageTimes, StageTally, TimedCollate
+from shards.select.mixture import Mixture
+from shards.order.stages import Broken, weighted_windows
+from shards.loader.stage_times import SharedStageTimes, StageTally, TimedCollate
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class StreamConfig:
     # Node affinity of the shard order (``plan.shard_order``): the job's node count, ranks numbered node by node.
     nodes: int = 1
     rotate_every: int = 0
-    # The in-process feature loader's windowed permutation (``shards.stream.order``; 0: one whole permutation).
+    # The in-process feature loader's windowed permutation (``shards.order.order``; 0: one whole permutation).
     feature_window: int = 0
 
     def __post_init__(self) -> None:
@@ -79,7 +79,7 @@ class ShardDataset(IterableDataset):
     """Base of the family: plan, stages, epoch state, resume. Subclasses read slices and decode samples.
 
     Stage timing (on by default; ``make_loader(stage_times=False)`` turns it off): every worker adds the seconds
-    it spends reading, decoding and transforming to a shared block (``shards.stream.stage_times``), read back with
+    it spends reading, decoding and transforming to a shared block (``shards.loader.stage_times``), read back with
     ``stage_seconds()``. ``decode_timed = False``: a subclass whose decode step is no real work (features) leaves
     decode and transform at 0.
     """
@@ -109,14 +109,14 @@ class ShardDataset(IterableDataset):
         self.mixture: Mixture | None = None  # several sources or a subset (``use_mixture``): the epoch's rows
         self.excluded: np.ndarray | None = None  # global rows left out of every epoch (``exclude_rows``)
         self.label_maps: list[Any] | None = None  # per shard: source label -> combined label, or None
-        # Global rows never decoded again, by key (``shards.stream.watchdog``): a stand-in fills each one's slot.
+        # Global rows never decoded again, by key (``shards.loader.watchdog``): a stand-in fills each one's slot.
         self.quarantine: dict[int, str] = {}
         if self.sizes.dropped:
             log.info("Sampling(balance='drop') leaves out the last %d sample(s) of %r every epoch", self.sizes.dropped,
                      config.split)
 
     def use_mixture(self, mixture: Mixture, label_maps: Sequence[Any] | None = None) -> None:
-        """Stream ``mixture``'s epochs (``shards.stream.mixture``) over this dataset's shards, the combined split of
+        """Stream ``mixture``'s epochs (``shards.select.mixture``) over this dataset's shards, the combined split of
         its sources; ``label_maps`` map each shard's labels onto the combined classes."""
         if self.config.nodes > 1:
             raise InputError("node affinity (Distributed.nodes) orders whole shards of one dataset; a mixture or "
@@ -175,7 +175,7 @@ class ShardDataset(IterableDataset):
 
     def exclude_rows(self, rows: np.ndarray) -> None:
         """Leave these global rows out of every epoch (the rest keep their order), before the loader iterates:
-        ``shards.stream.selection.exclude_keys`` finds them from keys. A mixture leaves samples out where it
+        ``shards.select.selection.exclude_keys`` finds them from keys. A mixture leaves samples out where it
         selects them (``Subset(exclude_keys=)``), since its draw sizes each epoch."""
         if self.mixture is not None:
             raise InputError("a mixture or subset leaves samples out through Subset(exclude_keys=...)")
@@ -200,7 +200,7 @@ class ShardDataset(IterableDataset):
 
     def worker_order(self, epoch: int, worker: int, num_workers: int, *, split_batch: int = 1,
                      left: np.ndarray | None = None, whole: bool = False) -> WorkerOrder:
-        """``worker``'s rows and yield order this epoch (``shards.stream.order``); ``left``: the rows an epoch
+        """``worker``'s rows and yield order this epoch (``shards.order.order``); ``left``: the rows an epoch
         continued in another layout has left."""
         c = self.config
         layout = Layout(c.world_size, c.nodes, num_workers, split_batch, whole=whole)
@@ -229,7 +229,7 @@ class ShardDataset(IterableDataset):
         """What logical ``worker`` of ``num_workers`` yields in ``epoch``, after ``skip`` samples a resumed run had
         consumed; ``split_batch``: the loader's batch size (the unit of the worker split); ``timed``: add stage
         seconds (default: the class's ``time_stages``); ``watch``: a ``WorkerSlot`` to publish each sample in
-        before decoding it (``shards.stream.worker_status``)."""
+        before decoding it (``shards.loader.worker_status``)."""
         timed = self.time_stages if timed is None else timed
         tally = StageTally(self._stage_times, split_batch) if timed else None
         order = self.worker_order(epoch, worker, num_workers, split_batch=split_batch, left=left)

@@ -6,7 +6,7 @@ stand-ins are spread: a run of skipped slots takes the good samples just before 
 each. Every skip is logged once, naming shard and key, and counted in the shared epoch state; a run of bad samples
 stops the epoch (a shard that is wholly unreadable is a problem to report, not to paper over).
 
-A quarantined sample (``shards.stream.watchdog``: a worker hung or died on it twice) gets a stand-in the same way,
+A quarantined sample (``shards.loader.watchdog``: a worker hung or died on it twice) gets a stand-in the same way,
 whatever the error policy: it is not a data error the policy decides on, but a sample already judged and recorded.
 """
 

@@ -1,6 +1,6 @@
 """Streaming feature shards: the same epoch plan over ``features.json`` as image shards, one row per sample.
 
-Most training on features goes through ``shards.stream.feature_loader.FeatureBatchLoader`` (whole batches in the
+Most training on features goes through ``shards.loader.feature_batches.FeatureBatchLoader`` (whole batches in the
 main process); this per-sample ``IterableDataset`` serves users who want a DataLoader anyway, and holds the shard
 loading (checked once per process, mmap'ed or held in memory) that both use.
 
@@ -19,9 +19,9 @@ import torch
 from shards.stream.dataset import ShardDataset, StreamConfig
 from shards.errors import CorruptDataError, InputError
 from shards.formats.features import FeatureShard, FeatureSpec, check_feature_shard, load_checked, load_feature_shard
-from shards.formats.location import Location, locate
+from shards.transport.location import Location, locate
 from shards.manifest import SplitInfo
-from shards.stream.plan import CoveringReads, ShardSlice
+from shards.order.plan import CoveringReads, ShardSlice
 from shards.cache.cached_shards import CachedShards
 
 CACHE_MODES = ("auto", "memory", "none")

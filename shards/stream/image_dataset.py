@@ -13,14 +13,14 @@ from typing import Any, Callable, Iterator, Sequence
 
 from shards.cache.cached_shards import CachedShards
 from shards.errors import CorruptDataError
-from shards.formats.location import LocalFile, Location, locate
-from shards.formats.parallel_parts import drop_read_ahead
+from shards.transport.location import LocalFile, Location, locate
+from shards.transport.parallel_parts import drop_read_ahead
 from shards.formats.sample import RawSample, label_problem
-from shards.formats.storage import get_storage
+from shards.transport.storage import get_storage
 from shards.image.decode import ImageDecoder
 from shards.manifest import SplitInfo
 from shards.stream.dataset import ShardDataset, StreamConfig
-from shards.stream.plan import CoveringReads, ShardSlice
+from shards.order.plan import CoveringReads, ShardSlice
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +44,12 @@ def checked_labels(samples: Iterator[Any], where: str, num_classes: int, *,
         yield sample
 
 
-MERGE_GAP = 32  # unwanted rows a read may pass over (shards.stream.plan.CoveringReads)
+MERGE_GAP = 32  # unwanted rows a read may pass over (shards.order.plan.CoveringReads)
 AHEAD_READS = 1024  # covering reads past the current one offered for read-ahead, at most
 
 
 class ImageShardDataset(ShardDataset):
-    """Image shards (tar or HDF5, wherever ``shards.formats.location`` reaches) -> ``(image, label[, key])``.
+    """Image shards (tar or HDF5, wherever ``shards.transport.location`` reaches) -> ``(image, label[, key])``.
 
     ``verify_sha256 = True``: a slice that covers a whole local tar shard is hashed as it is read and checked
     against the manifest after its last sample. Off by default: it costs about 1% of a decoding pipeline but 22% of
@@ -126,7 +126,7 @@ class ImageShardDataset(ShardDataset):
         return locate(location, storage_options=self.storage_options, origins=self.url_origins)
 
     def _read_source_slice(self, piece: ShardSlice, resync: bool) -> Iterator[Any]:
-        """A slice from wherever the shard is (``shards.formats.location``): a local file by one seek, ``s3://``
+        """A slice from wherever the shard is (``shards.transport.location``): a local file by one seek, ``s3://``
         by byte range (a tar by its byte index in one GET), ``http(s)``/``pipe:`` as a stream; the node-local copy
         when the cache holds one. ``verify_sha256``: a read of a whole local shard checks its sha256."""
         lease = self._cached_copy(piece.shard)

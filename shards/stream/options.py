@@ -137,8 +137,8 @@ class Remote:
     """Where the shards are, when the caller says so. ``base_url`` (a folder, an ``http(s)://`` URL, or a ``pipe:``
     command prefix) replaces the manifest's own folder as the base of its relative shard names; ``url_origins``
     (``"https://host:port"``) are the hosts a manifest may name in absolute shard URLs besides its own. Both come
-    only from the caller: a manifest never chooses a command or another host (see ``shards.formats.locations``).
-    ``storage_options`` configures ``s3://`` access: a mapping of ``shards.formats.s3.S3Options`` fields
+    only from the caller: a manifest never chooses a command or another host (see ``shards.transport.locations``).
+    ``storage_options`` configures ``s3://`` access: a mapping of ``shards.transport.s3.S3Options`` fields
     (``{"endpoint_url": ..., "profile": ..., "unsigned": True}``) or an ``S3Options``; credentials are never
     options, they come from the AWS chain. ``shard_cache`` is the storage tier on the node's own disk: whole
     shards fetched once and shared by every rank and worker there (``ShardCache(dir=, limit=, fallback=,
@@ -158,14 +158,14 @@ class Remote:
             raise InputError(f"Remote.url_origins={self.url_origins!r} must be a list of origins, not one string")
         object.__setattr__(self, "url_origins", tuple(str(o) for o in self.url_origins))
         if self.storage_options is not None:
-            from shards.formats.s3 import S3Options  # boto3 itself is imported only when a client is made
+            from shards.transport.s3 import S3Options  # boto3 itself is imported only when a client is made
 
             object.__setattr__(self, "storage_options", S3Options.from_mapping(self.storage_options))
 
     @property
     def s3(self) -> Any:
         """The ``S3Options`` in effect (defaults when none were given)."""
-        from shards.formats.s3 import S3Options
+        from shards.transport.s3 import S3Options
 
         return S3Options.from_mapping(self.storage_options)
 
@@ -179,7 +179,7 @@ class Distributed:
     LOCAL_WORLD_SIZE`` (torchrun; ``SLURM_NNODES`` under Slurm), with ranks numbered node by node, and only when a
     node's cache cannot hold the whole dataset (one that can hits anyway, and a rank then sees every shard over the
     epochs, not only its node's). ``rotate_every=k`` deals the shards to nodes anew every ``k`` epochs (0: never),
-    trading one cold epoch per ``k`` for more mixing; see ``shards.stream.plan``. A saved state may be resumed on
+    trading one cold epoch per ``k`` for more mixing; see ``shards.order.plan``. A saved state may be resumed on
     another node count (elastic resume), not with another ``rotate_every``. ``StreamConfig`` validates the
     resolved values."""
 

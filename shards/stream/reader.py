@@ -15,9 +15,9 @@ from typing import Any, Callable, Sequence
 
 from shards.stream.dataset import ShardDataset, StreamConfig
 from shards.stream.image_dataset import ImageShardDataset
-from shards.stream.mixture import MixOptions, SourceSpec, as_specs
-from shards.stream.plan import ShardSlice
-from shards.stream.selection import LoadedSource, combine
+from shards.select.mixture import MixOptions, SourceSpec, as_specs
+from shards.order.plan import ShardSlice
+from shards.select.selection import LoadedSource, combine
 from shards.image.decode import ImageDecoder
 from shards.errors import InputError
 from shards.image.fast import FastDecoder
@@ -26,11 +26,11 @@ from shards.cache.images import ImageCacheRequest
 from shards.formats.features import FeatureSpec
 from shards.manifest import FeatureManifest, Manifest
 from shards.formats.columns import open_columns
-from shards.formats.location import locate
-from shards.formats.locations import request_origins, shard_location
-from shards.formats.manifest_io import load_manifest_at
+from shards.transport.location import locate
+from shards.transport.locations import request_origins, shard_location
+from shards.transport.manifest_io import load_manifest_at
 from shards.stream.options import Decode, Distributed, ErrorPolicy, MemoryCache, Remote, Sampling
-from shards.stream.stages import class_weights_from_counts
+from shards.order.stages import class_weights_from_counts
 from shards.image.transforms import TransformSpec, build_transform
 
 
@@ -114,7 +114,7 @@ def open_dataset(path: str | os.PathLike | SourceSpec | Sequence[str | os.PathLi
     as one split: each fills its share of every epoch, drawn by whole shard runs from ``(seed, epoch)``. A
     source's ``subset=Subset(classes=, keys=, where=, max_samples=)`` reads only part of it without repacking (one
     folder's part: ``open_dataset(SourceSpec(path, subset=...))``); ``mix=MixOptions(class_map="union")`` mixes
-    sources whose class lists differ. See ``shards.stream.mixture``; ``dataset.mixture.composition()`` says what
+    sources whose class lists differ. See ``shards.select.mixture``; ``dataset.mixture.composition()`` says what
     an epoch holds.
     """
     specs = as_specs(path)

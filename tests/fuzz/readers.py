@@ -44,7 +44,7 @@ def stream_split(source: Any, split: str = "train", *, on_error: str = "raise", 
 def tar_loader(folder: Path, **options: Any) -> Any:
     """A ``ShardLoader`` over the train split, in process (batches of 2)."""
     from shards import open_dataset
-    from shards.stream.loader import make_loader
+    from shards.loader.loader import make_loader
 
     dataset = open_dataset(str(folder), "train", transform=image_size, seed=3, **options)
     return make_loader(dataset, batch_size=2, num_workers=0, drop_last=False, stage_times=False)

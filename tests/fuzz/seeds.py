@@ -136,7 +136,7 @@ def _run(seeds: Seeds, out: Path) -> None:
     """A 2-epoch linear-head run on a feature folder (``out/run``, ``out/cache/{features,dataset}``)."""
     from tests.train.conftest import write_feature_folder
     from train.config import TrainConfig
-    from train.loop import train
+    from train.run.loop import train
 
     features = write_feature_folder(out / "cache", shard_sizes={"train": [6, 4], "val": [4]}, classes=CLASSES,
                                     dim=4)

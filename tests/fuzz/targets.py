@@ -22,7 +22,7 @@ def _policy(data: bytes) -> str:
 @target("dataset_json", file_of("tar_dataset", "dataset.json"), mutate_json, suffix="json", examples=450)
 def _dataset_json(data: bytes, seeds: Seeds, work: Path) -> None:
     from shards.check.inspect import summarize
-    from shards.formats.manifest_io import load_manifest_at
+    from shards.transport.manifest_io import load_manifest_at
 
     folder = seeds.copy("tar_dataset", work)
     (folder / "dataset.json").write_bytes(data)
@@ -36,7 +36,7 @@ def _dataset_json(data: bytes, seeds: Seeds, work: Path) -> None:
 
 @target("features_json", file_of("pt_features", "features.json"), mutate_json, suffix="json", examples=450)
 def _features_json(data: bytes, seeds: Seeds, work: Path) -> None:
-    from shards.formats.manifest_io import load_manifest_at
+    from shards.transport.manifest_io import load_manifest_at
 
     folder = seeds.copy("pt_features", work)
     (folder / "features.json").write_bytes(data)
@@ -62,7 +62,7 @@ def _read_run(folder: Path, lineage: bool, curves: bool = True) -> None:
 
     from shards.data_events import read_events
     from shards.report.run import read_run
-    from train.lineage import run_lineage
+    from train.run.lineage import run_lineage
 
     if not curves:
         with mock.patch("shards.report.curves.curves_bytes", lambda *args, **kwargs: b"<svg></svg>"):
@@ -97,7 +97,7 @@ def _run_events(data: bytes, seeds: Seeds, work: Path) -> None:
 # -- pack-shards inputs: lists, Parquet, Arrow ------------------------------------------------------------------------
 def _scan_and_pack(source: Path, work: Path) -> None:
     from preprocess.pack.packer import PackConfig, pack_shards
-    from preprocess.pack.sources import scan_source
+    from preprocess.pack.sources.scan import scan_source
 
     scan_source(source)
     pack_shards(PackConfig(str(source), str(work / "out"), max_samples=2, quiet=True))
@@ -110,7 +110,7 @@ def _mutate_csv(draw: Draw, seed: bytes) -> bytes:
 
 @target("list_csv", file_of("lists", "list.csv"), _mutate_csv, examples=450)
 def _list_csv(data: bytes, seeds: Seeds, work: Path) -> None:
-    from preprocess.pack.sources import scan_source
+    from preprocess.pack.sources.scan import scan_source
 
     folder = seeds.copy("lists", work)
     (folder / "list.csv").write_bytes(data)
@@ -119,7 +119,7 @@ def _list_csv(data: bytes, seeds: Seeds, work: Path) -> None:
 
 @target("list_jsonl", file_of("lists", "list.jsonl"), mutate_json_lines, examples=450)
 def _list_jsonl(data: bytes, seeds: Seeds, work: Path) -> None:
-    from preprocess.pack.sources import scan_source
+    from preprocess.pack.sources.scan import scan_source
 
     folder = seeds.copy("lists", work)
     (folder / "list.jsonl").write_bytes(data)

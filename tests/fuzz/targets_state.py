@@ -52,7 +52,7 @@ def _mutate_dcp(draw: Draw, seed: bytes) -> bytes:
 @target("dcp_state", file_of("loader_state", "state.json"), _mutate_dcp, suffix="json", examples=300,
         needs=("tar_dataset",))
 def _dcp_state(data: bytes, seeds: Seeds, work: Path) -> None:
-    from shards.stream.dcp_state import KEY, DcpLoaderState
+    from shards.position.dcp_state import KEY, DcpLoaderState
 
     loader = readers.tar_loader(seeds.path("tar_dataset"))
     DcpLoaderState(loader).load_state_dict({KEY: data.decode("utf-8", "surrogateescape")})
@@ -226,8 +226,8 @@ def _where(data: bytes, seeds: Seeds, work: Path) -> None:
     from shards.errors import ShardcacheError
     from shards.formats.columns import open_columns
     from shards.manifest import load_dataset_manifest
-    from shards.stream.rows import SampleColumns, sample_fields
-    from shards.stream.where import Where
+    from shards.select.rows import SampleColumns, sample_fields
+    from shards.select.where import Where
 
     expression = data.decode("utf-8", "replace")
     where = Where(expression)  # an InputError for a bad expression ends the run here, as intended

@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 import shards
 from shards.errors import InputError
-from shards.stream.dcp_state import KEY
+from shards.position.dcp_state import KEY
 from tests.helpers import make_shard_dataset
 from tests.integrations.ranks import run_ranks
 

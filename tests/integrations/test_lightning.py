@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import shards
-from shards.stream.loader_base import Loader
+from shards.loader.base import Loader
 from tests.helpers import make_shard_dataset
 from tests.integrations.ranks import run_ranks
 from tests.shards.stream_helpers import write_feature_dataset

@@ -12,7 +12,7 @@ from preprocess.pack.append import append, append_shards
 from preprocess.pack.packer import PackConfig, pack
 from shards.errors import InputError
 from shards.manifest import load_dataset_manifest
-from shards.formats.storage import get_storage
+from shards.transport.storage import get_storage
 from tests.helpers import class_image, write_image_folder
 
 CLASSES = ["a", "b", "c"]

@@ -18,7 +18,7 @@ from shards.errors import OutputExistsError, ShardcacheError
 from shards.formats.features import load_feature_shard
 from shards.check.features_verify import verify_feature_folder
 from shards.manifest import load_dataset_manifest, load_feature_manifest
-from shards.formats.storage import get_storage
+from shards.transport.storage import get_storage
 from tests.helpers import make_shard_dataset
 
 SHARDS = {"train": [5, 3, 4], "val": [4]}
@@ -264,7 +264,7 @@ def test_a_corrupt_sample_fails_naming_its_shard_and_key(tmp_path):
 ])
 def test_dataset_dir_is_a_local_folder_or_an_s3_url_only(recorded, ok):
     from shards.errors import ManifestError
-    from shards.formats.locations import check_dataset_dir
+    from shards.transport.locations import check_dataset_dir
 
     if ok:
         assert check_dataset_dir(recorded) == recorded
@@ -274,7 +274,7 @@ def test_dataset_dir_is_a_local_folder_or_an_s3_url_only(recorded, ok):
 
 
 def test_an_s3_dataset_dir_is_followed_only_from_s3_features_or_when_named(tmp_path):
-    from shards.formats.locations import dataset_location
+    from shards.transport.locations import dataset_location
 
     assert dataset_location("s3://bkt/feat", "s3://bkt/data/") == ("s3://bkt/data", None)
     location, why = dataset_location(tmp_path, "s3://bkt/data")

@@ -11,7 +11,7 @@ from preprocess.pack.packer import PackConfig, pack, pack_shards
 from preprocess.pack.parts import INDEX_FILE, merge_parts
 from shards.errors import CorruptDataError, InputError, OutputExistsError, ShardcacheError
 from shards.manifest import load_dataset_manifest
-from shards.formats.storage import STORAGES
+from shards.transport.storage import STORAGES
 from tests.helpers import write_image_folder
 from tests.preprocess.corpus import BROKEN_KINDS, write_mixed_tree
 

@@ -211,8 +211,8 @@ def test_pack_to_s3_publishes_the_column_files_and_they_read_back(tmp_path, buck
     from click.testing import CliRunner
 
     from preprocess.pack.cli import pack_shards_command
-    from shards.formats.location import locate
-    from shards.formats.manifest_io import load_manifest_at
+    from shards.transport.location import locate
+    from shards.transport.manifest_io import load_manifest_at
 
     write_image_folder(tmp_path / "src", CLASSES, 4, size=(24, 24))
     stage = tmp_path / "stage"

@@ -21,10 +21,10 @@ import pytest
 
 from preprocess.pack import validate as validate_module
 from preprocess.pack.plan import SAMPLE_OVERHEAD_BYTES, make_plan, split_order_key, stratified_val
-from preprocess.pack.source_columns import SourceSample, sample_key
-from preprocess.pack.sources import SourceScan, scan_source
+from preprocess.pack.sources.columns import SourceSample, sample_key
+from preprocess.pack.sources.scan import SourceScan, scan_source
 from preprocess.pack.validate import InvalidImage, read_ahead, read_file
-from shards.formats.storage import shard_name
+from shards.transport.storage import shard_name
 from tests.helpers import class_image
 
 PACKING = {"seed": 0, "shuffle": True, "val_fraction": 0.1, "max_samples": 100, "max_bytes": 1 << 20}

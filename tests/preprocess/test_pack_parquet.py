@@ -19,14 +19,14 @@ pq = pytest.importorskip("pyarrow.parquet")
 import shards  # noqa: E402
 from preprocess.pack.append import append_shards  # noqa: E402
 from preprocess.pack.cli import pack_shards_command  # noqa: E402
-from preprocess.pack.members import SourceFields  # noqa: E402
+from preprocess.pack.sources.members import SourceFields  # noqa: E402
 from preprocess.pack.packer import PackConfig, pack_shards  # noqa: E402
 from preprocess.pack.plan import make_plan  # noqa: E402
-from preprocess.pack.sources import scan_source  # noqa: E402
+from preprocess.pack.sources.scan import scan_source  # noqa: E402
 from shards.errors import InputError  # noqa: E402
 from shards.manifest import load_dataset_manifest  # noqa: E402
 from shards.formats.tar import iter_tar_shard  # noqa: E402
-from shards.stream.mixture import SourceSpec, Subset  # noqa: E402
+from shards.select.mixture import SourceSpec, Subset  # noqa: E402
 from tests.helpers import class_image  # noqa: E402
 
 IMAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
@@ -279,7 +279,7 @@ def test_the_scan_reads_a_row_group_at_a_time_never_the_whole_table(tmp_path):
     cells = [os.urandom(100_000) for _ in range(10)]  # 1 MB a row group, 30 MB the file (the scan decodes none)
     table = pa.table({"image": pa.array(cells * 30, pa.binary()), "label": [i % 3 for i in range(300)]})
     pq.write_table(table, tmp_path / "big.parquet", row_group_size=10, compression="none")
-    code = ("import pyarrow as pa; from preprocess.pack.sources import scan_source\n"
+    code = ("import pyarrow as pa; from preprocess.pack.sources.scan import scan_source\n"
             f"scan = scan_source({str(tmp_path / 'big.parquet')!r})\n"
             "print(len(scan.samples), pa.default_memory_pool().max_memory())")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

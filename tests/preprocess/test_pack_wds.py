@@ -13,10 +13,10 @@ from click.testing import CliRunner
 
 from preprocess.pack.append import append_shards
 from preprocess.pack.cli import pack_shards_command
-from preprocess.pack.members import SourceFields
+from preprocess.pack.sources.members import SourceFields
 from preprocess.pack.packer import PackConfig, pack_shards
-from preprocess.pack.source_tars import expand_braces
-from preprocess.pack.sources import scan_source
+from preprocess.pack.sources.tars import expand_braces
+from preprocess.pack.sources.scan import scan_source
 from shards.check.verify import verify_dataset
 from shards.errors import InputError
 from shards.formats.tar import iter_tar_shard

@@ -14,11 +14,11 @@ from preprocess.features.featurize import FeatureConfig, precompute_features
 from preprocess.pack.append import append
 from preprocess.pack.packer import PackConfig, pack, pack_shards
 from preprocess.pack.parts import INDEX_FILE
-from preprocess.pack.table import pack_table
-from preprocess.pack.table_config import TableConfig
+from preprocess.pack.table.pack import pack_table
+from preprocess.pack.table.config import TableConfig
 from shards.errors import ManifestError
 from shards.formats.features import load_feature_shard
-from shards.formats.storage import get_storage
+from shards.transport.storage import get_storage
 from shards.manifest import DatasetManifest, load_dataset_manifest, load_feature_manifest
 from tests.helpers import class_image, write_image_folder
 

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 import shards
 from preprocess.pack.cli import pack_shards_command
-from preprocess.pack.table_encoding import TableEncoding
+from preprocess.pack.table.encoding import TableEncoding
 from shards.formats.features import load_feature_shard
 from shards.manifest import load_feature_manifest
 

@@ -117,7 +117,7 @@ def test_streaming_reader_seeks_with_the_sidecar(packed, monkeypatch):
     from shards.formats import tarindex as index_module
     from shards.stream import image_dataset as dataset_module
     from shards.stream.dataset import StreamConfig
-    from shards.stream.plan import ShardSlice
+    from shards.order.plan import ShardSlice
 
     manifest = load_dataset_manifest(packed)
     split = manifest.splits["train"]

@@ -30,7 +30,7 @@ def trained_root(tmp_path_factory) -> Path:
     """A 2-epoch linear-head run on a feature cache (``ROOT/run``, ``ROOT/cache/{features,dataset}``), trained once;
     tests that change it work on a copy (``run_copy``)."""
     from train.config import TrainConfig
-    from train.loop import train
+    from train.run.loop import train
 
     root = tmp_path_factory.mktemp("trained")
     features = write_feature_folder(root / "cache", shard_sizes={"train": [40, 30], "val": [24]}, classes=CLASSES)

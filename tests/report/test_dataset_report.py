@@ -9,7 +9,7 @@ import json
 from PIL import Image
 
 from shards.formats.sample import RawSample
-from shards.formats.storage import get_storage
+from shards.transport.storage import get_storage
 from shards.manifest import ShardInfo, SkippedFile, SourceInfo, SplitInfo, load_dataset_manifest
 from shards.report.build import build_report
 from shards.units import human_bytes

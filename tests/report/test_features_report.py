@@ -62,8 +62,8 @@ def test_a_missing_dataset_leaves_freshness_unknown(feature_dir):
 def test_a_table_packed_cache_is_fresh_with_no_dataset_behind_it(tmp_path):
     import csv
 
-    from preprocess.pack.table import pack_table
-    from preprocess.pack.table_config import TableConfig
+    from preprocess.pack.table.pack import pack_table
+    from preprocess.pack.table.config import TableConfig
 
     source = tmp_path / "t.csv"
     with open(source, "w", newline="", encoding="utf-8") as handle:

@@ -10,7 +10,7 @@ import pytest
 
 import shards
 from shards.report.build import build_report
-from shards.stream.mixture import SourceSpec, Subset
+from shards.select.mixture import SourceSpec, Subset
 from tests.helpers import make_shard_dataset
 from tests.report.conftest import write_rows
 from tests.report.page import external_references, http_mentions, parse

@@ -41,7 +41,7 @@ def s3_server(tmp_path_factory):
 @pytest.fixture
 def s3_env(s3_server, monkeypatch, tmp_path):
     """The standard AWS chain pointed at the test server (and away from any real ~/.aws)."""
-    from shards.formats import s3
+    from shards.transport import s3
 
     for name, value in {**s3_server.client_env(), "AWS_CONFIG_FILE": str(tmp_path / "aws-config"),
                         "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "aws-credentials")}.items():

@@ -12,10 +12,10 @@ from click.testing import CliRunner
 from shards.check.verify import verify_dataset
 from shards.cli.main import main
 from shards.errors import ChecksumError, MissingInputError
-from shards.formats import s3
-from shards.formats.location import S3Object, locate
-from shards.formats.manifest_io import dataset_sha256_at, load_manifest_at, read_dataset_manifest
-from shards.formats.storage import get_storage
+from shards.transport import s3
+from shards.transport.location import S3Object, locate
+from shards.transport.manifest_io import dataset_sha256_at, load_manifest_at, read_dataset_manifest
+from shards.transport.storage import get_storage
 from shards.manifest import load_dataset_manifest
 from tests.s3.test_read import packed
 

@@ -1,4 +1,4 @@
-"""Parallel ranged reads (``shards.formats.parallel_parts``, ``s3_parallel``, ``remote.open_whole``) against a real
+"""Parallel ranged reads (``shards.transport.parallel_parts``, ``s3_parallel``, ``remote.open_whole``) against a real
 local S3 server and a local http.server: parts reassemble byte-exact, faults resume per part, refusals stay typed,
 at most ``max_concurrency`` requests in flight, ranges read ahead are taken (never fetched twice), a stream closed
 early stops fetching, a forked process gets its own pool, and a server without ranges is read as one stream."""
@@ -16,10 +16,11 @@ import pytest
 
 import shards
 from shards.errors import ChecksumError, CorruptDataError, MissingInputError
-from shards.formats import parallel_parts, s3
-from shards.formats.location import locate
-from shards.formats.parallel_parts import READ_AHEAD, drop_read_ahead, pool_for
-from shards.formats.s3_parallel import open_parts, read_ahead
+from shards.transport import parallel_parts
+from shards.transport import s3
+from shards.transport.location import locate
+from shards.transport.parallel_parts import READ_AHEAD, drop_read_ahead, pool_for
+from shards.transport.s3_parallel import open_parts, read_ahead
 from shards.formats.tarindex import read_index
 from tests.s3.faults import FaultProxy, Faults
 from tests.s3.link import LinkProxy

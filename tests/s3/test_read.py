@@ -12,8 +12,9 @@ import torch
 
 import shards
 from shards.errors import CorruptDataError, MissingInputError
-from shards.formats import s3, s3_ranges
-from shards.stream.plan import ShardSlice
+from shards.transport import s3
+from shards.transport import s3_ranges
+from shards.order.plan import ShardSlice
 from tests.helpers import make_shard_dataset
 from tests.s3.faults import FaultProxy, Faults
 from tests.s3.server import SECRET_KEY

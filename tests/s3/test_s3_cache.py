@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import shards
-from shards.formats import s3
+from shards.transport import s3
 from tests.s3.test_read import packed
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]  # slow: starting and stopping SeaweedFS takes seconds

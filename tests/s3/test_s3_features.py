@@ -141,7 +141,7 @@ def test_local_features_do_not_follow_an_s3_dataset_dir(bucket, tmp_path, monkey
     make_shard_dataset(local, shard_sizes=SHARDS)
     url = bucket.upload(local, "data")
     featurize(url, tmp_path / "feat")
-    from shards.formats import s3_ranges
+    from shards.transport import s3_ranges
 
     def no_requests(*args, **kwargs):
         raise AssertionError("an s3:// dataset_dir of a local features.json was followed")

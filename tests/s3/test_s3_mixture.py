@@ -8,7 +8,7 @@ import collections
 import pytest
 
 import shards
-from shards.stream.mixture import MixOptions, SourceSpec, Subset
+from shards.select.mixture import MixOptions, SourceSpec, Subset
 from tests.shards.test_mixture import write_images, zero
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]  # slow: starting and stopping SeaweedFS takes seconds

@@ -16,10 +16,10 @@ import torch
 from click.testing import CliRunner
 
 import shards
-import shards.formats.s3_upload as s3_upload
+import shards.publish.s3_upload as s3_upload
 from preprocess.staging import dataset_spec, features_spec
 from shards.errors import InputError
-from shards.formats import s3
+from shards.transport import s3
 from shards.manifest import DATASET_FILE, FEATURES_FILE
 from tests.helpers import make_shard_dataset, write_image_folder
 from tests.s3.server import ACCESS_KEY, SECRET_KEY

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import shards.formats.s3_upload as s3_upload
+import shards.publish.s3_upload as s3_upload
 from shards.formats.columns import column_files
 from preprocess.pack.cli import pack_shards_command
 from tests.helpers import write_image_folder

@@ -23,7 +23,7 @@ import pytest
 import shards
 from shards.errors import CorruptDataError
 from shards.formats.sample import RawSample
-from shards.formats.storage import get_storage, shard_name
+from shards.transport.storage import get_storage, shard_name
 from shards.manifest import DatasetManifest, ShardInfo, SourceInfo, SplitInfo
 from tests.helpers import class_image, serve_folder
 from tests.s3.conftest import bucket, s3_env, s3_server  # noqa: F401 (the S3 fixtures)

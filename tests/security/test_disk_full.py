@@ -197,7 +197,7 @@ def test_atomic_output_turns_enospc_into_one_line_and_removes_its_temp(small_dis
 
 
 def test_a_torch_save_through_atomic_output_is_a_disk_full_error(small_disk):
-    """The path every checkpoint takes (``train.checkpoint.save_checkpoint``): torch writes to the handle."""
+    """The path every checkpoint takes (``train.run.checkpoint.save_checkpoint``): torch writes to the handle."""
     disk = small_disk(16 << 10)
     target = disk.root / "last.pt"
     with pytest.raises(shards.atomic.DiskFullError):

@@ -22,12 +22,12 @@ import pytest
 from click.testing import CliRunner
 
 from preprocess.pack.cli import pack_shards_command
-from shards.bounded_read import MAX_FILE_BYTES, MAX_JSON_DEPTH
+from shards.door.bounded_read import MAX_FILE_BYTES, MAX_JSON_DEPTH
 from shards.cli.main import main as shards_cli
 from shards.manifest import DatasetManifest, ShardInfo, SourceInfo, SplitInfo
 from shards.formats.sample import RawSample
-from shards.formats.storage import get_storage, shard_name
-from shards.stream.where import MAX_WHERE_CHARS
+from shards.transport.storage import get_storage, shard_name
+from shards.select.where import MAX_WHERE_CHARS
 from tests.helpers import class_image, make_shard_dataset, serve_folder, write_image_folder
 from tests.train.conftest import write_feature_folder
 from train.cli import train_command
@@ -144,7 +144,7 @@ def test_json_nested_just_within_the_limit_is_read(dataset: Path):
 
 
 def test_the_depth_limit_counts_containers_not_brackets_in_strings():
-    from shards.bounded_read import JSONError, parse_json
+    from shards.door.bounded_read import JSONError, parse_json
 
     assert parse_json(deep_json(MAX_JSON_DEPTH)) is not None
     assert parse_json(json.dumps({"name": "[" * 10_000})) == {"name": "[" * 10_000}
@@ -332,7 +332,7 @@ def test_a_100000_column_header_fails_fast(tmp_path: Path):
 # -- files that are not regular, or too large ----------------------------------------------------------------------
 def read_keys(path: Path) -> subprocess.CompletedProcess:
     """``Subset(keys=path).key_set()`` in a fresh interpreter: a hang or a runaway read fails by the timeout."""
-    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from shards.stream.mixture import Subset; "
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from shards.select.mixture import Subset; "
             f"print(len(Subset(keys={str(path)!r}).key_set()))")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT_S)
 

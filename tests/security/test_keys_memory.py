@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from shards.errors import InputError
-from shards.stream.mixture import Subset, read_keys
+from shards.select.mixture import Subset, read_keys
 
 KEYS = 200_000
 # The stated bounds, in multiples of the file's bytes: what the kept keys hold after reading (their bytes padded to

@@ -32,11 +32,11 @@ from preprocess.pack.packer import PackConfig, pack_shards
 from shards.check.verify import verify_dataset
 from shards.cli.main import main as shards_cli
 from shards.errors import CorruptDataError, ManifestError
-from shards.formats.remote import MAX_REDIRECTS, open_url
+from shards.transport.remote import MAX_REDIRECTS, open_url
 from shards.formats.tarindex import load_local_index
 from shards.manifest import load_dataset_manifest
-from shards.stream.mixture import Subset
-from shards.stream.plan import ShardSlice
+from shards.select.mixture import Subset
+from shards.order.plan import ShardSlice
 from tests.helpers import make_shard_dataset, write_image_folder
 from tests.security.test_manifest_locations import one_line_error
 from train.cli import train_command

@@ -272,7 +272,7 @@ def test_training_on_tampered_features_stops_with_one_line(features: Path, tmp_p
 def trained(tmp_path_factory) -> Path:
     """A finished one-epoch run on features, recording its keys: every file a run folder holds."""
     from train.config import TrainConfig
-    from train.loop import train
+    from train.run.loop import train
 
     root = tmp_path_factory.mktemp("trained")
     data = write_feature_folder(root / "cache", shard_sizes={"train": [6, 4], "val": [4]}, classes=("a", "b"), dim=4)
@@ -308,7 +308,7 @@ def test_a_resumed_run_config_has_the_types_train_from_shards_wrote(trained: Pat
 
 
 def test_lineage_reads_the_config_through_the_same_door(run: Path):
-    from train.lineage import run_lineage
+    from train.run.lineage import run_lineage
 
     tamper(run / "config.json", ("batch_size",), 4.0)
     with pytest.raises(ManifestError) as caught:
@@ -328,7 +328,7 @@ def layout_line(run: Path) -> tuple[Path, int, dict]:
                                         ("epoch", 1.0), ("nodes", []), ("loader_state", "x"),
                                         ("exclude_keys", "../../../etc/passwd"), ("exclude_keys", 7)], ids=str)
 def test_lineage_refuses_a_layout_event_of_another_shape(run: Path, name: str, value: Any):
-    from train.lineage import run_lineage
+    from train.run.lineage import run_lineage
 
     path, index, event = layout_line(run)
     lines = path.read_text().splitlines()
@@ -351,7 +351,7 @@ def test_events_with_a_time_that_is_no_finite_number_are_left_out(run: Path):
 @pytest.mark.parametrize("line", ['{"epoch": "1"}', '{"epoch": 0}', '{"epoch": true}', '[1]', '{"epoch": 1.5}'])
 def test_metrics_rows_have_a_positive_integer_epoch(run: Path, line: str):
     from shards.report.run import read_run
-    from train.run_dir import read_metrics
+    from train.run.run_dir import read_metrics
 
     path = run / "metrics.jsonl"
     path.write_text(path.read_text() + line + "\n")
@@ -367,7 +367,7 @@ def test_metrics_rows_have_a_positive_integer_epoch(run: Path, line: str):
                                   '{"epoch": 1, "step": 1, "rank": 0, "keys": [7]}', '[1, 2]',
                                   '{"epoch": 1, "step": 1, "keys": []}'])
 def test_recorded_keys_have_their_shape(run: Path, line: str):
-    from train.lineage import read_recorded_keys
+    from train.run.lineage import read_recorded_keys
 
     path = run / "keys.jsonl"
     path.write_text(path.read_text() + line + "\n")
@@ -380,7 +380,7 @@ def test_recorded_keys_have_their_shape(run: Path, line: str):
 @pytest.mark.parametrize("changes", [{"weight": "2"}, {"weight": True}, {"repeat": [1]}, {"choose": 2.5},
                                      {"choose": "3"}, {"choose": True}, {"choose": 10**30}], ids=str)
 def test_a_source_spec_converts_nothing(changes: dict):
-    from shards.stream.mixture import SourceSpec
+    from shards.select.mixture import SourceSpec
 
     with pytest.raises(InputError, match=next(iter(changes))):
         SourceSpec("x", **changes)
@@ -388,7 +388,7 @@ def test_a_source_spec_converts_nothing(changes: dict):
 
 @pytest.mark.parametrize("value", [True, 2.5, "3", 0])
 def test_a_subset_count_converts_nothing(value: Any):
-    from shards.stream.mixture import MixOptions, Subset
+    from shards.select.mixture import MixOptions, Subset
 
     with pytest.raises(InputError, match="max_samples"):
         Subset(max_samples=value)

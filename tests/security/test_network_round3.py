@@ -20,8 +20,8 @@ from click.testing import CliRunner
 
 from shards.cli.main import main as shards_cli
 from shards.errors import CorruptDataError, InputError
-from shards.formats.location import locate
-from shards.formats.s3 import S3Options
+from shards.transport.location import locate
+from shards.transport.s3 import S3Options
 
 DRIBBLE_S = 0.2  # one byte every 0.2 s: 5 bytes/s, far under any minimum rate
 BODY = 100_000

@@ -17,7 +17,7 @@ import pytest
 
 from preprocess.pack import validate as validate_module
 from preprocess.pack.packer import PackConfig, pack_shards
-from preprocess.pack.sources import scan_source
+from preprocess.pack.sources.scan import scan_source
 from preprocess.pack.validate import InvalidImage, ValidateOptions, read_and_validate
 from shards.errors import InputError
 from shards.manifest import load_dataset_manifest

@@ -21,8 +21,8 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 import pyarrow.ipc  # noqa: E402,F401
 
-from preprocess.pack.source_parquet import scan_table_source  # noqa: E402
-from preprocess.pack.sources import scan_source  # noqa: E402
+from preprocess.pack.sources.parquet import scan_table_source  # noqa: E402
+from preprocess.pack.sources.scan import scan_source  # noqa: E402
 from shards.errors import InputError, ManifestError  # noqa: E402
 from tests.helpers import class_image  # noqa: E402
 
@@ -187,7 +187,7 @@ def test_a_corrupt_record_batch_is_one_line_never_an_abort(tmp_path, case):
 # The peak is the process's own high-water mark (VmHWM): ``ru_maxrss`` survives ``exec`` and would report pytest's.
 PEAK_CODE = """
 import pyarrow as pa
-from preprocess.pack.sources import scan_source
+from preprocess.pack.sources.scan import scan_source
 from shards.errors import ShardcacheError
 try:
     scan = scan_source({source!r})

@@ -1,4 +1,4 @@
-"""Writers that race on one ``s3://`` prefix: the writers' lease (``shards.formats.s3_lease``) lets one publish and
+"""Writers that race on one ``s3://`` prefix: the writers' lease (``shards.publish.s3_lease``) lets one publish and
 refuses the other in one line (exit 2), a stale lease is taken over, ``--break-lease`` takes a live one, a writer
 that lost its lease never publishes its manifest, the manifest is written only over the one the writer read, and a
 rerun aborts the unfinished multipart uploads of its own keys. Real SeaweedFS, real processes where it matters.
@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import shards.formats.s3_upload as s3_upload
+import shards.publish.s3_upload as s3_upload
 from preprocess.pack.cli import pack_shards_command
 from preprocess.pack.packer import PackConfig, pack
 from preprocess.staging import dataset_spec
 from shards.cli.main import main as shards_cli
 from shards.errors import CorruptDataError
-from shards.formats.s3 import S3PreconditionFailed, make_client
-from shards.formats.s3_lease import LEASE_NAME, Lease, LeaseHeldError, LeaseLostError, acquire_lease, read_lease
+from shards.transport.s3 import S3PreconditionFailed, make_client
+from shards.publish.s3_lease import LEASE_NAME, Lease, LeaseHeldError, LeaseLostError, acquire_lease, read_lease
 from tests.helpers import write_image_folder
 from tests.s3.conftest import Bucket, s3_env, s3_server  # noqa: F401 (the s3 tests' server, here too)
 
@@ -35,7 +35,7 @@ TIMEOUT_S = 120
 GATED_PACK = """
 import os, sys, time
 sys.path.insert(0, {root!r})
-import shards.formats.s3_upload as s3_upload
+import shards.publish.s3_upload as s3_upload
 real = s3_upload.upload_file
 def gated(*args, **kwargs):
     while not os.path.exists({gate!r}):

@@ -18,12 +18,12 @@ import torch
 
 import shards
 from shards.errors import CorruptDataError, InputError
-from shards.stream import dcp_state
-from shards.stream.dcp_state import KEY
-from shards.stream.resume import MAX_QUARANTINED
+from shards.position import dcp_state
+from shards.position.dcp_state import KEY
+from shards.position.resume import MAX_QUARANTINED
 from tests.helpers import make_shard_dataset
 from tests.shards.stream_helpers import write_feature_dataset
-from train.checkpoint import load_checkpoint, save_checkpoint
+from train.run.checkpoint import load_checkpoint, save_checkpoint
 
 SIZES = {"train": [7, 5, 9, 3, 6]}  # 30 samples: 8 batches of 4
 WRONG_TYPES = ["7", 2.5, True, None, math.nan, 1e30, [], {}]

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from preprocess.pack.members import SourceFields
+from preprocess.pack.sources.members import SourceFields
 from preprocess.pack.packer import PackConfig, pack_shards
-from preprocess.pack.sources import scan_source
+from preprocess.pack.sources.scan import scan_source
 from shards.errors import CorruptDataError, InputError
 from shards.formats.tar import iter_tar_shard
 from shards.formats.tarheader import ByteSource, read_member
@@ -288,7 +288,7 @@ def test_a_huge_member_is_skipped_by_its_declared_size_never_read(tmp_path, big_
     out = run_bounded("""
 import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (3 << 29, 3 << 29))
-from preprocess.pack.members import SourceFields
+from preprocess.pack.sources.members import SourceFields
 from preprocess.pack.packer import PackConfig, pack_shards
 manifest = pack_shards(PackConfig(source=sys.argv[1], out=sys.argv[2], quiet=True, val_fraction=0,
                                   source_fields=SourceFields(label_member="cls")))

@@ -227,8 +227,8 @@ def test_table_keeps_a_users_shard_lookalike_without_and_with_overwrite(table_cs
 
 def test_table_resumes_its_own_killed_run_and_overwrites_only_its_files(table_csv, tmp_path, monkeypatch):
     import shards.formats.features as features_module
-    from preprocess.pack.table import pack_table as pack_table_api
-    from preprocess.pack.table_config import TableConfig
+    from preprocess.pack.table.pack import pack_table as pack_table_api
+    from preprocess.pack.table.config import TableConfig
 
     out = tmp_path / "feat"
     real = features_module.write_feature_shard

@@ -11,7 +11,7 @@ import torch
 from shards.formats.features import FeatureShard, feature_shard_name, write_feature_shard
 from shards.manifest import DatasetManifest, FeatureManifest, ShardInfo, SourceInfo, SplitInfo
 from shards.formats.sample import RawSample
-from shards.formats.storage import get_storage, shard_name
+from shards.transport.storage import get_storage, shard_name
 from tests.helpers import class_image
 
 

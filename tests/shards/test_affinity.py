@@ -11,10 +11,10 @@ import pytest
 import shards
 from shards.errors import InputError
 from shards.stream.dataset import StreamConfig
-from shards.stream.plan import (
+from shards.order.plan import (
     epoch_sizes, epoch_stream, node_shards, plan_epoch, shard_offsets, shard_order, share_of,
 )
-from shards.stream.resume import LoaderState
+from shards.position.resume import LoaderState
 from tests.helpers import make_shard_dataset
 from tests.shards.stream_helpers import write_feature_dataset
 

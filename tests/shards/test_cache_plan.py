@@ -23,7 +23,7 @@ from shards.cache.node import NodeCache, ShardCache
 from shards.cache.node_index import ideal_fetch_bytes
 from shards.cache.plan_view import PLANS, PlanPublisher, live_plans, next_uses
 from shards.errors import InputError
-from shards.stream.mixture import SourceSpec, Subset
+from shards.select.mixture import SourceSpec, Subset
 from tests.helpers import make_shard_dataset
 
 FORK = multiprocessing.get_context("fork")

@@ -35,7 +35,7 @@ def test_the_knobs_reach_the_options(tmp_path):
 
 def test_defaults_are_the_libraries():
     from shards.cache.node import ShardCache
-    from shards.formats.s3 import S3Options
+    from shards.transport.s3 import S3Options
 
     shown = json.loads(run().output)
     assert shown["s3"] == S3Options().to_dict() and shown["cache"] is None

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from shards.report.curves import curves_bytes, curves_figure, find_best_epoch
-from train.plot import plot_curves
+from train.run.plot import plot_curves
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 NAMESPACE_URIS = {"http://www.w3.org/2000/svg", "http://www.w3.org/1999/xlink"}
@@ -130,7 +130,7 @@ def test_plot_curves_writes_a_png_atomically(tmp_path: Path):
 
 @pytest.mark.slow  # starts a Python that imports torch
 def test_importing_the_training_loop_does_not_import_matplotlib():
-    code = "import sys, train.loop, train.plot; print('matplotlib' in sys.modules)"
+    code = "import sys, train.run.loop, train.run.plot; print('matplotlib' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             cwd=Path(__file__).resolve().parents[2])
     assert result.stdout.strip() == "False"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shards.devices import resolve_device
+from shards.jobs.devices import resolve_device
 from shards.errors import InputError
 
 

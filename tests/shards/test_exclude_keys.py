@@ -14,9 +14,9 @@ from preprocess.pack.packer import PackConfig, pack_shards
 from shards.errors import InputError
 from shards.formats.columns import open_columns
 from shards.manifest import load_manifest
-from shards.stream.mixture import KeySet, Subset
-from shards.stream.plan import ShardSlice
-from shards.stream.selection import excluded_rows
+from shards.select.mixture import KeySet, Subset
+from shards.order.plan import ShardSlice
+from shards.select.selection import excluded_rows
 from tests.helpers import make_shard_dataset, write_image_folder
 from tests.shards.test_select_columns import _selection, write_dataset
 

@@ -12,7 +12,7 @@ import torch
 
 import shards
 from shards.errors import CorruptDataError, InputError
-from shards.stream.feature_prefetch import THREAD_NAME, WindowsAhead, joined
+from shards.loader.feature_prefetch import THREAD_NAME, WindowsAhead, joined
 from tests.helpers import make_shard_dataset
 from tests.shards.stream_helpers import write_feature_dataset
 

@@ -15,7 +15,7 @@ from shards.errors import CorruptDataError, InputError
 from shards.formats.features import (FeatureShard, FeatureSpec, feature_shard_name, feature_shard_problems,
                                      load_feature_bytes, load_feature_shard, target_task, write_feature_shard)
 from shards.manifest import FeatureManifest, ShardInfo, SplitInfo
-from shards.stream.feature_loader import FeatureBatchLoader
+from shards.loader.feature_batches import FeatureBatchLoader
 
 SIZES = [6, 4, 5]
 REGRESSION = {"kind": "table", "target": {"column": "y", "task": "regression", "mean": 3.0, "std": 2.0,

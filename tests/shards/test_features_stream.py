@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import shards
-from shards.stream.feature_loader import FeatureBatchLoader
+from shards.loader.feature_batches import FeatureBatchLoader
 from shards.stream.feature_stream import FeatureShardDataset
 from tests.shards.stream_helpers import write_feature_dataset
 

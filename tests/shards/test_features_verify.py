@@ -9,9 +9,9 @@ import torch
 
 from shards.formats.features import FeatureShard, write_feature_shard
 from shards.check.features_verify import verify_feature_folder
-from shards.formats.manifest_io import dataset_sha256_at
+from shards.transport.manifest_io import dataset_sha256_at
 from shards.manifest import FeatureManifest, ShardInfo, SplitInfo
-from shards.formats.storage import get_storage
+from shards.transport.storage import get_storage
 from tests.helpers import make_shard_dataset
 
 DIM = 8

@@ -10,7 +10,7 @@ import pytest
 
 from shards.check.freshness import check_features_fresh, feature_staleness, shard_staleness
 from shards.errors import StaleCacheError
-from shards.formats.manifest_io import dataset_sha256_at
+from shards.transport.manifest_io import dataset_sha256_at
 from shards.manifest import (FeatureManifest, ShardInfo, SplitInfo, load_dataset_manifest)
 from tests.helpers import make_shard_dataset
 

@@ -34,7 +34,7 @@ def test_the_public_names_are_pinned_and_each_imports():
 @pytest.mark.parametrize("internal, home", [
     ("ShardDataset", "shards.stream.dataset"), ("ImageShardDataset", "shards.stream.image_dataset"),
     ("FeatureShardDataset", "shards.stream.feature_stream"), ("StreamConfig", "shards.stream.dataset"),
-    ("plan_epoch", "shards.stream.plan"), ("ImageDecoder", "shards.image.decode"),
+    ("plan_epoch", "shards.order.plan"), ("ImageDecoder", "shards.image.decode"),
     ("build_transform", "shards.image.transforms"), ("Normalize", "shards.image.fast"),
 ])
 def test_internals_are_imported_from_their_modules_not_the_package(internal: str, home: str):

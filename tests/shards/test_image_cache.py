@@ -229,7 +229,7 @@ def test_memory_is_released_after_sigkill(folder: Path, tmp_path: Path):
     run = KilledRun(folder, tmp_path)
     try:
         run.kill_main_process()
-        # Orphaned workers notice within a second (shards.stream.loader.OrphanGuard), also one still starting up,
+        # Orphaned workers notice within a second (shards.loader.loader.OrphanGuard), also one still starting up,
         # which torch's own watchdog would miss forever.
         deadline = time.monotonic() + 20
         while mapped_by(run.prefix) and time.monotonic() < deadline:

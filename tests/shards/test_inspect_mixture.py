@@ -14,7 +14,7 @@ from click.testing import CliRunner
 import shards
 from shards.check.inspect import drawn_class_counts, mixture_report
 from shards.cli.main import main
-from shards.stream.mixture import MixOptions, Mixture, SourceSpec, Subset
+from shards.select.mixture import MixOptions, Mixture, SourceSpec, Subset
 from tests.helpers import make_shard_dataset
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import shards
-from shards.stream.loader import pad_collate
+from shards.loader.loader import pad_collate
 from tests.helpers import make_shard_dataset
 
 SIZES = {"train": [7, 5, 9, 3, 1], "val": [4]}
@@ -106,7 +106,7 @@ def test_a_worker_whose_loader_process_is_gone_exits_on_its_own():
     # process died sees pid 1 and would wait forever. The guard compares with the pid recorded before the fork.
     import multiprocessing
 
-    from shards.stream.loader import OrphanGuard
+    from shards.loader.loader import OrphanGuard
 
     gone = multiprocessing.get_context("fork").Process(target=int)
     gone.start()

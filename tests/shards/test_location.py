@@ -1,4 +1,4 @@
-"""The location layer (``shards.formats.location``): one object per place bytes come from. Every kind reads the same
+"""The location layer (``shards.transport.location``): one object per place bytes come from. Every kind reads the same
 shard to the same samples, fetches it whole checked against the manifest, copies it for a whole-file check, reads
 manifests within the bounded-read rules, and joins names under the confinement rules. Object storage passes the
 same checks in ``tests/s3/test_location_s3.py``."""
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from shards.errors import ChecksumError, ManifestError, MissingInputError
-from shards.formats.location import HttpUrl, LocalFile, PipeCommand, S3Object, locate
-from shards.formats.manifest_io import dataset_sha256_at, load_manifest_at, read_dataset_manifest
-from shards.formats.storage import get_storage
+from shards.transport.location import HttpUrl, LocalFile, PipeCommand, S3Object, locate
+from shards.transport.manifest_io import dataset_sha256_at, load_manifest_at, read_dataset_manifest
+from shards.transport.storage import get_storage
 from shards.manifest import load_dataset_manifest
 from tests.helpers import make_shard_dataset, serve_folder
 

@@ -1,4 +1,4 @@
-"""Mixing, weighing and subsetting datasets without repacking (``shards.stream.mixture``, ``selection``, ``rows``)."""
+"""Mixing, weighing and subsetting datasets without repacking (``shards.select.mixture``, ``selection``, ``rows``)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from preprocess.pack.packer import PackConfig, pack_shards
 from shards.errors import InputError
 from shards.formats.features import FeatureShard, feature_shard_name, write_feature_shard
 from shards.formats.sample import RawSample
-from shards.formats.storage import get_storage, shard_name
+from shards.transport.storage import get_storage, shard_name
 from shards.manifest import DatasetManifest, FeatureManifest, ShardInfo, SourceInfo, SplitInfo
 from shards.stream.image_dataset import ImageShardDataset
-from shards.stream.mixture import MixOptions, SourceSpec, Subset, draws, epoch_rows
-from shards.stream.where import Where
+from shards.select.mixture import MixOptions, SourceSpec, Subset, draws, epoch_rows
+from shards.select.where import Where
 from tests.helpers import class_image, write_image_folder
 
 

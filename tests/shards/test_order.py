@@ -1,4 +1,4 @@
-"""The one order function (``shards.stream.order.worker_order``) against what iteration really yields and what
+"""The one order function (``shards.order.order.worker_order``) against what iteration really yields and what
 elastic replay says was yielded, over random layouts, sizes, seeds, shuffles, mixtures and subsets.
 
 Iteration reads shards (covering reads, a subset's scattered rows, a mixture's repeated passes) and puts what it
@@ -14,8 +14,8 @@ import pytest
 
 import shards
 import shards.errors as shards_errors
-from shards.stream.elastic import remaining_after
-from shards.stream.resume import LoaderState
+from shards.position.elastic import remaining_after
+from shards.position.resume import LoaderState
 from tests.helpers import make_shard_dataset
 from tests.shards.stream_helpers import write_feature_dataset
 
@@ -160,7 +160,7 @@ def test_the_order_is_a_pure_function_of_its_inputs(folders):
 
 def test_images_and_features_get_one_loader_type(folders):
     """One type with one cursor: whatever makes the batches, a training loop or checkpoint sees the same methods."""
-    from shards.stream.loader_base import Loader
+    from shards.loader.base import Loader
 
     features = shards.open_dataset(folders / "a", "train")
     images = shards.open_dataset(folders / "img", "train", decode=shards.Decode(decoder=lambda sample, seed: 0))

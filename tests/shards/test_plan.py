@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from shards.errors import InputError
-from shards.stream.plan import (
+from shards.order.plan import (
     ShardSlice, CoveringReads, epoch_sizes, epoch_stream, indices_to_slices, plan_epoch, round_robin_consumed, shard_offsets, share_of,
     slices_to_indices, worker_sample_counts,
 )
-from shards.stream.resume import worker_batches
+from shards.position.resume import worker_batches
 
 
 def samples_of(slices):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import shards
-from shards.stream.resume import LOADER_STATE_VERSION, LoaderState
+from shards.position.resume import LOADER_STATE_VERSION, LoaderState
 from tests.helpers import make_shard_dataset
 from tests.shards.stream_helpers import write_feature_dataset
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import shards
-from shards.stream.elastic import remaining_after
-from shards.stream.order import FULL, EpochSource, WorkerOrder, buffer_positions
-from shards.stream.plan import epoch_sizes, rng_for
-from shards.stream.resume import LoaderState, worker_consumed
+from shards.position.elastic import remaining_after
+from shards.order.order import FULL, EpochSource, WorkerOrder, buffer_positions
+from shards.order.plan import epoch_sizes, rng_for
+from shards.position.resume import LoaderState, worker_consumed
 from tests.helpers import make_shard_dataset
 from tests.shards.stream_helpers import write_feature_dataset
 

@@ -8,8 +8,8 @@ import pytest
 import shards
 from shards.errors import InputError
 from shards.stream.options import Sampling
-from shards.stream.plan import rng_for
-from shards.stream.stages import systematic_resample
+from shards.order.plan import rng_for
+from shards.order.stages import systematic_resample
 from tests.shards.stream_helpers import write_labelled_shards
 
 # 60 / 24 / 12 samples of classes a / b / c over uneven shards, classes interleaved as a packer's shuffle would.

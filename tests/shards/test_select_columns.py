@@ -16,8 +16,8 @@ from shards.errors import CorruptDataError, InputError, ManifestError
 from shards.formats.column_writer import write_split_columns
 from shards.formats.columns import FORMAT, open_columns
 from shards.manifest import DatasetManifest, ShardInfo, SourceInfo, SplitInfo
-from shards.stream.mixture import MixOptions, SourceSpec, Subset
-from shards.stream.selection import LoadedSource, combine
+from shards.select.mixture import MixOptions, SourceSpec, Subset
+from shards.select.selection import LoadedSource, combine
 from tests.helpers import write_image_folder
 from tests.shards.test_where_mask import FIELDS, STRINGS, random_expression
 

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from shards.bounded_read import JSONError, parse_json, parser_guard
+from shards.door.bounded_read import JSONError, parse_json, parser_guard
 from shards.errors import CorruptDataError, InputError, ManifestError
-from shards.shape import MAX_COUNT, as_bool, as_int, as_int_list, as_list, as_number, as_object, as_str, field
+from shards.door.shape import MAX_COUNT, as_bool, as_int, as_int_list, as_list, as_number, as_object, as_str, field
 
 
 @pytest.mark.parametrize("value", ["7", 2.5, 2.0, True, False, None, math.nan, math.inf, 1e30, [], {}])

@@ -17,8 +17,8 @@ from shards.image.decode import ImageDecoder
 from shards.image.fast import FastDecoder
 from shards.image.transforms import TransformSpec, build_transform
 from shards.formats.sample import RawSample
-from shards.stream.feature_loader import FeatureBatchLoader
-from shards.stream.stage_times import WORKER_STAGES, SharedStageTimes, StageTally
+from shards.loader.feature_batches import FeatureBatchLoader
+from shards.loader.stage_times import WORKER_STAGES, SharedStageTimes, StageTally
 from tests.helpers import class_image, make_shard_dataset
 from tests.shards.stream_helpers import write_feature_dataset
 

@@ -1,4 +1,4 @@
-"""Stall and crash recovery (``make_loader(stall_timeout=)``, ``shards.stream.watchdog``): real worker processes
+"""Stall and crash recovery (``make_loader(stall_timeout=)``, ``shards.loader.watchdog``): real worker processes
 that hang, exit, are killed or stopped; every epoch still yields the fault-free order, less quarantined samples."""
 
 from __future__ import annotations

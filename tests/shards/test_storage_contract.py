@@ -7,7 +7,7 @@ import pytest
 from shards.errors import CorruptDataError, ManifestError
 from shards.manifest import load_dataset_manifest, load_manifest
 from shards.formats.sample import RawSample
-from shards.formats.storage import STORAGES
+from shards.transport.storage import STORAGES
 from tests.helpers import make_shard_dataset
 
 SAMPLES = [RawSample(f"k{i:03d}", bytes([i]) * (50 + i), "png" if i % 2 else "jpg", i % 3, b'{"i": %d}' % i)

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from shards.cli.main import main
 from shards.manifest import ShardInfo, load_dataset_manifest
 from shards.formats.sample import RawSample
-from shards.formats.storage import STORAGES
+from shards.transport.storage import STORAGES
 from shards.check.verify import verify_dataset
 from shards.check.verify_core import decode_positions
 from tests.helpers import class_image, make_shard_dataset

@@ -16,8 +16,8 @@ from shards.check.verify import verify_dataset
 from shards.cli.main import main
 from shards.formats.features import FeatureShard, write_feature_shard
 from shards.formats.sample import RawSample
-from shards.formats.storage import STORAGES
-from shards.parallel import ordered_map
+from shards.transport.storage import STORAGES
+from shards.jobs.parallel import ordered_map
 from tests.helpers import class_image, make_shard_dataset
 from tests.shards.test_features_verify import _feature_folder
 

@@ -156,7 +156,7 @@ def test_a_hung_decoders_child_processes_die_with_its_worker(data, reference, tm
 QUIET_RUN = """
 import sys
 import shards
-from shards.progress import setup_logging
+from shards.jobs.progress import setup_logging
 from tests.shards.test_stall_recovery import FaultyDecoder
 
 data, bad, once, stacks = sys.argv[1:5]
@@ -188,7 +188,7 @@ def test_without_quiet_the_stacks_are_logged_at_info(data, reference, tmp_path, 
     events: list[dict] = []
     loader = open_loader(data, FaultyDecoder(reference[9], "exit", once_dir=str(tmp_path)), events=events,
                          stall_timeout=30)
-    with caplog.at_level("INFO", logger="shards.stream.watchdog"):
+    with caplog.at_level("INFO", logger="shards.loader.watchdog"):
         epoch_keys(loader)
     assert [e["kind"] for e in events] == ["restart"]
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from shards.errors import InputError
-from shards.stream.where import ArrayColumns, Where, member_bytes
+from shards.select.where import ArrayColumns, Where, member_bytes
 
 STRINGS = ["", "a", "ab", "b", "RGB", "L", "é", "zé", "a b"]
 NUMBERS = [-3, -1, 0, 1, 2, 3, -1.5, 0.0, 0.5, 1.0, 2.5, True, False]

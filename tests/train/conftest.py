@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shards.formats.features import FeatureShard, feature_shard_name, write_feature_shard
-from shards.formats.manifest_io import dataset_sha256_at
+from shards.transport.manifest_io import dataset_sha256_at
 from shards.manifest import (
     DatasetManifest,
     FeatureManifest,
@@ -17,7 +17,7 @@ from shards.manifest import (
     SourceInfo,
     SplitInfo,
 )
-from shards.formats.storage import shard_name
+from shards.transport.storage import shard_name
 from tests.helpers import colour_shards
 
 

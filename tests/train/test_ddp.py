@@ -13,8 +13,8 @@ import torch
 
 from tests.report.page import parse
 from train.config import TrainConfig
-from train.loop import train
-from train.run_dir import read_metrics
+from train.run.loop import train
+from train.run.run_dir import read_metrics
 
 TIMEOUT_S = 240  # a hang fails the test instead of blocking the suite
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from tests.train.test_train_features import config
-from train.checkpoint import load_checkpoint
-from train.first_batch import PARTS, describe, first_batch_record
-from train.loop import train
-from train.run_dir import read_metrics
+from train.run.checkpoint import load_checkpoint
+from train.run.first_batch import PARTS, describe, first_batch_record
+from train.run.loop import train
+from train.run.run_dir import read_metrics
 
 TOLERANCE_S = 1e-6
 

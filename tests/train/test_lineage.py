@@ -18,8 +18,8 @@ from click.testing import CliRunner
 from shards.cli.main import main as shards_main
 from train.config import TrainConfig
 from shards.data_events import read_events
-from train.lineage import read_recorded_keys, run_lineage
-from train.loop import train
+from train.run.lineage import read_recorded_keys, run_lineage
+from train.run.loop import train
 
 TIMEOUT_S = 240
 ROOT = Path(__file__).resolve().parents[2]
@@ -125,7 +125,7 @@ def test_two_rank_torchrun_lineage_equals_each_ranks_recorded_keys(feature_folde
 
 def test_a_mixture_runs_exclusion_cannot_change_at_resume_a_single_datasets_can(tmp_path: Path):
     from shards.errors import OutputExistsError
-    from train.run_dir import RunPlan, plan_run, start_run
+    from train.run.run_dir import RunPlan, plan_run, start_run
 
     keys = tmp_path / "keys.txt"
     keys.write_text("a\n")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.s3.server import free_ports
-from train.run_dir import read_metrics
+from train.run.run_dir import read_metrics
 
 TIMEOUT_S = 300
 ROOT = Path(__file__).resolve().parents[2]

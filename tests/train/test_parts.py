@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from shards.errors import CorruptDataError, InputError
-from train.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
+from train.run.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
 from train.config import TrainConfig
-from train.loop import class_weights
+from train.run.loop import class_weights
 from shards.report.advice import wait_advice
-from train.meter import DataWaitMeter
-from train.metrics import ClassificationTally
-from train.models import build_head
-from train.optim import build_optimizer, build_scheduler, warmup_cosine
-from train.plot import plot_curves
+from train.run.meter import DataWaitMeter
+from train.model.metrics import ClassificationTally
+from train.model.models import build_head
+from train.model.optim import build_optimizer, build_scheduler, warmup_cosine
+from train.run.plot import plot_curves
 from train.prefetch import ThreadPrefetcher
 
 
@@ -202,7 +202,7 @@ def test_a_run_config_recorded_with_pipeline_reads_as_its_decode():
 
 
 def test_fine_tune_weights_unwrap_a_checkpoint_of_a_ddp_model(tmp_path: Path):
-    from train.models import load_matching_weights
+    from train.model.models import load_matching_weights
 
     source = torch.nn.Linear(4, 3)
     torch.save({"model": {f"module.{k}": v for k, v in source.state_dict().items()}, "epoch": 1}, tmp_path / "w.pt")

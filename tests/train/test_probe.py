@@ -22,8 +22,8 @@ from shards.stream.options import Sampling
 from tests.train.conftest import write_feature_folder
 from tests.train.test_cli import assert_one_line_error
 from train.cli import train_command
-from train.probe import fit_logreg, heldout_split
-from train.standardize import feature_scale
+from train.model.probe import fit_logreg, heldout_split
+from train.model.standardize import feature_scale
 
 CLASSES = ("ant", "bee", "cat", "dog")
 
@@ -85,7 +85,7 @@ def test_feature_scale_is_the_standard_scalers_over_all_shards(overlapping):
 
 
 def test_the_scale_covers_the_rows_a_subset_or_exclusion_trains_on(overlapping):
-    from shards.stream.mixture import SourceSpec, Subset
+    from shards.select.mixture import SourceSpec, Subset
 
     train_x, train_y = split_arrays(overlapping, "train")
     subset = shards.open_dataset(SourceSpec(str(overlapping), subset=Subset(classes=("bee", "dog"))), "train")

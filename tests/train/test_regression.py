@@ -14,14 +14,14 @@ from click.testing import CliRunner
 
 import shards
 from preprocess.pack.cli import pack_shards_command
-from preprocess.pack.table_encoding import TableEncoding
+from preprocess.pack.table.encoding import TableEncoding
 from shards.errors import InputError
 from shards.manifest import load_feature_manifest
 from shards.report.build import write_run_report
 from tests.preprocess.test_table import write_csv
 from train.cli import train_command
 from train.config import TrainConfig
-from train.regression import RegressionTally, TargetScale
+from train.model.regression import RegressionTally, TargetScale
 
 TRAIN_ARGS = ("--head", "linear", "--task", "regression", "--epochs", "30", "--batch-size", "32", "--device", "cpu",
               "--quiet", "--no-report")
@@ -207,8 +207,8 @@ def test_tally_matches_sklearn_metrics_summed_over_batches():
 
 @pytest.mark.slow
 def test_killed_mid_epoch_and_resumed_equals_uninterrupted(diabetes, tmp_path: Path):
-    from train.loop import train as train_run
-    from train.run_dir import read_metrics
+    from train.run.loop import train as train_run
+    from train.run.run_dir import read_metrics
 
     def config(out: Path, **changes) -> TrainConfig:
         return TrainConfig(data_path=str(diabetes["feat"]), out_dir=str(out), task="regression", head="mlp",

@@ -12,11 +12,11 @@ import pytest
 import torch.distributed as dist
 
 from shards.report.advice import dominant_worker_stage, wait_advice
-from shards.stream.stage_times import LOOP_STAGES, STAGES, WORKER_STAGES
+from shards.loader.stage_times import LOOP_STAGES, STAGES, WORKER_STAGES
 from train.config import TrainConfig
-from train.loop import reads_over_network
-from train.meter import DataWaitMeter, gather_stage_seconds, sum_stage_seconds
-from train.run_dir import read_metrics
+from train.run.loop import reads_over_network
+from train.run.meter import DataWaitMeter, gather_stage_seconds, sum_stage_seconds
+from train.run.run_dir import read_metrics
 from tests.train.test_cli import run_cli
 
 

@@ -11,8 +11,8 @@ import pytest
 from shards.stream.image_dataset import ImageShardDataset
 from train.config import TrainConfig
 from shards.data_events import read_events
-from train.loop import train
-from train.run_dir import read_metrics
+from train.run.loop import train
+from train.run.run_dir import read_metrics
 
 BAD_KEY = "train_00005"
 

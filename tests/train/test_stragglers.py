@@ -15,7 +15,7 @@ from shards.report.build import build_report
 from shards.report.stages import run_straggler_warning, straggler_fields
 from shards.report.stragglers import WARN_EXCESS_S, Straggler, slowest_rank, sustained_straggler
 from tests.report.page import parse
-from train.run_dir import read_metrics
+from train.run.run_dir import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240

@@ -15,7 +15,7 @@ from train.cli import train_command
 from train.config import TrainConfig
 from train.data import affinity_nodes
 from train.distributed import DistContext
-from train.run_dir import read_metrics
+from train.run.run_dir import read_metrics
 
 
 @pytest.mark.slow

@@ -10,10 +10,10 @@ import torch
 from PIL import Image
 
 from tests.train.conftest import write_feature_folder
-from train.checkpoint import load_checkpoint
+from train.run.checkpoint import load_checkpoint
 from train.config import TrainConfig
-from train.loop import train
-from train.run_dir import read_metrics
+from train.run.loop import train
+from train.run.run_dir import read_metrics
 
 TIMING_FIELDS = {"samples_per_s", "data_wait_share", "epoch_time_s", "stage_seconds", "stage_seconds_by_rank",
                  "first_batch"}

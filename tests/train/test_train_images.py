@@ -9,9 +9,9 @@ import torch
 
 from shards.errors import InputError
 from train.config import TrainConfig
-from train.loop import train
-from train.models import build_image_model
-from train.run_dir import read_metrics
+from train.run.loop import train
+from train.model.models import build_image_model
+from train.run.run_dir import read_metrics
 
 
 def config(data: Path, out: Path, **changes) -> TrainConfig:

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from tests.train.conftest import write_feature_folder
 from train.cli import train_command
-from train.run_dir import read_metrics
+from train.run.run_dir import read_metrics
 
 
 def run_cli(*args: str):
@@ -78,9 +78,9 @@ def test_the_older_data_kind_option_still_works(tmp_path: Path):
 @pytest.mark.slow
 def test_a_mixture_killed_mid_epoch_resumes_bitwise(tmp_path: Path):
     from tests.train.test_train_features import strip_timing
-    from train.checkpoint import load_checkpoint
+    from train.run.checkpoint import load_checkpoint
     from train.config import TrainConfig
-    from train.loop import train
+    from train.run.loop import train
 
     first, second = sources(tmp_path)
     mix = dict(sources=[{"path": str(first), "weight": 1.0}, {"path": str(second), "weight": 2.0}],

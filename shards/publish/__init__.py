@@ -1,0 +1,1 @@
+"""Publishing finished outputs: uploads to object storage (manifest last) under a writer's lease."""

@@ -1,0 +1,1 @@
+"""Selection over the column index: subsets, ``where`` filters, key lists and mixtures, as vectorised masks and draws."""
