@@ -14,11 +14,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from shards.atomic import on_disk_full
 from shards.errors import InputError
-from shards.formats.feature_names import is_feature_file
 from shards.transport.s3 import S3Options, is_s3, make_client
 from shards.publish.s3_lease import read_lease, refuse_if_held
 from shards.publish.s3_upload import (PublishSpec, check_out_url, default_stage_dir, list_prefix, publish_folder,
@@ -72,26 +71,4 @@ def preflight(staged: StagedOutput, spec: PublishSpec) -> None:
     refuse_if_held(read_lease(client, staged.url), staged.url, break_lease=staged.break_lease)
 
 
-def _plan_identity(manifest: Mapping[str, Any]) -> Any:
-    return manifest.get("packing", {}).get("plan_sha256")
-
-
-def _feature_identity(manifest: Mapping[str, Any]) -> Any:
-    return manifest.get("config_hash"), manifest.get("dataset_sha256"), sorted(manifest.get("splits", {}))
-
-
-def dataset_spec() -> PublishSpec:
-    from preprocess.pack.parts import is_published_name
-    from shards.manifest import DATASET_FILE
-
-    return PublishSpec(DATASET_FILE, _plan_identity, is_published_name)
-
-
-def features_spec() -> PublishSpec:
-    from shards.manifest import FEATURES_FILE
-
-    return PublishSpec(FEATURES_FILE, _feature_identity,
-                       lambda name: name == FEATURES_FILE or is_feature_file(name))
-
-
-__all__ = ["StagedOutput", "dataset_spec", "features_spec", "is_s3", "resolve_stage", "run_staged"]
+__all__ = ["StagedOutput", "is_s3", "resolve_stage", "run_staged"]

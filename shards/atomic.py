@@ -144,20 +144,11 @@ def unique_tmp_path(final: str | os.PathLike) -> Path:
     return final.with_name(f"{final.name}.{host_tag()}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
 
 
-def tmp_path_for(final: str | os.PathLike) -> Path:
-    """The fixed ``<name>.tmp`` that older versions wrote (still recognised by ``tmp_target``)."""
-    final = Path(final)
-    return final.with_name(final.name + TMP_SUFFIX)
-
-
 def tmp_target(name: str) -> str | None:
-    """The final file name a temp file ``name`` was written for, or None if ``name`` is not a temp name."""
+    """The final file name a temp file ``name`` was written for, or None if ``name`` is not one of our temp names
+    (a user's own ``x.tar.tmp`` is not ours to remove)."""
     match = _UNIQUE_TMP.match(name)
-    if match:
-        return match.group("final")
-    if name.endswith(TMP_SUFFIX) and len(name) > len(TMP_SUFFIX):
-        return name[: -len(TMP_SUFFIX)]
-    return None
+    return match.group("final") if match else None
 
 
 def remove_stale_tmp(folder: str | os.PathLike, finals: Collection[str]) -> int:

@@ -2,8 +2,8 @@
 
 ``<run_dir>/data-events.jsonl`` records layout changes (a start or resume with the loader state it resumed from),
 exclusion lists added at resume, quarantined samples and worker restarts (contract of issue 23). Lineage
-(``shards lineage``) rebuilds what a step was fed from ``config.json`` and these events, never from per-step logs,
-so the file is append-only and every line is flushed and fsynced before the caller goes on: a run killed at any
+(``shards lineage``) rebuilds what a step was fed from the run record (``shards.runrecord``) and these events, never
+from per-step logs, so the file is append-only and every line is flushed and fsynced before the caller goes on: a run killed at any
 moment leaves at most its last line torn, and readers ignore such a line.
 
 A rank other than 0 writes ``data-events.rank<R>.jsonl`` (chosen by the event's ``"rank"``), so no rank waits on
@@ -25,8 +25,12 @@ from shards.atomic import on_disk_full
 from shards.door.bounded_read import read_regular_file
 from shards.errors import ManifestError
 from shards.door.jsonlines import json_lines
+from shards.runrecord import EVENTS_FILE
 
-EVENTS_FILE = "data-events.jsonl"
+# The kinds of event, and who writes them: the training loop a ``LAYOUT`` at every start and resume (the world size,
+# workers, batch size and nodes it feeds the run in, and the loader state it resumed from) and an ``EXCLUDE`` when a
+# key list is added; a loader's stall recovery (``shards.loader.watchdog``) a ``RESTART`` and a ``QUARANTINE``.
+LAYOUT, EXCLUDE, RESTART, QUARANTINE = "layout", "exclude", "restart", "quarantine"
 _EVENTS_NAME = re.compile(r"^data-events(\.rank(\d+))?\.jsonl$")
 MAX_EVENTS_BYTES = 256 << 20  # one event is ~200 bytes: a million events fit; more means the file is not ours
 
@@ -85,13 +89,14 @@ def _is_event(value: Any) -> bool:
     return type(stamp) in (int, float) and math.isfinite(stamp)
 
 
-def read_events(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every event of the run, from all its event files, in the order they happened (by ``"time"``; a file's own
-    lines keep their order). An absent file is no events; a torn last line is ignored."""
+def read_events(run_dir: str | os.PathLike, kind: str | None = None) -> list[dict[str, Any]]:
+    """Every event of the run (of ``kind``, when given), from all its event files, in the order they happened (by
+    ``"time"``; a file's own lines keep their order). An absent file is no events; a torn last line is ignored."""
     folder = Path(run_dir)
     if not folder.is_dir():
         return []
     per_file = [_read_file(path) for path in sorted(folder.iterdir()) if _EVENTS_NAME.match(path.name)]
     merged = [(event.get("time", 0.0), index, event) for index, events in enumerate(per_file) for event in events]
     # sort on (time, file, line) stably: equal times keep rank 0's file first and each file's own order
-    return [event for _, _, event in sorted(merged, key=lambda item: (item[0], item[1]))]
+    events = [event for _, _, event in sorted(merged, key=lambda item: (item[0], item[1]))]
+    return events if kind is None else [event for event in events if event["kind"] == kind]

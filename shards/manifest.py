@@ -25,7 +25,7 @@ from shards.atomic import write_json_atomic
 from shards.door.bounded_read import read_json_file
 from shards.errors import ManifestError, MissingInputError
 from shards.formats.feature_names import check_target
-from shards.transport.locations import check_dataset_dir, check_shard_path
+from shards.door.locations import check_dataset_dir, check_shard_path
 from shards.door.shape import as_int, as_int_list, as_list, as_object, as_str, field as get
 
 TOOL = "shardcache 0.1.0"
@@ -77,7 +77,7 @@ class ShardInfo:
                   what: str = "shard") -> "ShardInfo":
         """The shard entry ``data`` (named ``what`` in errors: ``splits.train.shards[3]``), every field checked for
         its type and range; ``path`` (and ``source``, ``index``) must be shard names confined to the manifest's
-        folder (``shards.transport.locations.check_shard_path``; ``url_origins``: where shard URLs may point)."""
+        folder (``shards.door.locations.check_shard_path``; ``url_origins``: where shard URLs may point)."""
         data = as_object(data, what, where=where)
         samples = as_int(get(data, "samples", what, where=where), f"{what}.samples", where=where)
         source, index = _optional_str(data, "source", what, where), _optional_str(data, "index", what, where)

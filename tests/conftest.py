@@ -7,6 +7,25 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+# The quick loop (``scripts/test -m "not slow"``, under a minute on 2 cores) leaves out whatever trains, starts a
+# server or runs the job scripts: those tests are marked here by what they use, not one by one, so a new test in
+# these folders or on these fixtures is classed the same way without anyone remembering to.
+SLOW_FOLDERS = {"train": "trains models", "integrations": "trains under Lightning, accelerate and DCP",
+                "ops": "runs the job scripts and Slurm"}
+SLOW_FIXTURES = {"s3_server": "starts an S3 server", "trained_root": "trains a run to report on"}
+
+
+def pytest_collection_modifyitems(config, items):
+    tests = Path(__file__).resolve().parent
+    for item in items:
+        try:
+            folder = Path(str(item.fspath)).resolve().relative_to(tests).parts[0]
+        except ValueError:
+            continue
+        if folder in SLOW_FOLDERS or SLOW_FIXTURES.keys() & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def one_torch_thread():
     """One intra-op thread: the tests' models are tiny, and on a shared 2-core machine spinning thread pools make

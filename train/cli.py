@@ -1,27 +1,47 @@
-"""The ``train-from-shards`` console script: options -> ``TrainConfig`` -> ``train(cfg)`` -> one JSON line."""
+"""The ``train-from-shards`` console script: options -> ``TrainConfig`` -> ``train(cfg)`` -> one JSON line.
+
+The ``--help`` sections are ``TrainConfig``'s option groups (``train.options``), so an option's section says where
+``config.json`` records it; Run is the rest (``run.*``), and Cache and storage also lists the S3 options that make
+``cache.storage_options``."""
 
 from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import click
 
 from shards.cli.common import ByteSize, class_names, cache_options, emit_json, handle_errors, quiet_option, s3_options
+from shards.cli.sections import SectionedCommand
 from shards.transport.location import locate
 from shards.stream.options import STREAM_DECODES
-from train.config import CLASS_MAPS, DATA_KINDS, DEFAULT_DECODE, DEVICES, HEADS, LOSSES, OPTIMIZERS, TASKS, TrainConfig
+from train.config import TrainConfig
+from train.options import (CLASS_MAPS, DEFAULT_DECODE, DEVICES, HEADS, LOSSES, OPTIMIZERS, TASKS, CacheOptions,
+                           DataOptions, LoaderOptions, ModelOptions, OptimOptions, RunOptions)
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.command(cls=SectionedCommand, context_settings={"help_option_names": ["-h", "--help"], "show_default": True},
+               sections={"Data": ("data_options", "class_map", "epoch_size", "subset_classes", "subset_keys",
+                                  "subset_where", "subset_max", "exclude_keys", "train_split", "val_split"),
+                         "Model": ("task", "head", "standardize", "logreg_c", "hidden_dim", "dropout", "model",
+                                   "weights"),
+                         "Optimisation": ("epochs", "batch_size", "optimizer", "lr", "momentum", "warmup_epochs",
+                                          "weight_decay", "loss", "label_smoothing", "class_weighted_loss",
+                                          "balanced_sampler", "seed", "amp"),
+                         "Loader": ("image_size", "decode", "fast_decode", "workers", "prefetch", "feature_window",
+                                    "stall_timeout"),
+                         "Cache and storage": ("cache_images", "memory_limit", "cache_dir", "cache_limit",
+                                               "cache_eviction", "cache_prefetch", "cache_fallback", "cache_local",
+                                               "s3_endpoint_url", "s3_profile", "s3_unsigned", "s3_max_concurrency",
+                                               "s3_read_ahead", "min_transfer_rate", "request_deadline")})
 @click.argument("path", type=click.Path(file_okay=False), required=False)
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
               help="Run folder, local (copy it elsewhere afterwards): config.json, metrics.jsonl, curves.png, "
                    "last.pt, best.pt, model.pt.")
 @click.option("--data", "data_options", multiple=True, metavar="PATH[:WEIGHT]",
               help="A source to mix (repeat the option): PATH, PATH:WEIGHT (a share of each epoch), PATH:repeat=R "
-                   "or PATH:choose=N; sources draw whole shard runs from the seed. The values auto, images and "
-                   "features instead choose the input kind (default auto: from the manifest).")
+                   "or PATH:choose=N; sources draw whole shard runs from the seed.")
 @click.option("--class-map", type=click.Choice(CLASS_MAPS), default="same",
               help="Sources with different class lists: union maps labels by class name (recorded in model.pt).")
 @click.option("--epoch-size", type=int, default=None, help="Samples per epoch of weighted sources (default: all).")
@@ -55,7 +75,7 @@ from train.config import CLASS_MAPS, DATA_KINDS, DEFAULT_DECODE, DEVICES, HEADS,
                    "of train from 1e-4 to 1e4, then refit on all of it.")
 @click.option("--hidden-dim", type=int, default=512, help="Hidden width of the mlp head.")
 @click.option("--dropout", type=float, default=0.0, help="Dropout before the mlp head's last layer.")
-@click.option("--model", default="resnet18", help="torchvision classification model for --data images.")
+@click.option("--model", default="resnet18", help="torchvision classification model, for image shards.")
 @click.option("--weights", type=click.Path(dir_okay=False), default=None,
               help="Local weights file to fine-tune from (loaded with weights_only=True; classifier re-initialised "
                    "when the class count differs).")
@@ -129,48 +149,48 @@ def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...],
     started = time.perf_counter()  # the time to first batch counts from here (train.run.first_batch)
     from train.run.loop import train
 
-    data, sources = data_sources(path, data_options)
+    sources = data_sources(path, data_options)
     path = sources[0]["path"]
     subset = {"classes": class_names(subset_classes),
               "keys": os.path.abspath(subset_keys) if subset_keys else None, "where": subset_where,
               "max_samples": subset_max}
     cfg = TrainConfig(
-        data_path=path, sources=sources if len(sources) > 1 or len(sources[0]) > 1 else [], class_map=class_map,
-        epoch_size=epoch_size, subset=subset if any(v is not None for v in subset.values()) else None,
-        out_dir=out_dir, data=data, task=task, loss=loss, record_keys=record_keys,
-        exclude_keys=os.path.abspath(exclude_keys) if exclude_keys else None,
-        head=head, standardize=standardize, logreg_c=logreg_c, hidden_dim=hidden_dim, dropout=dropout, model=model,
-        weights=weights,
-        image_size=image_size, decode=decode, fast_decode=fast_decode,
-        epochs=epochs, batch_size=batch_size, optimizer=optimizer, lr=lr, momentum=momentum,
-        warmup_epochs=warmup_epochs, weight_decay=weight_decay, label_smoothing=label_smoothing,
-        class_weighted_loss=class_weighted_loss, balanced_sampler=balanced_sampler, seed=seed,
-        workers=workers, prefetch=prefetch, feature_window=feature_window, stall_timeout=stall_timeout, amp=amp,
-        device=device,
-        train_split=train_split, val_split=val_split,
-        checkpoint_every=checkpoint_every, resume=resume, overwrite=overwrite, dry_run=dry_run, quiet=quiet,
-        stop_after_steps=stop_after_steps, report=not no_report, cache_images=cache_images,
-        memory_limit=memory_limit,
-        storage_options=s3.to_dict() if any(locate(s["path"]).uses_storage_options for s in sources) else None,
-        cache_dir=None if cache is None else os.path.abspath(cache.dir),
-        cache_limit=None if cache is None else cache.limit,
-        cache_fallback=cache is not None and cache.fallback, cache_local=cache is not None and bool(cache.local),
-        cache_eviction="next-use" if cache is None else cache.eviction,
-        cache_prefetch_bytes=None if cache is None else cache.prefetch_bytes)
+        data=DataOptions(path, sources=sources if len(sources) > 1 or len(sources[0]) > 1 else [],
+                         class_map=class_map, subset=subset if any(v is not None for v in subset.values()) else None,
+                         epoch_size=epoch_size, train_split=train_split, val_split=val_split,
+                         exclude_keys=os.path.abspath(exclude_keys) if exclude_keys else None),
+        model=ModelOptions(task=task, head=head, standardize=standardize, logreg_c=logreg_c, hidden_dim=hidden_dim,
+                           dropout=dropout, name=model, weights=weights),
+        optim=OptimOptions(epochs=epochs, batch_size=batch_size, optimizer=optimizer, lr=lr, momentum=momentum,
+                           warmup_epochs=warmup_epochs, weight_decay=weight_decay, loss=loss,
+                           label_smoothing=label_smoothing, class_weighted_loss=class_weighted_loss,
+                           balanced_sampler=balanced_sampler, seed=seed, amp=amp),
+        loader=LoaderOptions(image_size=image_size, decode=decode, fast_decode=fast_decode, workers=workers,
+                             prefetch=prefetch, feature_window=feature_window, stall_timeout=stall_timeout),
+        cache=cache_group(s3.to_dict() if any(locate(s["path"]).uses_storage_options for s in sources) else None,
+                          cache, images=cache_images, memory_limit=memory_limit),
+        run=RunOptions(out_dir, device=device, checkpoint_every=checkpoint_every, resume=resume, overwrite=overwrite,
+                       dry_run=dry_run, quiet=quiet, stop_after_steps=stop_after_steps, report=not no_report,
+                       record_keys=record_keys))
     summary = train(cfg, started=started)
     if int(os.environ.get("RANK", "0")) == 0:
         emit_json(summary)
 
 
-def data_sources(path: str | None, data_options: tuple[str, ...]) -> tuple[str, list[dict]]:
-    """``(input kind, sources)`` from PATH and the ``--data`` values: a value in ``DATA_KINDS`` is the kind (the
-    option's older use), any other a source ``PATH[:WEIGHT]``; PATH, when given, is the first source."""
+def cache_group(storage_options: dict | None, cache: Any, *, images: bool, memory_limit: int | None) -> CacheOptions:
+    """The cache group from the shared ``--cache-*`` options (``cache`` is None without ``--cache-dir``)."""
+    if cache is None:
+        return CacheOptions(storage_options, images=images, memory_limit=memory_limit)
+    return CacheOptions(storage_options, dir=os.path.abspath(cache.dir), limit=cache.limit, fallback=cache.fallback,
+                        eviction=cache.eviction, prefetch_bytes=cache.prefetch_bytes, local=bool(cache.local),
+                        images=images, memory_limit=memory_limit)
+
+
+def data_sources(path: str | None, data_options: tuple[str, ...]) -> list[dict]:
+    """The sources from PATH and the ``--data PATH[:WEIGHT]`` values; PATH, when given, is the first source."""
     from shards.select.mixture import SourceSpec
 
-    kinds = [v for v in data_options if v in DATA_KINDS]
-    if len(kinds) > 1:
-        raise click.UsageError(f"--data names the input kind more than once ({', '.join(kinds)})")
-    specs = [SourceSpec.parse(v) for v in data_options if v not in DATA_KINDS]
+    specs = [SourceSpec.parse(v) for v in data_options]
     if path is not None:
         specs.insert(0, SourceSpec(path))
     if not specs:
@@ -180,4 +200,4 @@ def data_sources(path: str | None, data_options: tuple[str, ...]) -> tuple[str, 
         row = {"path": locate(spec.path).record()}  # a local path made absolute, a URL as it is
         row.update({k: getattr(spec, k) for k in ("weight", "repeat", "choose") if getattr(spec, k) is not None})
         sources.append(row)
-    return (kinds[0] if kinds else "auto"), sources
+    return sources

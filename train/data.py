@@ -19,11 +19,14 @@ import shards
 from shards.check.freshness import check_features_fresh
 from shards.cache.node_index import STAT_NAMES
 from shards.errors import InputError, ManifestError
+from shards.loader.loader import default_mode, workers_mode
+from shards.loader.watchdog import StallPolicy
 from shards.transport.location import locate
 from shards.transport.manifest_io import load_manifest_at
 from shards.manifest import DATASET_FILE, FEATURES_FILE, DatasetManifest, FeatureManifest
+from shards.runrecord import DataCall
 from shards.image.transforms import TransformSpec
-from shards.formats.columns import open_columns
+from shards.select.columns import open_columns
 from shards.select.mixture import MixOptions, SourceSpec, Subset, read_keys, unweighted
 from shards.stream.options import Decode, Distributed, MemoryCache, Remote, Sampling
 from shards.select.selection import combined_classes, excluded_rows
@@ -51,6 +54,7 @@ class RunData:
     # The fast pipeline yields uint8 batches: this turns them into the model input on the device.
     normalize: torch.nn.Module | None = None
     open_s: float = 0.0  # wall seconds of the two open_dataset calls (train.run.first_batch's open_s)
+    train_call: DataCall | None = None  # the train loader's calls, as the run record keeps them
 
     @property
     def classes(self) -> list[str]:
@@ -91,7 +95,7 @@ class RunData:
         mixture = self.mixture
         if mixture is None:
             return None
-        return {"class_map": cfg.class_map, "classes": self.classes, "epoch_size": mixture.epoch_size,
+        return {"class_map": cfg.data.class_map, "classes": self.classes, "epoch_size": mixture.epoch_size,
                 "sources": mixture.composition(self.classes)}
 
     def feature_config(self) -> dict[str, Any]:
@@ -103,62 +107,48 @@ class RunData:
                 "dtype": m.dtype, "views": m.views, "dataset_sha256": m.dataset_sha256}
 
 
-# What a folder holds when it is not the kind ``--data`` asks for: how to go on.
-_OTHER_KIND = {"features": "holds image shards (dataset.json), not features; use --data images or auto",
-               "images": "holds features (features.json), not image shards; use --data features or pass the dataset "
-                         "folder it was computed from"}
-
-
-def read_manifest(path: str, data: str, storage_options: dict | None = None) -> DatasetManifest | FeatureManifest:
-    """The manifest the ``--data`` choice asks for (wherever the folder is: ``shards.transport.manifest_io``), with a
-    clear error when the folder holds the other kind."""
-    manifest = load_manifest_at(path, storage_options=storage_options)[0]
-    if data != "auto" and manifest.kind != data:
-        raise InputError(_OTHER_KIND[data], path=path)
-    return manifest
-
-
 def source_paths(cfg: TrainConfig) -> list[str]:
-    return [str(s["path"]) for s in cfg.sources] or [cfg.data_path]
+    return [str(s["path"]) for s in cfg.data.sources] or [cfg.data.path]
 
 
 def source_specs(cfg: TrainConfig, *, weighted: bool = True) -> list[SourceSpec] | None:
     """The mixture's sources (``--data PATH[:WEIGHT]``, ``--classes``...), or None for one whole folder."""
-    if not cfg.mixed:
+    if not cfg.data.mixed:
         return None
-    subset = Subset(**cfg.subset) if cfg.subset else Subset()
-    rows = cfg.sources or [{"path": cfg.data_path}]
+    subset = Subset(**cfg.data.subset) if cfg.data.subset else Subset()
+    rows = cfg.data.sources or [{"path": cfg.data.path}]
     specs = [SourceSpec(r["path"], r.get("weight"), r.get("repeat"), r.get("choose"), subset) for r in rows]
     return specs if weighted else list(unweighted(specs))
 
 
 def check_splits(manifest: DatasetManifest | FeatureManifest, cfg: TrainConfig, path: str | None = None) -> None:
-    for role, name in (("train", cfg.train_split), ("val", cfg.val_split)):
+    for role, name in (("train", cfg.data.train_split), ("val", cfg.data.val_split)):
         if name not in manifest.splits:
             option = "--val-split" if role == "val" else "--train-split"
             raise ManifestError(f"no {role} split {name!r} (splits: {', '.join(sorted(manifest.splits))}); "
                                 f"pack one or choose another with {option}",
-                                path=str(locate(path or cfg.data_path).file(
+                                path=str(locate(path or cfg.data.path).file(
                                     FEATURES_FILE if manifest.kind == "features" else DATASET_FILE)))
         if manifest.splits[name].samples == 0:
-            raise ManifestError(f"the {role} split {name!r} holds no samples", path=path or cfg.data_path)
+            raise ManifestError(f"the {role} split {name!r} holds no samples", path=path or cfg.data.path)
 
 
 def prepare_manifest(cfg: TrainConfig) -> DatasetManifest | FeatureManifest:
     """Read and check everything about the input that can be wrong, before any process group or folder."""
     paths = source_paths(cfg)
-    manifests = [read_manifest(path, cfg.data, cfg.storage_options) for path in paths]
+    # What each folder holds (image shards or features) is what its manifest says: there is nothing to choose.
+    manifests = [load_manifest_at(path, storage_options=cfg.cache.storage_options)[0] for path in paths]
     for path, one in zip(paths, manifests):
         if isinstance(one, FeatureManifest):
-            check_features_fresh(path, one, storage_options=cfg.storage_options)
+            check_features_fresh(path, one, storage_options=cfg.cache.storage_options)
         check_splits(one, cfg, path)
     manifest = manifests[0]
     if len(manifests) > 1:  # the mixture's classes; build_data puts in its combined splits
         manifest = manifest.replace(classes=tuple(combined_classes([m.classes for m in manifests], paths,
-                                                                   cfg.class_map)))
+                                                                   cfg.data.class_map)))
     if resolve_task(cfg, manifest) == "classification" and len(manifest.classes) < 2:
         raise ManifestError(f"needs at least 2 classes, the manifest has {len(manifest.classes)}",
-                            path=cfg.data_path)
+                            path=cfg.data.path)
     return manifest
 
 
@@ -169,52 +159,58 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
     train_spec = eval_spec = None
     decode = Decode()
     if kind == "images":
-        train_spec = TransformSpec(preset="train", size=cfg.image_size)
-        eval_spec = TransformSpec(preset="eval", size=cfg.image_size)
-        decode = Decode(cfg.decode, draft=cfg.fast_decode)
-    sampling = Sampling(class_weights="balanced" if cfg.balanced_sampler else None, feature_window=cfg.feature_window)
-    remote = Remote(storage_options=cfg.storage_options, shard_cache=cfg.shard_cache)
+        train_spec = TransformSpec(preset="train", size=cfg.loader.image_size)
+        eval_spec = TransformSpec(preset="eval", size=cfg.loader.image_size)
+        decode = Decode(cfg.loader.decode, draft=cfg.loader.fast_decode)
+    sampling = Sampling(class_weights="balanced" if cfg.optim.balanced_sampler else None,
+                        feature_window=cfg.loader.feature_window)
+    remote = Remote(storage_options=cfg.cache.storage_options, shard_cache=cfg.cache.shard_cache)
     train_images, val_images = image_caches(cfg, manifest, ctx)
     specs = source_specs(cfg)
-    if specs and cfg.exclude_keys:  # a mixture leaves them out where it selects (the val split keeps them)
-        specs = [dataclasses.replace(s, subset=dataclasses.replace(s.subset, exclude_keys=cfg.exclude_keys))
+    if specs and cfg.data.exclude_keys:  # a mixture leaves them out where it selects (the val split keeps them)
+        specs = [dataclasses.replace(s, subset=dataclasses.replace(s.subset, exclude_keys=cfg.data.exclude_keys))
                  for s in specs]
     nodes = None if specs else affinity_nodes(cfg, manifest, ctx)
+    # The train call's arguments, recorded as the run record's DataCall (shards lineage rebuilds the loader from it).
+    train_args = {"transform": train_spec, "seed": cfg.optim.seed, "return_keys": cfg.run.record_keys,
+                  "sampling": sampling, "decode": decode, "remote": remote,
+                  "distributed": Distributed(rank, world, nodes=nodes),
+                  "mix": MixOptions(cfg.data.class_map, cfg.data.epoch_size)}
     opening = time.perf_counter()
-    train_set = shards.open_dataset(specs or cfg.data_path, cfg.train_split, transform=train_spec, seed=cfg.seed,
-                                    return_keys=cfg.record_keys, sampling=sampling, decode=decode, remote=remote,
-                                    cache=train_images,
-                                    distributed=Distributed(rank, world, nodes=nodes),
-                                    mix=MixOptions(cfg.class_map, cfg.epoch_size))
+    train_set = shards.open_dataset(specs or cfg.data.path, cfg.data.train_split, cache=train_images, **train_args)
     # Validation reads every selected sample of every source once, whatever the weights.
-    val_set = shards.open_dataset(source_specs(cfg, weighted=False) or cfg.data_path, cfg.val_split,
-                                  transform=eval_spec, seed=cfg.seed, sampling=Sampling(shuffle=False), decode=decode,
-                                  remote=remote, cache=val_images, distributed=Distributed(rank, world),
-                                  mix=MixOptions(cfg.class_map))
-    if cfg.exclude_keys and not specs:
+    val_set = shards.open_dataset(source_specs(cfg, weighted=False) or cfg.data.path, cfg.data.val_split,
+                                  transform=eval_spec, seed=cfg.optim.seed, sampling=Sampling(shuffle=False),
+                                  decode=decode, remote=remote, cache=val_images, distributed=Distributed(rank, world),
+                                  mix=MixOptions(cfg.data.class_map))
+    if cfg.data.exclude_keys and not specs:
         exclude_train_keys(cfg, manifest, train_set)
     open_s = time.perf_counter() - opening
     if specs:
-        manifest = manifest.replace(splits={cfg.train_split: train_set.split_info, cfg.val_split: val_set.split_info})
+        manifest = manifest.replace(splits={cfg.data.train_split: train_set.split_info,
+                                            cfg.data.val_split: val_set.split_info})
     train_loader = _loader(train_set, cfg, ctx, drop_last=True)
     val_loader = _loader(val_set, cfg, ctx, drop_last=False)
-    if len(train_loader) == 0 and (cfg.head != "logreg" or cfg.dry_run):  # the probe fits all rows at once
-        raise InputError(f"the train split has fewer samples per process than --batch-size {cfg.batch_size}",
-                         path=cfg.data_path)
-    workers = int(getattr(train_loader, "num_workers", cfg.workers or 0))
+    if len(train_loader) == 0 and (cfg.model.head != "logreg" or cfg.run.dry_run):  # the probe fits all rows at once
+        raise InputError(f"the train split has fewer samples per process than --batch-size {cfg.optim.batch_size}",
+                         path=cfg.data.path)
+    workers = int(getattr(train_loader, "num_workers", cfg.loader.workers or 0))
     normalize = None
-    if kind == "images" and cfg.decode == "fast":
+    if kind == "images" and cfg.loader.decode == "fast":
         normalize = val_set.normalizer(channels_last=ctx.device.type == "cuda").to(ctx.device)
-    return RunData(kind, manifest, train_loader, val_loader, workers, eval_spec, normalize, open_s)
+    train_call = DataCall.of(specs or cfg.data.path, cfg.data.train_split, **train_args,
+                             batch_size=cfg.optim.batch_size, drop_last=True, workers=workers)
+    return RunData(kind, manifest, train_loader, val_loader, workers, eval_spec, normalize, open_s, train_call)
 
 
 def exclude_train_keys(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, train_set: Any) -> None:
     """Leave ``--exclude-keys`` out of the train split's every epoch (the rest keep their order): found over the
     split's column index when it has one, else from the shards' keys."""
-    keys = read_keys(cfg.exclude_keys)
+    keys = read_keys(cfg.data.exclude_keys)
     columns = None
     if manifest.kind == "images":
-        columns = open_columns(locate(cfg.data_path, storage_options=cfg.storage_options), manifest, cfg.train_split)
+        columns = open_columns(locate(cfg.data.path, storage_options=cfg.cache.storage_options), manifest,
+                               cfg.data.train_split)
     rows = excluded_rows(keys, columns, train_set)
     train_set.exclude_rows(rows)
     log.info("--exclude-keys: %d of the %d keys listed are in the train split, left out of it", len(rows), len(keys))
@@ -229,20 +225,20 @@ def image_caches(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest,
     (they all open their caches at once, each seeing the same free memory). The val crops get what they need, at
     most a quarter (val is read in the same order every epoch, so each rank needs only its share); the train
     images the rest."""
-    if not cfg.cache_images:
+    if not cfg.cache.images:
         return "auto", "auto"
     if manifest.kind != "images":
         raise InputError("--cache-images keeps decoded images; a feature folder is held in memory already",
-                         path=cfg.data_path)
+                         path=cfg.data.path)
     from shards.cache.images import planned_bytes
     from shards.cache.memory_budget import default_memory_limit
 
-    budget = cfg.memory_limit
+    budget = cfg.cache.memory_limit
     if budget is None:
         budget = default_memory_limit() // max(1, ctx.local_world_size)
     world = ctx.world_size if ctx.distributed else 1
-    val_samples = -(-manifest.splits[cfg.val_split].samples // world)
-    val_limit = min(planned_bytes(TransformSpec(preset="eval", size=cfg.image_size), val_samples), budget // 4)
+    val_samples = -(-manifest.splits[cfg.data.val_split].samples // world)
+    val_limit = min(planned_bytes(TransformSpec(preset="eval", size=cfg.loader.image_size), val_samples), budget // 4)
     return MemoryCache(limit=budget - val_limit), MemoryCache(limit=val_limit)
 
 
@@ -250,14 +246,14 @@ def affinity_nodes(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest
     """Keep shards on the same node from epoch to epoch (``shards.order.plan``'s node affinity) exactly when the
     run has several nodes and a node's cache cannot hold the train split: then a global shuffle would make the
     caches miss every epoch; otherwise it costs shuffle quality for nothing."""
-    if not cfg.cache_dir or cfg.cache_limit is None or ctx.nodes <= 1:
+    if not cfg.cache.dir or cfg.cache.limit is None or ctx.nodes <= 1:
         return None
-    split_bytes = sum(s.bytes for s in manifest.splits[cfg.train_split].shards)
-    if split_bytes <= cfg.cache_limit:
+    split_bytes = sum(s.bytes for s in manifest.splits[cfg.data.train_split].shards)
+    if split_bytes <= cfg.cache.limit:
         return None
     if ctx.is_main:
         log.info("the train split (%s) exceeds --cache-limit (%s): shards keep to their node across epochs "
-                 "(node affinity over %d nodes)", human_bytes(split_bytes), human_bytes(cfg.cache_limit), ctx.nodes)
+                 "(node affinity over %d nodes)", human_bytes(split_bytes), human_bytes(cfg.cache.limit), ctx.nodes)
     return ctx.nodes
 
 
@@ -265,10 +261,12 @@ def _loader(dataset: Any, cfg: TrainConfig, ctx: DistContext, *, drop_last: bool
     # DataLoader otherwise draws its worker base seed from the global torch RNG at every ``iter()``, so a resumed
     # run (one extra ``iter()``) would see different dropout than an uninterrupted one. The reader seeds each
     # sample's transform itself, so this generator's values do not matter, only that it is not the global one.
-    generator = torch.Generator().manual_seed(cfg.seed)
-    return shards.make_loader(dataset, batch_size=cfg.batch_size, num_workers=cfg.workers, drop_last=drop_last,
-                              pin_memory=ctx.device.type == "cuda", generator=generator,
-                              stall_timeout=cfg.stall_timeout or None)
+    generator = torch.Generator().manual_seed(cfg.optim.seed)
+    mode = default_mode(dataset) if cfg.loader.workers is None else workers_mode(cfg.loader.workers)
+    # --stall-timeout (on by default) guards worker processes; a run without any has none to restart.
+    stall = StallPolicy(cfg.loader.stall_timeout) if cfg.loader.stall_timeout and mode.restarts_workers else None
+    return shards.make_loader(dataset, batch_size=cfg.optim.batch_size, mode=mode, stall=stall, drop_last=drop_last,
+                              pin_memory=ctx.device.type == "cuda", generator=generator)
 
 
 def describe_batch(batch: tuple[torch.Tensor, torch.Tensor], classes: list[str]) -> dict[str, Any]:

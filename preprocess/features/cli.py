@@ -9,9 +9,11 @@ import click
 from shards.image.options import INTERPOLATIONS
 from preprocess.features.featurize import AMP_MODES, DTYPES, FeatureConfig, merge_features, run_precompute
 from preprocess.pack.cli import stage_root
-from preprocess.staging import features_spec, resolve_stage, run_staged
+from preprocess.staging import resolve_stage, run_staged
+from preprocess.features.state import features_spec
 from shards.atomic import on_disk_full
 from shards.cli.common import cache_options, emit_json, handle_errors, quiet_option, s3_options, task_options
+from shards.cli.sections import SectionedCommand
 from shards.transport.location import locate
 from shards.transport.s3 import S3Options
 from shards.errors import InputError
@@ -31,7 +33,18 @@ def _triple(name: str, value: str | None) -> tuple[float, ...] | None:
     return numbers
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=SectionedCommand, context_settings={"help_option_names": ["-h", "--help"]},
+               sections={"Input": ("splits", "cache_dir", "cache_limit", "cache_eviction", "cache_prefetch",
+                                   "cache_fallback", "cache_local"),
+                         "Backbone": ("backbone", "weights", "seed", "dtype", "amp", "device"),
+                         "Transform and views": ("resize", "crop", "mean", "std", "interpolation", "views",
+                                                 "augment"),
+                         "Output": ("out_dir", "storage", "overwrite", "merge_dir"),
+                         "Loader": ("decode", "device_share", "batch_size", "workers"),
+                         "Parallel jobs": ("task_index", "num_tasks"),
+                         "Object storage": ("stage_dir", "break_lease", "s3_endpoint_url", "s3_profile",
+                                            "s3_unsigned", "s3_max_concurrency", "s3_read_ahead",
+                                            "min_transfer_rate", "request_deadline")})
 @click.argument("data_dir", required=False, type=click.Path(path_type=str))
 @click.option("--out", "-o", "out_dir", type=click.Path(path_type=str), help="Feature folder to write (FEAT_DIR).")
 @click.option("--backbone", default="resnet50", show_default=True, help="torchvision classification model name.")

@@ -32,10 +32,11 @@ from preprocess.features.assembly import FeatureAssembly
 from preprocess.features.loader import FeatureDecoder, ShardJob, ShardReader, shard_jobs
 from preprocess.features.state import (CONFIG_RECORD, STATE_DIR, assemble_manifest, check_output, config_hash, feature_path,
                                       finished_shard, prepare_output, read_config_record, write_shard_record)
-from preprocess.features.transforms import AugmentSpec, FeatureTransform, eval_tensors, views_tensors
+from preprocess.features.transforms import AugmentSpec, eval_tensors, transform_record, views_tensors
 from shards.jobs.devices import resolve_device
 from shards.image.device import Normalize, decode_images
 from shards.image.options import DEFAULT_INTERPOLATION, IMAGENET_MEAN, IMAGENET_STD
+from shards.image.transforms import TransformSpec
 from shards.atomic import check_local_output, check_room, remove_stale_tmp
 from shards.errors import CorruptDataError, InputError, ShardcacheError
 from shards.lock import claim_output
@@ -43,7 +44,7 @@ from shards.stream.options import DECODES
 from shards.formats.feature_names import FEATURE_SUFFIXES
 from shards.formats.features import FeatureShard, write_feature_shard
 from shards.transport.location import Location, locate
-from shards.transport.locations import check_dataset_dir
+from shards.door.locations import check_dataset_dir
 from shards.transport.manifest_io import read_dataset_manifest
 from shards.transport.s3 import S3Options
 from shards.manifest import FEATURES_FILE, DatasetManifest, FeatureManifest, ShardInfo
@@ -126,7 +127,7 @@ class RunStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def resolve_transform(cfg: FeatureConfig, backbone: Backbone) -> FeatureTransform:
+def resolve_transform(cfg: FeatureConfig, backbone: Backbone) -> TransformSpec:
     """Options override the weights' own eval preset, which overrides the ImageNet default (resize 256, crop 224)."""
     base = dict(backbone.eval_preset or {"resize": 256, "crop": 224, "mean": IMAGENET_MEAN, "std": IMAGENET_STD,
                                          "interpolation": DEFAULT_INTERPOLATION})
@@ -135,10 +136,10 @@ def resolve_transform(cfg: FeatureConfig, backbone: Backbone) -> FeatureTransfor
     for name in ("resize", "crop", "mean", "std", "interpolation"):
         if getattr(cfg, name) is not None:
             base[name] = getattr(cfg, name)
-    spec = FeatureTransform(int(base["resize"]), int(base["crop"]), tuple(base["mean"]), tuple(base["std"]),
-                            str(base["interpolation"]))
-    if backbone.input_size is not None and spec.crop != backbone.input_size:
-        raise InputError(f"{backbone.name} takes {backbone.input_size}px inputs only; --crop is {spec.crop}")
+    spec = TransformSpec(preset="eval", size=int(base["crop"]), resize_size=int(base["resize"]),
+                         mean=tuple(base["mean"]), std=tuple(base["std"]), interpolation=str(base["interpolation"]))
+    if backbone.input_size is not None and spec.size != backbone.input_size:
+        raise InputError(f"{backbone.name} takes {backbone.input_size}px inputs only; --crop is {spec.size}")
     return spec
 
 
@@ -148,10 +149,10 @@ def _recorded(source: Location) -> str:
     return str(source.path.resolve()) if source.is_local else source.record().rstrip("/")
 
 
-def _run_record(cfg: FeatureConfig, backbone: Backbone, spec: FeatureTransform, device: torch.device,
+def _run_record(cfg: FeatureConfig, backbone: Backbone, spec: TransformSpec, device: torch.device,
                 splits: list[str]) -> dict[str, Any]:
     amp = ("bf16" if device.type == "cuda" else "off") if cfg.amp == "auto" else cfg.amp
-    # The recorded names predate the decode modes' names and stay: renaming them would change every cache's hash.
+    # The record names the decoder that made the pixels, not the option: on the device, nvjpeg's differ from libjpeg's.
     decoder = {"fast": "fast", "standard": "pil"}.get(cfg.decode, f"decode_jpeg:{device.type}")
     if cfg.device_share < 1.0:  # which images the device decodes is a function of the share: part of the numbers
         decoder += f"@{cfg.device_share:g}+fast"
@@ -160,7 +161,7 @@ def _run_record(cfg: FeatureConfig, backbone: Backbone, spec: FeatureTransform, 
         "backbone": backbone.name,
         "weights_sha256": backbone.weights_sha256,
         "init_seed": backbone.init_seed,
-        "transform": spec.to_dict(),
+        "transform": transform_record(spec),
         "augment": augment.to_dict() if augment else None,
         "views": cfg.views,
         "dtype": cfg.dtype,
@@ -182,7 +183,7 @@ def _run_record(cfg: FeatureConfig, backbone: Backbone, spec: FeatureTransform, 
 class FeatureExtractor:
     """uint8 batches on the device -> penultimate features on the CPU, in the output dtype."""
 
-    def __init__(self, backbone: Backbone, spec: FeatureTransform, device: torch.device, amp: str, dtype: str,
+    def __init__(self, backbone: Backbone, spec: TransformSpec, device: torch.device, amp: str, dtype: str,
                  batch_size: int):
         cuda = device.type == "cuda"
         self.model = backbone.model.to(device, memory_format=torch.channels_last if cuda else torch.preserve_format)
@@ -201,11 +202,11 @@ class FeatureExtractor:
         return torch.cat(outputs)
 
 
-def _model_inputs(job: ShardJob, pieces: list[dict[str, Any]], spec: FeatureTransform,
+def _model_inputs(job: ShardJob, pieces: list[dict[str, Any]], spec: TransformSpec,
                   augment: AugmentSpec | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One chunk's uint8 model inputs on the device (its pieces moved there, then joined); with ``--decode device``
     decoded and cropped there. No pieces: a shard without samples."""
-    crop = spec.crop
+    crop = spec.size
     if not pieces:
         empty = torch.empty(0, 3, crop, crop, dtype=torch.uint8, device=device)
         no_views = None if augment is None else torch.empty(0, augment.views, 3, crop, crop, dtype=torch.uint8)
@@ -253,7 +254,7 @@ def _tensor_bytes(shard: FeatureShard) -> int:
 
 
 def _featurize(cfg: FeatureConfig, jobs: list[ShardJob], reader: ShardReader, extractor: FeatureExtractor,
-               spec: FeatureTransform, augment: AugmentSpec | None, digest: str) -> RunStats:
+               spec: TransformSpec, augment: AugmentSpec | None, digest: str) -> RunStats:
     """Features of every job's shard, each checked (``reader.check_bytes``) and written on a thread while the next
     ones are computed, at most ``MAX_UNWRITTEN`` shards waiting; a failed check or write stops the run at the next
     batch."""
@@ -329,7 +330,7 @@ def run_precompute(cfg: FeatureConfig) -> tuple[FeatureManifest | None, dict[str
 
 
 def _precompute_claimed(cfg: FeatureConfig, dataset: DatasetManifest, dataset_sha256: str, reader: ShardReader,
-                        backbone: Backbone, spec: FeatureTransform, device: torch.device, jobs: list[ShardJob],
+                        backbone: Backbone, spec: TransformSpec, device: torch.device, jobs: list[ShardJob],
                         mine: list[ShardJob], record: dict[str, Any]) -> tuple[FeatureManifest | None, dict[str, Any]]:
     digest = record["config_hash"]
     todo = [job for job in mine if finished_shard(cfg.out_dir, job, cfg.storage, digest) is None]

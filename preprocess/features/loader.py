@@ -3,7 +3,7 @@
 precompute-features has no reader of its own. The shards still to featurise become one split of the training reader
 (``shards.stream.image_dataset.ImageShardDataset``: tar or HDF5 wherever ``shards.transport.location`` reaches, the
 node cache with its prefetch when one is given, resync and label checks), read in manifest order (no shuffle) and
-dealt to DataLoader workers by the training plan and loader (``shards.order.plan``, ``shards.loader.loader``).
+dealt to DataLoader workers by the training plan and loader (``shards.order.plan``, ``shards.loader.base``).
 Its decoder is the ``--decode`` pipeline's step for one sample (``FeatureDecoder``), and every output carries its
 row of that split, so the consumer (``preprocess.features.assembly``) puts each feature shard together sample for
 sample, whichever worker read which rows. A sample that cannot be read or decoded stops the run with the reader's
@@ -22,12 +22,13 @@ from typing import Any, Sequence
 
 import torch
 
-from preprocess.features.transforms import AugmentSpec, FeatureTransform, eval_fast, eval_pil, views_fast, views_pil
+from preprocess.features.transforms import AugmentSpec, eval_fast, eval_pil, views_fast, views_pil
 from shards.cache.cached_shards import CachedShards
 from shards.cache.node import ShardCache
 from shards.errors import CorruptDataError
 from shards.transport.location import Location, locate
 from shards.formats.sample import RawSample
+from shards.image.transforms import TransformSpec
 from shards.transport.storage import get_storage
 from shards.image.decode import decode_image
 from shards.image.device import exif_orientation
@@ -35,7 +36,7 @@ from shards.image.fast import decode_rgb_array
 from shards.manifest import DatasetManifest, ShardInfo, SplitInfo
 from shards.stream.dataset import StreamConfig
 from shards.stream.image_dataset import ImageShardDataset
-from shards.loader.loader import make_loader
+from shards.loader.loader import make_loader, workers_mode
 from shards.loader.base import Loader
 
 
@@ -85,7 +86,7 @@ class FeatureDecoder:
     (``transforms.view_rng``), never by the reader's ``seed``, so they do not depend on workers or batch size.
     """
 
-    spec: FeatureTransform
+    spec: TransformSpec
     augment: AugmentSpec | None
     decode: str
     device_share: float = 1.0
@@ -102,7 +103,7 @@ class FeatureDecoder:
     def _decoded(self, sample: RawSample, *, fast: bool) -> dict[str, Any]:
         try:
             # Views crop from the full image: the DCT-scaled decode only for the eval crop alone.
-            pixels = (decode_rgb_array(sample.data, None if self.augment is not None else self.spec.resize) if fast
+            pixels = (decode_rgb_array(sample.data, None if self.augment is not None else self.spec.eval_resize) if fast
                       else _decoded_pil(sample.data))
         except Exception as exc:  # PIL and libjpeg raise several types for damaged bytes
             raise CorruptDataError(f"cannot decode .{sample.ext} image ({type(exc).__name__}: {exc})") from exc
@@ -177,9 +178,8 @@ class ShardReader:
         plan deals each a run of whole batches)."""
         dataset = self.dataset(jobs, decoder)
         batches = -(-dataset.split_info.samples // batch_size)
-        return make_loader(dataset, batch_size, num_workers=min(workers, batches), drop_last=False,
-                           collate_fn=collate_rows, pin_memory=pin_memory, persistent_workers=False,
-                           stage_times=False)
+        return make_loader(dataset, batch_size, mode=workers_mode(min(workers, batches), persistent=False),
+                           drop_last=False, collate_fn=collate_rows, pin_memory=pin_memory, stage_times=False)
 
     def check_bytes(self, job: ShardJob) -> None:
         """Raise ``ChecksumError`` (naming the shard) unless the shard's bytes match ``dataset.json``'s size and

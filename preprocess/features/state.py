@@ -26,12 +26,13 @@ from shards.door.bounded_read import read_json_file
 from shards.check.freshness import shard_staleness
 from shards.errors import ManifestError, OutputExistsError, ShardcacheError
 from shards.lock import FolderLock, merge_lock
-from shards.formats.feature_names import FEATURE_SUFFIXES
+from shards.formats.feature_names import FEATURE_SUFFIXES, is_feature_file
 from shards.formats.features import feature_shard_name
-from shards.transport.locations import check_dataset_dir
+from shards.door.locations import check_dataset_dir
 from shards.manifest import (FEATURES_FILE, MAX_FEATURES_DIM, MAX_VIEWS, DatasetManifest, FeatureManifest,
                              ShardInfo, SplitInfo, load_feature_manifest)
 from shards.jobs.owned import plain_names, refuse_clobber, remove_owned
+from shards.publish.s3_upload import PublishSpec
 from shards.door.shape import as_int, as_list, as_object, as_str, field as get
 
 log = logging.getLogger(__name__)
@@ -218,3 +219,12 @@ def assemble_manifest(out_dir: Path, record: Mapping[str, Any], dataset: Dataset
     with merge_lock(out_dir, STATE_DIR, what="precompute-features merge"):
         write_json_shared(out_dir / FEATURES_FILE, manifest.to_dict())
     return manifest, []
+
+
+def features_spec() -> PublishSpec:
+    """What ``precompute-features --out s3://`` publishes (``preprocess.staging``): ``features.json`` last, the
+    feature files it may replace, and what tells a rerun of the same job from another job."""
+    return PublishSpec(FEATURES_FILE,
+                       lambda manifest: (manifest.get("config_hash"), manifest.get("dataset_sha256"),
+                                         sorted(manifest.get("splits", {}))),
+                       lambda name: name == FEATURES_FILE or is_feature_file(name))

@@ -1,11 +1,13 @@
-"""The image transforms of feature precomputation, as data: an eval geometry and optional seeded augmented views.
+"""The image transforms of feature precomputation: the eval ``TransformSpec`` and optional seeded augmented views.
 
-Every transform ends in a uint8 [3, crop, crop] tensor; normalisation happens per batch on the model's device
-(``shards.image.device.Normalize``). On the CPU path the geometry runs on PIL images exactly as torchvision's
-``ImageClassification`` preset does, so features match the reference; ``--decode device`` runs the same geometry on
-decoded tensors on the device; every backend takes its sizes and boxes from ``shards.image.geometry``. Augmented
-view ``v`` of sample ``key`` draws its crop and flip from a generator seeded by (seed, key, v) only: the views do
-not depend on worker count, batch size or shard order.
+The transform is the library's one spec type (``shards.image.transforms.TransformSpec``, eval preset: ``size`` is
+the crop, ``eval_resize`` the shorter side), so precomputed features and a trained model describe their inputs
+alike. Every transform here ends in a uint8 [3, crop, crop] tensor; normalisation happens per batch on the model's
+device (``shards.image.device.Normalize``). On the CPU path the PIL steps are the library's own (``eval_view``,
+``crop_view``: torchvision's ``ImageClassification`` preset pixel for pixel), so features match the reference;
+``--decode device`` runs the same geometry on decoded tensors on the device; every backend takes its sizes and boxes
+from ``shards.image.geometry``. Augmented view ``v`` of sample ``key`` draws its crop and flip from a generator
+seeded by (seed, key, v) only: the views do not depend on worker count, batch size or shard order.
 """
 
 from __future__ import annotations
@@ -13,42 +15,23 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from shards.errors import InputError
 from shards.image.fast import FastEval, resize_box
-from shards.image.geometry import RANDOM_CROP_RATIO, Box, center_crop_box, eval_resize_size, train_view
-from shards.image.options import DEFAULT_INTERPOLATION, check_interpolation, torchvision_mode
+from shards.image.geometry import RANDOM_CROP_RATIO, Box, train_view
+from shards.image.transforms import TransformSpec, crop_view, eval_view
 
 
-@dataclass(frozen=True)
-class FeatureTransform:
-    """Eval geometry and normalisation: resize the shorter side, take the centre crop, normalise."""
-
-    resize: int
-    crop: int
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    interpolation: str = DEFAULT_INTERPOLATION
-
-    def __post_init__(self) -> None:
-        if not 0 < self.crop <= self.resize:
-            raise InputError(f"crop {self.crop} must be positive and at most resize {self.resize}")
-        if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
-            raise InputError(f"mean {self.mean} and std {self.std} need three values each, std positive")
-        check_interpolation(self.interpolation)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"resize": self.resize, "crop": self.crop, "mean": list(self.mean), "std": list(self.std),
-                "interpolation": self.interpolation}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "FeatureTransform":
-        return cls(int(data["resize"]), int(data["crop"]), tuple(float(v) for v in data["mean"]),
-                   tuple(float(v) for v in data["std"]), str(data.get("interpolation", DEFAULT_INTERPOLATION)))
+def transform_record(spec: TransformSpec) -> dict[str, Any]:
+    """The transform as ``features.json`` records it and its config hash covers: exactly what the eval transform
+    does (resize, crop, normalisation, filter). The spec's train-only fields (scale, flip, jitter) play no part in
+    it, so they are left out: a change of their defaults must not make every feature folder stale."""
+    return {"resize": spec.eval_resize, "crop": spec.size, "mean": list(spec.mean), "std": list(spec.std),
+            "interpolation": spec.interpolation}
 
 
 @dataclass(frozen=True)
@@ -85,52 +68,46 @@ def view_params(aug: AugmentSpec, key: str, view: int, width: int, height: int) 
     return train_view(width, height, aug.scale, aug.ratio, 0.5 if aug.flip else 0.0, rng)
 
 
-def eval_fast(array, spec: FeatureTransform) -> torch.Tensor:
+def eval_fast(array, spec: TransformSpec) -> torch.Tensor:
     """The eval geometry as one crop-then-resize on a decoded array (``--decode fast``; < 0.01 gray levels from
     ``eval_pil`` on the same pixels, see tests)."""
-    return FastEval(spec.resize, spec.crop, interpolation=spec.interpolation).apply(array)
+    return FastEval(spec.eval_resize, spec.size, interpolation=spec.interpolation).apply(array)
 
 
-def views_fast(array, spec: FeatureTransform, aug: AugmentSpec, key: str) -> torch.Tensor:
+def views_fast(array, spec: TransformSpec, aug: AugmentSpec, key: str) -> torch.Tensor:
     """[K, 3, crop, crop] uint8 augmented views of one decoded array, the same boxes and flips as ``views_pil``."""
     out = []
     for view in range(aug.views):
         box, flip = view_params(aug, key, view, array.shape[1], array.shape[0])
-        crop = resize_box(array, box.ltrb(), (spec.crop, spec.crop), spec.interpolation)
+        crop = resize_box(array, box.ltrb(), (spec.size, spec.size), spec.interpolation)
         out.append(torch.from_numpy(np.ascontiguousarray(crop[:, ::-1] if flip else crop)).permute(2, 0, 1))
     return torch.stack(out)
 
 
-def eval_pil(image, spec: FeatureTransform) -> torch.Tensor:
-    """torchvision's eval preset on a PIL image, stopping at uint8 (normalisation happens on the device)."""
+def eval_pil(image, spec: TransformSpec) -> torch.Tensor:
+    """The library's eval view of a PIL image, stopping at uint8 (normalisation happens on the device)."""
     import torchvision.transforms.functional as F
 
-    size = eval_resize_size(image.width, image.height, spec.resize)
-    image = F.resize(image, list(size), interpolation=torchvision_mode(spec.interpolation), antialias=True)
-    return F.pil_to_tensor(F.crop(image, *center_crop_box(size.width, size.height, spec.crop)))
+    return F.pil_to_tensor(eval_view(image, spec))
 
 
-def views_pil(image, spec: FeatureTransform, aug: AugmentSpec, key: str) -> torch.Tensor:
-    """[K, 3, crop, crop] uint8 augmented views of one PIL image."""
+def views_pil(image, spec: TransformSpec, aug: AugmentSpec, key: str) -> torch.Tensor:
+    """[K, 3, crop, crop] uint8 augmented views of one PIL image, each the library's ``crop_view``."""
     import torchvision.transforms.functional as F
 
-    out = []
-    for view in range(aug.views):
-        box, flip = view_params(aug, key, view, image.width, image.height)
-        crop = F.resized_crop(image, *box, [spec.crop, spec.crop],
-                              interpolation=torchvision_mode(spec.interpolation), antialias=True)
-        out.append(F.pil_to_tensor(F.hflip(crop) if flip else crop))
-    return torch.stack(out)
+    views = [crop_view(image, *view_params(aug, key, view, image.width, image.height), spec)
+             for view in range(aug.views)]
+    return torch.stack([F.pil_to_tensor(view) for view in views])
 
 
-def eval_tensors(images: Sequence[torch.Tensor], spec: FeatureTransform) -> torch.Tensor:
+def eval_tensors(images: Sequence[torch.Tensor], spec: TransformSpec) -> torch.Tensor:
     """The eval geometry on decoded uint8 tensors (any device): [B, 3, crop, crop] uint8."""
     from shards.image.device import resize_center_crop
 
-    return torch.stack([resize_center_crop(im, spec.resize, spec.crop, spec.interpolation) for im in images])
+    return torch.stack([resize_center_crop(im, spec.eval_resize, spec.size, spec.interpolation) for im in images])
 
 
-def views_tensors(images: Sequence[torch.Tensor], keys: Sequence[str], spec: FeatureTransform,
+def views_tensors(images: Sequence[torch.Tensor], keys: Sequence[str], spec: TransformSpec,
                   aug: AugmentSpec) -> torch.Tensor:
     """[B, K, 3, crop, crop] uint8 augmented views of decoded tensors (same boxes and flips as the PIL path)."""
     from shards.image.device import resized_crop
@@ -141,6 +118,6 @@ def views_tensors(images: Sequence[torch.Tensor], keys: Sequence[str], spec: Fea
         views = []
         for view in range(aug.views):
             box, flip = view_params(aug, key, view, int(width), int(height))
-            views.append(resized_crop(image, box, spec.crop, flip, spec.interpolation))
+            views.append(resized_crop(image, box, spec.size, flip, spec.interpolation))
         batch.append(torch.stack(views))
     return torch.stack(batch)

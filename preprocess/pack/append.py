@@ -28,7 +28,8 @@ from preprocess.pack.sources.members import MemberSpec, SourceFields
 from preprocess.pack.packer import PackConfig, ShardJob, PackMeter, run_jobs, check_strict, log_skipped, pack
 from preprocess.pack.parts import PLAN_FILE, STATE_DIR, column_file_names, write_columns
 from preprocess.pack.plan import PlannedShard, assign_splits, cut_shards, split_order_key
-from preprocess.pack.sources.scan import SourceSample, SourceScan, scan_source
+from preprocess.pack.sources.columns import SourceSample
+from preprocess.pack.sources.scan import SourceScan, scan_source
 from shards.atomic import sha256_file, write_bytes_atomic
 from shards.door.bounded_read import read_json_file
 from shards.errors import CorruptDataError, InputError, ManifestError
@@ -36,7 +37,7 @@ from shards.door.jsonlines import json_lines
 from shards.manifest import (DATASET_FILE, DatasetManifest, ShardInfo, SkippedFile, SourceInfo, SplitInfo,
                              load_dataset_manifest, utc_now)
 from shards.formats.columns import COLUMNS_KEY
-from shards.transport.locations import local_shard_path
+from shards.door.locations import local_shard_path
 from shards.transport.storage import get_storage, shard_name
 from shards.formats.tarindex import index_name
 from shards.lock import claim_output

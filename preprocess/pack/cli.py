@@ -16,10 +16,12 @@ from preprocess.pack.packer import PackConfig, pack
 from preprocess.pack.parts import STATE_DIR, merge_parts, read_plan_doc
 from preprocess.pack.table.pack import pack_table
 from preprocess.pack.table.config import ENCODINGS, IMPUTE_STATISTICS, TASKS, TableConfig
-from preprocess.staging import dataset_spec, resolve_stage, run_staged
+from preprocess.staging import resolve_stage, run_staged
+from preprocess.pack.parts import dataset_spec
 from shards.atomic import check_local_output, on_disk_full
 from shards.lock import claim_output
 from shards.cli.common import ByteSize, emit_json, handle_errors, quiet_option, s3_options, task_options
+from shards.cli.sections import SectionedCommand
 from shards.image.decode import DEFAULT_MAX_PIXELS
 from shards.errors import InputError
 from shards.transport.location import locate
@@ -27,7 +29,18 @@ from shards.transport.storage import STORAGES
 
 log = logging.getLogger("shardcache.pack")
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=SectionedCommand, context_settings={"help_option_names": ["-h", "--help"]},
+               sections={"Source": ("image_column", "label_column", "label_member", "label_field"),
+                         "Validation": ("verify", "max_pixels", "strict", "allow_empty_classes"),
+                         "Output and shards": ("out", "storage", "max_samples", "max_bytes", "val_fraction", "seed",
+                                               "no_shuffle", "resize_max_side", "quality", "overwrite",
+                                               "append_new", "prune"),
+                         "Tables (--table)": ("table", "target", "columns", "categorical", "encode", "impute",
+                                              "table_task"),
+                         "Parallel jobs": ("workers", "task_index", "num_tasks", "merge_dir"),
+                         "Object storage": ("stage_dir", "break_lease", "s3_endpoint_url", "s3_profile",
+                                            "s3_unsigned", "s3_max_concurrency", "s3_read_ahead",
+                                            "min_transfer_rate", "request_deadline")})
 @click.argument("source", required=False, type=click.Path(path_type=str))
 @click.option("--out", "-o", type=click.Path(path_type=str), help="Output folder for shards and dataset.json.")
 @click.option("--storage", type=click.Choice(sorted(STORAGES)), default="tar", show_default=True,

@@ -24,8 +24,8 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from preprocess.pack.parts import (STATE_DIR, check_output, load_part, merge_parts, missing_parts, part_path,
                                    prepare_output, read_plan_doc, shard_files, write_part)
-from preprocess.pack.sources.member_read import fetch_members
 from preprocess.pack.sources.members import DEFAULT_MAX_BYTES, MemberBytes, MemberSpec, SourceFields
+from preprocess.pack.sources.registry import fetch_members
 from preprocess.pack.plan import PackPlan, PlannedShard, make_plan
 from preprocess.pack.sources.scan import SourceScan, check_out_outside_source, scan_source
 from shards.atomic import check_local_output, check_room, on_disk_full, remove_stale_tmp
@@ -266,10 +266,11 @@ def source_packing(cfg: PackConfig, scan: SourceScan) -> dict[str, Any]:
 
 
 def warn_dropped_members(scan: SourceScan, storage: str) -> None:
-    """HDF5 shards hold an image and a label per sample: a WebDataset sample's other members are not kept."""
-    if scan.members is not None and scan.members.container == "tar" and storage != "tar":
-        log.warning("--storage %s keeps each sample's image and label only; the other members of the WebDataset "
-                    "samples (.txt, their own .json...) are kept by --storage tar", storage)
+    """HDF5 shards hold an image and a label per sample: the other members a kind's samples carry (a WebDataset
+    sample's .txt, its own .json...) are not kept."""
+    if scan.source_kind.extra_members and storage != "tar":
+        log.warning("--storage %s keeps each sample's image and label only; the other members of the %s "
+                    "samples (.txt, their own .json...) are kept by --storage tar", storage, scan.source_kind.title)
 
 
 def pack(cfg: PackConfig) -> PackResult:

@@ -49,6 +49,7 @@ from shards.manifest import (DATASET_FILE, DatasetManifest, ShardInfo, SkippedFi
                              load_dataset_manifest)
 from shards.jobs.owned import manifest_names, nested_names, plain_names, refuse_clobber, remove_owned
 from shards.door.shape import as_int, as_int_list, as_list, as_object, as_str, field as get
+from shards.publish.s3_upload import PublishSpec
 
 log = logging.getLogger("shardcache.pack")
 
@@ -391,3 +392,10 @@ def merge_parts(out: str | os.PathLike) -> DatasetManifest:
     write_json_shared(out / DATASET_FILE, manifest.to_dict())
     remove_stale_tmp(out, planned_names(plan_doc))  # what killed writers of this plan left
     return manifest
+
+
+def dataset_spec() -> PublishSpec:
+    """What ``pack-shards --out s3://`` publishes (``preprocess.staging``): ``dataset.json`` last, the objects it may
+    replace, and the plan that tells a rerun of the same job from another job."""
+    return PublishSpec(DATASET_FILE, lambda manifest: manifest.get("packing", {}).get("plan_sha256"),
+                       is_published_name)

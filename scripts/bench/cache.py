@@ -55,6 +55,7 @@ import shards  # noqa: E402
 from shards.atomic import sha256_file  # noqa: E402
 from shards.transport import s3  # noqa: E402
 from shards.jobs.progress import setup_logging  # noqa: E402
+from shards.loader.loader import workers_mode  # noqa: E402
 
 log = logging.getLogger("bench.cache")
 EPOCHS = 2
@@ -103,7 +104,7 @@ def rank_main(rank: int, location: str, cache: shards.ShardCache | None, epochs:
     dataset = shards.open_dataset(location, transform=bench.SPEC, decode=shards.Decode("fast"), seed=0,
                                   distributed=shards.Distributed(rank=rank, world_size=2),
                                   remote=shards.Remote(shard_cache=cache or shards.ShardCache()))
-    loader = shards.make_loader(dataset, batch_size=args.batch_size, num_workers=args.workers, drop_last=False)
+    loader = shards.make_loader(dataset, batch_size=args.batch_size, mode=workers_mode(args.workers), drop_last=False)
     seconds, fetched, seen = [], [], 0
     for epoch in range(epochs):
         loader.set_epoch(epoch)

@@ -43,7 +43,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from preprocess.features.backbones import build_backbone  # noqa: E402
-from preprocess.features.transforms import FeatureTransform, eval_pil, eval_tensors  # noqa: E402
+from preprocess.features.transforms import eval_pil, eval_tensors  # noqa: E402
+from shards.image.transforms import TransformSpec  # noqa: E402
 from preprocess.features.featurize import FeatureConfig, run_precompute  # noqa: E402
 from shards.jobs.devices import resolve_device  # noqa: E402
 from shards.image.decode import decode_image  # noqa: E402
@@ -56,7 +57,7 @@ from shards.manifest import DatasetManifest, FeatureManifest, ShardInfo, SourceI
 from shards.formats.sample import RawSample  # noqa: E402
 from shards.formats.tar import TarShardWriter  # noqa: E402
 
-SPEC = FeatureTransform(256, 224, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+SPEC = TransformSpec(preset="eval", size=224, resize_size=256, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
 
 
 DECODES = ("fast", "standard", "device")

@@ -185,13 +185,13 @@ def step_g1(s: Settings, deadline: float) -> dict:
 
     from preprocess.features.backbones import build_backbone
     from preprocess.features.featurize import FeatureExtractor
-    from preprocess.features.transforms import FeatureTransform
+    from shards.image.transforms import TransformSpec
     from shards.jobs.devices import resolve_device
     from shards.image.options import IMAGENET_MEAN, IMAGENET_STD
 
     device = resolve_device(s.device_name)
     amp = "bf16" if device.type == "cuda" else "off"
-    spec = FeatureTransform(s.resize, s.crop, IMAGENET_MEAN, IMAGENET_STD)
+    spec = TransformSpec(preset="eval", size=s.crop, resize_size=s.resize, mean=IMAGENET_MEAN, std=IMAGENET_STD)
     images = torch.randint(0, 256, (s.batch, 3, s.crop, s.crop), dtype=torch.uint8, device=device)
     runs = [(name, False) for name in s.models] + ([("resnet50", True)] if s.compile else [])
     models: dict[str, dict] = {}
@@ -335,19 +335,20 @@ def step_g3(s: Settings, results: dict) -> dict:
     return out
 
 
-def _train(s: Settings, name: str, **fields) -> dict:
+def _train(s: Settings, name: str, data_path: str, fields: dict) -> dict:
     import torch
 
     from train.config import TrainConfig
     from train.run.loop import train
-    from train.run.run_dir import read_metrics
+    from shards.runrecord import read_rows
 
     cuda = s.device_name != "cpu" and torch.cuda.is_available()
-    cfg = TrainConfig(out_dir=str(s.workdir / name), device=s.device_name, batch_size=s.batch, amp=cuda,
-                      quiet=True, report=False, overwrite=True, seed=0, **fields)
+    cfg = TrainConfig.of(data_path, str(s.workdir / name),
+                         {"run.device": s.device_name, "optim.batch_size": s.batch, "optim.amp": cuda,
+                          "run.quiet": True, "run.report": False, "run.overwrite": True, "optim.seed": 0, **fields})
     started = time.perf_counter()
     summary = train(cfg)
-    rows = read_metrics(Path(cfg.out_dir) / "metrics.jsonl")
+    rows = [row.to_json() for row in read_rows(Path(cfg.run.out_dir) / "metrics.jsonl")]
     return {"steps": summary["steps"], "seconds": round(time.perf_counter() - started, 2),
             "epochs": [{"samples_per_s": round(row["samples_per_s"], 1),
                         "data_wait_share": round(row["data_wait_share"], 4)} for row in rows],
@@ -356,14 +357,14 @@ def _train(s: Settings, name: str, **fields) -> dict:
 
 def step_g4(s: Settings) -> dict:
     out: dict = {}
-    out["images"] = {"model": s.backbone, **_train(s, "run-images", data_path=str(s.dataset), data="images",
-                                                   model=s.backbone, image_size=s.crop, epochs=s.train_epochs,
-                                                   workers=s.workers)}
+    out["images"] = {"model": s.backbone, **_train(s, "run-images", str(s.dataset),
+                                                   {"model.name": s.backbone, "loader.image_size": s.crop,
+                                                    "optim.epochs": s.train_epochs, "loader.workers": s.workers})}
     emit({"step": "G4", "status": "progress", "part": "images", **out["images"]})
     if not (s.features("fast") / "features.json").is_file():
         _precompute(s, "fast")  # G3 did not run: make the cache it would have made
-    out["features"] = {"head": "linear", **_train(s, "run-features", data_path=str(s.features("fast")),
-                                                  data="features", epochs=s.feature_epochs)}
+    out["features"] = {"head": "linear", **_train(s, "run-features", str(s.features("fast")),
+                                                  {"optim.epochs": s.feature_epochs})}
     return out
 
 

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shards  # noqa: E402
 from loader import build_corpus, drop_cache, pack  # noqa: E402
 from shards.jobs.progress import setup_logging  # noqa: E402
+from shards.loader.loader import workers_mode  # noqa: E402
 
 log = logging.getLogger("bench.image_cache")
 PRESETS = ("eval", "train")
@@ -71,7 +72,7 @@ def epoch_rates(folder: Path, spec: shards.TransformSpec, cache: str, args) -> l
     """img/s of each epoch of one loader (workers persist across epochs, so only epoch 1 starts them)."""
     dataset = shards.open_dataset(folder, "train", transform=spec, decode=shards.Decode("fast"), seed=0, cache=cache)
     normalize = dataset.normalizer() if args.consumer == "normalize" else None
-    loader = shards.make_loader(dataset, batch_size=args.batch_size, num_workers=args.workers, drop_last=False)
+    loader = shards.make_loader(dataset, batch_size=args.batch_size, mode=workers_mode(args.workers), drop_last=False)
     drop_cache(sorted(folder.glob("*.tar")))
     rates = []
     for epoch in range(args.epochs):

@@ -13,9 +13,9 @@ whether simplejpeg earns its dependency. I/O-only passes replace decoding by cou
 compares the fast eval path's uint8 pixels and a seeded random resnet18's features with torchvision's reference.
 The fast path also runs with its per-stage timing switched off (``make_loader(stage_times=False)``): the ratio is
 what measuring read/decode/transform/collate seconds costs, and a clock-only loop prices it per sample without noise.
-``--watchdog`` prices stall recovery the same way: the fast path with and without ``make_loader(stall_timeout=)``
-(workers publish each sample they decode; the main process waits for batches in short polls), side by side, and a
-loop that publishes and clears a sample prices it per sample.
+``--watchdog`` prices stall recovery the same way: the fast path with and without
+``make_loader(stall=StallPolicy(...))`` (workers publish each sample they decode; the main process waits for batches
+in short polls), side by side, and a loop that publishes and clears a sample prices it per sample.
 
     python scripts/bench/loader.py --repeat 3   # 3000 images, ~3.5 minutes on 2 cores
     python scripts/bench/loader.py --quick --repeat 3   # 600 images, ~70 s
@@ -63,8 +63,10 @@ from shards.jobs.progress import setup_logging  # noqa: E402
 from shards.formats.sample import RawSample  # noqa: E402
 from shards.transport.storage import get_storage, shard_name  # noqa: E402
 from shards.image.transforms import TransformSpec, build_transform  # noqa: E402
-from shards.loader.stage_times import SharedStageTimes, StageTally  # noqa: E402
-from shards.loader.worker_status import WorkerStatus  # noqa: E402
+from shards.procs.stage_times import SharedStageTimes, StageTally  # noqa: E402
+from shards.procs.worker_status import WorkerStatus  # noqa: E402
+from shards.loader.loader import workers_mode  # noqa: E402
+from shards.loader.watchdog import StallPolicy  # noqa: E402
 
 # Every library is imported above, before any timed pass, so no loader pays another's import time.
 
@@ -181,8 +183,8 @@ def shardcache_loader(folder: Path, args, io_only: bool, draft: bool = False, sp
     else:
         dataset = shards.open_dataset(folder, transform=spec, decode=shards.Decode(draft=draft), seed=0)
     dataset.verify_sha256 = verify_sha256
-    return shards.make_loader(dataset, batch_size=args.batch_size, num_workers=args.workers, drop_last=False,
-                              persistent_workers=False, stage_times=stage_times)
+    return shards.make_loader(dataset, batch_size=args.batch_size, mode=workers_mode(args.workers, persistent=False),
+                              drop_last=False, stage_times=stage_times)
 
 
 def _check_decoder(expect_simplejpeg: bool, confirmed, worker_id: int) -> None:
@@ -220,9 +222,9 @@ def fast_batches(folder: Path, args, use_simplejpeg: bool = True, consumer: str 
     normalize = dataset.normalizer() if consumer != "uint8" else torch.nn.Identity()
     confirmed = multiprocessing.Value("i", 0)
     check = functools.partial(_check_decoder, use_simplejpeg and fast.simplejpeg is not None, confirmed)
-    loader = shards.make_loader(dataset, batch_size=args.batch_size, num_workers=args.workers, drop_last=False,
-                                persistent_workers=False, worker_init_fn=check, stage_times=stage_times,
-                                stall_timeout=stall_timeout)
+    loader = shards.make_loader(dataset, batch_size=args.batch_size, mode=workers_mode(args.workers, persistent=False),
+                                drop_last=False, worker_init_fn=check, stage_times=stage_times,
+                                stall=None if stall_timeout is None else StallPolicy(stall_timeout))
     threads = torch.get_num_threads()
     if consumer == "normalize_1thread":
         torch.set_num_threads(1)
@@ -365,7 +367,8 @@ def main() -> None:
     parser.add_argument("--sha256-only", action="store_true",
                         help="only measure what hashing whole tar shards while streaming costs (I/O-only and fast)")
     parser.add_argument("--watchdog", action="store_true",
-                        help="only measure what the stall watchdog (make_loader(stall_timeout=)) costs, fast path")
+                        help="only measure what the stall watchdog (make_loader(stall=StallPolicy(...))) costs, "
+                             "fast path")
     parser.add_argument("--stage-times-only", action="store_true",
                         help="only measure what per-stage timing costs (fast and standard paths, with and without)")
     args = parser.parse_args()

@@ -63,6 +63,7 @@ import shards  # noqa: E402
 from preprocess.pack.packer import PackConfig, pack_shards  # noqa: E402
 from shards.jobs.progress import setup_logging  # noqa: E402
 from shards.stream.dataset import ShardDataset  # noqa: E402
+from shards.loader.loader import workers_mode  # noqa: E402
 
 log = logging.getLogger("bench.mixture")
 CLASSES = [f"class{i}" for i in range(4)]
@@ -174,8 +175,8 @@ def timed_pass(name: str, source: Any, options: dict, read: list[Path], args) ->
     dataset = shards.open_dataset(source, "train", seed=0, **options)
     opened, cpu_began = time.perf_counter(), cpu_seconds()
     normalize = dataset.normalizer() if args.consumer == "normalize" and not name.startswith("io") else None
-    loader = shards.make_loader(dataset, batch_size=args.batch_size, num_workers=workers, drop_last=False,
-                                persistent_workers=epochs > 1 and workers > 0)
+    loader = shards.make_loader(dataset, batch_size=args.batch_size,
+                                mode=workers_mode(workers, persistent=epochs > 1 and workers > 0), drop_last=False)
     seen = 0
     for epoch in range(epochs):
         loader.set_epoch(epoch)

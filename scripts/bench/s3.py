@@ -49,6 +49,7 @@ import shards  # noqa: E402
 from shards.transport import s3  # noqa: E402
 from shards.transport import s3_ranges  # noqa: E402
 from shards.jobs.progress import setup_logging  # noqa: E402
+from shards.loader.loader import workers_mode  # noqa: E402
 from tests.s3.link import LinkProcess  # noqa: E402
 from tests.s3.server import ACCESS_KEY, SECRET_KEY, start_server  # noqa: E402
 
@@ -82,8 +83,8 @@ def io_only(location, args, storage_options=None):
     dataset = shards.open_dataset(location, decode=shards.Decode(decoder=bench.ByteCount()), seed=0,
                                   remote=shards.Remote(storage_options=storage_options))
     dataset.verify_sha256 = False
-    return shards.make_loader(dataset, batch_size=args.batch_size, num_workers=args.workers, drop_last=False,
-                              persistent_workers=False)
+    return shards.make_loader(dataset, batch_size=args.batch_size, mode=workers_mode(args.workers, persistent=False),
+                              drop_last=False)
 
 
 def fast_uint8(location, args, storage_options=None):
@@ -91,8 +92,8 @@ def fast_uint8(location, args, storage_options=None):
     dataset = shards.open_dataset(location, transform=bench.SPEC, decode=shards.Decode("fast"), seed=0,
                                   remote=shards.Remote(storage_options=storage_options))
     dataset.verify_sha256 = False
-    return shards.make_loader(dataset, batch_size=args.batch_size, num_workers=args.workers, drop_last=False,
-                              persistent_workers=False)
+    return shards.make_loader(dataset, batch_size=args.batch_size, mode=workers_mode(args.workers, persistent=False),
+                              drop_last=False)
 
 
 def fetched_per_sample(url: str, folder: Path, args, count: int, storage_options=None) -> dict[str, float]:

@@ -181,7 +181,8 @@ def measure_open(dataset: str, variant: str, rank: int, world: int, barrier: str
     start = time.monotonic()
     ds = _open(dataset, variant, rank, world)
     opened = time.monotonic()
-    loader = shards.make_loader(ds, BATCH, num_workers=2, drop_last=False)
+    from shards.loader.worker_processes import WorkerProcesses
+    loader = shards.make_loader(ds, BATCH, mode=WorkerProcesses(2), drop_last=False)
     batches = iter(loader)
     next(batches)
     first = time.monotonic()
@@ -205,7 +206,8 @@ def measure_epoch(dataset: str, state_file: str) -> dict[str, Any]:
     import shards
 
     ds = _open(dataset, "plain")
-    loader = shards.make_loader(ds, BATCH, num_workers=2, drop_last=False)
+    from shards.loader.worker_processes import WorkerProcesses
+    loader = shards.make_loader(ds, BATCH, mode=WorkerProcesses(2), drop_last=False)
     total = len(loader)
     start = time.monotonic()
     seen = 0
@@ -228,7 +230,8 @@ def measure_resume(dataset: str, state_file: str) -> dict[str, Any]:
     state = json.loads(Path(state_file).read_text())
     start = time.monotonic()
     ds = _open(dataset, "plain")
-    loader = shards.make_loader(ds, 192, num_workers=3, drop_last=False)
+    from shards.loader.worker_processes import WorkerProcesses
+    loader = shards.make_loader(ds, 192, mode=WorkerProcesses(3), drop_last=False)
     loader.load_state_dict(state)
     next(iter(loader))
     return {"resume_first_batch_s": time.monotonic() - start}

@@ -42,7 +42,7 @@ from shards.formats.sample import RawSample
 from shards.transport.storage import get_storage, shard_name
 from train.config import TrainConfig
 from train.run.loop import train
-from train.run.run_dir import read_metrics
+from shards.runrecord import read_rows
 
 log = logging.getLogger("bench.train")
 
@@ -111,7 +111,7 @@ def measure(name: str, cfg: TrainConfig) -> dict:
     """Train, then read throughput and data-wait share per epoch from metrics.jsonl."""
     started = time.perf_counter()
     summary = train(cfg)
-    rows = read_metrics(Path(cfg.out_dir) / "metrics.jsonl")
+    rows = [row.to_json() for row in read_rows(Path(cfg.run.out_dir) / "metrics.jsonl")]
     steady = rows[1:] or rows  # the first epoch also pays for loading the cache into memory
     result = {
         "samples_per_s": float(np.mean([r["samples_per_s"] for r in steady])),
@@ -166,19 +166,20 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     small = write_features(work / "cache-small", min(args.per_sample_samples, args.samples), args.dim, args.classes,
                            10_000, seed=1)
     images = write_images(work / "images", args.image_samples, args.image_side, 4, 128, seed=0)
-    common = dict(device=args.device, quiet=True, overwrite=True, seed=0)
-    batched = measure("features, in-process batches", TrainConfig(
-        data_path=str(features), out_dir=str(work / "run-features"), epochs=args.epochs,
-        batch_size=args.batch_size, **common))
-    unprefetched = measure("features, in-process, no prefetch", TrainConfig(
-        data_path=str(features), out_dir=str(work / "run-features-no-prefetch"), epochs=2,
-        batch_size=args.batch_size, prefetch=0, **common))
-    per_sample = measure("features, per-sample DataLoader (1 worker)", TrainConfig(
-        data_path=str(small), out_dir=str(work / "run-features-dataloader"), epochs=1,
-        batch_size=args.batch_size, workers=1, **common))
-    image = measure(f"images, {args.image_model} @ {args.image_size}px ({args.workers} worker)", TrainConfig(
-        data_path=str(images), out_dir=str(work / "run-images"), data="images", model=args.image_model,
-        image_size=args.image_size, epochs=2, batch_size=32, optimizer="adamw", workers=args.workers, **common))
+    common = {"run.device": args.device, "run.quiet": True, "run.overwrite": True, "optim.seed": 0}
+    batched = measure("features, in-process batches", TrainConfig.of(
+        str(features), str(work / "run-features"),
+        {"optim.epochs": args.epochs, "optim.batch_size": args.batch_size, **common}))
+    unprefetched = measure("features, in-process, no prefetch", TrainConfig.of(
+        str(features), str(work / "run-features-no-prefetch"),
+        {"optim.epochs": 2, "optim.batch_size": args.batch_size, "loader.prefetch": 0, **common}))
+    per_sample = measure("features, per-sample DataLoader (1 worker)", TrainConfig.of(
+        str(small), str(work / "run-features-dataloader"),
+        {"optim.epochs": 1, "optim.batch_size": args.batch_size, "loader.workers": 1, **common}))
+    image = measure(f"images, {args.image_model} @ {args.image_size}px ({args.workers} worker)", TrainConfig.of(
+        str(images), str(work / "run-images"),
+        {"model.name": args.image_model, "loader.image_size": args.image_size, "optim.epochs": 2,
+         "optim.batch_size": 32, "optim.optimizer": "adamw", "loader.workers": args.workers, **common}))
     ratio = batched["samples_per_s"] / per_sample["first_epoch_samples_per_s"]
     prefetch_ratio = batched["samples_per_s"] / unprefetched["samples_per_s"]
     log.info("in-process feature batches are %.1fx the per-sample DataLoader; data wait %.1f%% vs %.1f%%", ratio,

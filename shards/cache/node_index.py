@@ -47,7 +47,7 @@ from shards.cache.plan_view import live_plans, next_uses, remove_dead_plans
 from shards.errors import MissingInputError, ShardcacheError
 from shards.lock import pid_alive
 from shards.door.shape import as_int, as_object
-from shards.procs import SharedValues
+from shards.procs.values import SharedValues
 
 log = logging.getLogger("shardcache.cache")
 

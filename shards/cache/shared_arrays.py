@@ -34,8 +34,8 @@ from typing import Iterator
 
 import numpy as np
 
-from shards.position.resume import MAX_WORKERS
-from shards.loader.stage_times import worker_slot
+from shards.procs.values import MAX_WORKERS
+from shards.procs.stage_times import worker_slot
 
 EMPTY, WRITING, FILLED = 0, 1, 2
 _USED, _COMMITTED, _FULL = range(3)

@@ -29,7 +29,7 @@ from shards.errors import MissingInputError, ShardcacheError
 from shards.formats.feature_names import from_table
 from shards.formats.features import FeatureShard, FeatureSpec, feature_shard_problems, load_feature_shard
 from shards.transport.location import Location, locate
-from shards.transport.locations import dataset_location
+from shards.door.locations import dataset_location
 from shards.transport.manifest_io import read_dataset_manifest, read_feature_manifest
 from shards.transport.storage import get_storage
 from shards.manifest import DATASET_FILE, DatasetManifest, FeatureManifest, ShardInfo

@@ -9,7 +9,7 @@ every such problem (``feature_staleness``), ``train-from-shards`` refuses to sta
 
 The dataset may be on object storage (``dataset_dir`` is ``s3://bucket/prefix``): its ``dataset.json`` is then read
 with the caller's storage options (``shards.transport.manifest_io``); nothing else of it is read
-(``dataset_location`` in ``shards.transport.locations`` says when such a URL is followed at all). A dataset that is
+(``dataset_location`` in ``shards.door.locations`` says when such a URL is followed at all). A dataset that is
 gone or cannot be reached (403, 404, network) is a warning for ``check_features_fresh``; a ``dataset.json`` that
 is there but malformed is an error.
 """
@@ -24,7 +24,7 @@ from typing import Any, Mapping
 from shards.errors import ManifestError, ShardcacheError, StaleCacheError
 from shards.formats.feature_names import from_table
 from shards.transport.location import Location, locate
-from shards.transport.locations import dataset_location
+from shards.door.locations import dataset_location
 from shards.transport.manifest_io import dataset_sha256_at, read_dataset_manifest
 from shards.manifest import DATASET_FILE, FEATURES_FILE, DatasetManifest, FeatureManifest, ShardInfo
 

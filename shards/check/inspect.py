@@ -80,6 +80,7 @@ def format_summary(summary: dict[str, Any]) -> str:
 def _loader(folder: Path | str, split: str, transform: Callable, batch_size: int, *, shuffle: bool = False,
             seed: int = 0, storage_options: Any = None):
     """The reader training uses (so a problem there shows here), in-process: one batch is all we need."""
+    from shards.loader.in_process import InProcess
     from shards.loader.loader import make_loader
     from shards.stream.options import Distributed, Remote, Sampling
     from shards.stream.reader import open_dataset
@@ -87,7 +88,7 @@ def _loader(folder: Path | str, split: str, transform: Callable, batch_size: int
     dataset = open_dataset(folder, split, transform=transform, sampling=Sampling(shuffle=shuffle), seed=seed,
                            distributed=Distributed(rank=0, world_size=1),
                            remote=Remote(storage_options=storage_options))
-    return make_loader(dataset, batch_size, num_workers=0, drop_last=False, persistent_workers=False)
+    return make_loader(dataset, batch_size, mode=InProcess(), drop_last=False)
 
 
 def _pick_split(manifest: DatasetManifest, split: str | None, prefer: str) -> str:

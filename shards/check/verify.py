@@ -34,7 +34,7 @@ from shards.check.verify_core import (
     DEFAULT_SAMPLES_PER_SHARD, ShardTally, Tally, VerifyOptions, VerifyReport, check_samples, check_split_totals,
 )
 from shards.errors import CorruptDataError, InputError, ManifestError, MissingInputError, ShardcacheError
-from shards.formats.columns import open_columns, verify_columns
+from shards.select.columns import open_columns, verify_columns
 from shards.transport.location import Location, locate
 from shards.transport.manifest_io import load_manifest_at
 from shards.transport.storage import get_storage

@@ -10,6 +10,7 @@ import sys
 import click
 
 from shards.cli.common import EXIT_FAILED, class_names, emit_json, handle_errors, quiet_option, s3_options
+from shards.cli.sections import SectionedCommand
 from shards.check.inspect import batch_report, format_mixture, format_summary, mixture_report, save_grid, summarize
 from shards.check.verify import verify_dataset
 from shards.check.verify_core import DEFAULT_SAMPLES_PER_SHARD
@@ -22,7 +23,10 @@ def main() -> None:
     """Verify, inspect and report on shardcache folders."""
 
 
-@main.command("verify")
+@main.command("verify", cls=SectionedCommand,
+              sections={"Checks": ("full", "samples_per_shard", "workers"),
+                        "Object storage": ("s3_endpoint_url", "s3_profile", "s3_unsigned", "s3_max_concurrency",
+                                           "s3_read_ahead", "min_transfer_rate", "request_deadline")})
 @click.argument("folder", type=click.Path(path_type=str))
 @click.option("--full", is_flag=True, help="Decode every image, not a sample per shard.")
 @click.option("--samples-per-shard", type=int, default=DEFAULT_SAMPLES_PER_SHARD, show_default=True,
@@ -47,7 +51,13 @@ def verify_command(folder: str, full: bool, samples_per_shard: int, workers: int
         sys.exit(EXIT_FAILED)
 
 
-@main.command("inspect")
+@main.command("inspect", cls=SectionedCommand,
+              sections={"Batch and grid": ("show_batch", "batch_size", "split", "image_size", "grid_path",
+                                           "grid_count", "seed"),
+                        "Mixture and subset": ("mix_sources", "classes", "where", "max_samples", "class_map",
+                                               "epoch_size", "epochs", "exact_classes"),
+                        "Object storage": ("s3_endpoint_url", "s3_profile", "s3_unsigned", "s3_max_concurrency",
+                                           "s3_read_ahead", "min_transfer_rate", "request_deadline")})
 @click.argument("folder", type=click.Path(path_type=str), required=False)
 @click.option("--batch", "show_batch", is_flag=True,
               help="Load one batch with the eval transform; print shape, dtype, value range, labels.")
@@ -173,8 +183,9 @@ def report_command(paths: tuple[str, ...], out: str | None, no_grid: bool, quiet
 @quiet_option
 @handle_errors
 def lineage_command(run_dir: str, epoch: int, step: int, rank: int | None, quiet: bool) -> None:
-    """The sample keys (with shard and row) a train-from-shards step was fed, computed from the run's config.json
-    and data-events.jsonl (layouts, resumes, quarantines), not from per-step logs."""
-    from train.run.lineage import run_lineage  # the run's loaders are train's: built as train-from-shards built them
+    """The sample keys (with shard and row) a train-from-shards step was fed, computed from the run's record
+    (run.json: the loader call it made) and data-events.jsonl (layouts, resumes, quarantines), not from per-step
+    logs."""
+    from shards.check.lineage import run_lineage
 
     emit_json(run_lineage(run_dir, epoch, step, rank))

@@ -39,6 +39,8 @@ class SectionedCommand(click.Command):
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         rows: dict[str, list[tuple[str, str]]] = {title: [] for title in (*self.sections, self.rest)}
         for param in self.get_params(ctx):
+            if isinstance(param, click.Argument):
+                continue  # arguments are in the usage line, as in click's own help
             record = param.get_help_record(ctx)
             if record is not None:
                 rows[self.section_of(param.name or "")].append(record)

@@ -27,7 +27,7 @@ import numpy as np
 
 from shards.door.bounded_read import MAX_FILE_BYTES, open_regular_file, read_capped
 from shards.errors import ChecksumError, CorruptDataError, MissingInputError
-from shards.transport.locations import local_shard_path
+from shards.door.locations import local_shard_path
 
 log = logging.getLogger("shardcache.tarindex")
 

@@ -74,7 +74,7 @@ class ImageDecoder:
     seeded to it inside ``torch.random.fork_rng``, so the caller's random state is the same afterwards.
 
     ``decoded_at`` is the ``time.perf_counter()`` at which the last call finished decoding and began transforming:
-    the reader's stage timing (``shards.loader.stage_times``) splits the call there.
+    the reader's stage timing (``shards.procs.stage_times``) splits the call there.
     """
 
     decoded_at: float | None = None

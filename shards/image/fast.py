@@ -199,7 +199,7 @@ class FastDecoder:
     to that shorter side (``FastTrain.source_side``), the source ``open_dataset(cache="memory")`` keeps in memory.
 
     ``decoded_at``: the ``time.perf_counter()`` at which the last call finished decoding and began the geometry,
-    where the reader's stage timing (``shards.loader.stage_times``) splits decode from transform.
+    where the reader's stage timing (``shards.procs.stage_times``) splits decode from transform.
     """
 
     decoded_at: float | None = None

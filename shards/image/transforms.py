@@ -1,10 +1,12 @@
 """Transform presets: the standard ImageNet-style train and eval pipelines, with sizes as fields, not magic strings.
 
-A ``TransformSpec`` is a frozen, JSON-friendly record (it goes into feature manifests and checkpoints, so a model
-knows how its inputs were made); ``build_transform`` turns it into a ``PilTransform``, the standard (PIL) pipeline
-with its crop boxes from ``shards.image.geometry`` and its randomness from an explicit per-sample seed.
-``draft_size`` tells the decoder how small a JPEG may be decoded (``Image.draft``) without changing what the
-transform sees much.
+A ``TransformSpec`` is the one description of an image transform: a frozen, JSON-friendly record that training,
+checkpoints and feature precomputation all use, so a model knows how its inputs were made. ``build_transform`` turns
+it into a ``PilTransform``, the standard (PIL) pipeline with its crop boxes from ``shards.image.geometry`` and its
+randomness from an explicit per-sample seed. Its two PIL steps, ``eval_view`` (resize, centre crop) and
+``crop_view`` (one box resized to the crop, maybe flipped), are the only PIL assembly of those geometries:
+``preprocess.features`` builds its uint8 eval inputs and augmented views on them. ``draft_size`` tells the decoder
+how small a JPEG may be decoded (``Image.draft``) without changing what the transform sees much.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from shards.errors import InputError
-from shards.image.geometry import (RANDOM_CROP_RATIO, center_crop_box, default_eval_resize, eval_resize_size,
+from shards.image.geometry import (RANDOM_CROP_RATIO, Box, center_crop_box, default_eval_resize, eval_resize_size,
                                    train_view)
 from shards.image.options import IMAGENET_MEAN, IMAGENET_STD, check_interpolation, torchvision_mode
 
@@ -44,12 +46,14 @@ class TransformSpec:
         if self.preset not in PRESETS:
             raise InputError(f"transform preset {self.preset!r} is unknown; choose one of {list(PRESETS)}")
         if self.size < 1 or (self.resize_size is not None and self.resize_size < self.size):
-            raise InputError(f"transform sizes must satisfy 1 <= size <= resize_size, got {self.size}, "
+            raise InputError(f"transform crop size {self.size} must be at least 1 and at most the resize "
                              f"{self.resize_size}")
         if not 0 < self.scale[0] <= self.scale[1] <= 1:
             raise InputError(f"transform scale must satisfy 0 < min <= max <= 1, got {self.scale}")
         if not 0 <= self.hflip <= 1 or self.color_jitter < 0:
             raise InputError(f"hflip must be in [0, 1] and color_jitter >= 0, got {self.hflip}, {self.color_jitter}")
+        if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
+            raise InputError(f"transform mean {self.mean} and std {self.std} need three values each, std positive")
         check_interpolation(self.interpolation)
 
     @property
@@ -94,24 +98,40 @@ class PilTransform:
     def __call__(self, image: Any, seed: int | None = None) -> torch.Tensor:
         import torchvision.transforms.functional as F
 
-        spec, mode = self.spec, torchvision_mode(self.spec.interpolation)
+        spec = self.spec
         if spec.preset == "eval":
-            size = eval_resize_size(image.width, image.height, spec.eval_resize)
-            image = F.resize(image, list(size), interpolation=mode, antialias=True)
-            image = F.crop(image, *center_crop_box(size.width, size.height, spec.size))
+            image = eval_view(image, spec)
         else:
             if seed is None:
                 import torch
 
                 seed = int(torch.randint(0, 2**62, (1,)).item())
             rng = random.Random(seed)
-            box, flip = train_view(image.width, image.height, spec.scale, RANDOM_CROP_RATIO, spec.hflip, rng)
-            image = F.resized_crop(image, *box, [spec.size, spec.size], interpolation=mode, antialias=True)
-            if flip:
-                image = F.hflip(image)
+            image = crop_view(image, *train_view(image.width, image.height, spec.scale, RANDOM_CROP_RATIO,
+                                                 spec.hflip, rng), spec)
             if spec.color_jitter > 0:
                 image = color_jitter(image, spec.color_jitter, rng)
         return F.normalize(F.to_tensor(image), spec.mean, spec.std)
+
+
+def eval_view(image: Any, spec: TransformSpec) -> Any:
+    """The eval geometry on a PIL image, torchvision's Resize(eval_resize) + CenterCrop(size) pixel for pixel: a PIL
+    image of ``spec.size`` square, before any conversion (callers want floats or uint8)."""
+    import torchvision.transforms.functional as F
+
+    size = eval_resize_size(image.width, image.height, spec.eval_resize)
+    image = F.resize(image, list(size), interpolation=torchvision_mode(spec.interpolation), antialias=True)
+    return F.crop(image, *center_crop_box(size.width, size.height, spec.size))
+
+
+def crop_view(image: Any, box: Box, flip: bool, spec: TransformSpec) -> Any:
+    """One augmented view of a PIL image: ``box`` resized to ``spec.size`` square, mirrored when ``flip``; the box
+    and flip come from the caller's seeded draw (``geometry.train_view``), so this step draws nothing."""
+    import torchvision.transforms.functional as F
+
+    image = F.resized_crop(image, *box, [spec.size, spec.size], interpolation=torchvision_mode(spec.interpolation),
+                           antialias=True)
+    return F.hflip(image) if flip else image
 
 
 def color_jitter(image: Any, strength: float, rng: random.Random) -> Any:

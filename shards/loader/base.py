@@ -1,48 +1,108 @@
-"""The one loader type: what every loader of a shardcache dataset offers, whatever makes its batches.
+"""The one loader of a shardcache dataset, and what a run mode must provide to it.
 
-``ShardLoader`` (DataLoader workers over image or feature shards) and ``FeatureBatchLoader`` (in-process batches of
-feature rows) differ only in how they make batches; both keep their position in a ``Cursor``
-(``shards.position.cursor``) and answer the same methods, so a training loop, a checkpoint
-(``state_dict``/``load_state_dict``, which Lightning and accelerate call; ``dcp_state()`` for
-``torch.distributed.checkpoint``) or a trainer integration never asks which one it holds (docs/integrations.md).
+A ``Loader`` is the same object whatever makes its batches: it owns the position (a ``Cursor``,
+``shards.position.cursor``: batches handed out, a loaded state, the quarantine), the epoch, ``state_dict`` /
+``load_state_dict`` (which Lightning and accelerate call; ``dcp_state()`` for ``torch.distributed.checkpoint``),
+the stage seconds, stall recovery (``StallPolicy``) and where its faults are reported, so a training loop, a
+checkpoint or a trainer integration never asks which way it runs (docs/integrations.md).
+
+How batches are made is a value, the loader's run mode (``RunMode``): ``WorkerProcesses`` (DataLoader worker
+processes, ``shards.loader.worker_processes``) or ``InProcess`` (``shards.loader.in_process``). A mode says which
+saved-state layout its batch count means and builds the ``Run`` that yields the current epoch's batches from the
+cursor's position; a new way of running (threads) is one new mode class, with no branch here.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from shards.errors import InputError
+from shards.procs.stage_times import SharedStageTimes
+from shards.loader.watchdog import StallPolicy, Watchdog, check_stack_dir
 from shards.position.cursor import Cursor
 from shards.position.dcp_state import DcpLoaderState
-from shards.position.elastic import EXCLUDED
+from shards.position.elastic import EXCLUDED, Continuation
 from shards.position.lineage import batch_rows, row_samples
 from shards.position.resume import worker_batches
 
 
+class Run(ABC):
+    """One loader's way of making batches, built by its mode for that loader; the loader drives it."""
+
+    @abstractmethod
+    def batches(self) -> Iterator[Any]:
+        """The current epoch's batches from the cursor's position (``cursor.begin()``), counting each one handed
+        out in ``cursor.handed``."""
+
+    def loaded(self, continued: Continuation) -> None:
+        """A state was loaded into the cursor (``continued`` starts at the next iteration)."""
+
+    def close(self) -> None:
+        """Stop what runs beside the caller now; iterating again starts afresh."""
+
+
+class RunMode(ABC):
+    """How a loader runs: a frozen value (compared, printed, saved in a config) that builds the loader's ``Run``.
+
+    ``workers``: the DataLoader worker processes it starts (part of a saved state's layout); ``restarts_workers``:
+    whether a ``StallPolicy`` can act on it (a stall is healed by restarting worker processes)."""
+
+    workers: int = 0
+    restarts_workers: bool = False
+
+    @abstractmethod
+    def layout(self, dataset: Any, batch_size: int) -> tuple[str, int]:
+        """``(kind, split_batch)`` of this mode over ``dataset``: which saved-state layout a batch count means
+        (``shards.position.resume``) and the unit the epoch plan splits a rank's share between workers in."""
+
+    @abstractmethod
+    def start(self, loader: Loader) -> Run:
+        """The run that makes ``loader``'s batches (called once, when the loader is made)."""
+
+
 class Loader:
-    """What every loader of a shardcache dataset offers, images and features alike: iteration over the epoch's
-    batches, ``len`` right for the rank, ``set_epoch``/``epoch`` (also as ``sampler.set_epoch``, Lightning's way),
-    ``state_dict``/``load_state_dict`` (the ``Stateful`` protocol Lightning's checkpoints call), ``dcp_state()`` (the
-    same for ``torch.distributed.checkpoint``) and ``stage_seconds``. Subclasses say how batches are made; the
-    position is the ``cursor``'s (``shards.position.cursor``)."""
+    """Batches of a dataset of ``open_dataset`` in one run ``mode`` (usually made by ``make_loader``).
 
-    dataset: Any  # a ShardDataset
-    batch_size: int
-    num_workers: int
-    drop_last: bool
-    cursor: Cursor
+    Iteration over the epoch's batches, ``len`` right for the rank, ``set_epoch``/``epoch`` (also as
+    ``sampler.set_epoch``, Lightning's way), ``state_dict``/``load_state_dict`` (the ``Stateful`` protocol),
+    ``dcp_state()``, ``stage_seconds()``, ``quarantined`` and ``report_faults``, in every mode.
 
-    def __init__(self, dataset: Any, batch_size: int, kind: str, *, num_workers: int, drop_last: bool,
-                 split_batch: int):
+    ``stall``: stall and crash recovery (``shards.loader.watchdog``); a mode without worker processes to restart
+    refuses it (an ``InputError`` naming the mode), never ignores it. ``stage_times=False``: no stage seconds (they
+    stay at 0), for measuring what they cost. ``collate_fn``, ``pin_memory`` and ``dataloader_options`` go to the
+    DataLoader of a mode that makes one."""
+
+    def __init__(self, dataset: Any, batch_size: int, mode: RunMode, *, drop_last: bool = False,
+                 stall: StallPolicy | None = None, stage_times: bool = True, collate_fn: Callable | None = None,
+                 pin_memory: bool = False, **dataloader_options: Any):
         if batch_size < 1:
             raise InputError(f"batch_size must be at least 1, got {batch_size}")
+        if not isinstance(mode, RunMode):
+            raise InputError(f"mode must be a run mode (WorkerProcesses(n) or InProcess()), got {mode!r}")
+        if stall is not None and not mode.restarts_workers:
+            raise InputError(f"stall recovery (StallPolicy) restarts DataLoader worker processes, and {mode} runs "
+                             "none: use WorkerProcesses(n) or leave stall unset")
         self.dataset = dataset
         self.batch_size = batch_size
-        self.num_workers = num_workers
+        self.mode = mode
         self.drop_last = drop_last
-        self.cursor = Cursor(dataset, kind, batch_size=batch_size, num_workers=num_workers, drop_last=drop_last,
+        self.collate_fn, self.pin_memory, self.dataloader_options = collate_fn, pin_memory, dataloader_options
+        kind, split_batch = mode.layout(dataset, batch_size)
+        self.cursor = Cursor(dataset, kind, batch_size=batch_size, num_workers=mode.workers, drop_last=drop_last,
                              split_batch=split_batch)
+        self._stage_times = SharedStageTimes()
+        self.stage_times = self._stage_times if stage_times else None  # where a run adds its stage seconds
+        self.watchdog = Watchdog(stall, dataset, self.cursor) if stall is not None else None
+        self.run = mode.start(self)
+
+    @property
+    def num_workers(self) -> int:
+        return self.mode.workers
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.run.batches()
 
     def __len__(self) -> int:
         """Batches of this epoch, counting those handed out before a resume in another layout."""
@@ -60,6 +120,7 @@ class Loader:
     def close(self) -> None:
         """Stop what the loader runs beside the caller (worker processes) now, rather than when the garbage
         collector reaches it. Iterating again starts afresh. Also ``with make_loader(...) as loader:``."""
+        self.run.close()
 
     def __enter__(self) -> "Loader":
         return self
@@ -78,26 +139,40 @@ class Loader:
         so without this every epoch of ``Trainer.fit`` would repeat epoch 0's order (docs/integrations.md)."""
         return self.dataset
 
+    # -- position ----------------------------------------------------------------------------------------------------
     def state_dict(self, batches_consumed: int | None = None) -> dict[str, Any]:
         """The position in the current epoch: after the batches handed out, or after ``batches_consumed`` of them
         when the consumer lags behind (a prefetcher that drew batches the training step has not used); with the
-        rows the dataset leaves out (``exclude_rows``), which a resume with others replays (``elastic``)."""
+        quarantine, and the rows the dataset leaves out (``exclude_rows``), which a resume with others replays
+        (``elastic``)."""
         state = self.cursor.state_dict(batches_consumed)
-        if getattr(self.dataset, "excluded", None) is not None:
+        if self.dataset.excluded is not None:
             state[EXCLUDED] = self.dataset.excluded.tolist()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the saved epoch at the next batch it had not yet handed out: in the same layout exactly as the
         interrupted run would have, in another (world size, workers, batch size) with exactly the samples the
-        interrupted epoch had not yet yielded."""
-        self.cursor.load(state)
+        interrupted epoch had not yet yielded; the saved quarantine is kept out from then on."""
+        self.run.loaded(self.cursor.load(state))
 
     def dcp_state(self) -> DcpLoaderState:
-        """This loader's position as ``torch.distributed.checkpoint`` saves and loads it (``shards.position.dcp_state``):
-        ``dcp.save({"data": loader.dcp_state(), ...})`` on every rank; ``dcp.load`` the same on a run of any world
-        size continues the epoch there."""
+        """This loader's position as ``torch.distributed.checkpoint`` saves and loads it
+        (``shards.position.dcp_state``): ``dcp.save({"data": loader.dcp_state(), ...})`` on every rank; ``dcp.load``
+        the same on a run of any world size continues the epoch there."""
         return DcpLoaderState(self)
+
+    @property
+    def quarantined(self) -> tuple[tuple[int, str], ...]:
+        """Samples kept out of every epoch as sorted ``(global row, key)`` pairs: a worker hung or died on each
+        twice (``shards.loader.watchdog``), or a loaded state carried them. Empty in a mode with no workers to
+        hang, unless a loaded state carried some."""
+        return self.cursor.quarantined
+
+    def keep_out(self, samples: dict[int, str]) -> None:
+        """Quarantine ``samples`` (global row -> key) from the next epoch on, as the watchdog would have: a replay of
+        a run's quarantine events (``train.run.lineage``)."""
+        self.cursor.keep_out(samples)
 
     def batch_keys(self, epoch: int, step: int) -> list[dict[str, Any]]:
         """The samples of batch ``step`` (from 0, within the epoch) of ``epoch`` (from 0, as ``set_epoch``) on this
@@ -110,12 +185,22 @@ class Loader:
         else:
             position = replace(self.cursor.position(0), epoch=epoch, prior=None)
         rows = batch_rows(self.dataset.epoch_source(), position, self.dataset.config.rank, step)
-        return row_samples(self.dataset, rows, getattr(self.dataset, "quarantine", None) or ())
+        return row_samples(self.dataset, rows, self.cursor.quarantine)
+
+    # -- faults and time ---------------------------------------------------------------------------------------------
+    def report_faults(self, stack_dir: str | None, on_event: Callable[[dict], Any] | None) -> None:
+        """Where stall recovery writes stack dumps and sends its events, for a caller that knows only after making
+        the loader (a trainer's run folder); the folder is checked now. Without a ``StallPolicy`` there are no
+        faults to report."""
+        checked = None if stack_dir is None else check_stack_dir(stack_dir)
+        if self.watchdog is not None:
+            self.watchdog.stack_dir, self.watchdog.on_event = checked, on_event
 
     def stage_seconds(self) -> dict[str, float]:
         """This rank's busy seconds per worker stage (``read``, ``decode``, ``transform``, ``collate``), summed over
-        its workers and all epochs since the last ``reset_stage_seconds``; a consumer takes differences per epoch."""
-        return self.dataset.stage_seconds()
+        its workers and all epochs since the last ``reset_stage_seconds``; a consumer takes differences per epoch.
+        An in-process run of ready feature rows has only ``read`` (``shards.loader.in_process``)."""
+        return self._stage_times.snapshot()
 
     def reset_stage_seconds(self) -> None:
-        self.dataset.reset_stage_seconds()
+        self._stage_times.reset()

@@ -1,9 +1,9 @@
-"""Stall and crash recovery for a ``ShardLoader``'s DataLoader workers, with quarantine (``stall_timeout``).
+"""Stall and crash recovery for a loader's DataLoader worker processes, with quarantine (``StallPolicy``).
 
 A worker that hangs on one sample (a decoder in a loop, a read that never returns) hangs the whole job, and one the
 OOM killer or a codec's segfault ends takes the run with it; DataLoader's own ``timeout`` only raises. The main
 process already knows its exact position (the batches it handed out, ``shards.position.cursor``) and each worker
-publishes the sample it is decoding (``shards.loader.worker_status``), so when no batch arrives for
+publishes the sample it is decoding (``shards.procs.worker_status``), so when no batch arrives for
 ``timeout_s`` or a worker process is gone, the watchdog:
 
 1. writes the Python stacks of the workers still alive (``faulthandler`` on ``SIGUSR1``, registered when each
@@ -14,7 +14,8 @@ publishes the sample it is decoding (``shards.loader.worker_status``), so when n
    yields every sample once, in the order of a run without the fault;
 3. quarantines the sample a worker hung or died on for the second time: its slot gets a stand-in, as
    ``on_error="skip"`` fills a broken sample's (``shards.stream.error_tally``), so batch and rank counts stay
-   equal; the loader's state carries the quarantine, so a resumed run keeps the sample out.
+   equal; the quarantine is the loader's cursor's (``Cursor.keep_out``, which reaches the workers), and its state
+   carries it, so a resumed run keeps the sample out.
 
 With ``on_error="raise"`` a stall is an error naming shard, key and the stuck frame instead of a restart; a dead
 worker is restarted under either policy (the OOM killer is no verdict on the sample), and a sample that kills
@@ -58,8 +59,7 @@ from torch.utils.data._utils import signal_handling
 from shards.atomic import write_text_shared
 from shards.errors import CorruptDataError, InputError, ShardcacheError
 from shards.order.plan import shard_offsets
-from shards.position.resume import check_quarantine_size
-from shards.loader.worker_status import Busy, WorkerStatus
+from shards.procs.worker_status import Busy, WorkerStatus
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +84,9 @@ class StallPolicy:
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
-            raise InputError(f"stall_timeout must be a positive number of seconds, got {self.timeout_s}")
+            raise InputError(f"StallPolicy timeout_s must be a positive number of seconds, got {self.timeout_s}")
         if self.max_restarts < 0:
-            raise InputError(f"max_restarts must be >= 0, got {self.max_restarts}")
+            raise InputError(f"StallPolicy max_restarts must be >= 0, got {self.max_restarts}")
         if self.stack_dir is not None:
             check_stack_dir(self.stack_dir)
 
@@ -149,11 +149,13 @@ class WorkerFault(Exception):
 
 
 class Watchdog:
-    """The main process's side of recovery for one loader (see the module docstring)."""
+    """The main process's side of recovery for one loader (see the module docstring): it quarantines through the
+    loader's ``cursor``, the one owner of the quarantine."""
 
-    def __init__(self, policy: StallPolicy, dataset: Any):
+    def __init__(self, policy: StallPolicy, dataset: Any, cursor: Any):
         self.policy = policy
         self.dataset = dataset
+        self.cursor = cursor
         self.status = WorkerStatus()
         self.folder = tempfile.mkdtemp(prefix="shardcache-stacks-")  # the workers' own dump files
         weakref.finalize(self, shutil.rmtree, self.folder, True)
@@ -170,11 +172,11 @@ class Watchdog:
         return StackDumps(self.folder, then)
 
     # -- iteration -------------------------------------------------------------------------------------------------
-    def batches(self, loader: Any) -> Iterator[Any]:
-        """The loader's batches of its current epoch, healed: ``loader.start_iteration()`` gives a DataLoader
-        iterator at the cursor's position, ``loader.restart()`` reloads its own position on fresh workers."""
-        iterator = self._start(loader)
-        self._progress = self._position(loader)
+    def batches(self, run: Any) -> Iterator[Any]:
+        """A worker-process run's batches of its current epoch, healed: ``run.start_iteration()`` gives a DataLoader
+        iterator at the cursor's position, ``run.restart()`` reloads the loader's own position on fresh workers."""
+        iterator = self._start(run)
+        self._progress = self._position()
         while True:
             # The yield stays outside the try: a generator dropped mid-epoch and closed at interpreter exit would
             # otherwise evaluate ``except WorkerFault`` after module teardown and print a TypeError.
@@ -183,20 +185,20 @@ class Watchdog:
             except StopIteration:
                 return
             except WorkerFault as fault:
-                self._recover(loader, iterator, fault)
-                iterator = self._start(loader)
+                self._recover(run, iterator, fault)
+                iterator = self._start(run)
                 continue
-            loader.cursor.handed += 1
+            self.cursor.handed += 1
             yield batch
 
-    def _start(self, loader: Any) -> Any:
+    def _start(self, run: Any) -> Any:
         self.status.clear()
-        iterator = loader.start_iteration()
+        iterator = run.start_iteration()
         self._adopt(iterator)
         return iterator
 
-    def _position(self, loader: Any) -> tuple[int, int]:
-        return loader.cursor.handed, len(self.dataset.quarantine)
+    def _position(self) -> tuple[int, int]:
+        return self.cursor.handed, len(self.cursor.quarantine)
 
     def _adopt(self, iterator: Any) -> None:
         if getattr(iterator, "_worker_pids_set", False):
@@ -237,7 +239,7 @@ class Watchdog:
                 raise WorkerFault("stall", [info[0]] if info else [])
 
     # -- recovery --------------------------------------------------------------------------------------------------
-    def _recover(self, loader: Any, iterator: Any, fault: WorkerFault) -> None:
+    def _recover(self, run: Any, iterator: Any, fault: WorkerFault) -> None:
         workers = iterator._workers
         epoch = self.dataset.epoch
         on = {w: self.status.busy(w) for w in fault.workers}
@@ -259,7 +261,7 @@ class Watchdog:
             if on[worker] is not None:
                 self._blame(on[worker], reasons[worker])
         self.restarts[epoch] += 1
-        before, self._progress = self._progress, self._position(loader)
+        before, self._progress = self._progress, self._position()
         if before == self._progress:  # no batch delivered and no sample quarantined since the last restart
             self.fruitless[epoch] += 1
         if self.fruitless[epoch] > self.policy.max_restarts:
@@ -267,7 +269,7 @@ class Watchdog:
                                   f"(max_restarts={self.policy.max_restarts}); last: {reason}; counted are restarts "
                                   f"with no batch delivered and no sample quarantined since the one before "
                                   f"({self.restarts[epoch]} in all); stacks in {dump}")
-        loader.restart()
+        run.restart()
 
     def _blame(self, busy: Busy, reason: str) -> None:
         """Count a fault against the sample a worker was on; quarantine it the second time."""
@@ -275,10 +277,7 @@ class Watchdog:
         if self.faults[busy.row] < QUARANTINE_AFTER:
             return
         where = self.location_of(busy.row)
-        quarantine = dict(self.dataset.quarantine)
-        quarantine[busy.row] = busy.key
-        check_quarantine_size(len(quarantine))
-        self.dataset.quarantine = quarantine
+        self.cursor.keep_out({busy.row: busy.key})
         log.warning("quarantined sample %s [sample %s] (row %d): a worker hung or died on it %d times (%s)", where,
                     busy.key, busy.row, self.faults[busy.row], reason)
         self._event({"kind": "quarantine", "key": busy.key, "shard": where, "row": busy.row, "reason": reason})

@@ -9,12 +9,12 @@ quarantine list) is added here once, and iteration and replay cannot disagree.
 The steps, each a function of (source, layout, epoch, rank, worker) only:
 1. the epoch's stream: every row of the epoch in order (``source.epoch_stream``): the shards shuffled from
    ``(seed, epoch)`` and read front to back (``shards.order.plan``), a mixture's drawn runs
-   (``shards.select.mixture``), or, for an epoch continued in another layout, the rows it had left;
+   (``shards.select.mixture``), or, for an epoch continued in another layout, the rows it had left; with class
+   weights, that stream resampled by each row's class weight (``shards.order.weights``: as many draws, in stream
+   order, a row drawn twice listed twice), so every step below, and every replay, sees the draws as rows;
 2. the rank's and worker's share of that stream (``plan.share_of``): equal rank blocks, whole-batch worker runs;
 3. the positions in which the worker yields its rows: as read (no shuffle), through a seeded shuffle buffer
-   (DataLoader workers, bounded memory), or as one full permutation (the in-process feature loader). Class-weighted
-   resampling, which needs the labels, sits between reading and step 3 and keeps the count, so positions still
-   apply; it is the one label-dependent stage, and a run that uses it resumes in the same layout only.
+   (DataLoader workers, bounded memory), or as one full permutation (the in-process feature loader).
    The in-process loader's permutation may be windowed (``EpochSource.feature_window``): rows permuted within
    consecutive windows of that many positions of the rank's share, which reads the shuffled shards front to back,
    so one window touches a few shards and the loader can read the next window's shards while this one trains
@@ -28,7 +28,9 @@ from typing import Any, Iterable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
+from shards.errors import InputError
 from shards.order.plan import STREAM_SHUFFLE_BUFFER, epoch_stream, rng_for, share_of
+from shards.order.weights import weighted_stream
 
 T = TypeVar("T")
 
@@ -46,22 +48,35 @@ class EpochSource:
     shuffle: bool
     shuffle_buffer: int
     drop_last: bool  # the dataset's: equal rank shares by leaving samples out rather than padding
-    class_weights: bool
+    class_weights: tuple[float, ...] | None  # one weight per class (None: no class weighting)
     rotate_every: int = 0  # node affinity's rotation; the node count comes from each layout
     feature_window: int = 0  # the in-process loader permutes within windows of this many rows (0: whole)
     mixture: Any = field(default=None, compare=False)  # a ``Mixture``: its own epoch rows (shards.select.mixture)
     # Sorted global rows left out of every epoch (``ShardDataset.exclude_rows``): the rest keep their order.
     excluded: Any = field(default=None, compare=False)
+    # Each global row's class (``shards.select.labels``), which class weighting draws by; None without weights.
+    labels: Any = field(default=None, compare=False)
 
     @classmethod
-    def of(cls, config: Any, shard_sizes: Sequence[int], mixture: Any = None, excluded: Any = None) -> EpochSource:
+    def of(cls, config: Any, shard_sizes: Sequence[int], mixture: Any = None, excluded: Any = None,
+           labels: Any = None) -> EpochSource:
         """From a ``StreamConfig``."""
+        weights = None if config.class_weights is None else tuple(float(w) for w in config.class_weights)
         return cls(tuple(int(n) for n in shard_sizes), config.seed, config.shuffle, config.shuffle_buffer,
-                   config.drop_last, config.class_weights is not None, config.rotate_every,
-                   config.feature_window, mixture, excluded)
+                   config.drop_last, weights, config.rotate_every, config.feature_window, mixture, excluded, labels)
 
     def epoch_stream(self, epoch: int, world_size: int, nodes: int) -> np.ndarray:
-        """The epoch's rows in stream order, before rank padding: what a layout deals out."""
+        """The epoch's rows in stream order, before rank padding: what a layout deals out (with class weights, the
+        weighted draws)."""
+        rows = self._rows(epoch, world_size, nodes)
+        if not self.class_weights:
+            return rows
+        if self.labels is None:
+            raise InputError("class weighting draws by each sample's label, and this dataset was given none: open "
+                             "it with shards.open_dataset(sampling=Sampling(class_weights=...))")
+        return weighted_stream(rows, self.labels, self.class_weights, seed=self.seed, epoch=epoch)
+
+    def _rows(self, epoch: int, world_size: int, nodes: int) -> np.ndarray:
         if self.mixture is not None:
             return self.mixture.stream(epoch)
         if self.excluded is not None:  # the stream without them; the dealing (``share_of``) balances the ranks
@@ -111,9 +126,8 @@ class WorkerOrder:
         return self.given is None and (not self.buffer or not self.seed_parts or self.buffer == 1)
 
     def position_chunks(self) -> Iterator[np.ndarray]:
-        """Positions into ``rows`` (into the class-weighted read stream, which has as many) in yield order, as
-        consecutive arrays computed only as far as they are asked for: a replay of a worker's first rows costs
-        those rows, not the worker's epoch."""
+        """Positions into ``rows`` in yield order, as consecutive arrays computed only as far as they are asked
+        for: a replay of a worker's first rows costs those rows, not the worker's epoch."""
         n = len(self.rows)
         if self.given is not None:
             return iter([self.given])
@@ -134,10 +148,9 @@ class WorkerOrder:
             return iter(items)
         return in_positions(items, (p for chunk in self.position_chunks() for p in chunk.tolist()))
 
-    def served(self, rows: np.ndarray | None = None) -> np.ndarray:
-        """``rows`` (default: this order's, or a class-weighted resample of them) as one array in yield order."""
-        rows = self.rows if rows is None else rows
-        return rows[self.positions()] if len(rows) else rows
+    def served(self) -> np.ndarray:
+        """This order's rows as one array in yield order."""
+        return self.rows[self.positions()] if len(self.rows) else self.rows
 
     def yielded(self, count: int) -> np.ndarray:
         """The first ``count`` rows this worker yields."""
@@ -153,8 +166,8 @@ class WorkerOrder:
     def after(self, skip: int) -> WorkerOrder:
         """This order without its first ``skip`` yields: the rows still to come, in read order, and their yield
         order. A resumed worker reads these rather than reading ``skip`` samples to drop them (at ImageNet size,
-        late in an epoch, that was minutes of reads before the first batch). Not for a class-weighted stream,
-        whose positions index a resample of what was read."""
+        late in an epoch, that was minutes of reads before the first batch). A class-weighted order too: its rows are
+        the draws, known before anything is read."""
         if skip <= 0:
             return self
         if self.as_read:
@@ -169,7 +182,7 @@ def worker_order(source: EpochSource, layout: Layout, epoch: int, rank: int, wor
     """Which rows ``worker`` of ``rank`` yields in ``epoch``, in which order (see the module docstring).
 
     ``stream``: the epoch's rows when they are not the source's own (an epoch continued in another layout, or a
-    replay over stream positions)."""
+    replay over stream positions): taken as they are, since they come from a stream already weighted."""
     if stream is None:
         stream = source.epoch_stream(epoch, layout.world_size, layout.nodes)
     rows = share_of(stream, rank=rank, world_size=layout.world_size, worker=worker, num_workers=layout.num_workers,

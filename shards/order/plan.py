@@ -331,6 +331,8 @@ class CoveringReads:
     A subset or a mixture's partial pass selects scattered rows, and one read per run of neighbours costs a file
     open, a ranged GET or, in a tar shard without an index, a walk of the headers from the start. ``max_gap(shard)``
     bounds the rows a merged read may pass over (None: no bound, for shards whose every read starts from byte 0).
+    A row repeated in a row (a class-weighted draw of it several times) stays in the read, listed in ``keep`` as
+    many times: the reader yields it that often instead of reading it again.
     Rows come out in the same order either way, so epochs, resume and augmentation seeds are unchanged. The reads
     are found with numpy and kept as arrays: a mixture at 1.28M rows has about one read per row, and a Python object
     for each before the first batch took seconds.
@@ -348,8 +350,8 @@ class CoveringReads:
         for shard in np.unique(self._shards).tolist():
             gap = max_gap(shard)
             limits[shard] = unbounded if gap is None else gap
-        gaps = np.diff(self._local) - 1  # rows passed over between one row and the next
-        breaks = np.flatnonzero((np.diff(self._shards) != 0) | (gaps < 0) | (gaps > limits[self._shards[1:]])) + 1
+        gaps = np.diff(self._local) - 1  # rows passed over between one row and the next (-1: the same row again)
+        breaks = np.flatnonzero((np.diff(self._shards) != 0) | (gaps < -1) | (gaps > limits[self._shards[1:]])) + 1
         self._starts = np.concatenate([[0], breaks]).astype(np.int64)
         self._stops = np.concatenate([breaks, [len(rows)]]).astype(np.int64)
 
@@ -362,7 +364,8 @@ class CoveringReads:
     def __getitem__(self, i: int) -> tuple[ShardSlice, np.ndarray | None]:
         a, b = int(self._starts[i]), int(self._stops[i])
         first, last = int(self._local[a]), int(self._local[b - 1])
-        keep = None if last - first + 1 == b - a else self._local[a:b] - first
+        whole = last - first + 1 == b - a and not np.any(self._local[a + 1:b] == self._local[a:b - 1])
+        keep = None if whole else self._local[a:b] - first
         return ShardSlice(int(self._shards[a]), first, last + 1), keep
 
     def __iter__(self) -> Iterator[tuple[ShardSlice, np.ndarray | None]]:

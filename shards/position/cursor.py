@@ -1,11 +1,16 @@
 """A loader's cursor: where it is in its run, the one owner of run-time position (docs/design.md, "Resume").
 
-Every loader (``ShardLoader``, ``FeatureBatchLoader``, and a ``ShardDataset`` iterated on its own, which is its own
-loader of one worker and batches of one sample) owns one ``Cursor``. It counts the batches handed out in the current
-epoch, holds a loaded state until the iteration it applies to starts, and answers everything a saved record says
-(the batches an epoch had handed out before a layout change, the rows it has left) through ``LoaderState`` and
-``Continuation``, never by reading the record's fields by hand. The dataset keeps only what its worker copies must
-share (the epoch to stream, the skipped count); the order itself is ``shards.order.order``.
+Every loader (``shards.loader.base.Loader``, whatever its run mode, and a ``ShardDataset`` iterated on its own, which
+is its own loader of one worker and batches of one sample) owns one ``Cursor``. It counts the batches handed out in
+the current epoch, holds a loaded state until the iteration it applies to starts, keeps the quarantine (the samples
+left out of every epoch, ``shards.loader.watchdog``), and answers everything a saved record says (the batches an
+epoch had handed out before a layout change, the rows it has left) through ``LoaderState`` and ``Continuation``,
+never by reading the record's fields by hand. The dataset keeps only what its worker copies must share with every
+loader over it (the epoch to stream, the skipped count); the order itself is ``shards.order.order``.
+
+The quarantine reaches DataLoader workers the way the epoch does: a block of shared integers
+(``resume.SharedQuarantine``) each worker reads when it starts an epoch. ``keep_out`` is its one writer, for a
+loaded state and the watchdog alike, so two loaders over one dataset never share a quarantine.
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ from shards.errors import InputError
 from shards.position.elastic import Continuation, continuation, dataset_fingerprint, sampling_settings
 from shards.order.plan import epoch_sizes
 from shards.position.resume import (
-    LoaderState, Resume, check_quarantine_size, consumed_batches, quarantine_of, quarantine_record, stream_resume,
-    worker_batches,
+    LoaderState, Resume, SharedQuarantine, check_quarantine_size, consumed_batches, quarantine_of, quarantine_record,
+    stream_resume, worker_batches,
 )
 
 
@@ -33,6 +38,8 @@ class Cursor:
         self.handed = 0  # batches handed out in the current epoch, those before a layout change included
         self._pending: Continuation | None = None  # a loaded state, for the next iteration only
         self._active: Continuation | None = None  # the current iteration's continuation of a remainder
+        self.quarantine: dict[int, str] = {}  # global row -> key, never decoded again (``keep_out``)
+        self.shared_quarantine = SharedQuarantine()  # the rows of ``quarantine``, as workers read them
 
     # -- saving and loading ----------------------------------------------------------------------------------------
     def position(self, batches: int, prior: dict[str, Any] | None = None) -> LoaderState:
@@ -43,7 +50,7 @@ class Cursor:
         return LoaderState(self.kind, d.epoch, batches, batch_size=self.batch_size, num_workers=self.num_workers,
                            drop_last=self.drop_last, seed=c.seed, world_size=c.world_size,
                            split_batch=self.split_batch, dataset=fingerprint, sampling=sampling_settings(c),
-                           prior=prior, nodes=c.nodes, quarantined=quarantine_record(d.quarantine) or None)
+                           prior=prior, nodes=c.nodes, quarantined=quarantine_record(self.quarantine) or None)
 
     def state_dict(self, batches_consumed: int | None = None) -> dict[str, Any]:
         """The position after the batches handed out, or after ``batches_consumed`` of them when the consumer lags
@@ -66,13 +73,27 @@ class Cursor:
         rows = sum(self.dataset.split_info.shard_sizes)
         if saved and max(saved) >= rows:
             raise InputError(f"loader state quarantined row {max(saved)} is not a row of this split ({rows} rows)")
-        quarantine = {**self.dataset.quarantine, **saved}  # kept out from now on
-        check_quarantine_size(len(quarantine))
-        self.dataset.quarantine = quarantine
+        check_quarantine_size(len({**self.quarantine, **saved}))  # before anything changes
+        self.keep_out(saved)
         self._pending = continued
         self.handed = continued.position.batches
         self.dataset.set_epoch(continued.position.epoch)
         return continued
+
+    def keep_out(self, samples: dict[int, str]) -> None:
+        """Quarantine ``samples`` (global row -> key) from the next epoch a worker starts on: the one place the
+        quarantine changes (a loaded state, the watchdog, a lineage replay of a run's quarantine events)."""
+        if not samples:
+            return
+        quarantine = {**self.quarantine, **samples}
+        check_quarantine_size(len(quarantine))
+        self.shared_quarantine.write(sorted(quarantine))
+        self.quarantine = quarantine
+
+    @property
+    def quarantined(self) -> tuple[tuple[int, str], ...]:
+        """The quarantine as sorted ``(global row, key)`` pairs."""
+        return tuple(sorted(self.quarantine.items()))
 
     # -- one iteration ---------------------------------------------------------------------------------------------
     def begin(self) -> Continuation | None:

@@ -13,8 +13,9 @@ first samples or, with the dataset's ``drop_last``, fewer than ``world_size`` of
 runs. Later epochs follow the new layout's plan. The node count belongs to the layout: with node affinity
 (``plan.shard_order``) it decides the shard order, so the old stream is rebuilt with the saved count; the
 remainder keeps that stream's order (node by node, so an unchanged node count stays mostly node-local) and is
-dealt as any remainder; the next epoch is node-local again. Class-weighted resampling draws from labels, which are
-only known by reading the shards, and repeats samples, so such a run resumes in the same layout only.
+dealt as any remainder; the next epoch is node-local again. With class weights the epoch's stream is its weighted
+draws (``shards.order.weights``, from the labels of the column index), so the replay marks stream positions, not
+rows: the remainder is exactly the draws not yet yielded, a row drawn twice and yielded once still left once.
 
 Rows left out of the stream (``ShardDataset.exclude_rows``) may be added when resuming: a saved state records the
 rows its layout's stream left out (``"excluded"``, beside the state's fields, and so in each ``prior``), the replay
@@ -70,7 +71,7 @@ def sampling_settings(config: Any) -> dict[str, Any]:
     """The settings besides the seed that decide sample order, as saved in a state."""
     weights = None if config.class_weights is None else [float(w) for w in config.class_weights]
     settings = {"shuffle": bool(config.shuffle), "shuffle_buffer": int(config.shuffle_buffer), "class_weights": weights,
-                "weight_window": int(config.weight_window), "drop_last": bool(config.drop_last)}
+                "drop_last": bool(config.drop_last)}
     # The rotation of node affinity is an order setting of the run, not of the hardware it runs on (the node count,
     # which may change, is in the layout): a resume with another rotation is refused, as for another shuffle. It is
     # recorded only when set, so that states saved before it existed (never rotating) still compare equal.
@@ -109,19 +110,10 @@ def continuation(state: dict[str, Any], current: LoaderState, source: EpochSourc
         if saved.prior is None:
             return Continuation(position)  # the bitwise exact path: per-worker skips in the normal plan
         return Continuation(position, without(remaining_after(source, saved.prior, "prior."), source.excluded))
-    if source.class_weights:
-        raise InputError(f"the saved state's layout (world_size, num_workers, batch_size, drop_last, nodes) "
-                         f"{_shown(saved)} differs from this loader's {_shown(current)}, and class-weighted "
-                         "sampling resumes in the same layout only")
     position = replace(current, epoch=saved.epoch, batches=saved.batches, prior=record)
     if saved.batches == 0 and saved.prior is None:
         return Continuation(replace(position, prior=None))  # nothing consumed: the new layout's whole epoch
     return Continuation(position, without(remaining_after(source, record), source.excluded))
-
-
-def _shown(state: LoaderState) -> tuple:
-    """The layout fields a user sets, for messages (the split unit follows from the batch size)."""
-    return (*state.layout()[:4], state.node_count)
 
 
 def remaining_after(source: EpochSource, state: LoaderState | dict[str, Any], path: str = "") -> np.ndarray:

@@ -6,7 +6,9 @@ workers: ``plan.round_robin_consumed``, the same arithmetic resume uses), and wo
 yielded rows ``j * batch_size`` to ``(j + 1) * batch_size``. An epoch continued in another layout is a chain of
 saved states (``LoaderState.prior``): batches before the layout change come from the older layout over its own
 stream, later ones from the new layout over the rows the older one had left (``elastic.remaining_after``, the
-replay resume itself uses). So lineage calls the same functions as the running loader and cannot disagree with it.
+replay resume itself uses). So lineage calls the same functions as the running loader and cannot disagree with it,
+class weighting included: the weighted draws are the order's rows (``shards.order.weights``), a row drawn twice is
+in its batches twice.
 
 Keys are read from the shards for the batch's rows only (one covering read per shard touched, no decoding).
 """
@@ -38,9 +40,6 @@ def batch_rows(source: EpochSource, position: LoaderState, rank: int, batch: int
     """Global rows of batch ``batch`` (from 0, counted over the whole epoch) of ``rank`` in ``position``'s epoch,
     in the order the batch holds them. ``position`` is the state of the layout in force, over ``source`` (its
     ``prior`` chain: the layouts that fed the epoch's earlier batches); its own ``batches`` do not matter."""
-    if source.class_weights:
-        raise InputError("lineage is not computed for class-weighted sampling: its resample depends on the labels "
-                         "read, not on the order alone")
     chain = state_chain(position, source.excluded)
     stream = None  # the epoch's own stream for the first layout; the rows left after it for each later one
     for index, record in enumerate(chain):

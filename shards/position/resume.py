@@ -1,10 +1,10 @@
 """Resume state, in one place: what a loader saves (versioned layouts), how a saved state is checked against the
 loader that continues it, and how the main process tells DataLoader workers where an interrupted epoch stopped.
 
-Two layouts share one versioned record, ``LoaderState``, told apart by ``kind``: ``"stream"`` (``ShardLoader``
-and a ``ShardDataset`` iterated on its own: samples flow through DataLoader workers, and a batch count becomes
-per-worker skips) and ``"feature_batches"`` (``FeatureBatchLoader``: in-process batches over a full permutation,
-so a batch count is the position). Every rank of a run consumes the same number of batches, so the state does not
+Two layouts share one versioned record, ``LoaderState``, told apart by ``kind``: ``"stream"`` (a loader whose
+samples flow through a DataLoader, ``shards.loader.worker_processes``, and a ``ShardDataset`` iterated on its own: a
+batch count becomes per-worker skips) and ``"feature_batches"`` (the in-process run of a feature table,
+``shards.loader.in_process``: batches over a full permutation, so a batch count is the position). Every rank of a run consumes the same number of batches, so the state does not
 depend on the rank: rank 0's state continues every rank.
 
 A state continues its epoch bitwise exactly in the layout that saved it (world size, node count, workers, batch size,
@@ -13,9 +13,9 @@ state saved during such a continued epoch carries the state it continued (``prio
 
 A DataLoader copies the dataset into each worker (fork or spawn) and keeps the copies alive with
 ``persistent_workers``; an epoch stored as a plain attribute would be lost there (webdataset #172). So the epoch
-(``SharedEpochState``, the dataset's: ``set_epoch``, and the skipped count workers write back) and the resume of
-one iteration (``SharedResume``, the loader's cursor's) are blocks of shared integers that every worker reads when
-it starts an epoch.
+(``SharedEpochState``, the dataset's: ``set_epoch``, and the skipped count workers write back), the resume of
+one iteration (``SharedResume``) and the quarantined rows (``SharedQuarantine``), both the loader's cursor's, are
+blocks of shared integers that every worker reads when it starts an epoch.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from typing import Any
 from shards.errors import InputError
 from shards.door.shape import MAX_COUNT, as_bool, as_int, as_list, as_number, as_object, as_str
 from shards.order.plan import round_robin_consumed, worker_sample_counts
-from shards.procs import SharedValues
+from shards.procs.values import MAX_WORKERS, SharedValues
 
-MAX_WORKERS = 256
+MAX_QUARANTINED = 10_000  # a state carries them all; more means a broken node or dataset, not a few bad samples
 _EPOCH, _SKIPPED = range(2)
 _RESUME_EPOCH, _RESUME_WORKERS, _ROTATION, _REMAINDER, _SKIPS = range(5)
 NO_RESUME = -1
@@ -108,13 +108,30 @@ class SharedResume(SharedValues):
             return Resume(epoch, skips, int(self._array[_ROTATION]), bool(self._array[_REMAINDER]))
 
 
+class SharedQuarantine(SharedValues):
+    """The quarantined rows a loader's workers leave out (``shards.loader.watchdog``), written by the main process's
+    cursor, read by each worker when it starts an epoch: a running persistent worker sees a quarantine that a
+    loaded state or a restart added, as it sees the epoch. Keys stay in the main process (only it records them)."""
+
+    def __init__(self) -> None:
+        super().__init__("q", 1 + MAX_QUARANTINED)
+
+    def write(self, rows: list[int]) -> None:
+        check_quarantine_size(len(rows))
+        with self._array.get_lock():
+            self._array[1:1 + len(rows)] = rows
+            self._array[0] = len(rows)
+
+    def rows(self) -> frozenset[int]:
+        with self._array.get_lock():
+            return frozenset(self._array[1:1 + int(self._array[0])])
+
+
 # -- what a loader saves -------------------------------------------------------------------------------------------
 LOADER_STATE_VERSION = 2
 STREAM = "stream"
 FEATURE_BATCHES = "feature_batches"
 KINDS = (STREAM, FEATURE_BATCHES)
-# Fields added to a version after it was first written: a state saved before them lacks them and still loads.
-LATER_FIELDS = ("nodes", "quarantined")
 # What a saved state may hold (``check_record``). A state is untrusted input (docs/trust-model.md): each bound keeps
 # a tampered field from making a resume loop or allocate without end, far above anything a real run saves.
 MAX_EPOCH = 1 << 31
@@ -134,13 +151,12 @@ class LoaderState:
     """A loader's position: ``batches`` of ``epoch`` handed out, and the settings that make the count meaningful.
 
     ``split_batch`` is the unit the epoch plan split each rank's share between workers in (the batch size for a
-    ``ShardLoader``; 1 for a loader that deals samples one by one). ``dataset`` fingerprints the shard sizes,
+    DataLoader's stream; 1 for a loader that deals samples one by one). ``dataset`` fingerprints the shard sizes,
     ``sampling`` the order settings (shuffle, buffer, class weights, the dataset's drop_last). ``prior``: the state
     this epoch continued in another layout (its batches count from ``prior["batches"]``). ``quarantined``: the
     samples kept out of every epoch (``shards.loader.watchdog``) as ``[[global row, key], ...]``, None when there are
-    none. ``None`` in a setting means the saved state did not record it, so it is not checked; except ``nodes`` (the
-    node count of the epoch plan's node affinity): a state without it was saved before node affinity existed, on
-    what the plan took as one node.
+    none. ``nodes``: the node count of the epoch plan's node affinity (1: none). A saved state holds every field
+    (``check_record``); ``None`` in a setting of a state made in code means it is not checked.
     """
 
     kind: str
@@ -155,7 +171,7 @@ class LoaderState:
     dataset: str | None = None
     sampling: dict[str, Any] | None = None
     prior: dict[str, Any] | None = None
-    nodes: int | None = None
+    nodes: int = 1
     quarantined: list | None = None
     version: int = LOADER_STATE_VERSION
 
@@ -166,7 +182,7 @@ class LoaderState:
         if self.epoch < 0 or self.batches < 0:
             raise InputError(f"loader state epoch and batches must be non-negative, got epoch={self.epoch}, "
                              f"batches={self.batches}")
-        if self.nodes is not None and self.nodes < 1:
+        if self.nodes < 1:
             raise InputError(f"loader state nodes must be at least 1, got {self.nodes}")
 
     def to_dict(self) -> dict[str, Any]:
@@ -175,8 +191,8 @@ class LoaderState:
 
     @property
     def node_count(self) -> int:
-        """The nodes the epoch plan dealt shards to; unrecorded means one (see the class docstring)."""
-        return self.nodes or 1
+        """The nodes the epoch plan dealt shards to."""
+        return self.nodes
 
     @property
     def logical_workers(self) -> int:
@@ -185,8 +201,7 @@ class LoaderState:
     def layout(self) -> tuple:
         """What decides which samples a batch count covers; two states with the same layout resume exactly."""
         split = self.split_batch if self.logical_workers > 1 else 1  # one worker: the split unit changes nothing
-        # The node count orders the shards, so another one is a resume of the remainder; never None here, since
-        # an unrecorded count is one node, which a loader with affinity must not take as its own order.
+        # The node count orders the shards, so another one is a resume of the remainder.
         return self.world_size, self.logical_workers, self.batch_size, self.drop_last, split, self.node_count
 
     def same_layout(self, other: LoaderState) -> bool:
@@ -242,7 +257,7 @@ def _own_fields(record: Any, path: str) -> dict[str, Any]:
         raise InputError(f"loader state {path}version {reprlib.repr(version)} is not one this shardcache reads (it "
                          f"reads version {LOADER_STATE_VERSION}); resume with the version that saved it")
     names = [f.name for f in fields(LoaderState) if f.name != "version"]
-    missing = [n for n in names if n not in record and n not in LATER_FIELDS]
+    missing = [n for n in names if n not in record]
     if missing:
         where = f"loader state {path}".rstrip(".")
         raise InputError(f"{where} of version {version} lacks {', '.join(missing)}")
@@ -257,11 +272,9 @@ def _own_fields(record: Any, path: str) -> dict[str, Any]:
     if kind not in KINDS:
         raise InputError(f"{name('kind')} must be one of {list(KINDS)}, got {reprlib.repr(kind)}")
     world_size = count("world_size", 1, MAX_WORLD_SIZE)
-    nodes = record.get("nodes")
-    if nodes is not None:
-        nodes = count("nodes", 1, world_size)
-        if world_size % nodes:
-            raise InputError(f"{name('nodes')} is {nodes}: it must divide world_size={world_size}")
+    nodes = count("nodes", 1, world_size)
+    if world_size % nodes:
+        raise InputError(f"{name('nodes')} is {nodes}: it must divide world_size={world_size}")
     prior = record["prior"]
     return dict(
         kind=kind, epoch=count("epoch", 0, MAX_EPOCH), batches=count("batches", 0, MAX_COUNT),
@@ -272,7 +285,7 @@ def _own_fields(record: Any, path: str) -> dict[str, Any]:
         dataset=as_str(record["dataset"], name("dataset"), max_len=64, error=InputError),
         sampling=_sampling(record["sampling"], name("sampling")),
         prior=None if prior is None else as_object(prior, name("prior"), error=InputError),
-        nodes=nodes, quarantined=_quarantined(record.get("quarantined"), name("quarantined")))
+        nodes=nodes, quarantined=_quarantined(record["quarantined"], name("quarantined")))
 
 
 def _check_continued(prior: dict[str, Any], state: dict[str, Any], path: str) -> None:
@@ -287,7 +300,7 @@ def _check_continued(prior: dict[str, Any], state: dict[str, Any], path: str) ->
 
 
 # The settings ``elastic.sampling_settings`` writes: those always present, and those recorded only when set.
-SAMPLING_ALWAYS = ("shuffle", "shuffle_buffer", "class_weights", "weight_window", "drop_last")
+SAMPLING_ALWAYS = ("shuffle", "shuffle_buffer", "class_weights", "drop_last")
 SAMPLING_WHEN_SET = ("rotate_every", "feature_window")
 
 
@@ -302,7 +315,6 @@ def _sampling(value: Any, what: str) -> dict[str, Any]:
     for key in ("shuffle", "drop_last"):
         as_bool(settings[key], f"{what}.{key}", error=InputError)
     as_int(settings["shuffle_buffer"], f"{what}.shuffle_buffer", error=InputError)
-    as_int(settings["weight_window"], f"{what}.weight_window", lo=1, error=InputError)
     for key in SAMPLING_WHEN_SET:
         if key in settings:
             as_int(settings[key], f"{what}.{key}", lo=1, error=InputError)
@@ -342,9 +354,6 @@ def _short(value: Any) -> str:
     """A value for a one-line message: as is when short, else cut (a saved ``sampling`` may list many weights)."""
     text = str(value)
     return text if len(text) <= 80 else reprlib.repr(value)
-
-
-MAX_QUARANTINED = 10_000  # a state carries them all; more means a broken node or dataset, not a few bad samples
 
 
 def quarantine_record(quarantine: dict[int, str]) -> list[list[Any]]:

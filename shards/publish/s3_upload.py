@@ -44,7 +44,7 @@ from shards.atomic import sha256_file
 from shards.door.bounded_read import parse_json, read_json_file
 from shards.errors import CorruptDataError, InputError, MissingInputError, OutputExistsError
 from shards.formats.columns import COLUMNS_KEY, column_file_entries
-from shards.transport.locations import local_shard_path
+from shards.door.locations import local_shard_path
 from shards.transport.s3 import S3Options, S3PreconditionFailed, client_call, make_client, parse_s3_url
 from shards.transport.s3_ranges import head_object, read_object
 from shards.publish.s3_lease import LEASE_NAME, Lease, hold_lease

@@ -4,7 +4,7 @@ People look before they read, and share what they look at: the page opens from a
 any browser with no network (inline SVG and images, inline CSS, a few lines of script to sort tables). Each folder
 given becomes a section, and each section pulls in what it was made from when that is local and readable: a run
 its features or dataset (``config.json``'s ``data_path``), a feature cache its dataset (``features.json``'s
-``dataset_dir``, followed as ``shards.transport.locations.dataset_location`` allows). Every manifest is untrusted:
+``dataset_dir``, followed as ``shards.door.locations.dataset_location`` allows). Every manifest is untrusted:
 folders are read through the manifest loaders' checks, shards through the library's reader, and every string is
 escaped on its way into the page.
 """
@@ -23,8 +23,8 @@ from shards.manifest import (DATASET_FILE, FEATURES_FILE, TOOL, DatasetManifest,
                              utc_now)
 from shards.report.html import GENERATOR_META, Markup, Section, esc, note, page, tag
 from shards.report.samples import GridOptions
+from shards.runrecord import REPORT_FILE  # a run's, and the default name of any folder's report
 
-REPORT_FILE = "report.html"
 KINDS = ("dataset", "features", "run")
 
 
@@ -54,7 +54,7 @@ class Report:
 def folder_kind(path: str | os.PathLike) -> tuple[Path, str]:
     """The folder ``path`` names (a manifest file names its folder) and what it holds; ``InputError`` if nothing
     a report knows."""
-    from shards.report.run import is_run_folder
+    from shards.runrecord import is_run_folder
 
     text = str(path)
     if not locate(text).is_local:
@@ -134,7 +134,7 @@ class _Builder:
         from shards.report.run import read_run, run_section, trained_on
 
         run = read_run(folder)
-        links, classes, kind = Markup(""), None, None
+        links, classes = Markup(""), None
         for data_path in trained_on(run.config):
             if not locate(data_path).is_local:
                 links += note(f"Trained on {data_path}: remote, not included (a report reads local folders only).")
@@ -144,11 +144,10 @@ class _Builder:
             links += link
             if classes is None and isinstance(manifest, (DatasetManifest, FeatureManifest)):
                 classes = manifest.classes
-                kind = "images" if isinstance(manifest, DatasetManifest) else "features"
         mixture = run.config.get("mixture")
         if isinstance(mixture, dict) and isinstance(mixture.get("classes"), list):
             classes = tuple(str(c) for c in mixture["classes"])  # a union class map: the run's own class list
-        return run_section(run, anchor, classes=classes, links=links, read_kind=kind)
+        return run_section(run, anchor, classes=classes, links=links)
 
 
 def _grid_options(grid: bool | GridOptions) -> GridOptions | None:

@@ -2,7 +2,7 @@
 
 The question a reader brings is "can I train on this, and is it still the features of my dataset?": so the
 section leads with fresh or stale and why, judged by the one staleness rule in ``shards.check.freshness`` against
-the dataset the manifest names (followed only as ``shards.transport.locations.dataset_location`` allows).
+the dataset the manifest names (followed only as ``shards.door.locations.dataset_location`` allows).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def freshness(folder: Path, manifest: FeatureManifest) -> Freshness:
     """Fresh, stale (with every reason) or unknown (with why it could not be checked)."""
     from shards.check.freshness import feature_staleness
     from shards.transport.location import locate
-    from shards.transport.locations import dataset_location
+    from shards.door.locations import dataset_location
 
     if from_table(manifest.config):
         return Freshness("fresh", ("packed from a table (pack-shards --table): no dataset to be stale against",),

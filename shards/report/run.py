@@ -2,12 +2,11 @@
 
 Read from the files a run already writes, never from live training state, so the same page comes out whether
 ``train-from-shards`` draws it at the end of an epoch or someone runs ``shards report`` on a finished run. Nothing
-here imports ``train`` (``shards`` depends on no other package): the run folder's file names are part of the
-on-disk contract and repeated below. Whether the data pipeline held the run back, and what to change, is the
-training loop's own rule (``shards.report.advice``), applied to what the run recorded: ``metrics.jsonl``'s wait
-and stage seconds (per rank too: a rank that held the others back for data, ``shards.report.stragglers``), and
-``config.json``'s data paths (remote or local), caches and workers. Checkpoints are described from their files'
-sizes and ``metrics.jsonl``, never opened: loading them would cost seconds per epoch, and unpickling is not allowed.
+here imports ``train`` (``shards`` depends on no other package): what a run folder holds is the run record's
+(``shards.runrecord``). Whether the data pipeline held an epoch back and what to change, or a rank held the others
+back, is the training loop's finding (``train.run.diagnose``), recorded in the epoch's row: the report shows it as
+recorded and applies no rule of its own. Checkpoints are described from their files' sizes and ``metrics.jsonl``,
+never opened: loading them would cost seconds per epoch, and unpickling is not allowed.
 """
 
 from __future__ import annotations
@@ -18,22 +17,20 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from shards.door.bounded_read import read_json_file, read_regular_file
-from shards.data_events import read_events
-from shards.errors import InputError, ManifestError, ShardcacheError
+from shards.data_events import QUARANTINE, read_events
+from shards.errors import InputError, ManifestError
 from shards.door.jsonlines import json_lines
 from shards.report import svg
-from shards.report.advice import reads_over_network, starving, wait_advice
 from shards.report.curves import find_best_epoch
 from shards.report.html import (Cell, Markup, Section, count, figure, fixed, image_data_uri, join, key_value_grid,
                                 note, num_cell, number, pct, rate, seconds, size, subsection, table, tag, tiles, void)
 from shards.report.mixture import mixture_part, recorded_sources
-from shards.report.stages import run_straggler_warning, stage_breakdown, stage_seconds
+from shards.report.stages import stage_breakdown
+from shards.runrecord import BEST_FILE, CONFIG_FILE, LAST_FILE, METRICS_FILE, MODEL_FILE, EpochRow
 
-CONFIG_FILE = "config.json"
-METRICS_FILE = "metrics.jsonl"
-CHECKPOINTS = (("last.pt", "the latest state; --resume continues from it"),
-               ("best.pt", "the epoch with the highest val top-1 (regression: the lowest val MSE)"),
-               ("model.pt", "the final model: weights, classes, transform"))
+CHECKPOINTS = ((LAST_FILE, "the latest state; --resume continues from it"),
+               (BEST_FILE, "the epoch with the highest val top-1 (regression: the lowest val MSE)"),
+               (MODEL_FILE, "the final model: weights, classes, transform"))
 MAX_CLASS_BARS = 40
 MAX_CONFUSION = 64  # training leaves larger matrices out of metrics.jsonl; a bigger one here is not drawn either
 MAX_EPOCH_ROWS = 2000  # also the most classes listed: beyond that a table helps nobody
@@ -47,22 +44,6 @@ class RunFiles:
     config: dict[str, Any]
     rows: list[dict[str, Any]]
     problems: list[str] = field(default_factory=list)
-
-
-def is_run_folder(folder: Path) -> bool:
-    """A run has finished an epoch (metrics.jsonl) or at least started (a config.json naming its data and folder:
-    other tools write files called config.json too)."""
-    if (folder / METRICS_FILE).is_file():
-        return True
-    config = _json_file(folder / CONFIG_FILE) if (folder / CONFIG_FILE).is_file() else None
-    return isinstance(config, dict) and {"data_path", "out_dir"} <= set(config)
-
-
-def _json_file(path: Path) -> Any:
-    try:
-        return read_json_file(path)
-    except ShardcacheError:
-        return None
 
 
 def read_run(folder: Path) -> RunFiles:
@@ -79,71 +60,53 @@ def read_run(folder: Path) -> RunFiles:
             text = read_regular_file(metrics).decode("utf-8")
         except UnicodeDecodeError as exc:
             raise InputError(f"cannot read ({exc})", path=str(metrics)) from exc
-        for number_, row, why in json_lines(text):
-            problem = "is not a JSON object" if why is not None else metrics_row_problem(row)
-            if problem is None:
-                rows.append(row)
-            else:
-                problems.append(f"{METRICS_FILE} line {number_} {problem}; left out")
+        for number_, value, why in json_lines(text):
+            if why is not None:
+                problems.append(f"{METRICS_FILE} line {number_} is not a JSON object; left out")
+                continue
+            try:  # the rows' own shapes (shards.runrecord.EpochRow), as training reads them back
+                rows.append(EpochRow.from_json(value, f"line {number_}").to_json())
+            except ManifestError as exc:
+                problems.append(f"{METRICS_FILE} {exc.reason}; left out")
     return RunFiles(folder, config, rows, problems)
 
 
-def metrics_row_problem(row: Any) -> str | None:
-    """What is wrong with a parsed ``metrics.jsonl`` line, or None: a row is a JSON object, and its ``epoch``
-    (which orders the curves and names the checkpoints) a positive integer, not ``"3"``, ``2.5`` or ``true``.
-    The other fields are shown as far as they are finite numbers (``number``). One rule for the report, which
-    leaves such a line out, and for ``train.run.run_dir.read_metrics``, which refuses it."""
-    if not isinstance(row, dict):
-        return "is not a JSON object"
-    epoch = row.get("epoch")
-    if type(epoch) is not int or epoch < 1:
-        return f"has epoch {epoch!r}, not a positive integer"
-    return None
+def config_group(config: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    """One option group of a run's config (``train.config.TrainConfig``: ``data``, ``optim``, ...); empty when the
+    file, which the report does not trust, holds something else there."""
+    group = config.get(name)
+    return group if isinstance(group, dict) else {}
 
 
 def trained_on(config: Mapping[str, Any]) -> list[str]:
-    """The folders a run read: every source of a mixture, else its one ``data_path``."""
-    sources = config.get("sources")
+    """The folders a run read: every source of a mixture, else its one ``data.path``."""
+    data = config_group(config, "data")
+    sources = data.get("sources")
     paths = [s.get("path") for s in sources if isinstance(s, dict)] if isinstance(sources, list) and sources \
-        else [config.get("data_path")]
+        else [data.get("path")]
     return [p for p in paths if isinstance(p, str) and p]
 
 
-def data_kind(run: RunFiles, read: str | None = None) -> str | None:
-    """What the run trained on, "images" or "features": as its config says (``--data``), else as the local manifest
-    it names says (``read``), else "images" when its workers spent time decoding (feature rows are never decoded);
-    None when nothing tells (remote data, ``--data auto``, no stage seconds)."""
-    declared = run.config.get("data")
-    if declared in ("images", "features"):
-        return declared
-    if read is not None:
-        return read
-    decoded = any((stage_seconds(row) or {}).get("decode", 0.0) > 0 for row in run.rows)
-    return "images" if decoded else None
+def config_items(config: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """The config as the report's grid shows it: each group's fields by their dotted path (``optim.lr``), as
+    ``--resume`` names a field that differs; the mixture, which has its own part, left out when readable."""
+    items = []
+    for key, value in config.items():
+        if key == "mixture" and recorded_sources(value):
+            continue
+        if isinstance(value, dict) and key != "mixture":
+            items += [(f"{key}.{name}", item) for name, item in value.items()]
+        else:
+            items.append((key, value))
+    return sorted(items)
 
 
-def _wait_seconds(row: Mapping[str, Any]) -> tuple[float, float] | None:
-    """An epoch's (share, seconds) spent waiting for data, from its recorded share and wall time (None: not
-    recorded)."""
-    share, epoch_s = number(row.get("data_wait_share")), number(row.get("epoch_time_s"))
-    return None if share is None or epoch_s is None else (share, share * epoch_s)
-
-
-def wait_verdict(run: RunFiles, row: Mapping[str, Any], kind: str | None) -> str | None:
-    """The training loop's advice for this epoch (``shards.report.advice``) from what the run recorded, or None
-    when the data pipeline kept up: a cache or a local copy only when the config says image shards were read over
-    the network and not cached."""
-    waited = _wait_seconds(row)
-    if waited is None:
-        return None
-    config = run.config
-    workers, cache_dir = config.get("workers"), config.get("cache_dir")
-    decode = config.get("decode", config.get("pipeline"))  # "pipeline": a run recorded before the rename
-    network = reads_over_network(kind, trained_on(config), cache_images=config.get("cache_images") is True,
-                                 cache_dir=cache_dir if isinstance(cache_dir, str) else None)
-    return wait_advice(*waited, data_kind=kind, workers=workers if type(workers) is int else None,
-                       stages=stage_seconds(row), decode=decode if isinstance(decode, str) else None,
-                       network_reads=network)
+def findings(row: Mapping[str, Any]) -> list[Markup]:
+    """The last epoch's findings, as the training loop recorded them (``EpochRow.wait_advice``,
+    ``straggler_warning``): shown, never recomputed."""
+    epoch = row.get("epoch")
+    return [note(f"Epoch {epoch}: {row[name]}.", "warn") for name in ("wait_advice", "straggler_warning")
+            if isinstance(row.get(name), str)]
 
 
 def numeric_history(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
@@ -177,17 +140,17 @@ def _scores(history: Sequence[Mapping[str, float]], best: int | None) -> list[tu
 
 
 def _overview(run: RunFiles, history: Sequence[Mapping[str, float]]) -> Markup:
+    """The headline tiles; the data wait is marked when the loop found it held the last epoch back."""
     if not history:
         return note("No epoch has finished yet: metrics.jsonl is empty or missing.", "warn")
     last = history[-1]
-    planned = number(run.config.get("epochs"))
+    planned = number(config_group(run.config, "optim").get("epochs"))
     wait = last.get("data_wait_share")
-    waited = _wait_seconds(last)
     items = [*_scores(history, find_best_epoch(history)),
              ("epochs", f"{len(history)}" + (f" / {planned:.0f}" if planned else ""), None),
              ("val loss", fixed(last.get("val_loss")), None),
              ("samples/s", count(last.get("samples_per_s")), None),
-             ("data wait", pct(wait, 1), "warn" if waited is not None and starving(*waited) else None)]
+             ("data wait", pct(wait, 1), "warn" if run.rows[-1].get("wait_advice") else None)]
     if "val_top5" in last:
         items.insert(2, ("val top-5", pct(last.get("val_top5")), None))
     if any("cache_hit_rate" in row for row in run.rows):
@@ -311,9 +274,9 @@ def _mtime(path: Path) -> str:
 
 def _checkpoints(folder: Path, history: Sequence[Mapping[str, float]]) -> Markup:
     last = history[-1]["epoch"] if history else None
-    epochs = {"last.pt": f"after epoch {last}" if last else "n/a",
-              "best.pt": f"epoch {best}" if (best := find_best_epoch(history)) else "n/a",
-              "model.pt": f"final, after epoch {last}" if last else "n/a"}
+    epochs = {LAST_FILE: f"after epoch {last}" if last else "n/a",
+              BEST_FILE: f"epoch {best}" if (best := find_best_epoch(history)) else "n/a",
+              MODEL_FILE: f"final, after epoch {last}" if last else "n/a"}
     rows = []
     for name, meaning in CHECKPOINTS:
         path = folder / name
@@ -331,23 +294,17 @@ QUARANTINE_SHOWN = 10  # quarantined samples named in the report's note; data-ev
 
 def _quarantined(folder: Path) -> list[dict[str, Any]]:
     """The run's quarantine events (``shards.data_events``), in the order they happened."""
-    return [event for event in read_events(folder) if event.get("kind") == "quarantine"]
+    return read_events(folder, QUARANTINE)
 
 
 def run_section(run: RunFiles, anchor: str, *, classes: Sequence[str] | None = None,
-                links: Markup | None = None, read_kind: str | None = None) -> Section:
-    """``classes``: the class list of the run's data manifest, when it could be read (names the matrix);
-    ``read_kind``: that manifest's kind ("images" or "features")."""
+                links: Markup | None = None) -> Section:
+    """``classes``: the class list of the run's data manifest, when it could be read (names the matrix)."""
     history = numeric_history(run.rows)
     parts = [_overview(run, history), links or ""]
     parts += [note(problem, "warn") for problem in run.problems]
     if history:
-        verdict = wait_verdict(run, run.rows[-1], data_kind(run, read_kind))
-        if verdict is not None:
-            parts.append(note(f"Epoch {history[-1]['epoch']}: {verdict}.", "warn"))
-        stragglers = run_straggler_warning(run.rows)  # the training log's warning, from the same rows
-        if stragglers is not None:
-            parts.append(note(f"Epoch {history[-1]['epoch']}: {stragglers}.", "warn"))
+        parts += findings(run.rows[-1])
         quarantined = _quarantined(run.folder)
         if quarantined:
             shown = ", ".join(f"{e.get('key')} ({e.get('shard')}, {e.get('reason')}, epoch {e.get('epoch')})"
@@ -365,6 +322,6 @@ def run_section(run: RunFiles, anchor: str, *, classes: Sequence[str] | None = N
     parts.append(mixture_part(run.config.get("mixture"), run.rows))
     parts.append(_checkpoints(run.folder, history))
     # The mixture has its own part above; as one JSON value in the grid it would be a wall of text.
-    config = sorted((k, v) for k, v in run.config.items() if not (k == "mixture" and recorded_sources(v)))
+    config = config_items(run.config)
     parts.append(subsection("Config", key_value_grid(config) if config else note("No config.json.", "warn")))
     return Section(anchor, "run", path=str(run.folder), title=run.folder.name or str(run.folder), body=join(parts))

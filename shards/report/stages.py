@@ -1,10 +1,10 @@
 """Where an epoch's time went: the stage breakdown of ``metrics.jsonl`` rows, as stacked bars and shares.
 
 Rows may carry ``stage_seconds`` ({stage: seconds}) and, from a distributed run, ``stage_seconds_by_rank`` (one
-such mapping per rank, as a list or as {rank: mapping}). A slow rank holds every other one at the next all-reduce,
-so with several ranks the last epoch is also shown rank by rank, with each epoch's slowest rank and whether it waited
-for data or computed (``shards.report.stragglers``, the rule the training log applies). Runs from before stage
-timing have neither and say so instead of showing an empty chart; one-process runs have no ranks to compare.
+such mapping per rank). A slow rank holds every other one at the next all-reduce, so with several ranks the last
+epoch is also shown rank by rank, with each epoch's slowest rank and whether it waited for data or computed, as the
+training loop found and recorded it (``shards.runrecord.EpochRow``: ``slowest_rank``... ``straggler``). A row
+without stage seconds says so instead of showing an empty chart; one-process runs have no ranks to compare.
 
 Rows may also carry ``first_batch``: one record per start or resume of the run in that epoch (``train.run.first_batch``:
 the seconds to the first batch, split into open, plan, first read and other), shown as a table of starts.
@@ -17,10 +17,8 @@ from typing import Any, Mapping, Sequence
 from shards.report import svg
 from shards.report.html import (Markup, count, figure, join, note, num_cell, number, pct, seconds, subsection, table,
                                 tag)
-from shards.report.stragglers import (DATA_EXCESS_SHARE, Straggler, slowest_rank, straggler_warning,
-                                      sustained_straggler)
 
-# The names are the contract of shards.loader.stage_times (not imported: it loads torch). Worker stages are busy
+# The names are the contract of shards.procs.stage_times (not imported: it loads torch). Worker stages are busy
 # seconds summed over a rank's DataLoader workers and overlap the loop; loop stages are the loop's wall seconds.
 WORKER_STAGES = ("read", "decode", "transform", "collate")
 LOOP_STAGES = ("wait", "to_device", "normalize", "step")
@@ -53,26 +51,14 @@ def by_rank(row: Mapping[str, Any]) -> list[dict[str, float]] | None:
     return None if any(r is None for r in ranks) else ranks  # type: ignore[return-value]
 
 
-def row_straggler(row: Mapping[str, Any]) -> Straggler | None:
-    """The epoch's slowest rank from its per-rank stage seconds; None for one process or none recorded."""
-    ranks = by_rank(row)
-    return slowest_rank(ranks) if ranks else None
-
-
-def straggler_fields(ranks: Sequence[Mapping[str, float]]) -> dict[str, Any]:
-    """An epoch's ``metrics.jsonl`` straggler fields: the slowest rank's, and every rank's ``rank_wait_s`` and
-    ``rank_step_s`` in rank order; nothing for one process."""
-    straggler = slowest_rank(ranks)
-    if straggler is None:
-        return {}
-    return {**straggler.fields(), "rank_wait_s": [float(rank.get("wait", 0.0)) for rank in ranks],
-            "rank_step_s": [float(rank.get("step", 0.0)) for rank in ranks]}
-
-
-def run_straggler_warning(rows: Sequence[Mapping[str, Any]]) -> str | None:
-    """The warning for a rank that held the others back for data over the last epochs, or None."""
-    straggler = sustained_straggler([row_straggler(row) for row in rows])
-    return None if straggler is None else straggler_warning(straggler)
+def recorded_straggler(row: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The epoch's slowest rank as the loop recorded it, or None (one process, or none recorded)."""
+    if type(row.get("slowest_rank")) is not int or not isinstance(row.get("slowest_rank_cause"), str):
+        return None
+    seconds_fields = ("slowest_rank_wait_s", "others_wait_s", "slowest_rank_wait_ratio", "slowest_rank_step_s",
+                      "others_step_s")
+    return {"rank": row["slowest_rank"], "cause": row["slowest_rank_cause"],
+            **{name: number(row.get(name)) for name in seconds_fields}}
 
 
 def stage_seconds(row: Mapping[str, Any]) -> dict[str, float] | None:
@@ -128,17 +114,19 @@ def _shares(last: Mapping[str, float], group: Sequence[str], names: Sequence[str
     return tag("h4", title) + svg.share_bar(parts, lambda v: pct(v, 1), width=520, title=title)
 
 
-def _per_rank(ranks: Sequence[Mapping[str, float]], epoch: object) -> list[Markup]:
+def _per_rank(ranks: Sequence[Mapping[str, float]], row: Mapping[str, Any]) -> list[Markup]:
     names = ordered_stages(ranks)
+    epoch = row.get("epoch")
     chart = svg.columns([f"rank {i}" for i in range(len(ranks))], [(n, [r.get(n, 0.0) for r in ranks]) for n in names],
                         seconds, axis_fmt=_axis_seconds, stacked=True, colours=_colours(names), width=620,
                         height=220, title="last epoch's stage seconds per rank")
-    straggler = slowest_rank(ranks)
-    return [tag("h3", f"Epoch {epoch}: per rank ({len(ranks)} ranks)"), tag("figure", chart),
-            _rank_table(ranks, names),
-            note(f"Slowest rank: {straggler.describe()}. Every rank waits for the slowest at each gradient "
-                 "all-reduce, so the others' extra seconds show in their step.",
-                 "warn" if straggler.cause == "data" else "info")]
+    parts = [tag("h3", f"Epoch {epoch}: per rank ({len(ranks)} ranks)"), tag("figure", chart),
+             _rank_table(ranks, names)]
+    if isinstance(row.get("straggler"), str):
+        parts.append(note(f"Slowest rank: {row['straggler']}. Every rank waits for the slowest at each gradient "
+                          "all-reduce, so the others' extra seconds show in their step.",
+                          "warn" if row.get("slowest_rank_cause") == "data" else "info"))
+    return parts
 
 
 def _ratio(value: Any) -> str:
@@ -148,19 +136,19 @@ def _ratio(value: Any) -> str:
 def _stragglers(rows: Sequence[Mapping[str, Any]]) -> Markup:
     """Each distributed epoch's slowest rank (the warning when one held the others back is at the top of the run's
     section, ``shards.report.run``)."""
-    epochs = [(row, row_straggler(row)) for row in rows[-MAX_STRAGGLER_ROWS:]]
+    epochs = [(row, recorded_straggler(row)) for row in rows[-MAX_STRAGGLER_ROWS:]]
     epochs = [(row, s) for row, s in epochs if s is not None]
     if not epochs:
         return Markup("")
-    body = [[num_cell(row.get("epoch")), num_cell(s.rank), s.cause, num_cell(s.wait_s, seconds),
-             num_cell(s.others_wait_s, seconds), num_cell(s.wait_ratio, _ratio),
-             num_cell(s.step_s, seconds), num_cell(s.others_step_s, seconds)] for row, s in epochs]
+    body = [[num_cell(row.get("epoch")), num_cell(s["rank"]), s["cause"], num_cell(s["slowest_rank_wait_s"], seconds),
+             num_cell(s["others_wait_s"], seconds), num_cell(s["slowest_rank_wait_ratio"], _ratio),
+             num_cell(s["slowest_rank_step_s"], seconds), num_cell(s["others_step_s"], seconds)] for row, s in epochs]
     return (tag("h3", "Slowest rank per epoch")
             + table(["epoch", "slowest rank", "cause", "its wait", "others' mean wait", "wait ratio", "its step",
                      "others' mean step"], body, scroll=len(body) > 12)
-            + note(f"A rank whose data wait exceeds the others' mean by {pct(DATA_EXCESS_SHARE, 0)} of its wait and "
-                   "step seconds is the data straggler; otherwise the epoch is bound by compute and the rank with the "
-                   "most step seconds is named (the all-reduce evens step times out, so that name is weak)."))
+            + note("The training loop's verdict: a rank whose data wait stands out from the others' is the data "
+                   "straggler; otherwise the epoch is bound by compute and the rank with the most step seconds is "
+                   "named (the all-reduce evens step times out, so that name is weak)."))
 
 
 def first_batch_records(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -229,7 +217,7 @@ def stage_breakdown(rows: Sequence[Mapping[str, Any]]) -> Markup:
     body = [tag("div", figure(per_epoch, caption) + tag("div", shares), class_="grid2")]
     ranks = by_rank(last_row)
     if ranks and len(ranks) > 1:
-        body += _per_rank(ranks, epoch)
+        body += _per_rank(ranks, last_row)
     body.append(_stragglers([row for row, _ in timed]))
     body.append(first_batch_table(rows))
     return subsection("Stage breakdown", join(body))

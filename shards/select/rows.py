@@ -26,7 +26,7 @@ import numpy as np
 
 from shards.door.bounded_read import JSONError, parse_json, read_regular_file
 from shards.errors import CorruptDataError, InputError, ManifestError
-from shards.transport.locations import local_shard_path
+from shards.door.locations import local_shard_path
 from shards.door.jsonlines import json_lines
 from shards.manifest import DATASET_FILE
 from shards.door.shape import MAX_COUNT

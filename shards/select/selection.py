@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 class LoadedSource:
     """One source as ``open_dataset`` loaded it: its manifest, shard locations for the split, the local folder
     holding its source index (None when remote), ``read_all(i)``: every sample of its shard ``i``, and
-    ``columns()``: the split's column index (``shards.formats.columns.SplitColumns``), or None without one."""
+    ``columns()``: the split's column index (``shards.select.columns.SplitColumns``), or None without one."""
 
     spec: SourceSpec
     manifest: Any

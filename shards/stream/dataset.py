@@ -1,10 +1,10 @@
 """The streaming ``IterableDataset`` family: one order, one stage pipeline, a reader per kind of shard.
 
-Per epoch and worker: take the worker's rows and yield order (``shards.order.order``), read the rows as covering
-reads, resample by class weight (optional), put them in yield order, skip what a resumed run already consumed
-(before any decoding), then decode and transform. The decode step is a pluggable ``decoder(sample, seed)`` callable taking a
-``RawSample`` and the sample's augmentation seed, so other output formats (uint8 tensors, batched decoders)
-replace one object, not the loop, and no random state is shared between the reader and the decoder.
+Per epoch and worker: take the worker's rows and yield order (``shards.order.order``; with class weights the rows
+are the weighted draws), leave out what a resumed run consumed (before any reading), read the rows as covering
+reads, put them in yield order, then decode and transform. The decode step is a pluggable ``decoder(sample, seed)``
+callable taking a ``RawSample`` and the sample's augmentation seed, so other output formats (uint8 tensors, batched
+decoders) replace one object, not the loop, and no random state is shared between the reader and the decoder.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from shards.manifest import SplitInfo
 from shards.stream.options import ErrorPolicy
 from shards.order.order import EpochSource, Layout, WorkerOrder, worker_order
 from shards.order.plan import (
-    STREAM_CLASS_WEIGHTS, STREAM_TRANSFORM, ShardSlice, check_nodes, CoveringReads, epoch_sizes, indices_to_slices,
+    STREAM_TRANSFORM, ShardSlice, check_nodes, CoveringReads, epoch_sizes, indices_to_slices,
     rng_for, shard_offsets,
 )
 from shards.select.mixture import Mixture
-from shards.order.stages import Broken, weighted_windows
-from shards.loader.stage_times import SharedStageTimes, StageTally, TimedCollate
+from shards.order.stages import Broken
+from shards.procs.stage_times import SharedStageTimes, StageTally
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,6 @@ class StreamConfig:
     drop_last: bool = False
     shuffle_buffer: int = 512
     class_weights: tuple[float, ...] | None = None
-    weight_window: int = 1024
     on_error: str = "raise"
     max_consecutive_errors: int = 10
     return_keys: bool = False
@@ -67,8 +66,8 @@ class StreamConfig:
         if self.seed < 0:
             raise InputError(f"seed must be non-negative, got {self.seed}")
         ErrorPolicy(self.on_error, self.max_consecutive_errors)  # one validation of the error options
-        if self.shuffle_buffer < 0 or self.weight_window < 1 or self.max_consecutive_errors < 1:
-            raise InputError("shuffle_buffer must be >= 0, weight_window and max_consecutive_errors >= 1")
+        if self.shuffle_buffer < 0 or self.max_consecutive_errors < 1:
+            raise InputError("shuffle_buffer must be >= 0, max_consecutive_errors >= 1")
         if self.feature_window < 0:
             raise InputError(f"feature_window must be >= 0, got {self.feature_window}")
         if self.class_weights is not None and (min(self.class_weights, default=0) < 0 or not any(self.class_weights)):
@@ -78,9 +77,10 @@ class StreamConfig:
 class ShardDataset(IterableDataset):
     """Base of the family: plan, stages, epoch state, resume. Subclasses read slices and decode samples.
 
-    Stage timing (on by default; ``make_loader(stage_times=False)`` turns it off): every worker adds the seconds
-    it spends reading, decoding and transforming to a shared block (``shards.loader.stage_times``), read back with
-    ``stage_seconds()``. ``decode_timed = False``: a subclass whose decode step is no real work (features) leaves
+    Run-time state belongs to whoever iterates: a loader (``shards.loader.base``) keeps its position, quarantine and
+    stage seconds itself and hands the workers what they need (``worker_stream``); the dataset holds only the epoch
+    every loader over it streams. Iterated on its own, the dataset is its own loader and keeps its own (``_cursor``,
+    ``stage_seconds()``). ``decode_timed = False``: a subclass whose decode step is no real work (features) leaves
     decode and transform at 0.
     """
 
@@ -109,8 +109,8 @@ class ShardDataset(IterableDataset):
         self.mixture: Mixture | None = None  # several sources or a subset (``use_mixture``): the epoch's rows
         self.excluded: np.ndarray | None = None  # global rows left out of every epoch (``exclude_rows``)
         self.label_maps: list[Any] | None = None  # per shard: source label -> combined label, or None
-        # Global rows never decoded again, by key (``shards.loader.watchdog``): a stand-in fills each one's slot.
-        self.quarantine: dict[int, str] = {}
+        # Each global row's label, which class weighting draws by (``shards.select.labels``; None: no weights).
+        self.row_labels: np.ndarray | None = None
         if self.sizes.dropped:
             log.info("Sampling(balance='drop') leaves out the last %d sample(s) of %r every epoch", self.sizes.dropped,
                      config.split)
@@ -146,22 +146,14 @@ class ShardDataset(IterableDataset):
     def dropped(self) -> int:
         return self.sizes.dropped
 
-    @property
-    def quarantined(self) -> tuple[tuple[int, str], ...]:
-        """The quarantined samples as sorted ``(global row, key)`` pairs: a worker hung or died on each twice."""
-        return tuple(sorted(self.quarantine.items()))
-
     def stage_seconds(self) -> dict[str, float]:
-        """Busy seconds per worker stage (``read``, ``decode``, ``transform``, ``collate``), summed over all
-        workers and epochs since the last ``reset_stage_seconds``."""
+        """Busy seconds per worker stage (``read``, ``decode``, ``transform``, ``collate``) of this dataset's own
+        iteration (a plain DataLoader's workers included; ``make_loader``'s loaders count their own), since the last
+        ``reset_stage_seconds``."""
         return self._stage_times.snapshot()
 
     def reset_stage_seconds(self) -> None:
         self._stage_times.reset()
-
-    def timed_collate(self, collate_fn: Callable) -> TimedCollate:
-        """``collate_fn`` adding its seconds to this dataset's collate stage, from whichever worker runs it."""
-        return TimedCollate(collate_fn, self._stage_times)
 
     def state_dict(self) -> dict[str, Any]:
         """Progress of in-process iteration (no DataLoader workers); ``make_loader``'s loaders have their own."""
@@ -171,7 +163,7 @@ class ShardDataset(IterableDataset):
         self._cursor.load(state)
 
     def epoch_source(self) -> EpochSource:
-        return EpochSource.of(self.config, self.split_info.shard_sizes, self.mixture, self.excluded)
+        return EpochSource.of(self.config, self.split_info.shard_sizes, self.mixture, self.excluded, self.row_labels)
 
     def exclude_rows(self, rows: np.ndarray) -> None:
         """Leave these global rows out of every epoch (the rest keep their order), before the loader iterates:
@@ -186,15 +178,17 @@ class ShardDataset(IterableDataset):
     # -- the stream ------------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
+        times = self._stage_times if self.time_stages else None
         if info is not None:  # inside a plain DataLoader's worker: its share of the epoch, from the start
-            yield from self.worker_stream(self.epoch, info.id, info.num_workers)
+            yield from self.worker_stream(self.epoch, info.id, info.num_workers, stage_times=times)
             return
         cursor = self._cursor
         continued = cursor.begin()
         resume = cursor.resume(continued)
         skip = resume.skips[0] if resume is not None else 0
         left = continued.left if continued is not None else None
-        for output in self.worker_stream(self.epoch, 0, 1, skip=skip, left=left):
+        for output in self.worker_stream(self.epoch, 0, 1, skip=skip, left=left, stage_times=times,
+                                         quarantine=frozenset(cursor.quarantine)):
             cursor.handed += 1
             yield output
 
@@ -225,17 +219,18 @@ class ShardDataset(IterableDataset):
         return itertools.count(base)
 
     def worker_stream(self, epoch: int, worker: int, num_workers: int, *, split_batch: int = 1, skip: int = 0,
-                      left: np.ndarray | None = None, timed: bool | None = None, watch: Any = None) -> Iterator[Any]:
+                      left: np.ndarray | None = None, stage_times: SharedStageTimes | None = None,
+                      quarantine: frozenset[int] = frozenset(), watch: Any = None) -> Iterator[Any]:
         """What logical ``worker`` of ``num_workers`` yields in ``epoch``, after ``skip`` samples a resumed run had
-        consumed; ``split_batch``: the loader's batch size (the unit of the worker split); ``timed``: add stage
-        seconds (default: the class's ``time_stages``); ``watch``: a ``WorkerSlot`` to publish each sample in
-        before decoding it (``shards.loader.worker_status``)."""
-        timed = self.time_stages if timed is None else timed
-        tally = StageTally(self._stage_times, split_batch) if timed else None
+        consumed; ``split_batch``: the loader's batch size (the unit of the worker split); ``stage_times``: the
+        loader's block to add stage seconds to (None: not timed); ``quarantine``: the global rows the loader's
+        cursor keeps out (a stand-in fills each one's slot); ``watch``: a ``WorkerSlot`` to publish each sample in
+        before decoding it (``shards.procs.worker_status``)."""
+        tally = StageTally(stage_times, split_batch) if stage_times is not None else None
         order = self.worker_order(epoch, worker, num_workers, split_batch=split_batch, left=left)
         self._next_epoch = (epoch + 1, worker, num_workers, split_batch)  # the node cache plans one epoch ahead
         try:
-            yield from self._worker_samples(order, epoch, worker, skip, tally, watch)
+            yield from self._worker_samples(order, epoch, worker, skip, tally, watch, quarantine)
         finally:
             if tally is not None:
                 tally.flush()  # the samples since the last full batch, before the loader sees the stream end
@@ -294,23 +289,18 @@ class ShardDataset(IterableDataset):
         return self.shard_cache.lease(self.locations[shard], info.sha256, info.bytes)
 
     def _worker_samples(self, order: WorkerOrder, epoch: int, worker: int, skip: int,
-                        tally: StageTally | None = None, watch: Any = None) -> Iterator[Any]:
+                        tally: StageTally | None = None, watch: Any = None,
+                        quarantine: frozenset[int] = frozenset()) -> Iterator[Any]:
         c = self.config
-        quarantine = self.quarantine
         policy = ErrorTally(c, self._state, keeps_recent=bool(quarantine))
         seeds = self.sample_seeds(epoch, worker)
-        if skip and c.class_weights is None:  # read only the rows still to come (a resample needs what came before)
-            order, seeds, skip = order.after(skip), itertools.islice(seeds, skip, None), 0
+        if skip:  # read only the rows still to come
+            order, seeds = order.after(skip), itertools.islice(seeds, skip, None)
         items: Iterator = self._planned_slices(order.rows, policy)
-        if c.class_weights is not None:
-            items = weighted_windows(items, c.class_weights, c.weight_window,
-                                     rng_for(c.seed, STREAM_CLASS_WEIGHTS, epoch, c.rank, worker))
         items = order.arrange(items)
         if tally is not None:
             items = tally.timed_read(items)
-        for position, ((where, sample, row), seed) in enumerate(zip(items, seeds)):
-            if position < skip:
-                continue
+        for (where, sample, row), seed in zip(items, seeds):
             if isinstance(sample, Broken):
                 yield from policy.skipped(where, sample.key, sample.reason)
                 continue
@@ -370,8 +360,7 @@ class ShardDataset(IterableDataset):
         first = self._first_rows[piece.shard] + piece.start
         wanted = None
         if keep is not None:
-            wanted = np.zeros(piece.size, dtype=bool)
-            wanted[keep] = True
+            wanted = np.bincount(keep, minlength=piece.size)  # a class-weighted draw may name a row twice
         count = 0
         try:
             for sample in self.read_resync(piece):
@@ -379,7 +368,7 @@ class ShardDataset(IterableDataset):
                     if self.config.on_error == "raise":
                         raise sample
                     sample = Broken(sample.key, -1, reason_of(sample, where))
-                if wanted is None or wanted[count]:
+                for _ in range(1 if wanted is None else int(wanted[count])):
                     yield where, sample, first + count
                 count += 1
             if count < piece.size:
@@ -391,7 +380,7 @@ class ShardDataset(IterableDataset):
             if count == piece.size:  # found after the last sample (a checksum): nothing left to skip
                 log.warning("samples already used from a damaged shard: %s", exc)
             for offset in range(count, piece.size):
-                if wanted is None or wanted[offset]:
+                for _ in range(1 if wanted is None else int(wanted[offset])):
                     key = exc.key if offset == count else None
                     yield where, Broken(key, -1, reason_of(exc, where)), first + offset
 

@@ -1,8 +1,8 @@
 """Streaming feature shards: the same epoch plan over ``features.json`` as image shards, one row per sample.
 
-Most training on features goes through ``shards.loader.feature_batches.FeatureBatchLoader`` (whole batches in the
-main process); this per-sample ``IterableDataset`` serves users who want a DataLoader anyway, and holds the shard
-loading (checked once per process, mmap'ed or held in memory) that both use.
+Most training on features runs in process (``shards.loader.in_process``: whole batches gathered from a
+``FeatureStore``, ``feature_store()``); this per-sample ``IterableDataset`` serves a loader with worker processes,
+and holds the shard loading (checked once per process, mmap'ed or held in memory) that both use.
 
 A regression table (``task="regression"``, from ``features.json``'s ``config.target``) has no classes: both yield
 its float32 ``targets`` where a classification folder yields labels, and nothing else about the order changes.
@@ -23,6 +23,7 @@ from shards.transport.location import Location, locate
 from shards.manifest import SplitInfo
 from shards.order.plan import CoveringReads, ShardSlice
 from shards.cache.cached_shards import CachedShards
+from shards.stream.feature_store import FeatureStore
 
 CACHE_MODES = ("auto", "memory", "none")
 AUTO_CACHE_BYTES = 4 << 30
@@ -127,11 +128,18 @@ class FeatureShardDataset(ShardDataset):
         """The location ``location`` names, reached with the caller's storage options."""
         return locate(location, storage_options=self.storage_options)
 
+    def feature_store(self) -> FeatureStore:
+        """The split's rows as one table indexed per batch (``shards.stream.feature_store``), read through this
+        dataset's checked shard loading: the in-process run mode's view. Each call makes a new store (a loader keeps
+        its own: a stacked table belongs to the run that uses it)."""
+        return FeatureStore(self.shards, self.split_info.shard_sizes, targets=self.task == "regression",
+                            keys=self.config.return_keys,
+                            stacked=self.cache == "memory" and not self.config.feature_window)
+
     def read_slice(self, piece: ShardSlice) -> Iterator[FeatureRow]:
         shard = self.shard(piece.shard)
         block = shard.features[piece.start:piece.stop]
-        labels = self.values_of(shard)[piece.start:piece.stop].tolist()
-        for i, label in enumerate(labels):
+        for i, label in enumerate(self.values_of(shard)[piece.start:piece.stop].tolist()):
             yield FeatureRow(shard.keys[piece.start + i], label, block[i])
 
     def values_of(self, shard: FeatureShard) -> torch.Tensor:

@@ -60,11 +60,13 @@ class ErrorPolicy:
 class Sampling:
     """The order samples come in. ``shuffle=False`` reads shards and samples in manifest order (evaluation);
     otherwise a seeded shard shuffle and a shuffle buffer of ``shuffle_buffer`` samples (0: none). Optional class
-    weighting: ``class_weights="balanced"`` or one weight per class, resampled in windows of ``weight_window``
-    samples. ``balance`` evens out the ranks' shares of an epoch: ``"pad"`` repeats a few samples so every rank
-    gets as many as the largest share, ``"drop"`` leaves out the remainder (logged) so none repeats.
+    weighting: ``class_weights="balanced"`` or one weight per class; each epoch is then as many draws, each sample
+    drawn in proportion to its class's weight (a sample may come several times), the same draws whatever the
+    loader and its number of workers (``shards.order.weights``; image datasets need their column index, which
+    ``pack-shards`` writes). ``balance`` evens out the ranks' shares of an epoch: ``"pad"`` repeats a few samples
+    so every rank gets as many as the largest share, ``"drop"`` leaves out the remainder (logged) so none repeats.
 
-    ``feature_window`` (feature shards, the in-process loader of ``make_loader(num_workers=0)``): 0 (default)
+    ``feature_window`` (feature shards, the in-process loader of ``make_loader(mode=InProcess())``): 0 (default)
     permutes a rank's rows of an epoch whole, so every batch may read every shard and a cold first epoch waits
     for all of them at its first batch; ``n > 0`` permutes them within consecutive windows of ``n`` rows of the
     epoch's shuffled shard order and loads the next window's shards on a background thread while the current
@@ -75,7 +77,6 @@ class Sampling:
     shuffle: bool = True
     shuffle_buffer: int = 512
     class_weights: str | tuple[float, ...] | None = None
-    weight_window: int = 1024
     balance: str = "pad"
     feature_window: int = 0
 
@@ -85,7 +86,6 @@ class Sampling:
         if self.balance not in BALANCE:
             raise InputError(f"Sampling.balance={self.balance!r} is not one of {', '.join(BALANCE)}")
         _at_least("Sampling.shuffle_buffer", self.shuffle_buffer, 0)
-        _at_least("Sampling.weight_window", self.weight_window, 1)
         _at_least("Sampling.feature_window", self.feature_window, 0)
         weights = self.class_weights
         if isinstance(weights, str):
@@ -137,7 +137,7 @@ class Remote:
     """Where the shards are, when the caller says so. ``base_url`` (a folder, an ``http(s)://`` URL, or a ``pipe:``
     command prefix) replaces the manifest's own folder as the base of its relative shard names; ``url_origins``
     (``"https://host:port"``) are the hosts a manifest may name in absolute shard URLs besides its own. Both come
-    only from the caller: a manifest never chooses a command or another host (see ``shards.transport.locations``).
+    only from the caller: a manifest never chooses a command or another host (see ``shards.door.locations``).
     ``storage_options`` configures ``s3://`` access: a mapping of ``shards.transport.s3.S3Options`` fields
     (``{"endpoint_url": ..., "profile": ..., "unsigned": True}``) or an ``S3Options``; credentials are never
     options, they come from the AWS chain. ``shard_cache`` is the storage tier on the node's own disk: whole

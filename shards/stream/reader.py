@@ -25,12 +25,13 @@ from shards.stream.feature_stream import FeatureShardDataset
 from shards.cache.images import ImageCacheRequest
 from shards.formats.features import FeatureSpec
 from shards.manifest import FeatureManifest, Manifest
-from shards.formats.columns import open_columns
+from shards.select.columns import open_columns
 from shards.transport.location import locate
-from shards.transport.locations import request_origins, shard_location
+from shards.door.locations import request_origins, shard_location
 from shards.transport.manifest_io import load_manifest_at
 from shards.stream.options import Decode, Distributed, ErrorPolicy, MemoryCache, Remote, Sampling
-from shards.order.stages import class_weights_from_counts
+from shards.order.weights import class_weights_from_counts
+from shards.select.labels import split_labels
 from shards.image.transforms import TransformSpec, build_transform
 
 
@@ -126,7 +127,7 @@ def open_dataset(path: str | os.PathLike | SourceSpec | Sequence[str | os.PathLi
     config = StreamConfig(
         split=split, shuffle=sampling.shuffle, seed=seed, rank=rank, world_size=world_size,
         drop_last=sampling.balance == "drop", shuffle_buffer=sampling.shuffle_buffer, class_weights=None,
-        weight_window=sampling.weight_window, on_error=errors.on_error,
+        on_error=errors.on_error,
         max_consecutive_errors=errors.max_consecutive_errors, return_keys=return_keys,
         nodes=1 if distributed.nodes is None else distributed.nodes, rotate_every=distributed.rotate_every,
         feature_window=sampling.feature_window)
@@ -159,6 +160,10 @@ def open_dataset(path: str | os.PathLike | SourceSpec | Sequence[str | os.PathLi
                      origins=origins, caches=_Caches.of(cache, node_cache))
     if combined is not None:
         dataset.use_mixture(combined.mixture, combined.label_maps)
+    if config.class_weights is not None:  # the labels the order's class weighting draws by, read once here
+        label_sources = sources if specs is not None else \
+            [_load_source(SourceSpec(path), split, remote, config, node_cache, lambda _: (manifest, base))]
+        dataset.row_labels = split_labels(dataset, manifest.kind, label_sources, len(config.class_weights))
     return dataset
 
 

@@ -19,7 +19,7 @@ path (``is_local``, ``path``) for the few places that need one (mmap, the confin
 
 How remote kinds are reached comes only from the caller, never from a manifest: ``storage_options`` (an
 ``S3Options`` or a mapping of its fields) for ``s3://``, and for ``http(s)`` how slow a server may be
-(``S3Options.transfer_limits``), ``origins`` (``shards.transport.locations.request_origins``) for the redirects of
+(``S3Options.transfer_limits``), ``origins`` (``shards.door.locations.request_origins``) for the redirects of
 ``http(s)``. A location carries them to every location joined under it, and pickles with them into DataLoader
 workers.
 """
@@ -37,7 +37,7 @@ from typing import Any, BinaryIO, ContextManager, Iterable, Iterator
 from shards.door.bounded_read import (JSONError, not_regular_reason, open_regular_file, parse_json, read_capped,
                                  read_regular_file)
 from shards.errors import ChecksumError, CorruptDataError, InputError, ManifestError, MissingInputError
-from shards.transport.locations import shard_location
+from shards.door.locations import shard_location
 
 CHUNK = 8 << 20  # bytes per read when a whole object streams through (fetching, copying)
 
@@ -79,7 +79,7 @@ class Location:
 
     def child(self, name: str, *, where: str | None = None, what: str = "shard") -> Location:
         """Where a file a manifest names (a shard, a sidecar, the source index: ``what``) is under this folder or
-        prefix: checked and confined (``shards.transport.locations.shard_location``); ``where`` names the manifest."""
+        prefix: checked and confined (``shards.door.locations.shard_location``); ``where`` names the manifest."""
         return self._at(shard_location(self.text, name, where=where, what=what))
 
     def file(self, name: str) -> Location:

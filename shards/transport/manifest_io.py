@@ -7,7 +7,7 @@ wherever a dataset is (``shards.transport.location``), under the trust model (do
   names are relative to. On this machine ``shards.manifest.load_manifest`` decides which of the two a folder holds;
   under a URL or prefix ``dataset.json`` is asked for, then ``features.json``. Shard URLs in a remote manifest are
   followed only on its own origin and the caller's ``url_origins``, and every redirect of the manifest's own
-  request is held to the same (``shards.transport.locations.request_origins``); under ``s3://`` a manifest may name
+  request is held to the same (``shards.door.locations.request_origins``); under ``s3://`` a manifest may name
   only relative shard names (an ``s3:`` URL has no origin, so ``check_shard_path`` refuses it).
 - ``read_dataset_manifest``: a dataset's ``dataset.json`` and the sha256 of its bytes, from one read, so the
   manifest and the digest a feature cache is tied to always come from the same bytes.
@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 from shards.errors import MissingInputError
 from shards.transport.location import Location, locate
-from shards.transport.locations import request_origins
+from shards.door.locations import request_origins
 from shards.manifest import DATASET_FILE, FEATURES_FILE, DatasetManifest, FeatureManifest, Manifest, load_manifest
 
 PathLike = str | os.PathLike | Location

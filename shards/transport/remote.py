@@ -4,7 +4,7 @@ for a tar slice by its index) in parallel ranged parts (``fetch_range``, ``shard
 
 HTTP goes through ``urllib`` (no ``curl`` needed), following a redirect only to an allowed origin (the requested
 URL's own, plus any the caller names), at most ``MAX_REDIRECTS`` hops: a server on an allowed origin cannot hand
-the reader to another host (``shards.transport.locations.check_redirect``). The location kinds that use it are in
+the reader to another host (``shards.door.locations.check_redirect``). The location kinds that use it are in
 ``shards.transport.location`` (docs/design.md, section 4).
 
 Every request is held to the caller's ``TransferLimits`` (``shards.transport.parallel_parts``; ``S3Options`` carries
@@ -28,7 +28,7 @@ from contextlib import closing, contextmanager, suppress
 from typing import Any, BinaryIO, Iterable, Iterator
 
 from shards.errors import CorruptDataError, ManifestError, MissingInputError, ShardcacheError
-from shards.transport.locations import check_redirect, url_origin
+from shards.door.locations import check_redirect, url_origin
 from shards.transport import parallel_parts
 from shards.transport.parallel_parts import (
     DEFAULT_CONCURRENCY, DEFAULT_READ_AHEAD_BYTES, PartStream, TransferClock, TransferLimits, pool_for)
@@ -198,7 +198,7 @@ def _request(location: str, origins: Iterable[str], headers: dict[str, str] | No
 def open_url(location: str, *, origins: Iterable[str] = (),
              limits: TransferLimits = TransferLimits()) -> Iterator[BinaryIO]:
     """An ``http(s)`` location opened for sequential reading; errors name the location. ``origins``: where redirects
-    may lead besides the location's own origin (a dataset's ``shards.transport.locations.request_origins``: its
+    may lead besides the location's own origin (a dataset's ``shards.door.locations.request_origins``: its
     manifest's own and the caller's ``Remote(url_origins=...)``); any other target is a ``ManifestError``.
     ``limits``: how slow the server may be (see the module docstring)."""
     stream = _body(_request(location, origins, limits=limits), location, limits)

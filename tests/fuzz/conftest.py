@@ -31,7 +31,7 @@ def seeds() -> Iterator[Seeds]:
 
     import shards.report.build  # noqa: F401
     import shards.stream.reader  # noqa: F401
-    import train.run.lineage  # noqa: F401
+    import shards.check.lineage  # noqa: F401
 
     root = Path(tempfile.mkdtemp(prefix="shardcache-fuzz-seeds-", dir=scratch_dir()))
     yield Seeds(root)

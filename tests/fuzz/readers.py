@@ -42,12 +42,13 @@ def stream_split(source: Any, split: str = "train", *, on_error: str = "raise", 
 
 
 def tar_loader(folder: Path, **options: Any) -> Any:
-    """A ``ShardLoader`` over the train split, in process (batches of 2)."""
+    """A loader over the train split, in process (batches of 2)."""
     from shards import open_dataset
+    from shards.loader.in_process import InProcess
     from shards.loader.loader import make_loader
 
     dataset = open_dataset(str(folder), "train", transform=image_size, seed=3, **options)
-    return make_loader(dataset, batch_size=2, num_workers=0, drop_last=False, stage_times=False)
+    return make_loader(dataset, batch_size=2, mode=InProcess(), drop_last=False, stage_times=False)
 
 
 def verify(folder: Path | str) -> Any:

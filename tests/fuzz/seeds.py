@@ -135,17 +135,17 @@ def _arrow(seeds: Seeds, out: Path) -> None:
 def _run(seeds: Seeds, out: Path) -> None:
     """A 2-epoch linear-head run on a feature folder (``out/run``, ``out/cache/{features,dataset}``)."""
     from tests.train.conftest import write_feature_folder
-    from train.config import TrainConfig
+    from tests.train.configs import train_config
     from train.run.loop import train
 
     features = write_feature_folder(out / "cache", shard_sizes={"train": [6, 4], "val": [4]}, classes=CLASSES,
                                     dim=4)
-    train(TrainConfig(data_path=str(features), out_dir=str(out / "run"), epochs=2, batch_size=4, quiet=True,
+    train(train_config(str(features), str(out / "run"), epochs=2, batch_size=4, quiet=True,
                       device="cpu", workers=0, prefetch=0, stall_timeout=0))
 
 
 def _loader_state(seeds: Seeds, out: Path) -> None:
-    """``state.json``: a ``ShardLoader``'s state after one batch of the packed tar dataset's train split."""
+    """``state.json``: a worker-process loader's state after one batch of the packed tar dataset's train split."""
     from tests.fuzz.readers import tar_loader
 
     out.mkdir(parents=True)

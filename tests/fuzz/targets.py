@@ -62,7 +62,7 @@ def _read_run(folder: Path, lineage: bool, curves: bool = True) -> None:
 
     from shards.data_events import read_events
     from shards.report.run import read_run
-    from train.run.lineage import run_lineage
+    from shards.check.lineage import run_lineage
 
     if not curves:
         with mock.patch("shards.report.curves.curves_bytes", lambda *args, **kwargs: b"<svg></svg>"):
@@ -75,10 +75,10 @@ def _read_run(folder: Path, lineage: bool, curves: bool = True) -> None:
         run_lineage(folder, 1, 1)
 
 
-@target("run_config", lambda seeds: (seeds.path("run") / "run" / "config.json").read_bytes(), mutate_json,
+@target("run_record", lambda seeds: (seeds.path("run") / "run" / "run.json").read_bytes(), mutate_json,
         suffix="json", examples=150)
-def _run_config(data: bytes, seeds: Seeds, work: Path) -> None:
-    _read_run(_run_folder(seeds, work, "config.json", data), lineage=True, curves=False)
+def _run_record(data: bytes, seeds: Seeds, work: Path) -> None:
+    _read_run(_run_folder(seeds, work, "run.json", data), lineage=True, curves=False)
 
 
 @target("run_metrics", lambda seeds: (seeds.path("run") / "run" / "metrics.jsonl").read_bytes(), mutate_json_lines,
@@ -205,7 +205,7 @@ WIDTH_COLUMN = "columns/train/c006.npy"  # the ``width`` column (int64) of the p
 @target("npy_column", file_of("tar_dataset", WIDTH_COLUMN), formats.mutate_npy, examples=300)
 def _npy_column(data: bytes, seeds: Seeds, work: Path) -> None:
     from shards import SourceSpec, Subset
-    from shards.formats.columns import open_columns, verify_columns
+    from shards.select.columns import open_columns, verify_columns
     from shards.manifest import load_dataset_manifest
 
     folder = seeds.copy("tar_dataset", work)

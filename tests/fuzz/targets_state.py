@@ -224,7 +224,7 @@ def _mutate_where(draw: Draw, seed: bytes) -> bytes:
 def _where(data: bytes, seeds: Seeds, work: Path) -> None:
     from shards import SourceSpec, Subset
     from shards.errors import ShardcacheError
-    from shards.formats.columns import open_columns
+    from shards.select.columns import open_columns
     from shards.manifest import load_dataset_manifest
     from shards.select.rows import SampleColumns, sample_fields
     from shards.select.where import Where

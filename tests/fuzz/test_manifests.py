@@ -14,6 +14,6 @@ def test_manifests_read_or_raise_a_shardcache_error(target, seeds):
     fuzz(target, seeds)
 
 
-@pytest.mark.parametrize("target", ["run_config", "run_metrics", "run_events"])
+@pytest.mark.parametrize("target", ["run_record", "run_metrics", "run_events"])
 def test_run_folders_read_or_raise_a_shardcache_error(target, seeds):
     fuzz(target, seeds)

@@ -8,6 +8,7 @@ import pytorch_lightning as pl
 import torch
 
 import shards
+from shards.loader.loader import workers_mode
 
 
 # -- the example of docs/integrations.md, as written there -----------------------------------------------------------
@@ -22,7 +23,7 @@ class ShardDataModule(pl.LightningDataModule):
     def train_dataloader(self):
         # Made here, once Lightning has started the process group: open_dataset reads rank and world size from it.
         dataset = shards.open_dataset(self.folder, "train", **self.dataset_options)
-        return shards.make_loader(dataset, self.batch_size, num_workers=self.num_workers)
+        return shards.make_loader(dataset, self.batch_size, mode=workers_mode(self.num_workers))
 # ---------------------------------------------------------------------------------------------------------------------
 
 

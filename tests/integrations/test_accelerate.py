@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import shards
+from shards.loader.worker_processes import WorkerProcesses
 from tests.helpers import make_shard_dataset
 from tests.integrations.ranks import run_ranks
 
@@ -23,7 +24,7 @@ TAKE = 2
 def _loader(folder: str):
     dataset = shards.open_dataset(folder, transform="eval", return_keys=True, seed=3,
                                   sampling=shards.Sampling(shuffle=True, shuffle_buffer=8))  # rank from the group
-    return shards.make_loader(dataset, batch_size=3, num_workers=1)
+    return shards.make_loader(dataset, batch_size=3, mode=WorkerProcesses(1))
 
 
 def _keys(batches) -> list[str]:

@@ -16,6 +16,8 @@ import torch.distributed.checkpoint as dcp
 import shards
 from shards.errors import InputError
 from shards.position.dcp_state import KEY
+from shards.loader.in_process import InProcess
+from shards.loader.worker_processes import WorkerProcesses
 from tests.helpers import make_shard_dataset
 from tests.integrations.ranks import run_ranks
 
@@ -26,7 +28,7 @@ EPOCH_KEYS = [f"train_{i:05d}" for i in range(24)]
 def _loader(folder: str):
     dataset = shards.open_dataset(folder, transform="eval", return_keys=True, seed=5,
                                   sampling=shards.Sampling(shuffle=True, shuffle_buffer=8))  # rank from the group
-    return shards.make_loader(dataset, batch_size=BATCH, num_workers=1, drop_last=False)
+    return shards.make_loader(dataset, batch_size=BATCH, mode=WorkerProcesses(1), drop_last=False)
 
 
 def _keys(batches) -> list[str]:
@@ -93,7 +95,7 @@ def test_dcp_saves_one_position_that_every_world_size_continues(tmp_path):
 
 def test_dcp_state_refuses_an_entry_it_did_not_write(tmp_path):
     make_shard_dataset(tmp_path, shard_sizes={"train": [4]}, size=(16, 16))
-    state = shards.make_loader(shards.open_dataset(tmp_path), batch_size=2, num_workers=0).dcp_state()
+    state = shards.make_loader(shards.open_dataset(tmp_path), batch_size=2, mode=InProcess()).dcp_state()
     for entry in ({}, {KEY: 3}, {KEY: "{not json"}):
         with pytest.raises(InputError, match=KEY):
             state.load_state_dict(entry)

@@ -93,7 +93,7 @@ def test_single_process_fit_resumes_mid_epoch_from_lightnings_checkpoint(folder,
 def test_feature_loader_resumes_mid_epoch_the_same_way(tmp_path):
     write_feature_dataset(tmp_path / "features", [17, 23])
     full, trainer = _fit(tmp_path / "features", tmp_path / "ckpt", batch_size=4)
-    assert type(trainer.train_dataloader).__name__ == "FeatureBatchLoader"
+    assert repr(trainer.train_dataloader.mode) == "InProcess()"
     assert sorted(_flat(full)) == [f"f{i:05d}" for i in range(SAMPLES)]
     resumed, _ = _fit(tmp_path / "features", tmp_path / "ckpt", batch_size=4, resume=_checkpoint(tmp_path / "ckpt"))
     assert _flat(full[:CHECKPOINT_STEP]) + _flat(resumed) == _flat(full)

@@ -98,7 +98,7 @@ def test_resume_after_a_kill_gives_the_files_of_an_uninterrupted_run(datasets, t
     interrupted = tmp_path / "resumed"
     precompute_features(_config(data_dir, interrupted, workers=2))
     # Simulate a kill while writing train-000001: its file never got renamed, features.json never written.
-    (interrupted / "train-000001.pt").rename(interrupted / "train-000001.pt.tmp")
+    (interrupted / "train-000001.pt").rename(interrupted / "train-000001.pt.node7.4242.0badc0de.tmp")
     (interrupted / "features.json").unlink()
     (interrupted / "val-000000.pt").write_bytes(b"truncated")  # and one damaged file, caught by its checksum
     manifest, summary = run_precompute(_config(data_dir, interrupted))
@@ -264,7 +264,7 @@ def test_a_corrupt_sample_fails_naming_its_shard_and_key(tmp_path):
 ])
 def test_dataset_dir_is_a_local_folder_or_an_s3_url_only(recorded, ok):
     from shards.errors import ManifestError
-    from shards.transport.locations import check_dataset_dir
+    from shards.door.locations import check_dataset_dir
 
     if ok:
         assert check_dataset_dir(recorded) == recorded
@@ -274,7 +274,7 @@ def test_dataset_dir_is_a_local_folder_or_an_s3_url_only(recorded, ok):
 
 
 def test_an_s3_dataset_dir_is_followed_only_from_s3_features_or_when_named(tmp_path):
-    from shards.transport.locations import dataset_location
+    from shards.door.locations import dataset_location
 
     assert dataset_location("s3://bkt/feat", "s3://bkt/data/") == ("s3://bkt/data", None)
     location, why = dataset_location(tmp_path, "s3://bkt/data")

@@ -144,7 +144,7 @@ def test_killed_run_resumes_to_identical_output(tree, tmp_path, monkeypatch):
     assert not (out / "dataset.json").exists()
     assert sorted(shard_bytes(out)) == ["train-000000.tar", "train-000001.tar"]
     (out / "train-000001.tar").unlink()  # a finished shard lost
-    (out / "train-000003.tar.tmp").write_bytes(b"half a shard")  # a partial shard left behind
+    (out / "train-000003.tar.node7.4242.0badc0de.tmp").write_bytes(b"half a shard")  # a partial shard left behind
     result = pack(PackConfig(str(tree), str(out), max_samples=5, quiet=True))
     assert result.summary["shards_written"] == 4 and result.summary["shards_reused"] == 1
     assert shard_bytes(out) == expected

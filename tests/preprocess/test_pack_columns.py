@@ -16,7 +16,8 @@ from preprocess.pack.append import append
 from preprocess.pack.packer import PackConfig, pack_shards
 from preprocess.pack.parts import STATE_DIR, merge_parts
 from shards.check.verify import verify_dataset
-from shards.formats.columns import COLUMNS_KEY, open_columns
+from shards.formats.columns import COLUMNS_KEY
+from shards.select.columns import open_columns
 from shards.manifest import load_dataset_manifest
 from tests.helpers import class_image, write_image_folder
 from tests.preprocess.corpus import BROKEN_KINDS, write_mixed_tree

@@ -5,7 +5,8 @@ import re
 
 import pytest
 
-from preprocess.pack.sources.scan import sample_key, scan_source
+from preprocess.pack.sources.columns import sample_key
+from preprocess.pack.sources.scan import scan_source
 from shards.errors import InputError, MissingInputError
 from tests.helpers import class_image, write_image_folder
 from tests.preprocess.corpus import write_mixed_tree

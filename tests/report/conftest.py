@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from shards.runrecord import ROW_VERSION
+
 from tests.helpers import colour_shards
 from tests.train.conftest import write_feature_folder
 
@@ -29,12 +31,12 @@ def feature_dir(tmp_path: Path) -> Path:
 def trained_root(tmp_path_factory) -> Path:
     """A 2-epoch linear-head run on a feature cache (``ROOT/run``, ``ROOT/cache/{features,dataset}``), trained once;
     tests that change it work on a copy (``run_copy``)."""
-    from train.config import TrainConfig
+    from tests.train.configs import train_config
     from train.run.loop import train
 
     root = tmp_path_factory.mktemp("trained")
     features = write_feature_folder(root / "cache", shard_sizes={"train": [40, 30], "val": [24]}, classes=CLASSES)
-    train(TrainConfig(data_path=str(features), out_dir=str(root / "run"), epochs=2, batch_size=16, quiet=True,
+    train(train_config(str(features), str(root / "run"), epochs=2, batch_size=16, quiet=True,
                       device="cpu"))
     return root
 
@@ -52,4 +54,6 @@ def read_rows(run: Path) -> list[dict]:
 
 
 def write_rows(run: Path, rows: list[dict]) -> None:
-    (run / "metrics.jsonl").write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
+    """``rows`` as a run writes them: each an ``EpochRow`` of this version unless the row names its own."""
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"version": ROW_VERSION, **row}, sort_keys=True) + "\n"
+                                               for row in rows))

@@ -32,7 +32,8 @@ def composition(tmp_path: Path) -> list[dict]:
 
 def write_run(folder: Path, config: dict, rows: list[dict]) -> Path:
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({"out_dir": str(folder), "epochs": len(rows), **config}))
+    (folder / "config.json").write_text(json.dumps({"run": {"out_dir": str(folder)}, "optim": {"epochs": len(rows)},
+                                                    **config}))
     write_rows(folder, rows)
     return folder
 

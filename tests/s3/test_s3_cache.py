@@ -9,13 +9,14 @@ import pytest
 
 import shards
 from shards.transport import s3
+from shards.loader.worker_processes import WorkerProcesses
 from tests.s3.test_read import packed
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]  # slow: starting and stopping SeaweedFS takes seconds
 
 
 def keys(dataset, epoch: int) -> list[str]:
-    loader = shards.make_loader(dataset, batch_size=4, num_workers=2, drop_last=False, persistent_workers=False)
+    loader = shards.make_loader(dataset, batch_size=4, mode=WorkerProcesses(2, persistent=False), drop_last=False)
     loader.set_epoch(epoch)
     return [k for _, _, batch in loader for k in batch]
 

@@ -17,7 +17,8 @@ from click.testing import CliRunner
 
 import shards
 import shards.publish.s3_upload as s3_upload
-from preprocess.staging import dataset_spec, features_spec
+from preprocess.features.state import features_spec
+from preprocess.pack.parts import dataset_spec
 from shards.errors import InputError
 from shards.transport import s3
 from shards.manifest import DATASET_FILE, FEATURES_FILE

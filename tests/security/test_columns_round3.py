@@ -23,7 +23,8 @@ from click.testing import CliRunner
 from shards.check.verify import verify_dataset
 from shards.cli.main import main as shards_cli
 from shards.errors import CorruptDataError
-from shards.formats.columns import COLUMNS_KEY, open_columns, verify_columns
+from shards.formats.columns import COLUMNS_KEY
+from shards.select.columns import open_columns, verify_columns
 from shards.manifest import load_dataset_manifest
 from tests.security.test_tar_round3 import GIB, KINDS, make_special, pack_images, run_bounded
 
@@ -57,7 +58,7 @@ def test_a_special_file_in_place_of_a_column_is_one_error_naming_it(tmp_path, ki
     out = run_bounded("""
 import sys
 from shards.errors import ShardcacheError
-from shards.formats.columns import open_columns, verify_columns
+from shards.select.columns import open_columns, verify_columns
 from shards.manifest import load_dataset_manifest
 manifest = load_dataset_manifest(sys.argv[1])
 try:

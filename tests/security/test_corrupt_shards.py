@@ -18,6 +18,7 @@ from shards.atomic import sha256_file
 from shards.check.features_verify import verify_feature_folder
 from shards.errors import ChecksumError, CorruptDataError
 from shards.formats.tar import iter_tar_shard
+from shards.loader.worker_processes import WorkerProcesses
 from tests.helpers import make_shard_dataset
 from tests.shards.stream_helpers import write_feature_dataset, write_labelled_shards
 from tests.train.conftest import write_feature_folder
@@ -92,7 +93,7 @@ def test_flipped_checksum_in_a_worker_is_skipped_too(tmp_path):
     write_labelled_shards(tmp_path, [[0, 1, 2], [0, 1, 2]])
     forge_header(tmp_path, "train-000000.tar", "s00001.cls", lambda h: h.__setitem__(slice(150, 151), b"8"))
     dataset = shards.open_dataset(tmp_path, errors=shards.ErrorPolicy("skip"), transform="eval")
-    loader = shards.make_loader(dataset, batch_size=2, num_workers=2, drop_last=False, persistent_workers=False)
+    loader = shards.make_loader(dataset, batch_size=2, mode=WorkerProcesses(2, persistent=False), drop_last=False)
     assert sum(len(labels) for _, labels in loader) == 6
     assert dataset.skipped == 1  # s00001 only: reading resyncs at the next sample
 

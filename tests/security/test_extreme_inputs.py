@@ -203,8 +203,8 @@ def test_deep_sample_metadata_under_where_names_the_shard_and_sample(tmp_path: P
 def run_folder(tmp_path: Path, lines: list[str]) -> Path:
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.json").write_text(json.dumps({"data_path": str(tmp_path / "gone"), "out_dir": str(run),
-                                                 "epochs": 2}))
+    (run / "config.json").write_text(json.dumps({"data": {"path": str(tmp_path / "gone")},
+                                                 "run": {"out_dir": str(run)}, "optim": {"epochs": 2}}))
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     return run
 

@@ -20,7 +20,7 @@ from shards.check.features_verify import verify_feature_folder
 from shards.check.verify import verify_dataset
 from shards.cli.main import main as shards_cli
 from shards.errors import ManifestError
-from shards.transport.locations import check_shard_path, shard_location
+from shards.door.locations import check_shard_path, shard_location
 from shards.manifest import load_dataset_manifest, load_feature_manifest, load_manifest
 from tests.helpers import make_shard_dataset, serve_folder
 from tests.shards.stream_helpers import write_feature_dataset

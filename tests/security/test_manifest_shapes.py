@@ -271,12 +271,12 @@ def test_training_on_tampered_features_stops_with_one_line(features: Path, tmp_p
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     """A finished one-epoch run on features, recording its keys: every file a run folder holds."""
-    from train.config import TrainConfig
+    from tests.train.configs import train_config
     from train.run.loop import train
 
     root = tmp_path_factory.mktemp("trained")
     data = write_feature_folder(root / "cache", shard_sizes={"train": [6, 4], "val": [4]}, classes=("a", "b"), dim=4)
-    train(TrainConfig(data_path=str(data), out_dir=str(root / "run"), data="features", epochs=1, batch_size=4,
+    train(train_config(str(data), str(root / "run"), epochs=1, batch_size=4,
                       workers=0, quiet=True, device="cpu", record_keys=True))
     return root
 
@@ -286,19 +286,19 @@ def run(trained: Path, tmp_path: Path) -> Path:
     """A copy of the trained run (same absolute data path; its out_dir is where the copy is)."""
     folder = tmp_path / "run"
     shutil.copytree(trained / "run", folder)
-    tamper(folder / "config.json", ("out_dir",), str(folder))
+    tamper(folder / "config.json", ("run", "out_dir"), str(folder))
     return folder
 
 
-@pytest.mark.parametrize("at,value", [(("epochs",), True), (("epochs",), "2"), (("seed",), 2.5),
-                                      (("seed",), 1e30), (("lr",), math.nan), (("momentum",), "0.9"),
-                                      (("batch_size",), [4]), (("resume",), 1), (("head",), 7),
-                                      (("data_path",), None), (("sources",), {"path": "x"}),
-                                      (("sources",), [{"path": 7}]), (("sources",), [{"path": "x", "weight": "2"}]),
-                                      (("sources",), [{"path": "x", "choose": 2.5}]),
-                                      (("sources",), [{"path": "x", "pipe": "rm"}]), (("subset",), []),
-                                      (("subset",), {"max_samples": True}), (("subset",), {"classes": "a"}),
-                                      (("storage_options",), "s3")], ids=str)
+@pytest.mark.parametrize("at,value", [
+    (("optim", "epochs"), True), (("optim", "epochs"), "2"), (("optim", "seed"), 2.5), (("optim", "seed"), 1e30),
+    (("optim", "lr"), math.nan), (("optim", "momentum"), "0.9"), (("optim", "batch_size"), [4]),
+    (("run", "resume"), 1), (("model", "head"), 7), (("data", "path"), None), (("data", "sources"), {"path": "x"}),
+    (("data", "sources"), [{"path": 7}]), (("data", "sources"), [{"path": "x", "weight": "2"}]),
+    (("data", "sources"), [{"path": "x", "choose": 2.5}]), (("data", "sources"), [{"path": "x", "pipe": "rm"}]),
+    (("data", "subset"), []), (("data", "subset"), {"max_samples": True}), (("data", "subset"), {"classes": "a"}),
+    (("cache", "storage_options"), "s3"), (("loader",), [2]), (("loader", "workerz"), 2), (("optimizer",), {})],
+    ids=str)
 def test_a_resumed_run_config_has_the_types_train_from_shards_wrote(trained: Path, run: Path, at: tuple,
                                                                      value: Any):
     tamper(run / "config.json", at, value)
@@ -307,13 +307,13 @@ def test_a_resumed_run_config_has_the_types_train_from_shards_wrote(trained: Pat
     assert_one_line(result, 2, str(run / "config.json"), shown(at))
 
 
-def test_lineage_reads_the_config_through_the_same_door(run: Path):
-    from train.run.lineage import run_lineage
+def test_lineage_reads_the_run_record_through_the_same_door(run: Path):
+    from shards.check.lineage import run_lineage
 
-    tamper(run / "config.json", ("batch_size",), 4.0)
+    tamper(run / "run.json", ("data", "make_loader", "batch_size"), 4.0)
     with pytest.raises(ManifestError) as caught:
         run_lineage(run, 1, 1)
-    one_line(caught.value, str(run / "config.json"), "batch_size is 4.0: expected an integer")
+    one_line(caught.value, str(run / "run.json"), "batch_size is 4.0: expected an integer")
 
 
 def layout_line(run: Path) -> tuple[Path, int, dict]:
@@ -328,7 +328,7 @@ def layout_line(run: Path) -> tuple[Path, int, dict]:
                                         ("epoch", 1.0), ("nodes", []), ("loader_state", "x"),
                                         ("exclude_keys", "../../../etc/passwd"), ("exclude_keys", 7)], ids=str)
 def test_lineage_refuses_a_layout_event_of_another_shape(run: Path, name: str, value: Any):
-    from train.run.lineage import run_lineage
+    from shards.check.lineage import run_lineage
 
     path, index, event = layout_line(run)
     lines = path.read_text().splitlines()
@@ -351,13 +351,16 @@ def test_events_with_a_time_that_is_no_finite_number_are_left_out(run: Path):
 @pytest.mark.parametrize("line", ['{"epoch": "1"}', '{"epoch": 0}', '{"epoch": true}', '[1]', '{"epoch": 1.5}'])
 def test_metrics_rows_have_a_positive_integer_epoch(run: Path, line: str):
     from shards.report.run import read_run
-    from train.run.run_dir import read_metrics
+    from shards.runrecord import read_rows
 
     path = run / "metrics.jsonl"
-    path.write_text(path.read_text() + line + "\n")
+    row = json.loads(line)
+    if isinstance(row, dict):
+        row["version"] = 1  # a row of this version, wrong only in its epoch
+    path.write_text(path.read_text() + json.dumps(row) + "\n")
     with pytest.raises(ManifestError) as caught:
-        read_metrics(path)
-    one_line(caught.value, str(path), "line 2 ")
+        read_rows(path)
+    one_line(caught.value, str(path), "line 2")
     files = read_run(run)  # the report leaves the line out and says so
     assert len(files.rows) == 1 and files.problems and "line 2" in files.problems[0]
 

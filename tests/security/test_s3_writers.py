@@ -20,7 +20,7 @@ from click.testing import CliRunner
 import shards.publish.s3_upload as s3_upload
 from preprocess.pack.cli import pack_shards_command
 from preprocess.pack.packer import PackConfig, pack
-from preprocess.staging import dataset_spec
+from preprocess.pack.parts import dataset_spec
 from shards.cli.main import main as shards_cli
 from shards.errors import CorruptDataError
 from shards.transport.s3 import S3PreconditionFailed, make_client

@@ -21,6 +21,7 @@ from shards.errors import CorruptDataError, InputError
 from shards.position import dcp_state
 from shards.position.dcp_state import KEY
 from shards.position.resume import MAX_QUARANTINED
+from shards.loader.loader import workers_mode
 from tests.helpers import make_shard_dataset
 from tests.shards.stream_helpers import write_feature_dataset
 from train.run.checkpoint import load_checkpoint, save_checkpoint
@@ -38,7 +39,7 @@ OUT_OF_RANGE = {
     "split_batch": [0, 10**12],
     "nodes": [0, 2, 10**18],
 }
-NULLABLE = {"nodes", "quarantined", "prior", "excluded"}  # None means none (or, for nodes, one)
+NULLABLE = {"quarantined", "prior", "excluded"}  # None means none
 DROP = object()  # the field removed
 
 
@@ -75,7 +76,7 @@ def tampered_values():
 
 
 SAMPLING = [("shuffle", "yes"), ("shuffle", None), ("shuffle_buffer", 2.5), ("shuffle_buffer", -1),
-            ("weight_window", 0), ("weight_window", True), ("class_weights", [math.nan]), ("class_weights", [-1.0]),
+            ("class_weights", [math.nan]), ("class_weights", [-1.0]),
             ("class_weights", "balanced"), ("class_weights", [1.0] * (2**20 + 1)), ("drop_last", None),
             ("rotate_every", True), ("rotate_every", 0), ("feature_window", 2.5), ("surprise", 1),
             ("shuffle", DROP)]
@@ -98,7 +99,7 @@ def folder(tmp_path_factory):
 def build(folder, workers: int):
     dataset = shards.open_dataset(folder, return_keys=True, seed=3, decode=shards.Decode(decoder=key_decoder),
                                   sampling=shards.Sampling(shuffle_buffer=6))
-    return shards.make_loader(dataset, batch_size=4, num_workers=workers, drop_last=False, persistent_workers=False,
+    return shards.make_loader(dataset, batch_size=4, mode=workers_mode(workers, persistent=False), drop_last=False,
                               pin_memory=False)
 
 
@@ -187,7 +188,8 @@ def test_a_tampered_field_of_the_state_it_continued_is_refused_naming_it(folder,
 
 
 @pytest.mark.parametrize("field", ["kind", "epoch", "batches", "batch_size", "num_workers", "drop_last", "seed",
-                                   "world_size", "split_batch", "dataset", "sampling", "prior"])
+                                   "world_size", "split_batch", "dataset", "sampling", "prior", "nodes",
+                                   "quarantined"])
 def test_a_missing_field_is_refused_naming_it(folder, continued, field):
     refused(target(folder, continued), with_value(continued, [field], DROP), f"lacks {field}")
     refused(target(folder, continued), with_value(continued, ["prior", field], DROP),

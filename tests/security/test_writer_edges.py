@@ -26,7 +26,7 @@ from shards.errors import InputError
 from tests.helpers import make_shard_dataset, write_image_folder
 from tests.s3.conftest import bucket, s3_env, s3_server  # noqa: F401 (the s3 tests' server and bucket, here too)
 from train.cli import train_command
-from train.config import TrainConfig
+from tests.train.configs import train_config
 
 
 def invoke(command, *args) -> object:
@@ -63,7 +63,7 @@ def test_train_out_url_is_one_line_naming_the_fix(tmp_path, monkeypatch, url):
     assert url in line and "not supported" in line and "local" in line and "then copy" in line
     assert list(tmp_path.iterdir()) == []  # no ./s3:/b/p, nothing at all
     with pytest.raises(InputError, match="then copy"):
-        TrainConfig(data_path=str(tmp_path), out_dir=url)
+        train_config(str(tmp_path), url)
 
 
 # -- 2. --overwrite removes only what the replaced output names ---------------------------------------------------
@@ -145,7 +145,7 @@ def test_train_overwrite_replaces_a_run_but_never_a_users_model(tmp_path):
     (run / "notes.txt").write_text("mine")
     assert invoke(train_command, *base, "--out", run, "--lr", "0.5", "--overwrite").exit_code == 0
     assert (run / "notes.txt").read_text() == "mine"
-    assert json.loads((run / "config.json").read_text())["lr"] == 0.5
+    assert json.loads((run / "config.json").read_text())["optim"]["lr"] == 0.5
 
 
 # -- 3. shards report --out never replaces an artifact ------------------------------------------------------------

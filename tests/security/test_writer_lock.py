@@ -155,7 +155,7 @@ def test_temp_names_are_unique_per_host_process_and_call(tmp_path):
     assert all(name.startswith("dataset.json.") and name.endswith(".tmp") and f".{os.getpid()}." in name
                for name in names)
     assert all(atomic.tmp_target(name) == "dataset.json" for name in names)
-    assert atomic.tmp_target("train-000001.tar.tmp") == "train-000001.tar"  # what older versions left
+    assert atomic.tmp_target("train-000001.tar.tmp") is None  # not a name our writers make: not ours to remove
     # One implementation of the shared-manifest writer, used by packing and featurising alike.
     assert parts.write_json_shared is atomic.write_json_shared is feature_state.write_json_shared
 
@@ -165,9 +165,10 @@ def test_leftover_temp_files_of_a_killed_run_are_cleaned_by_the_rerun(src, tmp_p
     pack_shards(PackConfig(str(src), str(out), max_samples=5, quiet=True))
     (out / "dataset.json").unlink()
     (out / "train-000001.tar.node7.4242.0badc0de.tmp").write_bytes(b"half a shard")
-    (out / "train-000002.tar.tmp").write_bytes(b"half a shard, older version")
+    (out / "train-000002.tar.tmp").write_bytes(b"a user's own file")
     pack_shards(PackConfig(str(src), str(out), max_samples=5, quiet=True))
-    assert not list(out.glob("*.tmp"))
+    assert [p.name for p in out.glob("*.tmp")] == ["train-000002.tar.tmp"]
+    (out / "train-000002.tar.tmp").unlink()
     (out / "dataset.json.node7.4242.0badc0de.tmp").write_text("{")
     pack_shards(PackConfig(str(src), str(out), max_samples=3, overwrite=True, quiet=True))
     assert not list(out.glob("*.tmp"))

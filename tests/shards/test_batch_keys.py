@@ -1,10 +1,12 @@
 """``loader.batch_keys(epoch, step)``: computed from the order, it names exactly the keys each batch held, in every
-layout, an epoch resumed in the same layout or continued in another included."""
+layout, an epoch resumed in the same layout or continued in another included, class-weighted draws included."""
 
 import pytest
 
 import shards
+from shards.loader.loader import workers_mode
 from tests.helpers import make_shard_dataset
+from tests.shards.label_columns import add_label_columns
 from tests.shards.stream_helpers import write_feature_dataset
 
 SIZES = {"train": [7, 5, 9, 3, 6, 4, 8]}  # 42 samples, 7 shards
@@ -14,16 +16,17 @@ SIZES = {"train": [7, 5, 9, 3, 6, 4, 8]}  # 42 samples, 7 shards
 def folder(tmp_path_factory):
     out = tmp_path_factory.mktemp("batch_keys")
     make_shard_dataset(out, shard_sizes=SIZES, size=(8, 8))
+    add_label_columns(out)  # the labels class weighting draws by
     return out
 
 
-def build(folder, workers, *, rank=0, world=1, batch=4, drop_last=False):
+def build(folder, workers, *, rank=0, world=1, batch=4, drop_last=False, weights=None):
     dataset = shards.open_dataset(folder, return_keys=True, seed=5,
                                   decode=shards.Decode(decoder=lambda sample, seed: 0),
-                                  sampling=shards.Sampling(shuffle_buffer=6),
+                                  sampling=shards.Sampling(shuffle_buffer=6, class_weights=weights),
                                   distributed=shards.Distributed(rank=rank, world_size=world))
-    return shards.make_loader(dataset, batch_size=batch, num_workers=workers, drop_last=drop_last,
-                              persistent_workers=False)
+    return shards.make_loader(dataset, batch_size=batch, mode=workers_mode(workers, persistent=False),
+                              drop_last=drop_last)
 
 
 def computed(loader, epoch, steps):
@@ -87,6 +90,40 @@ def test_a_same_layout_resume_answers_as_the_uninterrupted_run(folder):
 def test_feature_batches(tmp_path):
     write_feature_dataset(tmp_path, [5, 7, 4])
     dataset = shards.open_dataset(tmp_path, return_keys=True, seed=1)
+    loader = shards.make_loader(dataset, batch_size=3, drop_last=False)
+    loader.set_epoch(1)
+    fed = [list(batch[2]) for batch in loader]
+    assert computed(loader, 1, len(fed)) == fed
+
+
+WEIGHTS = (1.0, 0.0, 4.0)  # class b never drawn, class c about four times over
+
+
+@pytest.mark.parametrize("workers,world", [(0, 1), (2, 1), (3, 2)])
+def test_weighted_batch_keys_equal_the_batches_iterated(folder, workers, world):
+    for rank in range(world):
+        loader = build(folder, workers, rank=rank, world=world, weights=WEIGHTS)
+        for epoch in (0, 1):
+            loader.set_epoch(epoch)
+            fed = [list(batch[2]) for batch in loader]
+            assert computed(loader, epoch, len(fed)) == fed
+            drawn = [key for batch in fed for key in batch]
+            assert len(drawn) > len(set(drawn))  # a key drawn more than once is in its batches each time
+
+
+def test_a_weighted_epoch_continued_in_another_layout(folder):
+    head, state = fed_then_saved(build(folder, 2, weights=WEIGHTS), 3)
+    second = build(folder, 3, batch=5, weights=WEIGHTS)
+    second.load_state_dict(state)
+    assert computed(second, 0, 3) == head  # the first layout's batches, replayed
+    rest = [list(batch[2]) for batch in second]
+    assert [[s["key"] for s in second.batch_keys(0, 3 + i)] for i in range(len(rest))] == rest
+
+
+def test_weighted_feature_batches(tmp_path):
+    write_feature_dataset(tmp_path, [5, 7, 4])
+    dataset = shards.open_dataset(tmp_path, return_keys=True, seed=1,
+                                  sampling=shards.Sampling(class_weights=WEIGHTS))
     loader = shards.make_loader(dataset, batch_size=3, drop_last=False)
     loader.set_epoch(1)
     fed = [list(batch[2]) for batch in loader]

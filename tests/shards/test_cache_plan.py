@@ -24,6 +24,8 @@ from shards.cache.node_index import ideal_fetch_bytes
 from shards.cache.plan_view import PLANS, PlanPublisher, live_plans, next_uses
 from shards.errors import InputError
 from shards.select.mixture import SourceSpec, Subset
+from shards.loader.worker_processes import WorkerProcesses
+from shards.loader.loader import workers_mode
 from tests.helpers import make_shard_dataset
 
 FORK = multiprocessing.get_context("fork")
@@ -261,7 +263,7 @@ def pairs(batch) -> list[tuple[str, str]]:
 
 
 def batches(dataset, epoch: int, workers: int = 2) -> list[tuple[str, str]]:
-    loader = shards.make_loader(dataset, batch_size=4, num_workers=workers, drop_last=False, persistent_workers=False)
+    loader = shards.make_loader(dataset, batch_size=4, mode=workers_mode(workers, persistent=False), drop_last=False)
     loader.set_epoch(epoch)
     return [pair for batch in loader for pair in pairs(batch)]
 
@@ -276,14 +278,14 @@ def test_a_limit_below_the_split_yields_the_same_samples_and_resumes_bitwise(dat
     assert counts["evictions_furthest"] + counts["evictions_unneeded"] > 0 and counts["evictions_lru"] == 0
     full = batches(plain, 3)
     interrupted = shards.make_loader(open_reader(data, tmp_path / "cache", half_limit(data)), batch_size=4,
-                                     num_workers=2, drop_last=False, persistent_workers=False)
+                                     mode=WorkerProcesses(2, persistent=False), drop_last=False)
     interrupted.set_epoch(3)
     iterator = iter(interrupted)
     head = [pair for _ in range(3) for pair in pairs(next(iterator))]
     state = interrupted.state_dict()
     del iterator
     resumed = shards.make_loader(open_reader(data, tmp_path / "cache", half_limit(data)), batch_size=4,
-                                 num_workers=2, drop_last=False, persistent_workers=False)
+                                 mode=WorkerProcesses(2, persistent=False), drop_last=False)
     resumed.load_state_dict(state)
     assert head + [pair for batch in resumed for pair in pairs(batch)] == full
 
@@ -291,7 +293,7 @@ def test_a_limit_below_the_split_yields_the_same_samples_and_resumes_bitwise(dat
 def test_an_epoch_continued_with_another_worker_count_through_a_tight_cache_yields_the_rest_once(data, tmp_path):
     def loader(workers: int):
         return shards.make_loader(open_reader(data, tmp_path / "cache", half_limit(data)), batch_size=4,
-                                  num_workers=workers, drop_last=False, persistent_workers=False)
+                                  mode=workers_mode(workers, persistent=False), drop_last=False)
 
     interrupted = loader(2)
     iterator = iter(interrupted)

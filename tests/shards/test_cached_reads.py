@@ -11,6 +11,7 @@ import shards
 from shards.errors import InputError
 from shards.cache.cached_shards import CachedShards, on_network_fs
 from shards.cache.node import ShardCache
+from shards.loader.loader import workers_mode
 from tests.helpers import make_shard_dataset
 
 SIZES = {"train": [40, 25, 33, 18], "val": [10]}
@@ -23,8 +24,7 @@ def data(tmp_path: Path) -> Path:
 
 
 def keys_of(dataset, epoch: int, workers: int = 2) -> list[str]:
-    loader = shards.make_loader(dataset, batch_size=8, num_workers=workers, drop_last=False,
-                                persistent_workers=False)
+    loader = shards.make_loader(dataset, batch_size=8, mode=workers_mode(workers, persistent=False), drop_last=False)
     loader.set_epoch(epoch)
     return [k for _, _, batch_keys in loader for k in batch_keys]
 

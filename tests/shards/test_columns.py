@@ -17,7 +17,8 @@ import pytest
 from shards.cache.node import ShardCache
 from shards.errors import CorruptDataError, ManifestError, ShardcacheError
 from shards.formats.column_writer import manifest_order, write_split_columns
-from shards.formats.columns import COLUMNS_KEY, open_columns, verify_columns
+from shards.formats.columns import COLUMNS_KEY
+from shards.select.columns import open_columns, verify_columns
 from tests.helpers import serve_folder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -238,7 +239,7 @@ def test_a_manifest_naming_an_object_dtype_or_a_path_outside_the_folder_is_refus
 _READER = """
 import json, sys
 from types import SimpleNamespace
-from shards.formats.columns import open_columns
+from shards.select.columns import open_columns
 folder = sys.argv[1]
 extra = json.load(open(folder + "/dataset.json"))
 rows = extra["columns"]["splits"]["train"]["rows"]

@@ -8,6 +8,7 @@ import pytest
 
 import shards
 from shards.errors import CorruptDataError, InputError
+from shards.loader.worker_processes import WorkerProcesses
 from tests.shards.stream_helpers import write_labelled_shards
 
 SKIP = shards.ErrorPolicy(on_error="skip")
@@ -35,7 +36,7 @@ def test_skip_counts_and_keeps_the_epoch_length(tmp_path):
 def test_skip_counts_across_workers(tmp_path):
     write_labelled_shards(tmp_path, [[0, 1, 2, 0], [1, 2, 0]], bad_keys=["s00001", "s00005"])
     dataset = shards.open_dataset(tmp_path, errors=SKIP, transform="eval")
-    loader = shards.make_loader(dataset, batch_size=2, num_workers=2, drop_last=False, persistent_workers=False)
+    loader = shards.make_loader(dataset, batch_size=2, mode=WorkerProcesses(2, persistent=False), drop_last=False)
     assert sum(len(labels) for _, labels in loader) == 7
     assert dataset.skipped == 2
 

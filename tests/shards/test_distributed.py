@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import shards
+from shards.loader.worker_processes import WorkerProcesses
 from tests.helpers import make_shard_dataset
 
 WORLD = 2
@@ -26,7 +27,7 @@ def _run_rank(rank: int, folder: str, port: int, results: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
     try:
         dataset = shards.open_dataset(folder, transform="eval", return_keys=True, seed=1)  # rank from dist
-        loader = shards.make_loader(dataset, batch_size=3, num_workers=1, drop_last=False, persistent_workers=False)
+        loader = shards.make_loader(dataset, batch_size=3, mode=WorkerProcesses(1, persistent=False), drop_last=False)
         keys, steps = [], 0
         for _, labels, batch_keys in loader:
             keys += list(batch_keys)

@@ -6,7 +6,11 @@ import collections
 import pytest
 
 import shards
+from shards.loader.in_process import InProcess
+from shards.loader.worker_processes import WorkerProcesses
+from shards.loader.loader import workers_mode
 from tests.helpers import make_shard_dataset
+from tests.shards.label_columns import add_label_columns
 from tests.shards.stream_helpers import write_feature_dataset
 
 SIZES = {"train": [7, 5, 9, 3, 6, 4, 8]}  # 42 samples, 7 shards
@@ -20,13 +24,22 @@ def folder(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def weighted_folder(tmp_path_factory):
+    """The same dataset with the column index ``pack-shards`` writes: the labels class weighting draws by."""
+    out = tmp_path_factory.mktemp("elastic_weighted")
+    make_shard_dataset(out, shard_sizes=SIZES, size=(8, 8))
+    add_label_columns(out)
+    return out
+
+
 def build(folder, workers, *, rank=0, world=1, batch=4, drop_last=False, **options):
     dataset = shards.open_dataset(folder, return_keys=True, seed=3,
                                   decode=shards.Decode(decoder=lambda sample, seed: 0),
                                   sampling=shards.Sampling(shuffle_buffer=6), **options,
                                   distributed=shards.Distributed(rank=rank, world_size=world))
-    return shards.make_loader(dataset, batch_size=batch, num_workers=workers, drop_last=drop_last,
-                              persistent_workers=False)
+    return shards.make_loader(dataset, batch_size=batch, mode=workers_mode(workers, persistent=False),
+                              drop_last=drop_last)
 
 
 def keys(loader_or_batches):
@@ -99,7 +112,7 @@ def test_world_size_three_to_two_with_dataset_drop_last(folder):
                                       # equal shares by leaving samples out, not by repeating some
                                       sampling=shards.Sampling(shuffle_buffer=6, balance="drop"),
                                       distributed=shards.Distributed(rank=rank, world_size=2))
-        resumed = shards.make_loader(dataset, batch_size=4, num_workers=0, drop_last=False)
+        resumed = shards.make_loader(dataset, batch_size=4, mode=InProcess(), drop_last=False)
         with pytest.raises(shards.errors.InputError, match="sampling"):
             resumed.load_state_dict(state)  # the dataset's drop_last changes the epoch: refused
         resumed = build(folder, 0, rank=rank, world=2)
@@ -148,19 +161,33 @@ def test_another_batch_size_also_continues_the_epoch(folder):
     assert len(rest) == len(set(rest)) and set(rest) == ALL_KEYS - set(head)
 
 
-def test_class_weighted_sampling_resumes_in_the_same_layout_only(folder):
-    weights = shards.Sampling(class_weights="balanced", weight_window=8)
+def weighted(folder, workers, *, rank=0, world=1, batch=4):
+    """A loader of class-weighted draws: class b (weight 0) never comes, class c (weight 4) about four times over."""
+    dataset = shards.open_dataset(folder, return_keys=True, seed=3, decode=shards.Decode(decoder=lambda s, seed: 0),
+                                  sampling=shards.Sampling(shuffle_buffer=6, class_weights=(1.0, 0.0, 4.0)),
+                                  distributed=shards.Distributed(rank=rank, world_size=world))
+    return shards.make_loader(dataset, batch_size=batch, mode=workers_mode(workers, persistent=False),
+                              drop_last=False)
 
-    def loader(workers):
-        dataset = shards.open_dataset(folder, return_keys=True, seed=3, sampling=weights,
-                                      decode=shards.Decode(decoder=lambda sample, seed: 0))
-        return shards.make_loader(dataset, batch_size=4, num_workers=workers, drop_last=False,
-                                  persistent_workers=False)
 
-    _, state = interrupted(loader(2), 2)
-    with pytest.raises(shards.errors.InputError, match="class-weighted") as caught:
-        loader(1).load_state_dict(state)
-    assert "\n" not in str(caught.value)
+@pytest.mark.parametrize("new_workers,new_world,new_batch", [(1, 1, 4), (3, 1, 5), (0, 3, 3)])
+def test_a_class_weighted_epoch_resumed_in_another_layout_yields_exactly_the_remaining_draws(
+        weighted_folder, new_workers, new_world, new_batch):
+    """Two workers stopped after 3 batches; the new layout's ranks yield the epoch's draws the old run had not
+    (a key drawn three times and yielded once comes twice more), padded to equal rank shares by repeating the
+    first draws left, as any remainder is."""
+    full = collections.Counter(keys(weighted(weighted_folder, 2)))
+    head, state = interrupted(weighted(weighted_folder, 2), 3)
+    rest = collections.Counter()
+    for rank in range(new_world):
+        resumed = weighted(weighted_folder, new_workers, rank=rank, world=new_world, batch=new_batch)
+        resumed.load_state_dict(state)
+        rest.update(keys(resumed))
+    left = full - collections.Counter(head)
+    assert sum(left.values()) == sum(full.values()) - len(head)  # the head was drawn from the epoch's draws
+    padding = rest - left
+    assert not left - rest and sum(padding.values()) < new_world and set(padding) <= set(left)
+    assert max(full.values()) > 1 and not [k for k in full if int(k.rsplit("_", 1)[1]) % 3 == 1]  # weighted
 
 
 def test_a_state_without_progress_starts_the_new_layouts_epoch(folder):
@@ -201,7 +228,7 @@ def test_persistent_workers_started_before_the_load_read_the_remainder(folder):
     head, state = interrupted(build(folder, 2), 3)
     dataset = shards.open_dataset(folder, return_keys=True, seed=3, decode=shards.Decode(decoder=lambda s, seed: 0),
                                   sampling=shards.Sampling(shuffle_buffer=6))
-    loader = shards.make_loader(dataset, batch_size=4, num_workers=1, drop_last=False, persistent_workers=True)
+    loader = shards.make_loader(dataset, batch_size=4, mode=WorkerProcesses(1), drop_last=False)
     assert set(keys(loader)) == ALL_KEYS  # the workers are running now
     loader.load_state_dict(state)
     rest = keys(loader)

@@ -12,11 +12,12 @@ import pytest
 import shards
 from preprocess.pack.packer import PackConfig, pack_shards
 from shards.errors import InputError
-from shards.formats.columns import open_columns
+from shards.select.columns import open_columns
 from shards.manifest import load_manifest
 from shards.select.mixture import KeySet, Subset
 from shards.order.plan import ShardSlice
 from shards.select.selection import excluded_rows
+from shards.loader.loader import workers_mode
 from tests.helpers import make_shard_dataset, write_image_folder
 from tests.shards.test_select_columns import _selection, write_dataset
 
@@ -37,8 +38,7 @@ def build(folder, workers, *, excluded=(), buffer=6, batch=4):
                                   sampling=shards.Sampling(shuffle_buffer=buffer))
     if excluded:
         dataset.exclude_rows(excluded_rows(frozenset(excluded), None, dataset))
-    return shards.make_loader(dataset, batch_size=batch, num_workers=workers, drop_last=False,
-                              persistent_workers=False)
+    return shards.make_loader(dataset, batch_size=batch, mode=workers_mode(workers, persistent=False), drop_last=False)
 
 
 def keys(batches):

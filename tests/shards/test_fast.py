@@ -10,6 +10,7 @@ from PIL import Image
 
 from shards.image import fast
 from shards.image.fast import FastEval, FastTrain, Normalize, decode_rgb_array, jpeg_orientation
+from shards.loader.worker_processes import WorkerProcesses
 
 
 def photo(width: int, height: int, seed: int = 0) -> Image.Image:
@@ -134,8 +135,7 @@ def test_fast_train_pipeline_replays_with_the_same_seed_and_changes_with_another
     for seed in (3, 3, 4):
         dataset = shards.open_dataset(tmp_path, "train", transform=spec, decode=shards.Decode("fast"), seed=seed,
                                       return_keys=True, sampling=shards.Sampling(shuffle=False))
-        loader = shards.make_loader(dataset, batch_size=4, num_workers=2, drop_last=False,
-                                    persistent_workers=False)
+        loader = shards.make_loader(dataset, batch_size=4, mode=WorkerProcesses(2, persistent=False), drop_last=False)
         runs.append({key: image for images, _, keys in loader for key, image in zip(keys, images)})
     assert runs[0].keys() == runs[1].keys() == runs[2].keys()
     assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])

@@ -15,7 +15,7 @@ from shards.errors import CorruptDataError, InputError
 from shards.formats.features import (FeatureShard, FeatureSpec, feature_shard_name, feature_shard_problems,
                                      load_feature_bytes, load_feature_shard, target_task, write_feature_shard)
 from shards.manifest import FeatureManifest, ShardInfo, SplitInfo
-from shards.loader.feature_batches import FeatureBatchLoader
+from shards.loader.in_process import InProcess
 
 SIZES = [6, 4, 5]
 REGRESSION = {"kind": "table", "target": {"column": "y", "task": "regression", "mean": 3.0, "std": 2.0,
@@ -108,7 +108,7 @@ def test_samples_pair_features_with_float_targets(tmp_path: Path, storage: str):
 def test_batches_are_features_and_float32_targets(tmp_path: Path, storage: str, cache: str):
     folder = write_regression_folder(tmp_path / "feat", storage)
     loader = shards.make_loader(shards.open_dataset(folder, seed=3, cache=cache), batch_size=4, drop_last=False)
-    assert isinstance(loader, FeatureBatchLoader)
+    assert loader.mode == InProcess()
     rows = []
     for features, targets in loader:
         assert targets.dtype == torch.float32 and targets.shape == (len(features),)

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import shards
-from shards.loader.feature_batches import FeatureBatchLoader
+from shards.loader.in_process import InProcess
 from shards.stream.feature_stream import FeatureShardDataset
+from shards.loader.worker_processes import WorkerProcesses
 from tests.shards.stream_helpers import write_feature_dataset
 
 SIZES = [10, 3, 7, 5]
@@ -34,7 +35,7 @@ def test_open_dataset_reads_features_json(folder):
 
 def test_batches_in_process_cover_the_epoch(folder):
     loader = shards.make_loader(shards.open_dataset(folder, seed=1), batch_size=4, drop_last=False)
-    assert isinstance(loader, FeatureBatchLoader)
+    assert loader.mode == InProcess()  # the default for features
     batches = list(loader)
     assert len(batches) == len(loader) == 7
     assert batches[0][0].shape == (4, 4) and batches[0][0].dtype == torch.float16
@@ -81,5 +82,5 @@ def test_batched_resume(folder):
 
 def test_per_sample_dataloader_path_with_workers(folder):
     dataset = shards.open_dataset(folder, seed=1)
-    loader = shards.make_loader(dataset, batch_size=4, num_workers=2, drop_last=False, persistent_workers=False)
+    loader = shards.make_loader(dataset, batch_size=4, mode=WorkerProcesses(2, persistent=False), drop_last=False)
     assert sorted(rows_of(loader)) == list(range(25))

@@ -23,6 +23,7 @@ from shards.errors import InputError
 from shards.image import fast
 from shards.cache.memory_budget import MemoryView, cgroup_memory, default_memory_limit, memory_view
 from shards.cache.shared_arrays import PREFIX, SharedArrayStore
+from shards.loader.loader import workers_mode
 from tests.helpers import make_shard_dataset
 from tests.shards.stream_helpers import write_feature_dataset
 
@@ -56,7 +57,7 @@ def epoch_of(loader, epoch: int) -> tuple[list[str], torch.Tensor]:
 
 
 def loader_of(dataset, workers: int = 2):
-    return shards.make_loader(dataset, batch_size=4, num_workers=workers, drop_last=False)
+    return shards.make_loader(dataset, batch_size=4, mode=workers_mode(workers), drop_last=False)
 
 
 def pixel_files(pid: int | None = None) -> list[str]:
@@ -171,9 +172,10 @@ KILLED_RUN = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, sys.argv[2])
     import shards
+    from shards.loader.worker_processes import WorkerProcesses
     dataset = shards.open_dataset(sys.argv[1], "train", transform=shards.TransformSpec(preset="eval", size=32),
                                   decode=shards.Decode("fast"), cache="memory")
-    loader = shards.make_loader(dataset, batch_size=4, num_workers=2, persistent_workers=True)
+    loader = shards.make_loader(dataset, batch_size=4, mode=WorkerProcesses(2))
     for batch in loader:
         print("ready", flush=True)
         time.sleep(60)
@@ -229,8 +231,8 @@ def test_memory_is_released_after_sigkill(folder: Path, tmp_path: Path):
     run = KilledRun(folder, tmp_path)
     try:
         run.kill_main_process()
-        # Orphaned workers notice within a second (shards.loader.loader.OrphanGuard), also one still starting up,
-        # which torch's own watchdog would miss forever.
+        # Orphaned workers notice within a second (shards.loader.worker_processes.OrphanGuard), also one still
+        # starting up, which torch's own watchdog would miss forever.
         deadline = time.monotonic() + 20
         while mapped_by(run.prefix) and time.monotonic() < deadline:
             time.sleep(0.2)

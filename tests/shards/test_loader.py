@@ -7,7 +7,9 @@ import pytest
 import torch
 
 import shards
-from shards.loader.loader import pad_collate
+from shards.loader.in_process import InProcess
+from shards.loader.loader import pad_collate, workers_mode
+from shards.loader.worker_processes import WorkerProcesses
 from tests.helpers import make_shard_dataset
 
 SIZES = {"train": [7, 5, 9, 3, 1], "val": [4]}
@@ -31,8 +33,8 @@ def test_any_worker_count_yields_the_same_multiset(tmp_path, storage):
     for workers in (0, 1, 2, 3):
         dataset = shards.open_dataset(tmp_path, transform="eval", return_keys=True, seed=4,
                                       sampling=shards.Sampling(shuffle_buffer=8))
-        loader = shards.make_loader(dataset, batch_size=4, num_workers=workers, drop_last=False,
-                                    persistent_workers=False)
+        loader = shards.make_loader(dataset, batch_size=4, mode=workers_mode(workers, persistent=False),
+                                    drop_last=False)
         keys = keys_of(loader)
         assert len(keys) == len(dataset) == 25
         assert sum(1 for _ in loader) == len(loader)
@@ -44,14 +46,14 @@ def test_any_worker_count_yields_the_same_multiset(tmp_path, storage):
 def test_len_counts_partial_batches_per_worker(tar_folder):
     dataset = shards.open_dataset(tar_folder, return_keys=True, transform="eval")
     for workers, drop_last in ((0, False), (2, False), (3, True), (2, True)):
-        loader = shards.make_loader(dataset, batch_size=4, num_workers=workers, drop_last=drop_last,
-                                    persistent_workers=False)
+        loader = shards.make_loader(dataset, batch_size=4, mode=workers_mode(workers, persistent=False),
+                                    drop_last=drop_last)
         assert len(list(loader)) == len(loader)
 
 
 def test_set_epoch_reaches_persistent_workers(tar_folder):
     dataset = shards.open_dataset(tar_folder, return_keys=True, transform="eval", seed=1)
-    loader = shards.make_loader(dataset, batch_size=5, num_workers=2, persistent_workers=True, drop_last=False)
+    loader = shards.make_loader(dataset, batch_size=5, mode=WorkerProcesses(2), drop_last=False)
     epoch0 = keys_of(loader)
     loader.set_epoch(1)
     epoch1 = keys_of(loader)
@@ -59,7 +61,7 @@ def test_set_epoch_reaches_persistent_workers(tar_folder):
 
     fresh = shards.open_dataset(tar_folder, return_keys=True, transform="eval", seed=1)
     fresh.set_epoch(1)
-    fresh_loader = shards.make_loader(fresh, batch_size=5, num_workers=2, persistent_workers=False, drop_last=False)
+    fresh_loader = shards.make_loader(fresh, batch_size=5, mode=WorkerProcesses(2, persistent=False), drop_last=False)
     assert keys_of(fresh_loader) == epoch1
 
 
@@ -73,8 +75,8 @@ def test_defaults(tar_folder):
     val_set = shards.open_dataset(tar_folder, split="val", sampling=shards.Sampling(shuffle=False))
     val = shards.make_loader(val_set, batch_size=2)
     assert train.drop_last and not val.drop_last
-    assert train.num_workers >= 1
-    assert train.loader.pin_memory == torch.cuda.is_available()
+    assert isinstance(train.mode, WorkerProcesses) and train.num_workers == train.mode.workers >= 1
+    assert train.run.dataloader.pin_memory == torch.cuda.is_available()
 
 
 def test_pad_collate_pads_to_the_largest_and_keeps_sizes():
@@ -90,7 +92,7 @@ def test_pad_collate_pads_to_the_largest_and_keeps_sizes():
 def test_pad_collate_with_pil_images_through_a_loader(tmp_path):
     make_shard_dataset(tmp_path, shard_sizes={"train": [3, 3]}, size=(16, 12))
     dataset = shards.open_dataset(tmp_path, sampling=shards.Sampling(shuffle=False))
-    loader = shards.make_loader(dataset, batch_size=3, num_workers=0, collate_fn=pad_collate)
+    loader = shards.make_loader(dataset, batch_size=3, mode=InProcess(), collate_fn=pad_collate)
     batch = next(iter(loader))
     assert batch["images"].dtype == torch.uint8 and batch["images"].shape == (3, 3, 12, 16)
 
@@ -106,7 +108,7 @@ def test_a_worker_whose_loader_process_is_gone_exits_on_its_own():
     # process died sees pid 1 and would wait forever. The guard compares with the pid recorded before the fork.
     import multiprocessing
 
-    from shards.loader.loader import OrphanGuard
+    from shards.loader.worker_processes import OrphanGuard
 
     gone = multiprocessing.get_context("fork").Process(target=int)
     gone.start()
@@ -130,6 +132,7 @@ FORKSERVER_RUN = """
 import multiprocessing, sys
 sys.path.insert(0, sys.argv[2])
 import shards
+from shards.loader.worker_processes import WorkerProcesses
 
 def no_decode(sample, seed):
     return 0
@@ -137,7 +140,7 @@ def no_decode(sample, seed):
 if __name__ == "__main__":
     multiprocessing.set_start_method("forkserver")  # what Python 3.14 makes the default on Linux
     dataset = shards.open_dataset(sys.argv[1], "train", return_keys=True, decode=shards.Decode(decoder=no_decode))
-    loader = shards.make_loader(dataset, batch_size=4, num_workers=2, drop_last=False, persistent_workers=False)
+    loader = shards.make_loader(dataset, batch_size=4, mode=WorkerProcesses(2, persistent=False), drop_last=False)
     print(sorted(k for batch in loader for k in batch[2]))
 """
 
@@ -165,7 +168,10 @@ def test_closing_a_loader_left_mid_epoch_stops_its_workers_at_once(tar_folder, p
     import multiprocessing
 
     ds = shards.open_dataset(tar_folder, transform="eval", seed=0)
-    with shards.make_loader(ds, batch_size=4, num_workers=2, persistent_workers=persistent) as loader:
+    # batch_size 1 with 1 batch prefetched: each worker has more batches than it may prepare ahead, so both are
+    # still running (blocked on the queue) when the first batch arrives, however fast this machine decodes
+    with shards.make_loader(ds, batch_size=1, mode=WorkerProcesses(2, prefetch_factor=1,
+                                                                   persistent=persistent)) as loader:
         batches = iter(loader)
         next(batches)  # left mid-epoch, the generator still held
         assert len(multiprocessing.active_children()) == 2

@@ -21,6 +21,8 @@ from shards.manifest import DatasetManifest, FeatureManifest, ShardInfo, SourceI
 from shards.stream.image_dataset import ImageShardDataset
 from shards.select.mixture import MixOptions, SourceSpec, Subset, draws, epoch_rows
 from shards.select.where import Where
+from shards.loader.worker_processes import WorkerProcesses
+from shards.loader.loader import workers_mode
 from tests.helpers import class_image, write_image_folder
 
 
@@ -305,8 +307,7 @@ def mixed_loader(sources, workers, *, batch=4, world=1, rank=0):
                                   decode=shards.Decode(decoder=zero), sampling=shards.Sampling(shuffle_buffer=5),
                                   mix=MixOptions(epoch_size=30),
                                   distributed=shards.Distributed(rank=rank, world_size=world))
-    return shards.make_loader(dataset, batch_size=batch, num_workers=workers, drop_last=False,
-                              persistent_workers=False)
+    return shards.make_loader(dataset, batch_size=batch, mode=workers_mode(workers, persistent=False), drop_last=False)
 
 
 def batch_keys(batches):
@@ -339,7 +340,8 @@ def test_a_state_from_another_mixture_is_refused(image_sources):
     p, q = image_sources
     other = shards.make_loader(shards.open_dataset([SourceSpec(p, weight=2), SourceSpec(q, weight=1)], "train",
                                                    seed=4, decode=shards.Decode(decoder=zero),
-                                                   mix=MixOptions(epoch_size=30)), batch_size=4, num_workers=1)
+                                                   mix=MixOptions(epoch_size=30)), batch_size=4,
+                               mode=WorkerProcesses(1))
     with pytest.raises(InputError, match="another dataset"):
         other.load_state_dict(state)
 
@@ -363,7 +365,7 @@ def test_a_mixture_reads_through_the_node_cache_once_per_shard(image_sources, tm
     def epochs(**cache):
         dataset = shards.open_dataset(specs, "train", return_keys=True, seed=4, decode=shards.Decode(decoder=zero),
                                       mix=MixOptions(epoch_size=30), **cache)
-        loader = shards.make_loader(dataset, batch_size=4, num_workers=2, drop_last=False, persistent_workers=False)
+        loader = shards.make_loader(dataset, batch_size=4, mode=WorkerProcesses(2, persistent=False), drop_last=False)
         out = []
         for epoch in (0, 1):
             loader.set_epoch(epoch)

@@ -10,6 +10,7 @@ import torch
 
 import shards
 from shards.image.fast import Normalize
+from shards.loader.in_process import InProcess
 from tests.helpers import make_shard_dataset
 from tests.shards.stream_helpers import write_feature_dataset
 
@@ -17,7 +18,7 @@ ORDERED = shards.Sampling(shuffle=False)
 
 
 def first_batch(dataset, size: int = 4) -> torch.Tensor:
-    return next(iter(shards.make_loader(dataset, batch_size=size, num_workers=0, drop_last=False)))[0]
+    return next(iter(shards.make_loader(dataset, batch_size=size, mode=InProcess(), drop_last=False)))[0]
 
 
 def test_feature_rows_come_ready_so_the_normalizer_passes_them_on(tmp_path: Path):

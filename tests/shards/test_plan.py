@@ -196,15 +196,23 @@ def test_covering_reads_merge_scattered_rows_of_one_shard_in_order():
     assert _reads([], lambda shard: None) == []
 
 
+def test_a_row_drawn_twice_is_read_once_and_kept_twice():
+    offsets = np.array([0, 10, 20])
+    reads = [(piece, None if keep is None else keep.tolist())
+             for piece, keep in CoveringReads(np.array([3, 3, 4, 6, 6, 6, 12, 12, 13]), offsets, lambda shard: 1)]
+    assert reads == [(ShardSlice(0, 3, 7), [0, 0, 1, 3, 3, 3]), (ShardSlice(1, 2, 4), [0, 0, 1])]
+
+
 def _reference_reads(rows, offsets, max_gap):
     """The definition, slice by slice: runs of neighbours, then each run merged into the read before it when it is
-    of the same shard, starts after that read ended and passes over at most ``max_gap(shard)`` rows."""
+    of the same shard, starts after that read ended (or on its last row again: a row drawn twice by class weighting)
+    and passes over at most ``max_gap(shard)`` rows."""
     reads = []
     for piece in indices_to_slices(rows, offsets):
         if reads:
             last, kept = reads[-1]
             gap, limit = piece.start - last.stop, max_gap(piece.shard)
-            if piece.shard == last.shard and gap >= 0 and (limit is None or gap <= limit):
+            if piece.shard == last.shard and gap >= -1 and (limit is None or gap <= limit):
                 kept = (kept if kept is not None else list(range(last.start, last.stop))) \
                     + list(range(piece.start, piece.stop))
                 reads[-1] = (ShardSlice(last.shard, last.start, piece.stop), kept)
@@ -213,19 +221,22 @@ def _reference_reads(rows, offsets, max_gap):
     return [(piece, None if kept is None else [k - piece.start for k in kept]) for piece, kept in reads]
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(60))
 def test_covering_reads_equal_the_slice_by_slice_definition(seed):
     rng = np.random.default_rng(seed)
     sizes = rng.integers(1, 30, rng.integers(1, 6))
     offsets = shard_offsets(sizes.tolist())
     total = int(offsets[-1])
-    kind = seed % 3
+    kind = seed % 4
     if kind == 0:  # a shuffled subset
         rows = rng.permutation(total)[: rng.integers(0, total + 1)]
     elif kind == 1:  # sorted scattered rows, as a subset in shard order
         rows = np.sort(rng.choice(total, rng.integers(0, total + 1), replace=False))
-    else:  # runs of neighbours in shuffled order
+    elif kind == 2:  # runs of neighbours in shuffled order
         rows = np.concatenate([np.arange(a, min(a + 5, total)) for a in rng.integers(0, total, 6)])
+    else:  # class-weighted draws: shuffled shards front to back, each row 0 to 3 times in a row
+        stream = np.concatenate([np.arange(offsets[s], offsets[s + 1]) for s in rng.permutation(len(sizes))])
+        rows = np.repeat(stream, rng.integers(0, 4, len(stream)))
     limits = {s: (None if rng.random() < 0.3 else int(rng.integers(0, 4))) for s in range(len(sizes))}
     got = [(piece, None if keep is None else keep.tolist())
            for piece, keep in CoveringReads(rows, offsets, limits.get)]

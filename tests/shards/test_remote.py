@@ -5,6 +5,7 @@ import pytest
 
 import shards
 from shards.errors import InputError
+from shards.loader.worker_processes import WorkerProcesses
 from tests.helpers import make_shard_dataset, serve_folder
 
 
@@ -32,7 +33,7 @@ def test_http_through_workers_with_slices(served):
     folder, url = served
     dataset = shards.open_dataset(url + "/dataset.json", return_keys=True, transform="eval",
                                   distributed=shards.Distributed(world_size=2, rank=1))
-    loader = shards.make_loader(dataset, batch_size=2, num_workers=2, drop_last=False, persistent_workers=False)
+    loader = shards.make_loader(dataset, batch_size=2, mode=WorkerProcesses(2, persistent=False), drop_last=False)
     got = [k for batch in loader for k in batch[2]]
     local = shards.open_dataset(folder, return_keys=True, transform="eval",
                                 distributed=shards.Distributed(world_size=2, rank=1))

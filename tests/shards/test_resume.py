@@ -5,7 +5,10 @@ import torch
 
 import shards
 from shards.position.resume import LOADER_STATE_VERSION, LoaderState
+from shards.loader.worker_processes import WorkerProcesses
+from shards.loader.loader import workers_mode
 from tests.helpers import make_shard_dataset
+from tests.shards.label_columns import add_label_columns
 from tests.shards.stream_helpers import write_feature_dataset
 
 SIZES = {"train": [7, 5, 9, 3, 6]}
@@ -15,13 +18,14 @@ SIZES = {"train": [7, 5, 9, 3, 6]}
 def folder(tmp_path_factory):
     out = tmp_path_factory.mktemp("resume")
     make_shard_dataset(out, shard_sizes=SIZES, size=(16, 16))
+    add_label_columns(out)
     return out
 
 
 def build(folder, workers, **options):
     dataset = shards.open_dataset(folder, transform="eval", return_keys=True, seed=3,
                                   sampling=shards.Sampling(shuffle_buffer=6), **options)
-    return shards.make_loader(dataset, batch_size=4, num_workers=workers, drop_last=False, persistent_workers=False)
+    return shards.make_loader(dataset, batch_size=4, mode=workers_mode(workers, persistent=False), drop_last=False)
 
 
 def key_batches(iterable):
@@ -50,8 +54,8 @@ def test_resume_yields_exactly_the_rest(folder, workers):
 def test_resume_replays_class_weights_and_augmentations(folder):
     def loader():
         dataset = shards.open_dataset(folder, transform="train", return_keys=True, seed=5,
-                                      sampling=shards.Sampling(class_weights="balanced", weight_window=8))
-        return shards.make_loader(dataset, batch_size=3, num_workers=2, drop_last=True, persistent_workers=False)
+                                      sampling=shards.Sampling(class_weights="balanced"))
+        return shards.make_loader(dataset, batch_size=3, mode=WorkerProcesses(2, persistent=False), drop_last=True)
 
     full = [(b[0], list(b[2])) for b in loader()]
     interrupted = loader()
@@ -95,9 +99,9 @@ def test_dataset_state_without_loader(folder):
 def test_resume_with_another_seed_dataset_or_order_is_refused_in_one_line(folder, tmp_path):
     state = build(folder, 2).state_dict()
     make_shard_dataset(tmp_path, shard_sizes={"train": [7, 5, 9, 3, 7]}, size=(16, 16))
-    other_seed = shards.make_loader(shards.open_dataset(folder, seed=99), batch_size=4, num_workers=2)
+    other_seed = shards.make_loader(shards.open_dataset(folder, seed=99), batch_size=4, mode=WorkerProcesses(2))
     other_data = build(tmp_path, 2)
-    other_order = shards.make_loader(shards.open_dataset(folder, seed=3), batch_size=4, num_workers=2)
+    other_order = shards.make_loader(shards.open_dataset(folder, seed=3), batch_size=4, mode=WorkerProcesses(2))
     for loader, match in ((other_seed, "seed"), (other_data, "another dataset"), (other_order, "sampling")):
         with pytest.raises(shards.errors.InputError, match=match) as caught:
             loader.load_state_dict(state)

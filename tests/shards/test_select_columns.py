@@ -14,7 +14,8 @@ import shards
 from preprocess.pack.packer import PackConfig, pack_shards
 from shards.errors import CorruptDataError, InputError, ManifestError
 from shards.formats.column_writer import write_split_columns
-from shards.formats.columns import FORMAT, open_columns
+from shards.formats.columns import FORMAT
+from shards.select.columns import open_columns
 from shards.manifest import DatasetManifest, ShardInfo, SourceInfo, SplitInfo
 from shards.select.mixture import MixOptions, SourceSpec, Subset
 from shards.select.selection import LoadedSource, combine

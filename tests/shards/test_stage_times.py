@@ -17,8 +17,9 @@ from shards.image.decode import ImageDecoder
 from shards.image.fast import FastDecoder
 from shards.image.transforms import TransformSpec, build_transform
 from shards.formats.sample import RawSample
-from shards.loader.feature_batches import FeatureBatchLoader
-from shards.loader.stage_times import WORKER_STAGES, SharedStageTimes, StageTally
+from shards.loader.in_process import InProcess
+from shards.procs.stage_times import WORKER_STAGES, SharedStageTimes, StageTally
+from shards.loader.worker_processes import WorkerProcesses
 from tests.helpers import class_image, make_shard_dataset
 from tests.shards.stream_helpers import write_feature_dataset
 
@@ -67,7 +68,7 @@ def drain(loader) -> int:
 
 def test_decode_and_transform_are_split_at_the_decoders_mark_and_summed_over_workers(folder: Path):
     dataset = shards.open_dataset(folder, "train", decode=shards.Decode(decoder=SleepyDecoder()), seed=0)
-    loader = shards.make_loader(dataset, batch_size=8, num_workers=2, persistent_workers=False)
+    loader = shards.make_loader(dataset, batch_size=8, mode=WorkerProcesses(2, persistent=False))
     assert drain(loader) == SAMPLES
     seconds = loader.stage_seconds()
     assert set(seconds) == set(WORKER_STAGES)
@@ -80,7 +81,7 @@ def test_decode_and_transform_are_split_at_the_decoders_mark_and_summed_over_wor
 
 def test_a_decoder_without_the_mark_counts_all_as_decode(folder: Path):
     dataset = shards.open_dataset(folder, "train", decode=shards.Decode(decoder=sleepy_user_decoder), seed=0)
-    loader = shards.make_loader(dataset, batch_size=8, num_workers=2, persistent_workers=False)
+    loader = shards.make_loader(dataset, batch_size=8, mode=WorkerProcesses(2, persistent=False))
     assert drain(loader) == SAMPLES
     seconds = loader.stage_seconds()
     assert seconds["transform"] == 0.0
@@ -89,8 +90,8 @@ def test_a_decoder_without_the_mark_counts_all_as_decode(folder: Path):
 
 def test_collate_seconds_are_counted(folder: Path):
     dataset = shards.open_dataset(folder, "train", decode=shards.Decode(decoder=SleepyDecoder()), seed=0)
-    loader = shards.make_loader(dataset, batch_size=8, num_workers=2, collate_fn=SlowCollate(0.02),
-                                persistent_workers=False)
+    loader = shards.make_loader(dataset, batch_size=8, mode=WorkerProcesses(2, persistent=False),
+                                collate_fn=SlowCollate(0.02))
     assert drain(loader) == SAMPLES
     assert 6 * 0.02 <= loader.stage_seconds()["collate"] < 6 * 0.02 * 2.5  # 6 batches of 8
 
@@ -101,8 +102,8 @@ def test_outputs_are_bit_identical_with_and_without_stage_times(folder: Path, pi
     runs = {}
     for stage_times in (True, False):
         dataset = shards.open_dataset(folder, "train", transform=spec, decode=shards.Decode(pipeline), seed=3)
-        loader = shards.make_loader(dataset, batch_size=8, num_workers=2, stage_times=stage_times,
-                                    persistent_workers=False)
+        loader = shards.make_loader(dataset, batch_size=8, mode=WorkerProcesses(2, persistent=False),
+                                    stage_times=stage_times)
         runs[stage_times] = list(loader)
         seconds = loader.stage_seconds()
         if stage_times:
@@ -126,7 +127,7 @@ def test_built_in_decoders_mark_the_end_of_decoding_inside_the_call():
 
 def test_per_epoch_differences_with_persistent_workers_and_a_reset(folder: Path):
     dataset = shards.open_dataset(folder, "train", decode=shards.Decode(decoder=SleepyDecoder()), seed=0)
-    loader = shards.make_loader(dataset, batch_size=8, num_workers=2)
+    loader = shards.make_loader(dataset, batch_size=8, mode=WorkerProcesses(2))
     drain(loader)
     first = loader.stage_seconds()
     drain(loader)
@@ -147,7 +148,7 @@ def test_in_process_iteration_counts_too(folder: Path):
 def test_feature_loaders_report_read_only(tmp_path: Path):
     write_feature_dataset(tmp_path / "features", [30, 20])
     in_process = shards.make_loader(shards.open_dataset(tmp_path / "features", "train", seed=0), batch_size=8)
-    assert isinstance(in_process, FeatureBatchLoader)
+    assert in_process.mode == InProcess()
     assert drain(in_process) == 48  # drop_last: 50 rows in batches of 8
     seconds = in_process.stage_seconds()
     assert seconds["read"] > 0 and seconds["decode"] == seconds["transform"] == seconds["collate"] == 0.0
@@ -155,7 +156,7 @@ def test_feature_loaders_report_read_only(tmp_path: Path):
     assert in_process.stage_seconds()["read"] == 0.0
 
     with_workers = shards.make_loader(shards.open_dataset(tmp_path / "features", "train", seed=0), batch_size=8,
-                                      num_workers=2, persistent_workers=False)
+                                      mode=WorkerProcesses(2, persistent=False))
     assert drain(with_workers) == 48
     seconds = with_workers.stage_seconds()
     assert seconds["read"] > 0 and seconds["collate"] > 0

@@ -1,4 +1,4 @@
-"""Stall and crash recovery (``make_loader(stall_timeout=)``, ``shards.loader.watchdog``): real worker processes
+"""Stall and crash recovery (``make_loader(stall=StallPolicy(...))``, ``shards.loader.watchdog``): real worker processes
 that hang, exit, are killed or stopped; every epoch still yields the fault-free order, less quarantined samples."""
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import pytest
 
 import shards
 from shards.errors import CorruptDataError, ShardcacheError
+from shards.loader.watchdog import StallPolicy
+from shards.loader.worker_processes import WorkerProcesses
 from tests.helpers import make_shard_dataset
 
 BATCH = 4
@@ -61,11 +63,15 @@ def data(tmp_path_factory) -> Path:
     return out
 
 
-def open_loader(folder: Path, decoder, *, on_error: str = "skip", events: list | None = None, **options):
+def open_loader(folder: Path, decoder, *, on_error: str = "skip", events: list | None = None,
+                stall_timeout: float | None = None, **stall_options):
+    """``WORKERS`` worker processes; with ``stall_timeout``, a ``StallPolicy`` of it and ``stall_options``."""
     dataset = shards.open_dataset(folder, "train", seed=3, decode=shards.Decode(decoder=decoder),
                                   errors=shards.ErrorPolicy(on_error))
-    return shards.make_loader(dataset, batch_size=BATCH, num_workers=WORKERS, drop_last=False, pin_memory=False,
-                              on_event=None if events is None else events.append, **options)
+    stall = None if stall_timeout is None else StallPolicy(
+        stall_timeout, on_event=None if events is None else events.append, **stall_options)
+    return shards.make_loader(dataset, batch_size=BATCH, mode=WorkerProcesses(WORKERS), stall=stall, drop_last=False,
+                              pin_memory=False)
 
 
 def epoch_keys(loader, epoch: int = 0) -> list[str]:

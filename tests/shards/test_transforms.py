@@ -38,6 +38,11 @@ def test_spec_round_trip_and_validation():
         TransformSpec(preset="fancy")
     with pytest.raises(InputError, match="unknown transform fields"):
         TransformSpec.from_dict({"sise": 3})
+    with pytest.raises(InputError, match="crop size 64 must be at least 1 and at most the resize 48"):
+        TransformSpec(size=64, resize_size=48)
+    for mean, std in (((0.5, 0.5), (0.2, 0.2, 0.2)), ((0.5, 0.5, 0.5), (0.2, 0.0, 0.2))):
+        with pytest.raises(InputError, match="three values each, std positive"):
+            TransformSpec(mean=mean, std=std)
 
 
 def test_draft_decode_is_smaller_and_close_after_the_eval_transform():

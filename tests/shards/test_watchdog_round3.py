@@ -157,14 +157,16 @@ QUIET_RUN = """
 import sys
 import shards
 from shards.jobs.progress import setup_logging
+from shards.loader.watchdog import StallPolicy
+from shards.loader.worker_processes import WorkerProcesses
 from tests.shards.test_stall_recovery import FaultyDecoder
 
 data, bad, once, stacks = sys.argv[1:5]
 setup_logging(quiet=True)  # what --quiet does
 dataset = shards.open_dataset(data, "train", seed=3, decode=shards.Decode(decoder=FaultyDecoder(bad, "hang", once)),
                               errors=shards.ErrorPolicy("skip"))
-loader = shards.make_loader(dataset, batch_size=4, num_workers=2, drop_last=False, pin_memory=False,
-                            stall_timeout=1, stack_dir=stacks)
+loader = shards.make_loader(dataset, batch_size=4, mode=WorkerProcesses(2), drop_last=False, pin_memory=False,
+                            stall=StallPolicy(1, stack_dir=stacks))
 assert len([key for keys, _ in loader for key in keys]) == 36
 """
 
@@ -200,13 +202,15 @@ def test_without_quiet_the_stacks_are_logged_at_info(data, reference, tmp_path, 
 EARLY_EXIT = """
 import sys
 import shards
+from shards.loader.watchdog import StallPolicy
+from shards.loader.worker_processes import WorkerProcesses
 from tests.shards.test_stall_recovery import key_decoder
 
 kept = []
 for stall_timeout in (None, 30):
     dataset = shards.open_dataset(sys.argv[1], "train", seed=3, decode=shards.Decode(decoder=key_decoder))
-    loader = shards.make_loader(dataset, batch_size=4, num_workers=2, drop_last=False, pin_memory=False,
-                                stall_timeout=stall_timeout)
+    loader = shards.make_loader(dataset, batch_size=4, mode=WorkerProcesses(2), drop_last=False, pin_memory=False,
+                                stall=None if stall_timeout is None else StallPolicy(stall_timeout))
     batches = iter(loader)
     for step, batch in enumerate(batches):
         if step == 2:

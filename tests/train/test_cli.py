@@ -72,9 +72,10 @@ def test_unknown_model_is_refused(image_folder: Path, tmp_path: Path):
     assert_one_line_error(result, "unknown model 'resnet19'", "resnet18")
 
 
-def test_wrong_data_kind_is_refused(image_folder: Path, tmp_path: Path):
+def test_data_names_sources_only(image_folder: Path, tmp_path: Path):
+    # What a folder holds comes from its manifest; a --data value is always a source, here one that is not there.
     result = run_cli(image_folder, "--out", tmp_path / "run", "--data", "features")
-    assert_one_line_error(result, "dataset.json", "--data images")
+    assert_one_line_error(result, "features")
 
 
 def test_not_a_shards_folder_is_refused(tmp_path: Path):
@@ -101,7 +102,7 @@ def test_run_folder_is_protected(feature_folder: Path, tmp_path: Path):
     assert_one_line_error(run_cli(*base), "--resume")  # the same run again: continue or restart, explicitly
     assert_one_line_error(run_cli(*base, "--lr", "0.5"), "different run", "lr")
     assert run_cli(*base, "--lr", "0.5", "--overwrite").exit_code == 0
-    assert json.loads((run / "config.json").read_text())["lr"] == 0.5
+    assert json.loads((run / "config.json").read_text())["optim"]["lr"] == 0.5
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tests.report.page import parse
-from train.config import TrainConfig
+from tests.train.configs import train_config
 from train.run.loop import train
-from train.run.run_dir import read_metrics
+from shards.runrecord import read_rows
 
 TIMEOUT_S = 240  # a hang fails the test instead of blocking the suite
 
@@ -38,14 +38,14 @@ def test_two_rank_gloo_run_matches_single_process_and_resumes_exactly(feature_fo
     assert ddp["world_size"] == 2
 
     # The same global batch (2 x 8) in one process.
-    single = train(TrainConfig(data_path=str(feature_folder), out_dir=str(tmp_path / "single"), epochs=3,
+    single = train(train_config(str(feature_folder), str(tmp_path / "single"), epochs=3,
                                batch_size=16, device="cpu", quiet=True))
     assert ddp["steps"] == single["steps"] == 30
     assert ddp["val_top1"] >= 0.9
     assert abs(ddp["val_top1"] - single["val_top1"]) <= 0.05
     assert abs(ddp["val_loss"] - single["val_loss"]) <= 0.1
     assert abs(ddp["train_loss"] - single["train_loss"]) <= 0.1
-    rows = read_metrics(tmp_path / "ddp" / "metrics.jsonl")
+    rows = [row.to_json() for row in read_rows(tmp_path / "ddp" / "metrics.jsonl")]
     assert [r["epoch"] for r in rows] == [1, 2, 3]
     assert rows[-1]["val_samples"] == 62  # both ranks' shares summed: 61 val samples padded to 2 x 31
     assert len(rows[-1]["stage_seconds_by_rank"]) == 2

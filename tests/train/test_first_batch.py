@@ -14,7 +14,7 @@ from tests.train.test_train_features import config
 from train.run.checkpoint import load_checkpoint
 from train.run.first_batch import PARTS, describe, first_batch_record
 from train.run.loop import train
-from train.run.run_dir import read_metrics
+from shards.runrecord import read_rows
 
 TOLERANCE_S = 1e-6
 
@@ -27,7 +27,7 @@ def assert_adds_up(record: dict) -> None:
 
 def test_a_run_records_its_start_on_the_first_epoch_row_only(feature_folder: Path, tmp_path: Path):
     train(config(feature_folder, tmp_path / "run", epochs=2))
-    first, second = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    first, second = [row.to_json() for row in read_rows(tmp_path / "run" / "metrics.jsonl")]
     [record] = first["first_batch"]
     assert record["resume"] is False and record["epoch"] == 1 and record["step"] == 0
     assert record["open_s"] > 0  # open_dataset was timed, not left at its default
@@ -43,7 +43,7 @@ def test_a_resume_records_its_own_first_batch(feature_folder: Path, tmp_path: Pa
     [kept] = load_checkpoint(run / "last.pt")["train_state"]["first_batch"]
     assert kept["resume"] is False
     train(config(feature_folder, run, resume=True, **options))
-    first, second = read_metrics(run / "metrics.jsonl")
+    first, second = [row.to_json() for row in read_rows(run / "metrics.jsonl")]
     start, resume = first["first_batch"]
     assert (start["resume"], resume["resume"]) == (False, True)
     assert (resume["epoch"], resume["step"]) == (1, 3)  # continued after the 3 steps the checkpoint held
@@ -54,8 +54,8 @@ def test_a_resume_records_its_own_first_batch(feature_folder: Path, tmp_path: Pa
 
 @pytest.mark.slow
 def test_image_workers_split_the_wait_into_plan_and_first_read(image_folder: Path, tmp_path: Path):
-    train(config(image_folder, tmp_path / "run", epochs=1, batch_size=8, workers=2, image_size=32, model="resnet18"))
-    [record] = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]["first_batch"]
+    train(config(image_folder, tmp_path / "run", epochs=1, batch_size=8, workers=2, image_size=32, name="resnet18"))
+    [record] = [row.to_json() for row in read_rows(tmp_path / "run" / "metrics.jsonl")][0]["first_batch"]
     assert record["workers"] == 2
     assert record["first_read_s"] > 0  # the workers' read and decode seconds reached the main process
     assert_adds_up(record)
@@ -82,5 +82,5 @@ def test_the_progress_line_says_it_once(feature_folder: Path, tmp_path: Path):
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stderr.splitlines() if "first batch" in line]
     assert len(lines) == 1 and "after start (open " in lines[0]
-    [record] = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]["first_batch"]
+    [record] = [row.to_json() for row in read_rows(tmp_path / "run" / "metrics.jsonl")][0]["first_batch"]
     assert f"first batch {record['first_batch_s']:.2f} s" in lines[0]

@@ -16,9 +16,10 @@ import pytest
 from click.testing import CliRunner
 
 from shards.cli.main import main as shards_main
-from train.config import TrainConfig
+from tests.train.configs import train_config
 from shards.data_events import read_events
-from train.run.lineage import read_recorded_keys, run_lineage
+from shards.check.lineage import run_lineage
+from train.run.lineage import read_recorded_keys
 from train.run.loop import train
 
 TIMEOUT_S = 240
@@ -91,7 +92,7 @@ def test_lineage_equals_recorded_keys_across_a_sigkill_and_a_resume_on_three_wor
 def test_feature_run_lineage_matches_recorded_keys_and_refuses_a_step_of_another_epoch(feature_folder: Path,
                                                                                      tmp_path: Path):
     run = tmp_path / "run"
-    train(TrainConfig(data_path=str(feature_folder), out_dir=str(run), data="features", epochs=2, batch_size=64,
+    train(train_config(str(feature_folder), str(run), epochs=2, batch_size=64,
                       workers=0, quiet=True, device="cpu", record_keys=True, stop_after_steps=3))
     assert [e["kind"] for e in read_events(run)] == ["layout"]
     recorded = read_recorded_keys(run)  # 161 samples, batches of 64, drop_last: 2 steps per epoch
@@ -131,9 +132,9 @@ def test_a_mixture_runs_exclusion_cannot_change_at_resume_a_single_datasets_can(
     keys.write_text("a\n")
     for subset, refused in (({"classes": ["red"]}, True), (None, False)):
         run = tmp_path / f"run-{refused}"
-        old = TrainConfig(data_path=str(tmp_path), out_dir=str(run), subset=subset)
+        old = train_config(str(tmp_path), str(run), subset=subset)
         start_run(RunPlan(run, None), old)
-        resumed = old.replace(resume=True, exclude_keys=str(keys))
+        resumed = old.replace({"run.resume": True, "data.exclude_keys": str(keys)})
         if refused:
             with pytest.raises(OutputExistsError, match="exclude-keys"):
                 plan_run(resumed)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.s3.server import free_ports
-from train.run.run_dir import read_metrics
+from shards.runrecord import read_rows
 
 TIMEOUT_S = 300
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,7 +63,7 @@ def test_two_nodes_of_two_match_one_node_of_four_and_each_node_fetches_once(feat
         assert cached, f"node {node} cached nothing"
         assert len(cached) <= len(feature_bytes)
         assert not list((tmp_path / f"node{node}-cache").rglob("*.tmp"))
-    rows = read_metrics(tmp_path / "two-nodes" / "metrics.jsonl")
+    rows = [row.to_json() for row in read_rows(tmp_path / "two-nodes" / "metrics.jsonl")]
     # Epoch 1 fetched each shard at most once per node (two ranks, one download); epoch 2 fetched nothing.
     assert 0 < rows[0]["fetched_bytes"] <= 2 * sum(feature_bytes.values())
     assert rows[0]["cache"]["misses"] <= 2 * len(feature_bytes)

@@ -13,9 +13,10 @@ import torch
 
 from shards.errors import CorruptDataError, InputError
 from train.run.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
+from tests.train.configs import train_config
 from train.config import TrainConfig
-from train.run.loop import class_weights
-from shards.report.advice import wait_advice
+from train.run.diagnose import wait_advice
+from train.run.task import class_weights
 from train.run.meter import DataWaitMeter
 from train.model.metrics import ClassificationTally
 from train.model.models import build_head
@@ -34,7 +35,7 @@ def test_warmup_then_cosine_to_zero():
 
 
 def test_scheduler_state_restores_the_same_rates(tmp_path: Path):
-    cfg = TrainConfig(data_path="x", out_dir="y", epochs=4, lr=0.2, warmup_epochs=1)
+    cfg = train_config("x", "y", epochs=4, lr=0.2, warmup_epochs=1)
     model = build_head("linear", 4, 3)
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer, steps_per_epoch=5)
@@ -51,7 +52,7 @@ def test_scheduler_state_restores_the_same_rates(tmp_path: Path):
 
 
 def test_weight_decay_skips_biases():
-    cfg = TrainConfig(data_path="x", out_dir="y", weight_decay=0.5)
+    cfg = train_config("x", "y", weight_decay=0.5)
     groups = build_optimizer(cfg, build_head("mlp", 4, 3, hidden_dim=8)).param_groups
     assert [g["weight_decay"] for g in groups] == [0.5, 0.0]
     assert all(p.ndim == 1 for p in groups[1]["params"])
@@ -172,33 +173,32 @@ def test_plot_writes_a_png_even_for_one_epoch(tmp_path: Path):
 ])
 def test_config_rejects_bad_values(changes, fragment):
     with pytest.raises(InputError, match=fragment):
-        TrainConfig(data_path="x", out_dir="y", **changes)
+        train_config("x", "y", **changes)
 
 
 def test_config_differences_ignore_what_a_resume_may_change():
-    base = TrainConfig(data_path="x", out_dir="y")
-    assert base.differences(base.replace(epochs=20, resume=True, quiet=True)) == []
-    assert base.differences(base.replace(lr=0.3, seed=1)) == ["lr", "seed"]
+    base = train_config("x", "y")
+    assert base.differences(base.replace({"optim.epochs": 20, "run.resume": True, "run.quiet": True})) == []
+    assert base.differences(base.replace({"optim.lr": 0.3, "optim.seed": 1})) == ["optim.lr", "optim.seed"]
     assert TrainConfig.from_dict(base.to_dict()) == base
 
 
 def test_decode_choices_and_validation_come_from_shards():
     from shards.stream.options import STREAM_DECODES
 
-    assert TrainConfig("data", "out").decode == "fast"  # training owns the device-side normalisation
-    assert all(TrainConfig("data", "out", decode=name).decode == name for name in STREAM_DECODES)
+    assert train_config("data", "out").loader.decode == "fast"  # training owns the device-side normalisation
+    assert all(train_config("data", "out", decode=name).loader.decode == name for name in STREAM_DECODES)
     with pytest.raises(InputError, match="decode='turbo' is not one of standard, fast"):
-        TrainConfig("data", "out", decode="turbo")
+        train_config("data", "out", decode="turbo")
     with pytest.raises(InputError, match="not available in train-from-shards") as caught:
-        TrainConfig("data", "out", decode="device")  # only precompute-features decodes on the device
+        train_config("data", "out", decode="device")  # only precompute-features decodes on the device
     assert "\n" not in str(caught.value)
 
 
-def test_a_run_config_recorded_with_pipeline_reads_as_its_decode():
-    recorded = {k: v for k, v in TrainConfig("data", "out").to_dict().items() if k != "decode"}
-    old = TrainConfig.from_dict({**recorded, "pipeline": "standard"})  # config.json before the rename
-    assert old.decode == "standard"
-    assert old.differences(TrainConfig("data", "out")) == ["decode"]  # a resume with the other decode is refused
+def test_a_recorded_config_reads_as_its_run():
+    recorded = TrainConfig.from_dict(train_config("data", "out", decode="standard").to_dict())
+    assert recorded.loader.decode == "standard"
+    assert recorded.differences(train_config("data", "out")) == ["loader.decode"]  # a resume with the other decode is refused
 
 
 def test_fine_tune_weights_unwrap_a_checkpoint_of_a_ddp_model(tmp_path: Path):

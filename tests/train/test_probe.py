@@ -210,7 +210,7 @@ def test_standardize_is_opt_in_for_the_sgd_heads(overlapping, tmp_path):
     state = torch.load(tmp_path / "std" / "last.pt", weights_only=True)["model"]
     recorded = json.loads((tmp_path / "std" / "feature-scale.json").read_text())
     assert state["scale.mean"].tolist() == pytest.approx(recorded["mean"])
-    assert json.loads((tmp_path / "std" / "config.json").read_text())["standardize"] is True
+    assert json.loads((tmp_path / "std" / "config.json").read_text())["model"]["standardize"] is True
 
 
 def test_what_the_probe_cannot_do_is_one_line_and_exit_2(overlapping, image_folder, tmp_path):

@@ -20,6 +20,7 @@ from shards.manifest import load_feature_manifest
 from shards.report.build import write_run_report
 from tests.preprocess.test_table import write_csv
 from train.cli import train_command
+from tests.train.configs import train_config
 from train.config import TrainConfig
 from train.model.regression import RegressionTally, TargetScale
 
@@ -180,11 +181,11 @@ def test_dry_run_reports_the_target_range(diabetes, tmp_path: Path):
 
 
 def test_task_and_loss_are_validated_choices():
-    assert TrainConfig(data_path="x", out_dir="y").task == "auto"
+    assert train_config("x", "y").model.task == "auto"
     with pytest.raises(InputError, match="task='ranking'"):
-        TrainConfig(data_path="x", out_dir="y", task="ranking")
+        train_config("x", "y", task="ranking")
     with pytest.raises(InputError, match="loss='l1'"):
-        TrainConfig(data_path="x", out_dir="y", loss="l1")
+        train_config("x", "y", loss="l1")
 
 
 def test_tally_matches_sklearn_metrics_summed_over_batches():
@@ -208,19 +209,19 @@ def test_tally_matches_sklearn_metrics_summed_over_batches():
 @pytest.mark.slow
 def test_killed_mid_epoch_and_resumed_equals_uninterrupted(diabetes, tmp_path: Path):
     from train.run.loop import train as train_run
-    from train.run.run_dir import read_metrics
+    from shards.runrecord import read_rows
 
     def config(out: Path, **changes) -> TrainConfig:
-        return TrainConfig(data_path=str(diabetes["feat"]), out_dir=str(out), task="regression", head="mlp",
-                           hidden_dim=16, dropout=0.2, epochs=3, batch_size=32, checkpoint_every=4, quiet=True,
-                           device="cpu", report=False, **changes)
+        return train_config(str(diabetes["feat"]), str(out), task="regression", head="mlp",
+                            hidden_dim=16, dropout=0.2, epochs=3, batch_size=32, checkpoint_every=4, quiet=True,
+                            device="cpu", report=False, **changes)
 
     whole = train_run(config(tmp_path / "whole"))
     assert train_run(config(tmp_path / "cut", stop_after_steps=16))["stopped"]  # mid epoch 2 of 11 steps each
     resumed = train_run(config(tmp_path / "cut", resume=True))
     timing = {"samples_per_s", "data_wait_share", "epoch_time_s", "stage_seconds", "stage_seconds_by_rank",
               "first_batch"}
-    rows = [[{k: v for k, v in row.items() if k not in timing} for row in read_metrics(run / "metrics.jsonl")]
+    rows = [[{k: v for k, v in row.items() if k not in timing} for row in [row.to_json() for row in read_rows(run / "metrics.jsonl")]]
             for run in (tmp_path / "whole", tmp_path / "cut")]
     assert rows[0] == rows[1]
     assert resumed["best_val_mse"] == whole["best_val_mse"] == min(row["val_mse"] for row in rows[0])

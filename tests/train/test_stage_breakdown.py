@@ -1,5 +1,5 @@
 """The data-wait breakdown by stage: the loop's laps, the per-rank gather, the advice (one rule for the training log
-and the run report, ``shards.report.advice``), and ``stage_seconds`` in every ``metrics.jsonl`` row of a
+and the run report, ``train.run.diagnose``), and ``stage_seconds`` in every ``metrics.jsonl`` row of a
 ``train-from-shards`` run."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from shards.report.advice import dominant_worker_stage, wait_advice
-from shards.loader.stage_times import LOOP_STAGES, STAGES, WORKER_STAGES
-from train.config import TrainConfig
-from train.run.loop import reads_over_network
+from train.run.diagnose import dominant_worker_stage, wait_advice
+from shards.procs.stage_times import LOOP_STAGES, STAGES, WORKER_STAGES
+from tests.train.configs import train_config
+from train.run.rows import reads_over_network
 from train.run.meter import DataWaitMeter, gather_stage_seconds, sum_stage_seconds
-from train.run.run_dir import read_metrics
+from shards.runrecord import read_rows
 from tests.train.test_cli import run_cli
 
 
@@ -73,14 +73,14 @@ def test_a_short_wait_is_no_bottleneck_whatever_its_share():
 
 def test_only_image_shards_read_over_the_network_can_use_a_cache_or_a_copy():
     def network(path: str, kind: str = "images", **options) -> bool:
-        return reads_over_network(TrainConfig(data_path=path, out_dir="run", **options), kind)
+        return reads_over_network(train_config(path, "run", **options), kind)
 
     assert network("s3://bucket/data") and network("https://host/data")
     assert not network("/local/data") and not network("s3://bucket/feat", "features")
-    assert not network("s3://bucket/data", cache_images=True)  # decoded images stay in memory after epoch 1
-    assert not network("s3://bucket/data", cache_dir="/scratch/cache")  # cached on this node already
+    assert not network("s3://bucket/data", images=True)  # decoded images stay in memory after epoch 1
+    assert not network("s3://bucket/data", dir="/scratch/cache")  # cached on this node already
     mixed = [{"path": "/local/data"}, {"path": "s3://bucket/more", "weight": 1.0}]
-    assert reads_over_network(TrainConfig(data_path="/local/data", out_dir="run", sources=mixed), "images")
+    assert reads_over_network(train_config("/local/data", "run", sources=mixed), "images")
 
 
 def test_a_tiny_local_feature_run_gets_no_advice_in_its_log_or_its_report(feature_folder: Path, tmp_path: Path):
@@ -170,7 +170,7 @@ def two_checked_epochs(folder: Path, tmp_path: Path, *options: str):
     """A two-epoch run of ``folder``: the CLI result and its metrics rows, each checked by ``check_rows``."""
     result = run_cli(folder, "--out", tmp_path / "run", "--epochs", "2", *options)
     assert result.exit_code == 0, result.output
-    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    rows = [row.to_json() for row in read_rows(tmp_path / "run" / "metrics.jsonl")]
     assert len(rows) == 2
     check_rows(rows)
     return result, rows

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from shards.stream.image_dataset import ImageShardDataset
-from train.config import TrainConfig
+from tests.train.configs import train_config
 from shards.data_events import read_events
 from train.run.loop import train
-from train.run.run_dir import read_metrics
+from shards.runrecord import read_rows
 
 BAD_KEY = "train_00005"
 
@@ -34,12 +34,12 @@ def deadly_sample(monkeypatch):
 def test_a_sample_that_kills_its_worker_is_quarantined_and_recorded(image_folder: Path, tmp_path: Path,
                                                                      deadly_sample):
     out = tmp_path / "run"
-    cfg = TrainConfig(data_path=str(image_folder), out_dir=str(out), data="images", model="resnet18", image_size=32,
+    cfg = train_config(str(image_folder), str(out), name="resnet18", image_size=32,
                       epochs=2, batch_size=8, optimizer="adamw", workers=2, quiet=True, device="cpu",
                       stall_timeout=30, report=False)
     summary = train(cfg)
     assert summary["steps"] == 12  # 48 samples, batches of 8: the stand-in keeps the epoch's length
-    assert [row["quarantined"] for row in read_metrics(out / "metrics.jsonl")] == [1, 1]
+    assert [row["quarantined"] for row in [row.to_json() for row in read_rows(out / "metrics.jsonl")]] == [1, 1]
     events = [e for e in read_events(out) if e["kind"] in ("restart", "quarantine")]
     assert [(e["kind"], e["reason"], e["epoch"], e["rank"]) for e in events] == [
         ("restart", "exit 1", 1, 0), ("restart", "exit 1", 1, 0), ("quarantine", "exit 1", 1, 0)]

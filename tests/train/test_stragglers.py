@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from shards.report.build import build_report
-from shards.report.stages import run_straggler_warning, straggler_fields
-from shards.report.stragglers import WARN_EXCESS_S, Straggler, slowest_rank, sustained_straggler
+from shards.runrecord import EpochRow, read_rows, write_rows
 from tests.report.page import parse
-from train.run.run_dir import read_metrics
+from train.run.diagnose import (WARN_EXCESS_S, Straggler, run_straggler_warning, slowest_rank, straggler_fields,
+                                sustained_straggler)
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240
@@ -77,19 +77,24 @@ def test_the_warning_needs_the_same_rank_over_2x_for_two_consecutive_epochs():
     assert sustained_straggler([never, never]) == never
 
 
-def test_the_warning_from_metrics_rows():
-    rows = [{"epoch": 1, "stage_seconds_by_rank": ranks((0.1, 4.0), (3.0, 1.0))},
-            {"epoch": 2, "stage_seconds_by_rank": ranks((0.2, 4.0), (3.5, 1.0))}]
+def test_the_warning_from_the_rows_recorded_so_far():
+    """A resumed run's history is its rows: the warning reads the stragglers they recorded."""
+    rows = [{"epoch": 1, **straggler_fields(ranks((0.1, 4.0), (3.0, 1.0)))},
+            {"epoch": 2, **straggler_fields(ranks((0.2, 4.0), (3.5, 1.0)))}]
     assert "rank 1 has waited for data more than 2x" in run_straggler_warning(rows)
     assert run_straggler_warning(rows[:1]) is None
-    assert run_straggler_warning([{"epoch": 1, "stage_seconds_by_rank": "junk"}, *rows[:1]]) is None
+    assert run_straggler_warning([{"epoch": 1}, *rows[:1]]) is None  # an epoch of one process: no straggler
 
 
 def write_run(folder: Path, per_epoch: list[list[dict[str, float]]]) -> Path:
+    """Epoch rows as the loop records them: each epoch's straggler fields, and the warning once it is due."""
     folder.mkdir()
-    rows = [{"epoch": i + 1, "train_loss": 1.0, "val_loss": 1.0, "val_top1": 0.5, "data_wait_share": 0.1,
-             "epoch_time_s": 5.0, "stage_seconds_by_rank": by_rank} for i, by_rank in enumerate(per_epoch)]
-    (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    rows: list[dict] = []
+    for i, by_rank in enumerate(per_epoch):
+        row = {"epoch": i + 1, "train_loss": 1.0, "val_loss": 1.0, "val_top1": 0.5, "data_wait_share": 0.1,
+               "epoch_time_s": 5.0, "stage_seconds_by_rank": by_rank, **straggler_fields(by_rank)}
+        rows.append({**row, "straggler_warning": run_straggler_warning([*rows, row])})
+    write_rows(folder / "metrics.jsonl", [EpochRow(**row) for row in rows])
     return folder
 
 
@@ -123,7 +128,7 @@ def torchrun_slow_rank(data: Path, out: Path, *, slow_rank: int, delay_s: float)
 def test_a_two_rank_run_names_the_rank_that_decodes_slowly(image_folder: Path, tmp_path: Path):
     # 48 train images, 24 per rank: rank 1 sleeps 0.1 s per image, about 2.4 s of data wait per epoch.
     result = torchrun_slow_rank(image_folder, tmp_path / "run", slow_rank=1, delay_s=0.1)
-    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    rows = [row.to_json() for row in read_rows(tmp_path / "run" / "metrics.jsonl")]
     assert [row["epoch"] for row in rows] == [1, 2]
     for row in rows:
         assert row["slowest_rank"] == 1 and row["slowest_rank_cause"] == "data"

@@ -12,10 +12,10 @@ from click.testing import CliRunner
 
 from shards.manifest import load_dataset_manifest
 from train.cli import train_command
-from train.config import TrainConfig
+from tests.train.configs import train_config
 from train.data import affinity_nodes
 from train.distributed import DistContext
-from train.run.run_dir import read_metrics
+from shards.runrecord import read_rows
 
 
 @pytest.mark.slow
@@ -26,7 +26,7 @@ def test_metrics_count_fetches_and_hits_per_epoch(image_folder: Path, tmp_path: 
         "--cache-dir", str(tmp_path / "node"), "--cache-local"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
-    first, second = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    first, second = [row.to_json() for row in read_rows(tmp_path / "run" / "metrics.jsonl")]
     shard_bytes = sum(p.stat().st_size for p in image_folder.glob("*.tar"))
     assert first["fetched_bytes"] == shard_bytes and first["cache"]["misses"] == 4  # 3 train + 1 val shards
     assert second["fetched_bytes"] == 0 and second["cache_hit_rate"] == 1.0
@@ -45,12 +45,12 @@ def test_affinity_only_with_several_nodes_and_a_cache_smaller_than_the_split(ima
     split_bytes = sum(s.bytes for s in manifest.splits["train"].shards)
 
     def nodes(world: int, local: int, **cache) -> int | None:
-        cfg = TrainConfig(data_path=str(image_folder), out_dir=str(tmp_path / "run"), **cache)
+        cfg = train_config(str(image_folder), str(tmp_path / "run"), **cache)
         return affinity_nodes(cfg, manifest, DistContext(0, world, 0, torch.device("cpu"), False, local))
 
-    small = {"cache_dir": str(tmp_path / "c"), "cache_limit": split_bytes // 2}
+    small = {"dir": str(tmp_path / "c"), "limit": split_bytes // 2}
     assert nodes(4, 2, **small) == 2
     assert nodes(4, 4, **small) is None  # one node: nothing to keep apart
-    assert nodes(4, 2, cache_dir=str(tmp_path / "c"), cache_limit=split_bytes) is None  # the split fits
-    assert nodes(4, 2, cache_dir=str(tmp_path / "c")) is None  # no limit: everything fits
+    assert nodes(4, 2, dir=str(tmp_path / "c"), limit=split_bytes) is None  # the split fits
+    assert nodes(4, 2, dir=str(tmp_path / "c")) is None  # no limit: everything fits
     assert nodes(4, 2) is None

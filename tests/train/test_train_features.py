@@ -11,9 +11,10 @@ from PIL import Image
 
 from tests.train.conftest import write_feature_folder
 from train.run.checkpoint import load_checkpoint
+from tests.train.configs import train_config
 from train.config import TrainConfig
 from train.run.loop import train
-from train.run.run_dir import read_metrics
+from shards.runrecord import read_rows
 
 TIMING_FIELDS = {"samples_per_s", "data_wait_share", "epoch_time_s", "stage_seconds", "stage_seconds_by_rank",
                  "first_batch"}
@@ -22,7 +23,7 @@ TIMING_FIELDS = {"samples_per_s", "data_wait_share", "epoch_time_s", "stage_seco
 def config(data: Path, out: Path, **changes) -> TrainConfig:
     options = dict(epochs=3, batch_size=16, quiet=True, device="cpu")
     options.update(changes)
-    return TrainConfig(data_path=str(data), out_dir=str(out), **options)
+    return train_config(str(data), str(out), **options)
 
 
 def test_linear_head_learns_separable_features(feature_folder: Path, tmp_path: Path):
@@ -46,9 +47,9 @@ def test_run_folder_holds_everything_and_loads_without_pickle(feature_folder: Pa
     run = tmp_path / "run"
     train(config(feature_folder, run, epochs=2))
     assert sorted(p.name for p in run.iterdir()) == sorted(
-        ["config.json", "metrics.jsonl", "curves.png", "last.pt", "best.pt", "model.pt", "report.html",
+        ["config.json", "run.json", "metrics.jsonl", "curves.png", "last.pt", "best.pt", "model.pt", "report.html",
          "data-events.jsonl"])
-    rows = read_metrics(run / "metrics.jsonl")
+    rows = [row.to_json() for row in read_rows(run / "metrics.jsonl")]
     assert [r["epoch"] for r in rows] == [1, 2]
     for key in ("train_loss", "val_loss", "val_top1", "samples_per_s", "data_wait_share", "val_per_class_accuracy",
                 "val_confusion"):
@@ -56,7 +57,7 @@ def test_run_folder_holds_everything_and_loads_without_pickle(feature_folder: Pa
     assert sum(map(sum, rows[-1]["val_confusion"])) == rows[-1]["val_samples"] == 61
     assert set(rows[-1]["val_per_class_accuracy"]) == {"ant", "bee", "cat", "dog"}
     assert "val_top5" not in rows[0]  # 4 classes: top-5 would always be 100%
-    assert json.loads((run / "config.json").read_text())["batch_size"] == 16
+    assert json.loads((run / "config.json").read_text())["optim"]["batch_size"] == 16
     with Image.open(run / "curves.png") as image:
         assert image.format == "PNG" and image.size[0] > image.size[1] > 100
     model = torch.load(run / "model.pt", weights_only=True)
@@ -102,8 +103,8 @@ def test_killed_mid_epoch_and_resumed_equals_uninterrupted_bitwise(feature_folde
     actual = torch.load(interrupted / "model.pt", weights_only=True)["state_dict"]
     for name, tensor in expected.items():
         assert torch.equal(tensor, actual[name]), name
-    assert strip_timing(read_metrics(interrupted / "metrics.jsonl")) == strip_timing(
-        read_metrics(tmp_path / "whole" / "metrics.jsonl"))
+    assert strip_timing([row.to_json() for row in read_rows(interrupted / "metrics.jsonl")]) == strip_timing(
+        [row.to_json() for row in read_rows(tmp_path / "whole" / "metrics.jsonl")])
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from shards.errors import InputError
+from tests.train.configs import train_config
 from train.config import TrainConfig
 from train.data import build_data, prepare_manifest
 from train.distributed import DistContext
@@ -15,10 +16,10 @@ from tests.train.test_cli import assert_one_line_error, run_cli
 
 
 def config(data: Path, out: Path, **changes) -> TrainConfig:
-    options = dict(data="images", model="resnet18", image_size=32, epochs=1, batch_size=8, workers=0, quiet=True,
-                   device="cpu", cache_images=True)
+    options = dict(name="resnet18", image_size=32, epochs=1, batch_size=8, workers=0, quiet=True,
+                   device="cpu", images=True)
     options.update(changes)
-    return TrainConfig(data_path=str(data), out_dir=str(out), **options)
+    return train_config(str(data), str(out), **options)
 
 
 def cpu_context(world: int = 1, local: int = 1) -> DistContext:
@@ -37,22 +38,22 @@ def test_both_loaders_cache_within_the_memory_limit(image_folder: Path, tmp_path
 
 
 def test_without_the_flag_nothing_is_cached(image_folder: Path, tmp_path: Path):
-    cfg = config(image_folder, tmp_path / "run", cache_images=False)
+    cfg = config(image_folder, tmp_path / "run", images=False)
     data = build_data(cfg, prepare_manifest(cfg), cpu_context())
     assert data.train_loader.dataset.image_cache is None and data.val_loader.dataset.image_cache is None
 
 
 def test_switching_the_cache_is_another_run_and_the_limit_is_not():
-    cfg = TrainConfig(data_path="d", out_dir="o", cache_images=True)
-    assert cfg.differences(cfg.replace(cache_images=False)) == ["cache_images"]  # train views change source
-    assert cfg.differences(cfg.replace(memory_limit=1 << 30)) == []
+    cfg = train_config("d", "o", images=True)
+    assert cfg.differences(cfg.replace({"cache.images": False})) == ["cache.images"]  # train views change source
+    assert cfg.differences(cfg.replace({"cache.memory_limit": 1 << 30})) == []
 
 
 def test_bad_combinations_are_refused():
-    with pytest.raises(InputError, match="give cache_images too"):
-        TrainConfig(data_path="d", out_dir="o", memory_limit=1 << 30)
-    with pytest.raises(InputError, match="cache_images needs decode='fast'"):
-        TrainConfig(data_path="d", out_dir="o", cache_images=True, decode="standard")
+    with pytest.raises(InputError, match=r"give cache\.images too"):
+        train_config("d", "o", memory_limit=1 << 30)
+    with pytest.raises(InputError, match=r"cache\.images needs loader\.decode='fast'"):
+        train_config("d", "o", images=True, decode="standard")
 
 
 def test_the_cli_takes_the_options(image_folder: Path, tmp_path: Path):
@@ -60,4 +61,4 @@ def test_the_cli_takes_the_options(image_folder: Path, tmp_path: Path):
                      "--workers", "0", "--cache-images", "--memory-limit", "8M", "--dry-run")
     assert result.exit_code == 0, result.output
     bad = run_cli(image_folder, "--out", tmp_path / "run", "--memory-limit", "8M")
-    assert_one_line_error(bad, "memory_limit", "cache_images")
+    assert_one_line_error(bad, "cache.memory_limit", "cache.images")

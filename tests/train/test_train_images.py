@@ -8,23 +8,24 @@ import pytest
 import torch
 
 from shards.errors import InputError
+from tests.train.configs import train_config
 from train.config import TrainConfig
 from train.run.loop import train
 from train.model.models import build_image_model
-from train.run.run_dir import read_metrics
+from shards.runrecord import read_rows
 
 
 def config(data: Path, out: Path, **changes) -> TrainConfig:
-    options = dict(data="images", model="resnet18", image_size=32, epochs=3, batch_size=8, optimizer="adamw",
+    options = dict(name="resnet18", image_size=32, epochs=3, batch_size=8, optimizer="adamw",
                    lr=2e-3, workers=0, quiet=True, device="cpu")
     options.update(changes)
-    return TrainConfig(data_path=str(data), out_dir=str(out), **options)
+    return train_config(str(data), str(out), **options)
 
 
 @pytest.mark.slow
 def test_image_model_loss_falls(image_folder: Path, tmp_path: Path):
     summary = train(config(image_folder, tmp_path / "run"))
-    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    rows = [row.to_json() for row in read_rows(tmp_path / "run" / "metrics.jsonl")]
     assert len(rows) == 3 and summary["steps"] == 18  # 48 samples, batches of 8
     assert rows[-1]["train_loss"] < rows[0]["train_loss"]
     model = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
@@ -66,7 +67,7 @@ def test_dry_run_shows_normalised_image_batch(image_folder: Path, tmp_path: Path
 @pytest.mark.slow
 def test_image_run_killed_mid_epoch_resumes_bitwise_with_a_worker(image_folder: Path, tmp_path: Path):
     """Random crops and flips run in a DataLoader worker; the reader seeds them per sample, so they replay."""
-    options = dict(model="mobilenet_v3_small", epochs=2, workers=1, checkpoint_every=4)
+    options = dict(name="mobilenet_v3_small", epochs=2, workers=1, checkpoint_every=4)
     train(config(image_folder, tmp_path / "whole", **options))
     stopped = train(config(image_folder, tmp_path / "resumed", stop_after_steps=5, **options))
     assert stopped["stopped"]
@@ -79,11 +80,11 @@ def test_image_run_killed_mid_epoch_resumes_bitwise_with_a_worker(image_folder: 
 @pytest.mark.slow
 def test_image_run_resumed_with_another_worker_count_finishes_the_epoch(image_folder: Path, tmp_path: Path):
     """Two workers, stopped after the checkpoint at step 4 of 6; one worker then trains on the 16 samples left."""
-    options = dict(model="mobilenet_v3_small", epochs=2, checkpoint_every=4)
+    options = dict(name="mobilenet_v3_small", epochs=2, checkpoint_every=4)
     assert train(config(image_folder, tmp_path / "run", stop_after_steps=5, workers=2, **options))["stopped"]
     resumed = train(config(image_folder, tmp_path / "run", resume=True, workers=1, **options))
     assert resumed["steps"] == 12 and not resumed["stopped"]  # 4 + 2 batches of the rest, then a whole epoch
-    assert [row["epoch"] for row in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+    assert [row["epoch"] for row in [row.to_json() for row in read_rows(tmp_path / "run" / "metrics.jsonl")]] == [1, 2]
 
 
 @pytest.mark.slow
@@ -98,7 +99,7 @@ def test_a_run_stops_its_loader_workers_when_it_returns(image_folder: Path, tmp_
     gc.collect()
     gc.disable()  # what the run leaves to the collector is not collected before the check
     try:
-        train(config(image_folder, tmp_path / "run", epochs=1, workers=2, model="mobilenet_v2"))
+        train(config(image_folder, tmp_path / "run", epochs=1, workers=2, name="mobilenet_v2"))
         assert multiprocessing.active_children() == []
     finally:
         gc.enable()

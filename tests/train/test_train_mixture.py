@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from tests.train.conftest import write_feature_folder
 from train.cli import train_command
-from train.run.run_dir import read_metrics
+from shards.runrecord import read_rows
 
 
 def run_cli(*args: str):
@@ -37,8 +37,8 @@ def test_a_weighted_mixture_trains_and_is_recorded(tmp_path: Path):
     mixture = config["mixture"]
     assert mixture["epoch_size"] == 150 and [s["drawn"] for s in mixture["sources"]] == [38, 112]
     assert [s["available"] for s in mixture["sources"]] == [120, 30]
-    assert [s["weight"] for s in config["sources"]] == [1.0, 3.0]
-    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [s["weight"] for s in config["data"]["sources"]] == [1.0, 3.0]
+    rows = [row.to_json() for row in read_rows(tmp_path / "run" / "metrics.jsonl")]
     assert [row["mixture_drawn"] for row in rows] == [[38, 112], [38, 112]]
 
 
@@ -51,10 +51,10 @@ def test_different_classes_need_the_union_map(tmp_path: Path):
     assert result.exit_code == 0, result.output
     model = torch.load(tmp_path / "run2" / "model.pt", weights_only=True)
     assert model["classes"] == ["ant", "bee", "cat", "dog"]
-    assert model["train_config"]["class_map"] == "union" and model["mixture"]["class_map"] == "union"
+    assert model["train_config"]["data"]["class_map"] == "union" and model["mixture"]["class_map"] == "union"
     assert [s["path"] for s in model["mixture"]["sources"]] == [str(first), str(second)]
     config = json.loads((tmp_path / "run2" / "config.json").read_text())
-    assert config["class_map"] == "union"
+    assert config["data"]["class_map"] == "union"
 
 
 def test_a_class_subset_from_the_command_line(tmp_path: Path):
@@ -67,18 +67,18 @@ def test_a_class_subset_from_the_command_line(tmp_path: Path):
     assert report["train_batches"] == 80 // 8  # 2 of 3 classes of 120 samples
 
 
-def test_the_older_data_kind_option_still_works(tmp_path: Path):
+def test_the_input_kind_comes_from_the_manifest(tmp_path: Path):
     first, _ = sources(tmp_path)
-    result = run_cli(first, "--data", "features", "--out", tmp_path / "run", "--dry-run", "--batch-size", "8")
+    result = run_cli(first, "--out", tmp_path / "run", "--dry-run", "--batch-size", "8")
     assert result.exit_code == 0, result.output
-    refused = run_cli(first, "--data", "images", "--out", tmp_path / "run", "--dry-run")
-    assert refused.exit_code == 2 and "--data features" in refused.stderr
+    assert json.loads(result.stdout)["data"] == "features"
 
 
 @pytest.mark.slow
 def test_a_mixture_killed_mid_epoch_resumes_bitwise(tmp_path: Path):
     from tests.train.test_train_features import strip_timing
     from train.run.checkpoint import load_checkpoint
+    from tests.train.configs import train_config
     from train.config import TrainConfig
     from train.run.loop import train
 
@@ -88,7 +88,7 @@ def test_a_mixture_killed_mid_epoch_resumes_bitwise(tmp_path: Path):
                checkpoint_every=3)
 
     def config(out: Path, **changes) -> TrainConfig:
-        return TrainConfig(data_path=str(first), out_dir=str(out), **mix, **changes)
+        return train_config(str(first), str(out), **mix, **changes)
 
     whole = train(config(tmp_path / "whole"))
     stopped = train(config(tmp_path / "cut", stop_after_steps=7))
@@ -98,5 +98,5 @@ def test_a_mixture_killed_mid_epoch_resumes_bitwise(tmp_path: Path):
     expected = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)["state_dict"]
     actual = torch.load(tmp_path / "cut" / "model.pt", weights_only=True)["state_dict"]
     assert all(torch.equal(tensor, actual[name]) for name, tensor in expected.items())
-    assert strip_timing(read_metrics(tmp_path / "cut" / "metrics.jsonl")) == strip_timing(
-        read_metrics(tmp_path / "whole" / "metrics.jsonl"))
+    assert strip_timing([row.to_json() for row in read_rows(tmp_path / "cut" / "metrics.jsonl")]) == strip_timing(
+        [row.to_json() for row in read_rows(tmp_path / "whole" / "metrics.jsonl")])

@@ -28,10 +28,11 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
-    groups = parameter_groups(model, cfg.weight_decay)
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.resolved_lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
-    return torch.optim.AdamW(groups, lr=cfg.resolved_lr)
+    groups = parameter_groups(model, cfg.optim.weight_decay)
+    if cfg.optim.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.optim.resolved_lr, momentum=cfg.optim.momentum,
+                               nesterov=cfg.optim.momentum > 0)
+    return torch.optim.AdamW(groups, lr=cfg.optim.resolved_lr)
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int) -> Callable[[int], float]:
@@ -50,6 +51,6 @@ def warmup_cosine(total_steps: int, warmup_steps: int) -> Callable[[int], float]
 
 def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer,
                     steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
-    total = cfg.epochs * steps_per_epoch
-    warmup = round(cfg.warmup_epochs * steps_per_epoch)
+    total = cfg.optim.epochs * steps_per_epoch
+    warmup = round(cfg.optim.warmup_epochs * steps_per_epoch)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(total, warmup))

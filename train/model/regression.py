@@ -22,8 +22,6 @@ from shards.errors import InputError
 from shards.formats.feature_names import target_task
 from shards.manifest import DatasetManifest, FeatureManifest
 from train.config import TrainConfig
-from train.run.epoch import to_device
-from train.model.models import logits_of
 
 HUBER_DELTA = 1.0  # in standardised units: errors beyond one train-split std count linearly
 
@@ -39,27 +37,27 @@ def resolve_task(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest) 
     Checked before anything is built or written: a wrong combination is an input error with a one-line reason.
     """
     found = manifest_task(manifest)
-    task = found if cfg.task == "auto" else cfg.task
+    task = found if cfg.model.task == "auto" else cfg.model.task
     if task == "classification":
         if found == "regression":
             raise InputError("--task classification: features.json holds a regression target (config.target), "
-                             "whose rows have no classes; use --task regression or auto", path=cfg.data_path)
-        if cfg.loss != "mse":
-            raise InputError(f"--loss {cfg.loss} applies to regression; classification trains with cross-entropy")
+                             "whose rows have no classes; use --task regression or auto", path=cfg.data.path)
+        if cfg.optim.loss != "mse":
+            raise InputError(f"--loss {cfg.optim.loss} applies to regression; classification trains with cross-entropy")
         return task
     if found != "regression":
         raise InputError("--task regression needs features with a float target: pack the table with pack-shards "
                          "--table --target COLUMN (--task regression), which records it in config.target",
-                         path=cfg.data_path)
-    for flag, used in (("--class-weighted-loss", cfg.class_weighted_loss),
-                       ("--balanced-sampler", cfg.balanced_sampler),
-                       ("--label-smoothing", cfg.label_smoothing > 0)):
+                         path=cfg.data.path)
+    for flag, used in (("--class-weighted-loss", cfg.optim.class_weighted_loss),
+                       ("--balanced-sampler", cfg.optim.balanced_sampler),
+                       ("--label-smoothing", cfg.optim.label_smoothing > 0)):
         if used:
             raise InputError(f"{flag} needs classes; a regression target has none")
     std = float(manifest.config["target"].get("std", 0.0))
     if not (math.isfinite(std) and std > 0):
         raise InputError(f"the target's train-split std is {std}: a constant target leaves nothing to learn",
-                         path=cfg.data_path)
+                         path=cfg.data.path)
     return task
 
 
@@ -130,18 +128,3 @@ class RegressionTally:
         total = (standard_squares - standard_sum ** 2 / n) * self.scale.std ** 2
         return {f"{prefix}loss": loss_sum / n, f"{prefix}mse": squared / n, f"{prefix}mae": absolute / n,
                 f"{prefix}r2": 1.0 - squared / total if total > 0 else None, f"{prefix}samples": int(samples)}
-
-
-@torch.no_grad()
-def evaluate_regression(model: nn.Module, loader: Any, device: torch.device, loss_fn: RegressionLoss, amp: bool,
-                        normalize: nn.Module | None = None) -> dict[str, Any]:
-    """``val_loss`` (the training loss, standardised units), ``val_mse``, ``val_mae``, ``val_r2``; all ranks."""
-    model.eval()
-    tally = RegressionTally(loss_fn.scale, device)
-    for batch in loader:
-        inputs, targets = to_device(batch, device, normalize)
-        with torch.autocast(device_type=device.type, dtype=torch.float16, enabled=amp):
-            outputs = logits_of(model(inputs)).float()
-        tally.update(outputs, targets, loss_fn(outputs, targets, reduction="sum"))
-    tally.all_reduce()
-    return tally.result()

@@ -13,6 +13,7 @@ run the file's code).
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import shutil
@@ -26,8 +27,11 @@ from shards.atomic import atomic_output
 from shards.door.bounded_read import load_weights_only, open_regular_file
 from shards.errors import CorruptDataError, InputError, MissingInputError
 from shards.position.resume import LoaderState
+from shards.runrecord import BEST_FILE, LAST_FILE
+from train.run.epoch import TrainState
 
 CHECKPOINT_VERSION = 1
+log = logging.getLogger("shardcache.train")
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -89,3 +93,51 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             raise InputError(f"{exc.reason} (in the checkpoint's 'loader')", path=where) from None
     return state
 
+
+
+class Checkpoints:
+    """The run's ``last.pt`` and ``best.pt``: what goes in, when it is written, and putting it back at a resume."""
+
+    def __init__(self, run: Any) -> None:
+        self.run = run  # the loop's Run: its model, optimizer, scheduler, scaler, state and loaders
+
+    def state(self, loader_state: dict[str, Any] | None) -> dict[str, Any]:
+        run = self.run
+        return {
+            "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+            "scheduler": run.scheduler.state_dict(), "scaler": run.scaler.state_dict(),
+            "loader": loader_state, "train_state": run.state.to_dict(), "rng": capture_rng_state(),
+            "config": run.cfg.to_dict(), "classes": list(run.data.classes),
+        }
+
+    def save_last(self, *, mid_epoch: bool) -> None:
+        """``last.pt``: at an epoch end the loader state is None (the next epoch starts fresh)."""
+        run = self.run
+        loader_state = None
+        if mid_epoch:
+            # The batches this loop has trained on, not the ones a prefetcher has already drawn.
+            loader_state = run.data.train_loader.state_dict(batches_consumed=run.state.batch_in_epoch)
+        if run.ctx.is_main:
+            save_checkpoint(run.plan.path(LAST_FILE), self.state(loader_state))
+
+    def save_epoch(self, improved: bool) -> None:
+        """Rank 0 at an epoch's end: ``last.pt``, and ``best.pt`` as its copy when the epoch is the best."""
+        self.save_last(mid_epoch=False)
+        if improved:
+            copy_checkpoint(self.run.plan.path(LAST_FILE), self.run.plan.path(BEST_FILE))
+
+    def restore(self, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+        """Put ``checkpoint`` back into the run; the loader state it held (None at an epoch's end)."""
+        run = self.run
+        run.model.load_state_dict(checkpoint["model"])
+        run.optimizer.load_state_dict(checkpoint["optimizer"])
+        run.scheduler.load_state_dict(checkpoint["scheduler"])
+        run.scaler.load_state_dict(checkpoint["scaler"])
+        run.state = TrainState.from_dict(checkpoint["train_state"])
+        if checkpoint["loader"] is not None:
+            # Rank 0 saved its loader position; it holds for every rank (each consumes an equal share).
+            run.data.train_loader.set_epoch(run.state.epoch)
+            run.data.train_loader.load_state_dict(checkpoint["loader"])
+        restore_rng_state(checkpoint["rng"])
+        log.info("resumed from %s at epoch %d, step %d", run.plan.resume_from, run.state.epoch + 1, run.state.step)
+        return checkpoint["loader"]

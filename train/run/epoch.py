@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from shards.jobs.progress import progress
-from shards.report.advice import WAIT_WARNING_SHARE, dominant_worker_stage
+from train.run.diagnose import WAIT_WARNING_SHARE, dominant_worker_stage
 from train.run.meter import DataWaitMeter
 from train.model.metrics import ClassificationTally
 from train.model.models import logits_of
+from train.model.regression import RegressionLoss, RegressionTally
 
 POSTFIX_EVERY_S = 0.5
 
@@ -190,3 +191,18 @@ def evaluate(model: nn.Module, loader: Any, device: torch.device, classes: Seque
         tally.update(logits, labels, F.cross_entropy(logits, labels, reduction="sum"))
     tally.all_reduce()
     return tally.result(classes)
+
+
+@torch.no_grad()
+def evaluate_regression(model: nn.Module, loader: Any, device: torch.device, loss_fn: RegressionLoss, amp: bool,
+                        normalize: nn.Module | None = None) -> dict[str, Any]:
+    """``val_loss`` (the training loss, standardised units), ``val_mse``, ``val_mae``, ``val_r2``; all ranks."""
+    model.eval()
+    tally = RegressionTally(loss_fn.scale, device)
+    for batch in loader:
+        inputs, targets = to_device(batch, device, normalize)
+        with torch.autocast(device_type=device.type, dtype=torch.float16, enabled=amp):
+            outputs = logits_of(model(inputs)).float()
+        tally.update(outputs, targets, loss_fn(outputs, targets, reduction="sum"))
+    tally.all_reduce()
+    return tally.result()

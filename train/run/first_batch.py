@@ -8,7 +8,7 @@ The numbers are wall seconds of ``time.perf_counter`` in the training process, m
   loop holds its first batch;
 - ``open_s``: the two ``open_dataset`` calls (train and val);
 - ``plan_s`` and ``first_read_s`` split the loop's wait for that batch (from ``iter(loader)`` to the batch). The
-  main process cannot see inside DataLoader workers, only their stage seconds (``shards.loader.stage_times``),
+  main process cannot see inside DataLoader workers, only their stage seconds (``shards.procs.stage_times``),
   so ``first_read_s`` is the worker seconds (read, decode, transform, collate) recorded by then divided by the
   number of workers (they start together and make their first batches side by side; an estimate, capped at the
   wait), and ``plan_s`` is the rest of the wait: starting workers, each worker's epoch order and covering reads,

@@ -2,10 +2,10 @@
 the time went, stage by stage.
 
 This is the built-in answer to "is my data pipeline the bottleneck?": the share of wall time spent inside
-``next(iterator)``, and the seconds per stage (``shards.loader.stage_times``: read, decode, transform, collate in
+``next(iterator)``, and the seconds per stage (``shards.procs.stage_times``: read, decode, transform, collate in
 the workers; wait, to_device, normalize, step in the loop, wall seconds of this process, laps of one clock).
-Whether those numbers make a bottleneck, and what to change, is ``shards.report.advice``: the same rule the run
-report applies to ``metrics.jsonl``.
+Whether those numbers make a bottleneck, and what to change, is ``train.run.diagnose``'s rule; the epoch row records
+its finding and the run report shows it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from shards.loader.stage_times import LOOP_STAGES, STAGES, stage_delta, zero_stages
+from shards.procs.stage_times import LOOP_STAGES, STAGES, stage_delta, zero_stages
 
 T = TypeVar("T")
 

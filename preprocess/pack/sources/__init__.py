@@ -1,1 +1,2 @@
-"""Packing sources: one scanner per kind of source (image trees and lists, Parquet and Arrow, WebDataset tars) behind one registry."""
+"""Packing sources: one module per kind of source (image trees and lists, Parquet and Arrow, WebDataset tars)
+behind one registry (``preprocess.pack.sources.registry``)."""

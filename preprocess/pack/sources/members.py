@@ -6,8 +6,8 @@ relative path, ``#`` and its place in it (``data/train-00000-of-00001.parquet#17
 the tar sample keyed ``cat_12``), and the ``offset`` column of ``preprocess.pack.sources.columns`` says where the
 bytes start (the row number, or the byte of the tar sample's first header). That one address serves every stage:
 the key (derived from it, or a tar's own key kept), the plan digest, the source index that ``--append`` diffs,
-and the packer, which reads a shard's members grouped by container (``preprocess.pack.sources.member_read``), opening each
-container once per shard job.
+and the packer, which reads a shard's members grouped by container, opening each container once per shard job
+(``preprocess.pack.sources.registry.fetch_members``).
 
 ``MemberSpec`` is what the packer needs beyond the address to read a member (which column holds the image, which
 columns become metadata); it is recorded in the plan, so it is part of the dataset's identity. It also carries the

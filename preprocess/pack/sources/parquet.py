@@ -1,23 +1,24 @@
 """Parquet files and ``datasets.save_to_disk`` folders as a packing source: rows scanned into members, image
 cells read back by the packer.
 
-How the kind is recognised (``table_source_kind``): a ``.parquet`` file; a folder with ``dataset_dict.json`` (a
-``DatasetDict``: one subfolder per split) or ``state.json`` (one ``Dataset``) is what ``save_to_disk`` writes, its
-``data-*.arrow`` files Arrow IPC streams; a folder with ``.parquet`` files at its top or in ``data/`` (the Hub
-layout, ``data/<split>-NNNNN-of-NNNNN.parquet``) is a Parquet folder (every ``.parquet`` file under it, sorted).
+Two kinds, one container format each, recognised from the files alone: a folder with ``dataset_dict.json`` (a
+``DatasetDict``: one subfolder per split) or ``state.json`` (one ``Dataset``) is what ``save_to_disk`` writes
+(``is_save_to_disk``), its ``data-*.arrow`` files Arrow IPC streams; a ``.parquet`` file, or a folder with
+``.parquet`` files at its top or in ``data/`` (the Hub layout, ``data/<split>-NNNNN-of-NNNNN.parquet``), is Parquet
+(``is_parquet``: every ``.parquet`` file under the folder, sorted). The registry tries the first before the second.
 
-Each row is a member ``<file>#<row>`` (``preprocess.pack.sources.members``), so its key is derived from the file's relative
-name and the row number and stays the same on every rerun. The scan reads only the image, label and split columns,
-a row group at a time, to learn each image's size and refuse bad rows before anything is written; the packer reads
-the image cells back with the metadata columns. Labels are class names: the ``ClassLabel`` names in the file's
-Hugging Face metadata when present (integer labels index them, string labels must be one of them, and a name
+Each row is a member ``<file>#<row>`` (``preprocess.pack.sources.members``), so its key is derived from the file's
+relative name and the row number and stays the same on every rerun. The scan reads only the image, label and split
+columns, a row group at a time, to learn each image's size and refuse bad rows before anything is written; the
+packer reads the image cells back with the metadata columns. Labels are class names: the ``ClassLabel`` names in the
+file's Hugging Face metadata when present (integer labels index them, string labels must be one of them, and a name
 listed twice is an error, not a merge), otherwise the distinct values; either way sorted, as every manifest's
 classes are, with labels mapped by name.
 
 Every file here is untrusted (docs/trust-model.md, "One door"): the JSON files of a ``save_to_disk`` folder and the
-``huggingface`` schema metadata are parsed with a depth bound and checked field by field (``shards.door.shape``), and the
-table files are read through ``TableFile`` (``preprocess.pack.sources.arrow_files``), which bounds each row group by
-``--max-bytes`` and validates it; what is computed on its cells runs inside ``arrow_guard``.
+``huggingface`` schema metadata are parsed with a depth bound and checked field by field (``shards.door.shape``),
+and the table files are read through ``TableFile`` (``preprocess.pack.sources.arrow_files``), which bounds each row
+group by ``--max-bytes`` and validates it; what is computed on its cells runs inside ``arrow_guard``.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from preprocess.pack.sources.arrow_files import (TableFile, arrow_guard, cell_sizes, check_label_type, check_split_type,
-                                         column_error, image_cell_kind, image_cells, is_scalar, json_scalar,
-                                         missing_image_reason, pyarrow)
+                                                 column_error, image_cell_kind, image_cells, is_scalar,
+                                                 json_scalar, missing_image_reason, pyarrow)
 from preprocess.pack.sources.csv_records import SPLIT_NAME
+from preprocess.pack.sources.kind import KindScan, ScanRequest, member_scan
 from preprocess.pack.sources.members import DEFAULT_MAX_BYTES, RESERVED_META, MemberBytes, MemberSpec, member_path
 from preprocess.pack.sources.columns import SamplesBuilder, SourceSample
 from shards.door.bounded_read import JSONError, parse_json, read_json_file
@@ -47,25 +49,42 @@ NO_LABEL = "no label"
 HF_METADATA = "schema metadata 'huggingface'"
 
 
-def table_source_kind(path: Path) -> str | None:
-    """``parquet``, ``hf-arrow`` or None (not a table source) from the files alone (see the module docstring)."""
+def is_save_to_disk(source: str) -> bool:
+    path = Path(source)
+    return path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file())
+
+
+def is_parquet(source: str) -> bool:
+    path = Path(source)
     if not path.is_dir():  # a file, or something else named like one (refused when opened)
-        return "parquet" if path.suffix.lower() == ".parquet" else None
-    if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
-        return "hf-arrow"
-    if any(p.suffix.lower() == ".parquet" for p in path.iterdir()) or (
-            (path / "data").is_dir() and any((path / "data").rglob("*.parquet"))):
-        return "parquet"
-    return None
+        return path.suffix.lower() == ".parquet" and path.exists()
+    return any(p.suffix.lower() == ".parquet" for p in path.iterdir()) or (
+        (path / "data").is_dir() and any((path / "data").rglob("*.parquet")))
+
+
+def scan_parquet(source: str, request: ScanRequest) -> KindScan:
+    return _scan(source, "parquet", request)
+
+
+def scan_save_to_disk(source: str, request: ScanRequest) -> KindScan:
+    return _scan(source, "arrow", request)
+
+
+def _scan(source: str, container: str, request: ScanRequest) -> KindScan:
+    root = Path(source).absolute()
+    fields = request.fields
+    return member_scan(str(root), scan_table_source(root, container, fields.image_column, fields.label_column,
+                                                    max_bytes=request.max_bytes))
 
 
 def _split_name(raw: str) -> str:
     return SPLIT_ALIASES.get(raw, raw)
 
 
-def _table_files(root: Path, kind: str) -> list[tuple[str, str, str | None]]:
-    """``(absolute path, path relative to the source's base, split from the layout or None)`` of every file."""
-    if kind == "parquet":
+def _table_files(root: Path, container: str) -> list[tuple[str, str, str | None]]:
+    """``(absolute path, path relative to the source's base, split from the layout or None)`` of every file: the
+    ``.parquet`` files of a file or folder, or the ``data-*.arrow`` files of a ``save_to_disk`` folder."""
+    if container == "parquet":
         if not root.is_dir():
             return [(str(root), root.name, _hub_split(root.name))]
         found = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.parquet")
@@ -213,16 +232,15 @@ def _meta_columns(schemas: Sequence[Any], pa: Any, skip: set[str]) -> tuple[str,
     return kept
 
 
-def scan_table_source(root: Path, kind: str, image_column: str, label_column: str, *,
+def scan_table_source(root: Path, container: str, image_column: str, label_column: str, *,
                       max_bytes: int = DEFAULT_MAX_BYTES):
-    """Every row of every file as a member: ``(classes, samples, skipped, MemberSpec)`` for ``SourceScan``,
-    ``skipped`` as ``(relative path, reason)`` pairs. ``max_bytes`` (``--max-bytes``) bounds what one row group may
-    decode, here and when the packer reads the rows back."""
+    """Every row of every file (``container``: ``parquet`` or ``arrow``, a ``save_to_disk`` folder's) as a member:
+    ``(classes, samples, skipped, MemberSpec)``, ``skipped`` as ``(relative path, reason)`` pairs. ``max_bytes``
+    (``--max-bytes``) bounds what one row group may decode, here and when the packer reads the rows back."""
     pa = pyarrow()
-    files = _table_files(root, kind)
+    files = _table_files(root, container)
     if not files:
         raise InputError("holds no .parquet files", path=str(root))
-    container = "parquet" if kind == "parquet" else "arrow"
     schemas = []
     for path, _, _ in files:
         with TableFile(path, container, max_bytes) as table:
@@ -234,7 +252,7 @@ def scan_table_source(root: Path, kind: str, image_column: str, label_column: st
         with arrow_guard(path, "unreadable schema"):
             kind_of_image = image_cell_kind(pa, schema, image_column, path)
             check_label_type(pa, schema, label_column, path)
-            info = Path(path).parent / "dataset_info.json" if kind == "hf-arrow" else None
+            info = Path(path).parent / "dataset_info.json" if container == "arrow" else None
             labels.use_names(class_label_names(schema, label_column, path, info), path, label_column)
             has_split = SPLIT_COLUMN in schema.names and SPLIT_COLUMN not in (image_column, label_column)
             if has_split:

@@ -32,8 +32,10 @@ import re
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from preprocess.pack.sources.members import DEFAULT_MAX_BYTES, MemberBytes, MemberSpec, SourceFields, member_key, member_path
+from preprocess.pack.sources.members import (DEFAULT_MAX_BYTES, MemberBytes, MemberSpec, SourceFields, member_key,
+                                             member_path)
 from preprocess.pack.sources.columns import SamplesBuilder, SourceSample
+from preprocess.pack.sources.kind import KindScan, ScanRequest, member_scan
 from shards.door.bounded_read import open_regular_file, parse_json
 from shards.errors import CorruptDataError, InputError, MissingInputError
 from shards.formats.sample import IMAGE_EXTENSIONS
@@ -57,6 +59,11 @@ OWN_EXTENSIONS = frozenset({"cls", "json", *IMAGE_EXTENSIONS})
 def is_tar_pattern(source: str) -> bool:
     """A ``.tar`` path, or a brace pattern of them."""
     return source.lower().endswith(".tar") or bool(_BRACE.search(source))
+
+
+def scan_tars(source: str, request: ScanRequest) -> KindScan:
+    pattern = os.path.join(os.getcwd(), source)  # not normalised: ``..`` after a brace must stay
+    return member_scan(pattern, scan_tar_source(pattern, request.fields, max_bytes=request.max_bytes))
 
 
 def expand_braces(pattern: str) -> list[str]:

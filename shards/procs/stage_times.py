@@ -19,8 +19,8 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from torch.utils.data import get_worker_info
 
-from shards.position.resume import MAX_WORKERS
-from shards.procs import SharedValues
+from shards.procs.values import MAX_WORKERS
+from shards.procs.values import SharedValues
 
 T = TypeVar("T")
 

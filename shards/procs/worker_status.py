@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from shards.position.resume import MAX_WORKERS
-from shards.procs import SharedValues
+from shards.procs.values import MAX_WORKERS
+from shards.procs.values import SharedValues
 
 KEY_BYTES = 240  # a key longer than this is published cut short (the row names the sample exactly)
 _ROW, _SINCE, _KEY_LENGTH = range(3)

@@ -18,8 +18,7 @@ import numpy as np
 import torch
 
 from shards.errors import InputError
-from train.run import run_dir as rd
-from train.run.checkpoint import copy_checkpoint
+from shards.runrecord import METRICS_FILE, EpochRow, write_rows
 from train.config import TrainConfig
 from train.run.epoch import evaluate
 from train.model.metrics import CONFUSION_IN_METRICS_MAX_CLASSES
@@ -33,26 +32,26 @@ log = logging.getLogger("shardcache.train")
 
 def prepare_features(cfg: TrainConfig, data: Any) -> FeatureScale | None:
     """Check what ``--head logreg`` and ``--standardize`` need; the train split's scale when standardising."""
-    if cfg.head != "logreg" and not cfg.standardize:
+    if cfg.model.head != "logreg" and not cfg.model.standardize:
         return None
-    asked = "--head logreg" if cfg.head == "logreg" else "--standardize"
+    asked = "--head logreg" if cfg.model.head == "logreg" else "--standardize"
     if data.kind != "features":
         raise InputError(f"{asked} applies to cached features (features.json); image shards train a torchvision "
-                         "model", path=cfg.data_path)
+                         "model", path=cfg.data.path)
     dataset = data.train_loader.dataset
-    if cfg.head == "logreg":
+    if cfg.model.head == "logreg":
         if manifest_task(data.manifest) == "regression":
             raise InputError("--head logreg is a classifier; a regression target trains with --head linear or mlp",
-                             path=cfg.data_path)
+                             path=cfg.data.path)
         from shards.cache.memory_budget import default_memory_limit
 
         rows = len(train_rows(dataset))
         if rows == 0:
-            raise InputError("--head logreg: the train split selects no rows to fit", path=cfg.data_path)
+            raise InputError("--head logreg: the train split selects no rows to fit", path=cfg.data.path)
         stored = torch.empty(0, dtype=getattr(torch, data.manifest.dtype, torch.float32)).element_size()
-        budget = cfg.memory_limit if cfg.memory_limit is not None else default_memory_limit()
-        check_probe_memory(rows, data.features_dim, len(data.classes), stored, budget, cfg.data_path)
-    if not cfg.standardize:
+        budget = cfg.cache.memory_limit if cfg.cache.memory_limit is not None else default_memory_limit()
+        check_probe_memory(rows, data.features_dim, len(data.classes), stored, budget, cfg.data.path)
+    if not cfg.model.standardize:
         return None
     scale = feature_scale(dataset)
     log.info(describe(scale))
@@ -77,11 +76,11 @@ def load_rows(dataset: Any, rows: np.ndarray, order: np.ndarray, scale: FeatureS
 def split_order(dataset: Any, rows: np.ndarray, cfg: TrainConfig) -> tuple[int, int, np.ndarray]:
     """``(fit rows, held-out rows, order)``: where each of ``rows`` goes so the part ``C`` is fitted on comes first
     and the held-out part last (both then views of one table). No held-out part with a given ``--logreg-c``."""
-    if cfg.logreg_c is not None:
+    if cfg.model.logreg_c is not None:
         return len(rows), 0, np.arange(len(rows))
     # The held-out part is stratified: the labels are read first (the features stay unread).
     labels = np.concatenate([values.numpy() for _, _, values in row_blocks(dataset, rows, features=False)])
-    fit_part, held = heldout_split(labels, HELDOUT_SHARE, cfg.seed)
+    fit_part, held = heldout_split(labels, HELDOUT_SHARE, cfg.optim.seed)
     order = np.empty(len(rows), dtype=np.int64)
     order[np.concatenate([fit_part, held]).astype(np.int64)] = np.arange(len(rows))
     return len(fit_part), len(held), order
@@ -99,9 +98,9 @@ def fit_probe(run: Any) -> dict[str, Any]:
     fit_rows, held_rows, order = split_order(dataset, rows, cfg)
     features, labels = load_rows(dataset, rows, order, run.scale, ctx.device)
     if not bool(torch.isfinite(features).all()):  # standardising refuses these earlier; --no-standardize here
-        raise InputError("--head logreg: the train features hold a value that is not finite", path=cfg.data_path)
+        raise InputError("--head logreg: the train features hold a value that is not finite", path=cfg.data.path)
     loaded = time.perf_counter()
-    c, start, table = cfg.logreg_c, None, []
+    c, start, table = cfg.model.logreg_c, None, []
     if c is None and held_rows == 0:
         c = 1.0
         log.warning("--head logreg: too few train rows to hold a part out; C = 1.0 (scikit-learn's default)")
@@ -113,20 +112,20 @@ def fit_probe(run: Any) -> dict[str, Any]:
     fitted = time.perf_counter()
     set_weights(run.model, fit)
     val = evaluate(run.model, run.batches(data.val_loader), ctx.device, data.classes, False)
-    probe = {"C": c, "chosen": "given" if cfg.logreg_c is not None else ("heldout" if table else "default"),
+    probe = {"C": c, "chosen": "given" if cfg.model.logreg_c is not None else ("heldout" if table else "default"),
              "heldout_share": HELDOUT_SHARE if table else 0.0, "heldout_samples": held_rows if table else 0,
              "grid": table, "train_samples": int(len(rows)), "iterations": fit.iterations,
-             "converged": fit.converged, "objective": fit.objective, "standardize": cfg.standardize,
+             "converged": fit.converged, "objective": fit.objective, "standardize": cfg.model.standardize,
              "load_s": loaded - started, "fit_s": fitted - loaded}
-    row = probe_row(probe, val, train_loss, train_top1, len(data.classes), time.perf_counter() - started)
+    row = EpochRow(**probe_row(probe, val, train_loss, train_top1, len(data.classes),
+                               time.perf_counter() - started)).to_json()
     state.history.append(row)
-    run.track_best(row)
+    run.task.improved(state, row)
     state.epoch, state.step = 1, fit.iterations
     log_probe(row)
     if ctx.is_main:
-        rd.write_metrics(run.plan.path(rd.METRICS_FILE), state.history)
-        run.save_last(mid_epoch=False)
-        copy_checkpoint(run.plan.path(rd.LAST_FILE), run.plan.path(rd.BEST_FILE))
+        write_rows(run.plan.path(METRICS_FILE), run.history_rows())
+        run.checkpoints.save_epoch(improved=True)  # the one fit is the best
     run.finish()
     ctx.barrier()
     return run.summary(row, stopped=False)

@@ -13,6 +13,8 @@ import multiprocessing
 from multiprocessing import context as mp_context
 from multiprocessing.context import BaseContext
 
+MAX_WORKERS = 256  # DataLoader workers per loader that shared blocks (and saved states) have room for
+
 
 class SharedValues:
     """Owner of ``self._array``: ``length`` numbers of ``typecode`` in shared memory, with a lock unless ``lock`` is

@@ -1,0 +1,204 @@
+"""Run mode ``WorkerProcesses``: a DataLoader over the dataset's per-sample stream, in worker processes, with exact
+mid-epoch resume.
+
+A DataLoader over an ``IterableDataset`` asks its workers for batches in a fixed round robin (skipping exhausted
+ones) and returns them in that order, and every worker's sample count is known from the epoch plan. So the main
+process, counting only the batches it handed out, knows exactly how far each worker got; the cursor records that
+count and a resumed run tells each worker how many samples to skip and which worker goes first (the layout and the
+arithmetic live in ``shards.position.resume``). A state saved with another world size, worker count or batch size
+continues over the samples its epoch had left (``shards.position.elastic``).
+
+The epoch plan splits each rank's share between workers in whole batches (``WorkerFeed`` hands the batch size to the
+workers), so a rank has at most one partial batch and ``drop_last`` loses fewer than ``batch_size`` samples.
+
+What the workers need from the loader reaches them in ``WorkerFeed``, never written into the dataset: the resume of
+the current iteration, the cursor's quarantine and the loader's stage-seconds block (shared memory, so persistent
+workers see them change), and the watchdog's status slots. The collate function is wrapped to add its seconds.
+A loader with a ``StallPolicy`` runs its batches through the watchdog (``shards.loader.watchdog``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data._utils.collate import default_collate
+
+from shards.errors import InputError
+from shards.lock import pid_alive
+from shards.loader.base import Loader, Run, RunMode
+from shards.procs.stage_times import SharedStageTimes, TimedCollate
+from shards.procs.worker_status import WorkerStatus
+from shards.position.elastic import Continuation
+from shards.procs.values import MAX_WORKERS
+from shards.position.resume import STREAM, SharedQuarantine, SharedResume
+
+
+@dataclass(frozen=True)
+class WorkerProcesses(RunMode):
+    """Run mode: ``workers`` DataLoader worker processes decode samples beside the training loop (images, or
+    features through a DataLoader). ``prefetch_factor``: batches each worker prepares ahead; ``persistent``: keep
+    the workers from epoch to epoch. The one mode a ``StallPolicy`` can heal: its workers can be restarted."""
+
+    workers: int
+    prefetch_factor: int = 4
+    persistent: bool = True
+
+    restarts_workers = True
+
+    def __post_init__(self) -> None:
+        if type(self.workers) is not int or not 1 <= self.workers <= MAX_WORKERS:
+            raise InputError(f"WorkerProcesses workers must be an integer in 1..{MAX_WORKERS}, got {self.workers!r} "
+                             "(no worker processes: InProcess())")
+        if type(self.prefetch_factor) is not int or self.prefetch_factor < 1:
+            raise InputError(f"WorkerProcesses prefetch_factor must be an integer >= 1, got {self.prefetch_factor!r}")
+
+    def layout(self, dataset: Any, batch_size: int) -> tuple[str, int]:
+        return STREAM, batch_size
+
+    def start(self, loader: Loader) -> Run:
+        return DataLoaderRun(loader, self.workers, prefetch_factor=self.prefetch_factor, persistent=self.persistent)
+
+
+class OrphanGuard:
+    """A DataLoader ``worker_init_fn`` that ends a worker soon after the process that made the loader is gone.
+
+    torch's own watchdog compares the worker's parent with the parent it saw when the worker loop started, so a
+    worker still starting up when its parent is killed (seen with ``kill -9`` right after the first batch: one
+    worker of two had not reached its loop) takes its new parent, pid 1, for the old one and waits forever, holding
+    whatever it mapped (the decoded-image cache's memory). This guard compares against the pid recorded before the
+    fork (whether it is still alive, not whether it is the parent: under forkserver it never is), from a daemon
+    thread, once a second; ``worker_init_fn`` given by the caller still runs.
+    """
+
+    INTERVAL_S = 1.0
+
+    def __init__(self, then: Callable[[int], Any] | None = None):
+        self.owner = os.getpid()
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        threading.Thread(target=self._watch, name="shardcache-orphan-guard", daemon=True).start()
+        if self.then is not None:
+            self.then(worker_id)
+
+    def _watch(self) -> None:
+        while pid_alive(self.owner):  # not getppid(): a forkserver or spawn helper may be the worker's parent
+            time.sleep(self.INTERVAL_S)
+        os._exit(1)  # the loader's process is gone: nobody will read what this worker makes
+
+
+class WorkerFeed(IterableDataset):
+    """What the DataLoader's workers iterate: the dataset, with what the loader hands its workers (see the module
+    docstring), so the loader never writes its settings or state into the dataset it wraps."""
+
+    def __init__(self, dataset: Any, split_batch: int, stage_times: SharedStageTimes | None,
+                 quarantine: SharedQuarantine, status: WorkerStatus | None = None):
+        super().__init__()
+        self.dataset = dataset
+        self.split_batch = split_batch
+        self.stage_times = stage_times
+        self.quarantine = quarantine  # the cursor's: rows a restart or a loaded state kept out reach workers here
+        self.status = status  # where workers publish the sample they decode (a watched loader's)
+        self.resume = SharedResume()  # skips and rotation: reach persistent workers too
+        self.left = None  # an epoch continued in another layout: its rows left (a new DataLoader carries them)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        physical, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        epoch = self.dataset.epoch
+        resume = self.resume.read(epoch, num_workers)
+        worker = (physical + (resume.rotation if resume else 0)) % num_workers
+        watch = self.status.slot(physical) if self.status is not None and info is not None else None
+        stream = self.dataset.worker_stream(
+            epoch, worker, num_workers, split_batch=self.split_batch, skip=resume.skips[worker] if resume else 0,
+            left=self.left if resume is not None and resume.remainder else None, stage_times=self.stage_times,
+            quarantine=self.quarantine.rows(), watch=watch)
+        if watch is None:
+            yield from stream
+            return
+        for output in stream:
+            watch.idle()  # decoded: a stall from here on is not this sample's
+            yield output
+
+
+class DataLoaderRun(Run):
+    """A DataLoader over the loader's ``WorkerFeed`` with ``workers`` processes (0: in the main process, the
+    ``InProcess`` mode of an image dataset)."""
+
+    def __init__(self, loader: Loader, workers: int, *, prefetch_factor: int | None = None,
+                 persistent: bool = False):
+        self.loader = loader
+        self.cursor = loader.cursor
+        watchdog = loader.watchdog
+        times = loader.stage_times
+        self.feed = WorkerFeed(loader.dataset, loader.batch_size, times, loader.cursor.shared_quarantine,
+                               status=watchdog.status if watchdog is not None else None)
+        collate_fn = loader.collate_fn if loader.collate_fn is not None else default_collate
+        if times is not None:
+            collate_fn = TimedCollate(collate_fn, times)
+        options = dict(loader.dataloader_options)
+        if workers > 0:
+            init = options.get("worker_init_fn")
+            if watchdog is not None:
+                init = watchdog.worker_init(init)
+            options["worker_init_fn"] = OrphanGuard(init)
+        self._dataloader_options = dict(
+            batch_size=loader.batch_size, num_workers=workers, drop_last=loader.drop_last, collate_fn=collate_fn,
+            pin_memory=loader.pin_memory, persistent_workers=persistent and workers > 0,
+            prefetch_factor=prefetch_factor if workers > 0 else None, **options)
+        self.dataloader = self._new_dataloader()
+        self._iterators: weakref.WeakSet = weakref.WeakSet()  # this run's DataLoader iterators still alive
+
+    def _new_dataloader(self) -> DataLoader:
+        return DataLoader(self.feed, **self._dataloader_options)
+
+    def batches(self) -> Iterator[Any]:
+        watchdog = self.loader.watchdog
+        if watchdog is not None:
+            yield from watchdog.batches(self)
+            return
+        for batch in self.start_iteration():
+            self.cursor.handed += 1
+            yield batch
+
+    def start_iteration(self) -> Iterator[Any]:
+        """The DataLoader's iterator over the current epoch, from the cursor's position."""
+        continued = self.cursor.begin()
+        self.feed.left = continued.left if continued is not None else None
+        self.feed.resume.write(self.cursor.resume(continued))  # before the workers start their epoch
+        iterator = iter(self.dataloader)
+        self._iterators.add(iterator)
+        return iterator
+
+    def restart(self) -> None:
+        """Continue the current epoch on fresh workers (the old ones are gone) at the batches handed out, with
+        the quarantine as it now is: the loader's own state, saved and loaded."""
+        state = self.loader.state_dict()
+        self.dataloader = self._new_dataloader()
+        self.loader.load_state_dict(state)
+
+    def loaded(self, continued: Continuation) -> None:
+        if self.dataloader.persistent_workers and continued.left is not None:
+            self.dataloader = self._new_dataloader()  # running workers hold a feed without the rows left
+
+    def close(self) -> None:
+        """Shut the worker processes down now. A loader that is part of a reference cycle (a trainer's run holds
+        the loader, the loader's watchdog a callback into the run) is otherwise freed by the cyclic collector,
+        which may finalise torch's index queues before the iterator that still has to send its workers their
+        stop signal: each worker then waits out torch's 5 s join before it is killed (an H200 node's 2 x 16
+        workers kept ``train-from-shards`` alive 160 s after its last epoch)."""
+        for iterator in list(self._iterators):
+            shutdown = getattr(iterator, "_shutdown_workers", None)  # a multi-process iterator's
+            if shutdown is not None:
+                shutdown()
+        self._iterators.clear()
+        self.dataloader._iterator = None  # a persistent iterator: the next epoch starts fresh workers
