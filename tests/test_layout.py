@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 from collections import defaultdict
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -55,8 +56,10 @@ def _existing(module: str) -> bool:
     return path.is_dir() or path.with_suffix(".py").exists()
 
 
+@lru_cache(maxsize=1)
 def folder_graph() -> dict[str, dict[str, set[str]]]:
-    """``{from node: {to node: {source files}}}`` over every module of the three packages."""
+    """``{from node: {to node: {source files}}}`` over every module of the three packages (built once per
+    session: callers must not change it)."""
     graph: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):

@@ -102,7 +102,9 @@ class Loader:
         return self.mode.workers
 
     def __iter__(self) -> Iterator[Any]:
-        return self.run.batches()
+        # A generator of the loader's own, so an iteration keeps its loader alive (``next(iter(make_loader(...)))``);
+        # the run refers back to its loader only weakly.
+        yield from self.run.batches()
 
     def __len__(self) -> int:
         """Batches of this epoch, counting those handed out before a resume in another layout."""

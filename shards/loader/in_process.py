@@ -15,6 +15,7 @@ Over image shards the per-sample stream is decoded in the main process by a Data
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -66,7 +67,10 @@ class FeatureBatches(Run):
     """
 
     def __init__(self, loader: Loader):
-        self.loader = loader
+        # A proxy, not the loader: the loader holds its run, and a cycle between them would leave a dropped
+        # loader to the cyclic collector, which may finalise torch's queues before the workers hear to stop
+        # (each then waits out torch's 5 s join); without the cycle, dropping the loader frees it at once.
+        self.loader = weakref.proxy(loader)
         self.dataset = loader.dataset
         self.store = loader.dataset.feature_store()
 

@@ -136,7 +136,10 @@ class DataLoaderRun(Run):
 
     def __init__(self, loader: Loader, workers: int, *, prefetch_factor: int | None = None,
                  persistent: bool = False):
-        self.loader = loader
+        # A proxy, not the loader: the loader holds its run, and a cycle between them would leave a dropped
+        # loader to the cyclic collector, which may finalise torch's queues before the workers hear to stop
+        # (each then waits out torch's 5 s join); without the cycle, dropping the loader frees it at once.
+        self.loader = weakref.proxy(loader)
         self.cursor = loader.cursor
         watchdog = loader.watchdog
         times = loader.stage_times

@@ -8,7 +8,6 @@ import pytorch_lightning as pl
 import torch
 
 import shards
-from shards.loader.loader import workers_mode
 
 
 # -- the example of docs/integrations.md, as written there -----------------------------------------------------------
@@ -23,7 +22,9 @@ class ShardDataModule(pl.LightningDataModule):
     def train_dataloader(self):
         # Made here, once Lightning has started the process group: open_dataset reads rank and world size from it.
         dataset = shards.open_dataset(self.folder, "train", **self.dataset_options)
-        return shards.make_loader(dataset, self.batch_size, mode=workers_mode(self.num_workers))
+        mode = None if self.num_workers is None else (
+            shards.WorkerProcesses(self.num_workers) if self.num_workers else shards.InProcess())
+        return shards.make_loader(dataset, self.batch_size, mode=mode)  # None: the dataset kind's default
 # ---------------------------------------------------------------------------------------------------------------------
 
 

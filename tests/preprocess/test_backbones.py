@@ -27,6 +27,7 @@ PENULTIMATE = [
 
 
 @pytest.mark.parametrize("name,dim", PENULTIMATE)
+@pytest.mark.slow
 def test_penultimate_width_per_family(name, dim):
     backbone = build_backbone(name, "none")
     assert backbone.features_dim == dim

@@ -78,6 +78,7 @@ def test_a_save_to_disk_folder_holding_parquet_files_is_save_to_disk(tmp_path):
     assert recognise(str(source)).name == "hf-arrow"
 
 
+@pytest.mark.slow
 def test_kinds_are_named_only_in_the_registry():
     """A kind's name as a string constant anywhere else is a branch on kinds the registry does not see. (A
     container format may share a kind's name, ``parquet``: it names a file format, not a source kind.)"""

@@ -309,6 +309,7 @@ def test_string_target_classes_are_sorted_names(tmp_path: Path):
     assert all(summary["classes"][label] == names[key] for label, key in zip(labels, keys))
 
 
+@pytest.mark.slow
 def test_regression_targets_and_statistics_are_recorded(tmp_path: Path):
     from sklearn.datasets import load_diabetes
 

@@ -94,6 +94,7 @@ def test_a_run_on_one_whole_folder_has_no_mixture_part(tmp_path: Path):
     assert "Data mixture" not in parse(build_report([run], grid=False)).text
 
 
+@pytest.mark.slow
 def test_a_mixed_run_links_every_source_and_labels_with_the_union_classes(tmp_path: Path):
     from click.testing import CliRunner
 

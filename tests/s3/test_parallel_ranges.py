@@ -270,6 +270,7 @@ def http_files():
 
 
 @pytest.mark.parametrize("ranges", [True, False])
+@pytest.mark.slow
 def test_http_whole_objects_in_parts_where_the_server_answers_ranges(small_parts, http_files, ranges):
     data = payload()
     base, handler = http_files({"/blob.tar": data}, ranges)
@@ -281,6 +282,7 @@ def test_http_whole_objects_in_parts_where_the_server_answers_ranges(small_parts
 
 
 @pytest.mark.parametrize("ranges", [True, False])
+@pytest.mark.slow
 def test_http_tar_slices_by_index_where_the_server_answers_ranges(tmp_path, http_files, ranges):
     local = packed(tmp_path / "data")
     files = {f"/data/{p.relative_to(local).as_posix()}": p.read_bytes() for p in local.rglob("*") if p.is_file()}

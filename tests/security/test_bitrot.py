@@ -149,6 +149,7 @@ def reach(read_path: str, folder: Path, tmp_path: Path):
 @pytest.mark.parametrize("read_path", ["indexed", "no-index", "node-cache", "http"])
 @pytest.mark.parametrize("member", ["s00000.jpg", "s00020.jpg", "s00020.cls", "s00039.json"],
                          ids=["first-header", "middle-sample", "middle-member", "last-member"])
+@pytest.mark.slow
 def test_a_flipped_checksum_byte_costs_exactly_its_sample(tmp_path, read_path, member, caplog):
     folder = tmp_path / "data"
     keys = write_dataset(folder)

@@ -51,6 +51,7 @@ def edit_column(folder: Path, field: str, edit) -> str:
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.slow
 def test_a_special_file_in_place_of_a_column_is_one_error_naming_it(tmp_path, kind):
     folder = pack_images(tmp_path)
     name = column_spec(folder, "label")["path"]

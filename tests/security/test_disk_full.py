@@ -240,6 +240,7 @@ def no_partial_shards(out: Path) -> None:
 
 @pytest.mark.parametrize("size,workers,storage", [(24 << 10, 1, "tar"), (160 << 10, 1, "tar"), (160 << 10, 2, "tar"),
                                                   (24 << 10, 1, "hdf5"), (160 << 10, 1, "hdf5")], ids=str)
+@pytest.mark.slow
 def test_pack_shards_on_a_full_disk_stops_in_one_line_and_a_rerun_finishes(small_disk, source: Path,
                                                                           tmp_path: Path, size: int, workers: int,
                                                                           storage: str):
@@ -277,6 +278,7 @@ FEATURES = ["--backbone", "resnet18", "--weights", "none", "--resize", "40", "--
 
 
 @pytest.mark.parametrize("storage", ["pt", "hdf5"])
+@pytest.mark.slow
 def test_precompute_features_on_a_full_disk_stops_in_one_line_and_a_rerun_finishes(small_disk, dataset: Path,
                                                                                   tmp_path: Path, storage: str):
     clean = tmp_path / "clean"
@@ -303,6 +305,7 @@ def test_precompute_features_on_a_full_disk_stops_in_one_line_and_a_rerun_finish
 TRAIN = ["--epochs", "2", "--batch-size", "4", "--device", "cpu", "--quiet", "--workers", "0", "--no-report"]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_on_a_full_disk_stops_training_in_one_line_and_a_resume_finishes(small_disk, tmp_path: Path):
     data = write_feature_folder(tmp_path / "cache", shard_sizes={"train": [8, 8], "val": [4]}, classes=("a", "b"),
                                 dim=4)

@@ -372,6 +372,7 @@ def test_keys_file_that_is_not_utf8_is_one_line(features: Path, tmp_path: Path):
 
 
 @pytest.mark.parametrize("name", ["list.csv", "list.jsonl"])
+@pytest.mark.slow
 def test_an_image_list_that_is_a_fifo_fails_without_hanging(tmp_path: Path, name: str):
     listing = tmp_path / name
     os.mkfifo(listing)
@@ -380,6 +381,7 @@ def test_an_image_list_that_is_a_fifo_fails_without_hanging(tmp_path: Path, name
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_manifest_that_is_a_fifo_fails_without_hanging(dataset: Path):
     manifest = dataset / "dataset.json"
     manifest.unlink()

@@ -30,6 +30,7 @@ def write_keys(path: Path, count: int = KEYS) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_key_list_costs_memory_in_proportion_to_its_keys(tmp_path: Path):
     path = write_keys(tmp_path / "keys.txt")
     size = path.stat().st_size

@@ -216,6 +216,7 @@ def test_a_shard_redirected_to_a_listed_origin_is_followed(servers, mirror, tmp_
 
 @pytest.mark.parametrize("how", ["direct", "cache", "worker"])
 @pytest.mark.parametrize("through_mirror", [False, True])
+@pytest.mark.slow
 def test_listing_an_origin_lets_no_other_host_in(servers, mirror, tmp_path: Path, how: str, through_mirror: bool):
     origin, foreign, _ = servers
     if through_mirror:  # the listed host passes the reader on: its answer is held to the same rule

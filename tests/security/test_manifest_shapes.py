@@ -299,6 +299,7 @@ def run(trained: Path, tmp_path: Path) -> Path:
     (("data", "subset"), []), (("data", "subset"), {"max_samples": True}), (("data", "subset"), {"classes": "a"}),
     (("cache", "storage_options"), "s3"), (("loader",), [2]), (("loader", "workerz"), 2), (("optimizer",), {})],
     ids=str)
+@pytest.mark.slow
 def test_a_resumed_run_config_has_the_types_train_from_shards_wrote(trained: Path, run: Path, at: tuple,
                                                                      value: Any):
     tamper(run / "config.json", at, value)
@@ -523,6 +524,7 @@ def computed(dataset: Path, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("at,value", [(("shard", "samples"), "3"), (("shard", "path"), "../x.pt"),
                                       (("shard", "path"), "val-000000.pt"), (("shard",), []), (("shard",), None)],
                          ids=str)
+@pytest.mark.slow
 def test_a_shard_record_of_another_shape_is_computed_again(dataset: Path, computed: Path, at: tuple, value: Any):
     from preprocess.features.cli import precompute_features_command
 
@@ -539,6 +541,7 @@ def test_a_shard_record_of_another_shape_is_computed_again(dataset: Path, comput
                                       (("dataset_dir",), "pipe:rm -rf x"), (("splits",), "train"),
                                       (("config",), []), (("config", "storage"), "zip"), (("config", "views"), True),
                                       (("config_hash",), 7)], ids=str)
+@pytest.mark.slow
 def test_merge_refuses_a_run_record_of_another_shape(computed: Path, at: tuple, value: Any):
     from preprocess.features.cli import precompute_features_command
 

@@ -120,6 +120,7 @@ def assert_cut_off(error: BaseException | None, url: str, words: str) -> None:
 
 # -- http(s) ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["body", "ranged"])
+@pytest.mark.slow
 def test_a_dribbled_http_body_is_cut_off_by_the_minimum_rate(mode):
     with dribbler(mode) as server:
         url = server.url + "/dataset.json"
@@ -129,6 +130,7 @@ def test_a_dribbled_http_body_is_cut_off_by_the_minimum_rate(mode):
     assert took < 4
 
 
+@pytest.mark.slow
 def test_a_dribbled_http_stream_is_cut_off(tmp_path):
     with dribbler("body") as server:
         url = server.url + "/train-000000.tar"
@@ -144,6 +146,7 @@ def test_a_dribbled_http_stream_is_cut_off(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["status", "headers"])
+@pytest.mark.slow
 def test_dribbled_status_line_or_headers_are_cut_off(mode):
     with dribbler(mode) as server:
         url = server.url + "/dataset.json"
@@ -152,6 +155,7 @@ def test_dribbled_status_line_or_headers_are_cut_off(mode):
     assert took < 4
 
 
+@pytest.mark.slow
 def test_a_server_above_the_rate_is_still_cut_off_by_the_request_deadline():
     with dribbler("body", chunk=400) as server:  # 2,000 bytes/s: above the 1 KiB/s minimum
         url = server.url + "/dataset.json"
@@ -161,6 +165,7 @@ def test_a_server_above_the_rate_is_still_cut_off_by_the_request_deadline():
     assert 1.5 < took < 5
 
 
+@pytest.mark.slow
 def test_the_command_line_sets_the_limits(tmp_path):
     with dribbler("body") as server:
         runner = CliRunner()
@@ -185,6 +190,7 @@ def test_limits_are_checked_options():
 
 
 # -- s3 ----------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_dribbled_s3_body_is_cut_off_by_the_minimum_rate():
     pytest.importorskip("botocore")
     with dribbler("ranged") as server:

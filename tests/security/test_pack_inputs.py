@@ -49,6 +49,7 @@ def fifo_tree(tmp_path):
 
 @pytest.mark.parametrize("options", [[], ["--verify", "header"],
                                      pytest.param(["--workers", "2", "--max-samples", "2"], marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_fifo_named_like_an_image_is_skipped_not_read(fifo_tree, tmp_path, options):
     out = tmp_path / "out"
     result = cli("pack-shards", fifo_tree, "--out", out, "--quiet", *options)
@@ -169,6 +170,7 @@ def no_aws(tmp_path, monkeypatch):
         monkeypatch.setenv(name, str(value))
 
 
+@pytest.mark.slow
 def test_s3_output_without_credentials_is_refused_before_any_work(tmp_path, no_aws):
     # s3:// is a supported output (staged locally, then uploaded); without credentials nothing is staged.
     write_image_folder(tmp_path / "src", ["a"], 1, size=(24, 16))
@@ -190,6 +192,7 @@ def test_url_as_feature_output_is_refused_with_one_line(tmp_path, no_aws):
 
 
 @pytest.mark.parametrize("name", ["list.csv", "list.jsonl"])
+@pytest.mark.slow
 def test_a_list_file_that_is_not_utf8_is_one_line_not_a_traceback(tmp_path, name):
     # A list saved as Latin-1 by an old spreadsheet: a careless user, not an attacker, but the same promise.
     write_image_folder(tmp_path / "imgs", ["a"], 1, size=(24, 16))

@@ -167,6 +167,7 @@ def _absurd_lengths(stream: bytes, rows: int) -> bytes:
 
 @pytest.mark.parametrize("case", ["offset past the buffer", "negative offset", "offsets going back",
                                   "absurd declared lengths"])
+@pytest.mark.slow
 def test_a_corrupt_record_batch_is_one_line_never_an_abort(tmp_path, case):
     rows = 7
     table = pa.table({"image": pa.array([{"bytes": bytes([i]) * 100, "path": None} for i in range(rows)], IMAGE),
@@ -209,6 +210,7 @@ def scan_peak(source: Path) -> tuple[str, int]:
     return "\n".join(lines[:-1]), max(peak_rss, peak_arrow)
 
 
+@pytest.mark.slow
 def test_a_dictionary_encoded_bomb_is_refused_without_decoding_it(tmp_path):
     # One 50 MiB cell stored once in the dictionary and indexed by 100 rows: a 3 KB file that decodes to 5 GB.
     cell = pa.array([bytes(50 * MIB)], pa.binary())
@@ -222,6 +224,7 @@ def test_a_dictionary_encoded_bomb_is_refused_without_decoding_it(tmp_path):
     assert peak < 600 * MIB, f"peak memory {peak >> 20} MiB for a file of a few KB"
 
 
+@pytest.mark.slow
 def test_a_highly_compressed_row_group_is_refused_by_its_declared_size_before_decoding(tmp_path):
     # 12 cells of 32 MiB of zeros (384 MiB), plain-encoded and zstd-compressed: a file of a few KB.
     zeros = pa.py_buffer(bytes(12 * 32 * MIB))  # calloc'd: compressing it does not make it resident

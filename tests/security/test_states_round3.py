@@ -244,6 +244,7 @@ def test_a_quarantined_row_outside_the_split_is_refused(folder, saved):
 
 
 @pytest.mark.parametrize("shape", ["deep", "long"])
+@pytest.mark.slow
 def test_a_huge_or_deep_value_is_refused_in_bounded_time_and_memory(folder, saved, shape):
     value: list = []
     if shape == "deep":

@@ -104,6 +104,7 @@ report(lambda: tar_sample_offsets(sys.argv[1]))
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("victim", ["shard", "sidecar"])
+@pytest.mark.slow
 def test_verify_names_a_special_file_in_place_of_a_shard_or_its_sidecar(tmp_path, kind, victim):
     folder = pack_images(tmp_path)
     shard = json.loads((folder / "dataset.json").read_text())["splits"]["train"]["shards"][1]
@@ -141,6 +142,7 @@ print("peak", next(line.split()[1] for line in open("/proc/self/status") if line
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.slow
 def test_a_special_file_read_as_an_hdf5_shard_is_one_error_naming_it(tmp_path, kind):
     path = tmp_path / "train-000000.h5"
     make_special(path, kind)
@@ -275,6 +277,7 @@ def sparse_member_tar(path: Path, big_size: int, *, pax: bool) -> None:
 
 
 @pytest.mark.parametrize("big_size, pax", [(3 * GIB, False), (8 * GIB + 1000, True)], ids=["3GiB", "pax-8GiB"])
+@pytest.mark.slow
 def test_a_huge_member_is_skipped_by_its_declared_size_never_read(tmp_path, big_size, pax):
     path = tmp_path / "huge.tar"
     sparse_member_tar(path, big_size, pax=pax)

@@ -130,6 +130,7 @@ def test_precompute_overwrite_keeps_a_users_feature_lookalikes(tmp_path):
     assert "train-000001.pt" in line and listing(other) == {"train-000001.pt": b"mine"}
 
 
+@pytest.mark.slow
 def test_train_overwrite_replaces_a_run_but_never_a_users_model(tmp_path):
     from tests.train.conftest import write_feature_folder
 

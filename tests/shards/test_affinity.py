@@ -231,6 +231,7 @@ def test_a_state_saved_on_two_nodes_resumes_on_another_layout_with_exactly_the_r
     assert len(rest) - len(missing) == epoch_sizes(len(missing), world).padded  # only the remainder's padding
 
 
+@pytest.mark.slow
 def test_a_state_saved_on_two_nodes_resumes_exactly_on_two_nodes(folder):
     whole = [keys(build(folder, 2, rank=rank, world=4, nodes=2)) for rank in range(4)]
     head, state = interrupted_run(folder, 3, world=4, nodes=2)
@@ -239,6 +240,7 @@ def test_a_state_saved_on_two_nodes_resumes_exactly_on_two_nodes(folder):
     assert sorted(head) == sorted(key for rank in range(4) for key in whole[rank][:12])
 
 
+@pytest.mark.slow
 def test_a_state_saved_on_one_node_resumes_on_two_nodes(folder):
     head, state = interrupted_run(folder, 2, world=2, nodes=None)
     assert LoaderState.from_dict(state).node_count == 1

@@ -34,6 +34,7 @@ def computed(loader, epoch, steps):
 
 
 @pytest.mark.parametrize("workers,world,drop_last", [(0, 1, False), (2, 1, False), (3, 2, True)])
+@pytest.mark.slow
 def test_batch_keys_equal_the_batches_iterated_in_two_epochs(folder, workers, world, drop_last):
     for rank in range(world):
         loader = build(folder, workers, rank=rank, world=world, drop_last=drop_last)
@@ -100,6 +101,7 @@ WEIGHTS = (1.0, 0.0, 4.0)  # class b never drawn, class c about four times over
 
 
 @pytest.mark.parametrize("workers,world", [(0, 1), (2, 1), (3, 2)])
+@pytest.mark.slow
 def test_weighted_batch_keys_equal_the_batches_iterated(folder, workers, world):
     for rank in range(world):
         loader = build(folder, workers, rank=rank, world=world, weights=WEIGHTS)

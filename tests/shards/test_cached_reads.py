@@ -38,6 +38,7 @@ def shard_bytes(data: Path) -> int:
     return sum(p.stat().st_size for p in data.glob("train-*.tar"))
 
 
+@pytest.mark.slow
 def test_cached_epochs_yield_the_source_samples_and_fetch_each_shard_once(data: Path, tmp_path: Path):
     plain = shards.open_dataset(data, "train", transform=lambda image: 0, return_keys=True, seed=3)
     cached = open_cached(data, tmp_path / "cache")
@@ -63,6 +64,7 @@ def test_a_damaged_cached_copy_is_fetched_again_never_read(data: Path, tmp_path:
     assert counts["refetches"] == 1 and counts["misses"] == 1
 
 
+@pytest.mark.slow
 def test_a_tight_limit_with_two_workers_evicts_or_bypasses_and_loses_nothing(data: Path, tmp_path: Path):
     largest = max(p.stat().st_size for p in data.glob("train-*.tar"))
     plain = shards.open_dataset(data, "train", transform=lambda image: 0, return_keys=True, seed=3)

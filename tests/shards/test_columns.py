@@ -260,6 +260,7 @@ def test_two_processes_map_the_same_files(tmp_path):
 
 
 @pytest.mark.parametrize("cached", [False, True])
+@pytest.mark.slow
 def test_a_remote_dataset_is_fetched_once_and_checked(tmp_path, cached):
     folder = tmp_path / "ds"
     rows = _rows()

@@ -66,6 +66,7 @@ def test_a_regression_run_gets_an_r2_panel_and_its_best_is_the_lowest_val_mse():
     assert "val R²" in text and "best val R² 0.600 at epoch 2" in text and "Accuracy" not in text
 
 
+@pytest.mark.slow
 def test_svg_keeps_text_as_text():
     assert "Training curves" in svg_text(curves_bytes(history(3), "svg"))
 

@@ -57,6 +57,7 @@ def interrupted(loader, batches):
 
 @pytest.mark.parametrize("new_workers", [1, 3])
 @pytest.mark.parametrize("taken", [1, 4, 9])
+@pytest.mark.slow
 def test_two_workers_to_another_count_yields_exactly_the_missing_keys(folder, new_workers, taken):
     head, state = interrupted(build(folder, 2), taken)
     resumed = build(folder, new_workers)
@@ -121,6 +122,7 @@ def test_world_size_three_to_two_with_dataset_drop_last(folder):
     assert set(everything) == missing and len(everything) == len(missing) + len(missing) % 2
 
 
+@pytest.mark.slow
 def test_a_continued_epoch_resumes_again_in_any_layout(folder):
     head, state = interrupted(build(folder, 2), 3)
     second = build(folder, 3)
@@ -142,6 +144,7 @@ def test_a_continued_epoch_resumes_again_in_any_layout(folder):
     assert len(rest) == len(set(rest)) and set(rest) == ALL_KEYS - set(head) - set(middle)
 
 
+@pytest.mark.slow
 def test_later_epochs_follow_the_new_layouts_plan(folder):
     _, state = interrupted(build(folder, 2), 2)
     resumed = build(folder, 3)
@@ -171,6 +174,7 @@ def weighted(folder, workers, *, rank=0, world=1, batch=4):
 
 
 @pytest.mark.parametrize("new_workers,new_world,new_batch", [(1, 1, 4), (3, 1, 5), (0, 3, 3)])
+@pytest.mark.slow
 def test_a_class_weighted_epoch_resumed_in_another_layout_yields_exactly_the_remaining_draws(
         weighted_folder, new_workers, new_world, new_batch):
     """Two workers stopped after 3 batches; the new layout's ranks yield the epoch's draws the old run had not

@@ -85,6 +85,7 @@ def test_excluded_keys_leave_every_epoch_and_the_rest_keep_their_order(folder):
 
 
 @pytest.mark.parametrize("new_workers", [2, 3])
+@pytest.mark.slow
 def test_an_exclusion_added_at_resume_removes_exactly_those_keys_from_the_rest(folder, new_workers):
     first = build(folder, 2)
     iterator = iter(first)

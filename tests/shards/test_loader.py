@@ -43,6 +43,7 @@ def test_any_worker_count_yields_the_same_multiset(tmp_path, storage):
     assert set(results[0]) == {f"train_{i:05d}" for i in range(25)}
 
 
+@pytest.mark.slow
 def test_len_counts_partial_batches_per_worker(tar_folder):
     dataset = shards.open_dataset(tar_folder, return_keys=True, transform="eval")
     for workers, drop_last in ((0, False), (2, False), (3, True), (2, True)):
@@ -164,9 +165,11 @@ def test_forkserver_workers_are_not_taken_for_orphans(tmp_path):
 
 
 @pytest.mark.parametrize("persistent", [True, False])
+@pytest.mark.slow
 def test_closing_a_loader_left_mid_epoch_stops_its_workers_at_once(tar_folder, persistent):
     import multiprocessing
 
+    before = set(multiprocessing.active_children())  # other tests' processes still being reaped are not ours
     ds = shards.open_dataset(tar_folder, transform="eval", seed=0)
     # batch_size 1 with 1 batch prefetched: each worker has more batches than it may prepare ahead, so both are
     # still running (blocked on the queue) when the first batch arrives, however fast this machine decodes
@@ -174,7 +177,7 @@ def test_closing_a_loader_left_mid_epoch_stops_its_workers_at_once(tar_folder, p
                                                                    persistent=persistent)) as loader:
         batches = iter(loader)
         next(batches)  # left mid-epoch, the generator still held
-        assert len(multiprocessing.active_children()) == 2
-    assert multiprocessing.active_children() == []
+        assert len(set(multiprocessing.active_children()) - before) == 2
+    assert set(multiprocessing.active_children()) - before == set()
     assert sum(1 for _ in loader) == len(loader)  # iterating again starts afresh
     loader.close()

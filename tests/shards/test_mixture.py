@@ -315,6 +315,7 @@ def batch_keys(batches):
 
 
 @pytest.mark.parametrize("new_workers", [2, 1, 3])
+@pytest.mark.slow
 def test_mixing_resume_yields_exactly_the_remaining_samples(image_sources, new_workers):
     full = batch_keys(mixed_loader(image_sources, 2))
     assert len(full) == 30 and collections.Counter(k[0] for k in full) == {"p": 10, "q": 20}

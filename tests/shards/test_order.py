@@ -77,6 +77,7 @@ def yielded_rows(dataset, epoch: int, worker: int, workers: int, batch: int) -> 
 
 
 @pytest.mark.parametrize("index", range(CASES))
+@pytest.mark.slow
 def test_each_worker_yields_exactly_the_order_functions_rows(folders, index):
     case = layout(index)
     for rank in range(case["world"]):
@@ -103,6 +104,7 @@ def dataloader_consumed(streams: list[list[int]], batch: int, drop_last: bool, b
 
 
 @pytest.mark.parametrize("index", range(CASES))
+@pytest.mark.slow
 def test_replay_finds_what_iteration_left(folders, index):
     """Stop every rank after the same random number of batches: the rows replay says are left are the epoch's rows
     that no rank's workers had yielded, as a multiset."""
@@ -189,6 +191,7 @@ def test_images_and_features_get_one_loader_type(folders):
 
 
 @pytest.mark.parametrize("index", range(CASES))
+@pytest.mark.slow
 def test_a_windowed_order_keeps_every_row_in_its_window(folders, index):
     """``feature_window=n``: the in-process loader's k-th n served rows are exactly the k-th n rows of the rank's
     share as read (the shuffled shards front to back), permuted; without a window the share is permuted whole."""
@@ -239,6 +242,7 @@ def weighted(case: dict) -> dict:
 
 
 @pytest.mark.parametrize("index", range(0, CASES, 2))
+@pytest.mark.slow
 def test_weighted_draws_do_not_depend_on_the_number_of_workers(folders, index):
     """Each worker's rows, in worker order, are the rank's rows as one worker reads them; what a DataLoader's round
     robin over 1, 2 or 3 workers yields, and what the in-process loader serves, are the rank's draws (as a
@@ -259,6 +263,7 @@ def test_weighted_draws_do_not_depend_on_the_number_of_workers(folders, index):
 
 
 @pytest.mark.parametrize("index", range(0, CASES, 4))
+@pytest.mark.slow
 def test_a_weighted_order_is_a_pure_function_of_seed_and_epoch(folders, index):
     case = weighted(layout(index))
 

@@ -102,6 +102,7 @@ def _random_subset(rng: random.Random, keys: list[str], names: tuple[str, ...]) 
 
 
 @pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.slow
 def test_both_paths_agree_on_random_subsets(tmp_path, mixed):
     rng = random.Random(f"columns-{mixed}")
     names = FIELDS + (("mixed",) if mixed else ())

@@ -97,6 +97,7 @@ def test_collate_seconds_are_counted(folder: Path):
 
 
 @pytest.mark.parametrize("pipeline", ["standard", "fast"])
+@pytest.mark.slow
 def test_outputs_are_bit_identical_with_and_without_stage_times(folder: Path, pipeline: str):
     spec = TransformSpec(preset="train", size=32)
     runs = {}

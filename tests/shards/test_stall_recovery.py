@@ -96,6 +96,7 @@ def assert_fault_free_order(keys: list[str], reference: list[str], quarantined: 
     assert not quarantined & set(keys)
 
 
+@pytest.mark.slow
 def test_a_decoder_that_exits_twice_quarantines_its_sample(data, reference, tmp_path):
     bad = reference[9]
     events: list[dict] = []
@@ -117,6 +118,7 @@ def test_a_decoder_that_exits_twice_quarantines_its_sample(data, reference, tmp_
     assert open_loader(data, key_decoder).state_dict()["quarantined"] is None  # none: nothing recorded
 
 
+@pytest.mark.slow
 def test_a_resumed_loader_keeps_the_quarantined_sample_out(data, reference):
     bad = reference[5]
     loader = open_loader(data, FaultyDecoder(bad, "exit"), stall_timeout=5)

@@ -60,6 +60,7 @@ class Everything(BadSamples):
 
 
 # -- the cap counts restarts that made no progress -------------------------------------------------------------------
+@pytest.mark.slow
 def test_two_samples_that_kill_workers_are_both_quarantined_under_the_default_cap(data, reference):
     bad = {reference[6], reference[29]}
     events: list[dict] = []
@@ -81,6 +82,7 @@ def test_five_samples_that_hang_the_decoder_are_each_quarantined_under_the_defau
     assert sum(e["kind"] == "quarantine" for e in events) == 5
 
 
+@pytest.mark.slow
 def test_a_node_that_fails_on_everything_still_stops_in_one_line(data):
     loader = open_loader(data, Everything(), stall_timeout=30)
     started = time.monotonic()
@@ -219,6 +221,7 @@ for stall_timeout in (None, 30):
 """
 
 
+@pytest.mark.slow
 def test_leaving_an_epoch_early_prints_nothing_at_interpreter_exit(data):
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(EARLY_EXIT), str(data)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
