@@ -109,13 +109,15 @@ def pack_tree(source: Path, out: Path, per_shard: int, shuffle: bool = True) -> 
 
 
 def without_source_index(folder: Path, out: Path, *, byte_index: bool = True) -> Path:
-    """A copy of ``folder`` (its files hard-linked) whose manifest names no source index, so a filter reads shards;
+    """A copy of ``folder`` (its files hard-linked) whose manifest names no source index and no column index, so a
+    filter reads shards;
     ``byte_index=False`` drops the tar shards' byte indexes too, as a dataset packed before them (reads scan)."""
     if (out / "dataset.json").is_file():
         return out
     out.mkdir(parents=True, exist_ok=True)
     manifest = json.loads((folder / "dataset.json").read_text())
     index_name = manifest.pop("source_index")["path"]  # an unknown top-level key, kept in the manifest's extra
+    manifest.pop("columns", None)  # the column index too (its files are not linked): the filter reads the shards
     if not byte_index:
         for split in manifest["splits"].values():
             for shard in split["shards"]:
