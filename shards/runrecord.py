@@ -164,9 +164,10 @@ def write_rows(path: str | os.PathLike, rows: Iterable[EpochRow]) -> None:
         Path(tmp).write_text(text, encoding="utf-8")
 
 
-def read_rows(path: str | os.PathLike) -> list[EpochRow]:
-    """Every line of ``metrics.jsonl`` as an ``EpochRow``; the first bad one is a ``ManifestError`` naming the
-    file and the line."""
+def read_rows(path: str | os.PathLike, *, problems: list[str] | None = None) -> list[EpochRow]:
+    """Every line of ``metrics.jsonl`` as an ``EpochRow``. The first bad line is a ``ManifestError`` naming the
+    file and the line (a resume must not continue from a history it cannot read), unless ``problems`` is given:
+    then each bad line is left out and said there, one line each (the report shows what it can)."""
     where = str(path)
     try:
         text = read_regular_file(path, error=ManifestError).decode("utf-8")
@@ -174,9 +175,14 @@ def read_rows(path: str | os.PathLike) -> list[EpochRow]:
         raise ManifestError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", path=where) from None
     rows = []
     for number, value, why in json_lines(text):
-        if why is not None:
-            raise ManifestError(f"line {number} is not JSON ({why})", path=where)
-        rows.append(EpochRow.from_json(value, f"line {number}", where))
+        try:
+            if why is not None:
+                raise ManifestError(f"line {number} is not a JSON object ({why})", path=where)
+            rows.append(EpochRow.from_json(value, f"line {number}", where))
+        except ManifestError as exc:
+            if problems is None:
+                raise
+            problems.append(f"{Path(where).name} {exc.reason}; left out")
     return rows
 
 

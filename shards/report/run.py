@@ -16,17 +16,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from shards.door.bounded_read import read_json_file, read_regular_file
+from shards.door.bounded_read import read_json_file
 from shards.data_events import QUARANTINE, read_events
-from shards.errors import InputError, ManifestError
-from shards.door.jsonlines import json_lines
+from shards.errors import ManifestError
 from shards.report import svg
 from shards.report.curves import find_best_epoch
 from shards.report.html import (Cell, Markup, Section, count, figure, fixed, image_data_uri, join, key_value_grid,
                                 note, num_cell, number, pct, rate, seconds, size, subsection, table, tag, tiles, void)
 from shards.report.mixture import mixture_part, recorded_sources
 from shards.report.stages import stage_breakdown
-from shards.runrecord import BEST_FILE, CONFIG_FILE, LAST_FILE, METRICS_FILE, MODEL_FILE, EpochRow
+from shards.runrecord import BEST_FILE, CONFIG_FILE, LAST_FILE, METRICS_FILE, MODEL_FILE, read_rows
 
 CHECKPOINTS = ((LAST_FILE, "the latest state; --resume continues from it"),
                (BEST_FILE, "the epoch with the highest val top-1 (regression: the lowest val MSE)"),
@@ -53,21 +52,10 @@ def read_run(folder: Path) -> RunFiles:
     config = read_json_file(folder / CONFIG_FILE) if (folder / CONFIG_FILE).exists() else {}
     if not isinstance(config, dict):
         raise ManifestError("not a JSON object", path=str(folder / CONFIG_FILE))
-    rows, problems = [], []
+    problems: list[str] = []
     metrics = folder / METRICS_FILE
-    if metrics.is_file():
-        try:
-            text = read_regular_file(metrics).decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise InputError(f"cannot read ({exc})", path=str(metrics)) from exc
-        for number_, value, why in json_lines(text):
-            if why is not None:
-                problems.append(f"{METRICS_FILE} line {number_} is not a JSON object; left out")
-                continue
-            try:  # the rows' own shapes (shards.runrecord.EpochRow), as training reads them back
-                rows.append(EpochRow.from_json(value, f"line {number_}").to_json())
-            except ManifestError as exc:
-                problems.append(f"{METRICS_FILE} {exc.reason}; left out")
+    # the rows' own shapes (shards.runrecord.EpochRow), as training reads them back; bad lines left out, said
+    rows = [row.to_json() for row in read_rows(metrics, problems=problems)] if metrics.is_file() else []
     return RunFiles(folder, config, rows, problems)
 
 
