@@ -107,3 +107,12 @@ def make_shard_dataset(
     )
     manifest.save(out)
     return manifest
+
+
+def pax_record(keyword: bytes, value: bytes) -> bytes:
+    """``"<len> <keyword>=<value>\\n"``, its length field right (it counts itself)."""
+    body = b" " + keyword + b"=" + value + b"\n"
+    length = len(body) + 1
+    while len(str(length).encode()) + len(body) != length:
+        length += 1
+    return str(length).encode() + body

@@ -16,6 +16,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from tests.fuzz.mutate import Draw, mutate_bytes
+from tests.helpers import pax_record
 
 BLOCK = 512
 
@@ -46,14 +47,6 @@ def _fit(value: bytes, width: int) -> bytes:
     return value[:width].ljust(width, b"\x00")
 
 
-def _pax_record(key: bytes, value: bytes) -> bytes:
-    body = b" " + key + b"=" + value + b"\n"
-    length = len(body) + 1
-    while len(str(length).encode()) + len(body) != length:
-        length += 1
-    return str(length).encode() + body
-
-
 def extended_member(kind: bytes, payload: bytes) -> bytes:
     """A pax (``x``) or GNU long-name (``L``) member carrying ``payload``, checksum correct."""
     header = bytearray(BLOCK)
@@ -82,7 +75,7 @@ def mutate_tar(draw: Draw, seed: bytes) -> bytes:
                 (b"size", b"99999999999"), (b"path", b"other.jpg"), (b"size", b"0"), (b"size", b"-5"),
                 (b"path", b""), (b"path", b"\xff\xfe"), (b"size", b"12x"), (b"linkpath", b"/etc/passwd"),
                 (b"size", b"9" * 400), (b"path", b"a" * 5000))), min_size=1, max_size=3))
-            payload = b"".join(_pax_record(k, v) for k, v in records)
+            payload = b"".join(pax_record(k, v) for k, v in records)
             if draw(st.booleans()):
                 payload = draw(st.sampled_from((b"99999 path=x\n", b"5 a=b\n", b"abc", b"10 path\n", b"0 =\n")))
         else:

@@ -31,7 +31,7 @@ from shards.errors import CorruptDataError, InputError
 from shards.formats.tar import iter_tar_shard
 from shards.formats.tarheader import ByteSource, read_member
 from shards.formats.tarseek import tar_sample_offsets
-from tests.helpers import class_image, write_image_folder
+from tests.helpers import class_image, pax_record, write_image_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = {"fifo": "FIFO", "socket": "socket", "directory": "directory", "loop": "symbolic links",
@@ -229,15 +229,6 @@ def raw_member(name: str, data: bytes, kind: bytes = tarfile.REGTYPE) -> bytes:
     info = tarfile.TarInfo(name)
     info.size, info.type = len(data), kind
     return info.tobuf(tarfile.USTAR_FORMAT) + data + bytes(-len(data) % 512)
-
-
-def pax_record(keyword: bytes, value: bytes) -> bytes:
-    """``"<len> <keyword>=<value>\\n"``, its length field right (it counts itself)."""
-    body = b" " + keyword + b"=" + value + b"\n"
-    length = len(body) + 1
-    while len(str(length).encode()) + len(body) != length:
-        length += 1
-    return str(length).encode() + body
 
 
 @pytest.mark.parametrize("value", [b"abc", b"-1", b"1e3", b"", b"9" * 40, b" 12", b"+5"])
