@@ -19,6 +19,8 @@ _LAZY = {
     "pad_collate": "shards.loader.loader",
     "WorkerProcesses": "shards.loader.worker_processes",
     "InProcess": "shards.loader.in_process",
+    "Threads": "shards.loader.threads",
+    "Auto": "shards.loader.auto",
     "StallPolicy": "shards.loader.watchdog",
     "Sampling": "shards.stream.options",
     "ErrorPolicy": "shards.stream.options",

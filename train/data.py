@@ -264,7 +264,7 @@ def _loader(dataset: Any, cfg: TrainConfig, ctx: DistContext, *, drop_last: bool
     generator = torch.Generator().manual_seed(cfg.optim.seed)
     mode = default_mode(dataset) if cfg.loader.workers is None else workers_mode(cfg.loader.workers)
     # --stall-timeout (on by default) guards worker processes; a run without any has none to restart.
-    stall = StallPolicy(cfg.loader.stall_timeout) if cfg.loader.stall_timeout and mode.restarts_workers else None
+    stall = StallPolicy(cfg.loader.stall_timeout) if cfg.loader.stall_timeout and mode.on_stall is not None else None
     return shards.make_loader(dataset, batch_size=cfg.optim.batch_size, mode=mode, stall=stall, drop_last=drop_last,
                               pin_memory=ctx.device.type == "cuda", generator=generator)
 

@@ -26,7 +26,6 @@ per-epoch shuffle across ranks a rank meets new samples for several epochs, so g
 from __future__ import annotations
 
 import logging
-import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +36,7 @@ import torch
 from shards.cache.memory_budget import default_memory_limit, memory_view
 from shards.cache.shared_arrays import ALIGN, FULL_NOW, HITS, MISSES, SharedArrayStore
 from shards.errors import InputError
+from shards.procs.decode_mark import mark_decoded
 from shards.image.fast import DECODE_ERRORS, FastDecoder, undecodable
 from shards.image.geometry import default_eval_resize
 from shards.units import human_bytes, parse_size
@@ -123,12 +123,10 @@ class ImageCacheRequest:
 class ImageCache:
     """The decode stage with a memory: ``cache(sample, seed, index)`` -> the fast decoder's output for that sample.
 
-    ``index`` is the sample's global row in its split (the reader passes it), the cache key. ``decoded_at`` marks
-    where decoding ended as ``FastDecoder``'s does, so stage timing counts a cached sample's work as transform:
+    ``index`` is the sample's global row in its split (the reader passes it), the cache key. It marks where
+    decoding ended (``shards.procs.decode_mark``) as ``FastDecoder`` does, so stage timing counts a cached sample's work as transform:
     ``stage_seconds()["decode"]`` stops growing once every sample is cached.
     """
-
-    decoded_at: float | None = None
 
     def __init__(self, decoder: FastDecoder, samples: int, limit: int, folder: str | None = None):
         if not isinstance(decoder, FastDecoder):
@@ -144,7 +142,7 @@ class ImageCache:
         _open_caches.add(self)
 
     def __call__(self, sample: Any, seed: int, index: int) -> torch.Tensor:
-        self.decoded_at = time.perf_counter()  # a cached sample: nothing of the call counts as decoding
+        mark_decoded()  # a cached sample: nothing of the call counts as decoding
         geometry = self.decoder.geometry
         cached = self.store.get(index)
         if cached is not None:
@@ -153,7 +151,7 @@ class ImageCache:
         self.store.count(MISSES)
         try:
             array = geometry.decode(sample.data)
-            self.decoded_at = time.perf_counter()
+            mark_decoded()
             output = geometry.apply(array, seed)
         except DECODE_ERRORS as exc:
             raise undecodable(sample, exc) from exc

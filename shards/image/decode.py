@@ -7,9 +7,14 @@ to black); palette and 16-bit images converted through their proper paths; CMYK 
 from __future__ import annotations
 
 import io
-import time
+import threading
 
 from PIL import Image, ImageOps
+
+from shards.procs.decode_mark import mark_decoded
+
+# A transform that draws from torch's global generator seeds it per sample: one thread at a time per process.
+_GLOBAL_GENERATOR = threading.Lock()
 
 JPEG_MAGIC = b"\xff\xd8"
 
@@ -71,13 +76,14 @@ class ImageDecoder:
 
     ``seed`` is the sample's augmentation seed from the reader. A preset's ``PilTransform`` takes it directly; any
     other callable (a torchvision pipeline draws from torch's global generator) runs with torch's CPU generator
-    seeded to it inside ``torch.random.fork_rng``, so the caller's random state is the same afterwards.
+    seeded to it inside ``torch.random.fork_rng``, so the caller's random state is the same afterwards. That
+    generator is the process's: threads of one worker process take turns at it (``_GLOBAL_GENERATOR``), and the
+    thread run mode, whose threads share it with the training step, refuses such a transform
+    (``draws_from_global_generator``).
 
-    ``decoded_at`` is the ``time.perf_counter()`` at which the last call finished decoding and began transforming:
-    the reader's stage timing (``shards.procs.stage_times``) splits the call there.
+    Each call marks where it finished decoding and began transforming (``shards.procs.stage_times.mark_decoded``):
+    the reader's stage timing splits the call there.
     """
-
-    decoded_at: float | None = None
 
     def __init__(self, transform=None, *, draft_size: tuple[int, int] | None = None):
         self.transform = transform
@@ -95,7 +101,7 @@ class ImageDecoder:
 
     def __call__(self, sample, seed: int = 0):
         image = self.decode(sample.data, sample.ext)
-        self.decoded_at = time.perf_counter()
+        mark_decoded()
         if self.transform is None:
             return image
         import torch
@@ -104,10 +110,17 @@ class ImageDecoder:
 
         if isinstance(self.transform, PilTransform):
             return self.transform(image, seed)
-        with torch.random.fork_rng(devices=[]):
+        with _GLOBAL_GENERATOR, torch.random.fork_rng(devices=[]):
             # The CPU generator only: torch.manual_seed would also reseed CUDA, which fork_rng(devices=[]) leaves.
             torch.default_generator.manual_seed(seed)
             return self.transform(image)
+
+    @property
+    def draws_from_global_generator(self) -> bool:
+        """Whether the transform draws from torch's global generator (a callable that is not a preset's)."""
+        from shards.image.transforms import PilTransform
+
+        return self.transform is not None and not isinstance(self.transform, PilTransform)
 
 
 def jpeg_orientation(data: bytes) -> int:

@@ -14,7 +14,6 @@ interpolations go through one ``PIL.Image.resize(box=...)`` of just the region t
 from __future__ import annotations
 
 import random
-import time
 import warnings
 from dataclasses import dataclass
 
@@ -28,6 +27,7 @@ from shards.image.decode import JPEG_MAGIC, decode_image, jpeg_orientation
 from shards.image.device import Normalize
 from shards.image.geometry import (Box, center_crop_box, eval_resize_size, eval_source_region, random_resized_crop_box,
                                    train_view)
+from shards.procs.decode_mark import mark_decoded
 from shards.image.options import IMAGENET_MEAN, IMAGENET_STD, pil_resample
 
 __all__ = ["FastDecoder", "FastEval", "FastTrain", "Normalize", "bound_short_side", "decode_rgb_array", "draft_factor",
@@ -198,11 +198,9 @@ class FastDecoder:
     callers keep the standard pipeline for it. ``source_side`` (train only) crops every view from the image bounded
     to that shorter side (``FastTrain.source_side``), the source ``open_dataset(cache="memory")`` keeps in memory.
 
-    ``decoded_at``: the ``time.perf_counter()`` at which the last call finished decoding and began the geometry,
-    where the reader's stage timing (``shards.procs.stage_times``) splits decode from transform.
+    Each call marks where it finished decoding and began the geometry (``shards.procs.stage_times.mark_decoded``),
+    where the reader's stage timing splits decode from transform.
     """
-
-    decoded_at: float | None = None
 
     def __init__(self, spec, source_side: int | None = None):
         if spec.color_jitter > 0:
@@ -225,7 +223,7 @@ class FastDecoder:
     def __call__(self, sample, seed: int) -> torch.Tensor:
         try:
             array = self.geometry.decode(sample.data)
-            self.decoded_at = time.perf_counter()
+            mark_decoded()
             return self.geometry.apply(array, seed)
         except DECODE_ERRORS as exc:
             raise undecodable(sample, exc) from exc

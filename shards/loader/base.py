@@ -7,9 +7,11 @@ the stage seconds, stall recovery (``StallPolicy``) and where its faults are rep
 checkpoint or a trainer integration never asks which way it runs (docs/integrations.md).
 
 How batches are made is a value, the loader's run mode (``RunMode``): ``WorkerProcesses`` (DataLoader worker
-processes, ``shards.loader.worker_processes``) or ``InProcess`` (``shards.loader.in_process``). A mode says which
-saved-state layout its batch count means and builds the ``Run`` that yields the current epoch's batches from the
-cursor's position; a new way of running (threads) is one new mode class, with no branch here.
+processes, ``shards.loader.worker_processes``), ``Threads`` (a pool of threads in this process,
+``shards.loader.threads``), ``InProcess`` (``shards.loader.in_process``) or ``Auto`` (the one of those with the lowest
+step time, ``shards.loader.auto``). A mode says which saved-state layout its batch count means and builds the ``Run``
+that yields the current epoch's batches from the cursor's position; a new way of running is one new mode class, with
+no branch here.
 """
 
 from __future__ import annotations
@@ -42,15 +44,21 @@ class Run(ABC):
     def close(self) -> None:
         """Stop what runs beside the caller now; iterating again starts afresh."""
 
+    def choice(self) -> dict[str, Any] | None:
+        """What a mode that chooses among others (``Auto``) tried and chose; None for a fixed mode."""
+        return None
+
 
 class RunMode(ABC):
     """How a loader runs: a frozen value (compared, printed, saved in a config) that builds the loader's ``Run``.
 
-    ``workers``: the DataLoader worker processes it starts (part of a saved state's layout); ``restarts_workers``:
-    whether a ``StallPolicy`` can act on it (a stall is healed by restarting worker processes)."""
+    ``workers``: the logical workers of the epoch plan it runs (processes or threads; part of a saved state's
+    layout, so modes with the same count feed the same batches and resume each other's states); ``on_stall``:
+    what a ``StallPolicy`` does in it: ``"restart"`` (worker processes are killed and restarted at the position),
+    ``"raise"`` (a thread cannot be killed: an error naming the sample and the stack), None (refused)."""
 
     workers: int = 0
-    restarts_workers: bool = False
+    on_stall: str | None = None
 
     @abstractmethod
     def layout(self, dataset: Any, batch_size: int) -> tuple[str, int]:
@@ -69,8 +77,9 @@ class Loader:
     ``sampler.set_epoch``, Lightning's way), ``state_dict``/``load_state_dict`` (the ``Stateful`` protocol),
     ``dcp_state()``, ``stage_seconds()``, ``quarantined`` and ``report_faults``, in every mode.
 
-    ``stall``: stall and crash recovery (``shards.loader.watchdog``); a mode without worker processes to restart
-    refuses it (an ``InputError`` naming the mode), never ignores it. ``stage_times=False``: no stage seconds (they
+    ``stall``: stall and crash recovery (``shards.loader.watchdog``): worker processes are restarted, threads end
+    the run with an error naming the sample and its stack; a mode with nothing beside the loop to watch refuses it
+    (an ``InputError`` naming the mode), never ignores it. ``stage_times=False``: no stage seconds (they
     stay at 0), for measuring what they cost. ``collate_fn``, ``pin_memory`` and ``dataloader_options`` go to the
     DataLoader of a mode that makes one."""
 
@@ -80,10 +89,11 @@ class Loader:
         if batch_size < 1:
             raise InputError(f"batch_size must be at least 1, got {batch_size}")
         if not isinstance(mode, RunMode):
-            raise InputError(f"mode must be a run mode (WorkerProcesses(n) or InProcess()), got {mode!r}")
-        if stall is not None and not mode.restarts_workers:
-            raise InputError(f"stall recovery (StallPolicy) restarts DataLoader worker processes, and {mode} runs "
-                             "none: use WorkerProcesses(n) or leave stall unset")
+            raise InputError(f"mode must be a run mode (WorkerProcesses(n), Threads(n), InProcess() or Auto()), got "
+                             f"{mode!r}")
+        if stall is not None and mode.on_stall is None:
+            raise InputError(f"stall recovery (StallPolicy) watches worker processes or threads, and {mode} runs "
+                             "none: use WorkerProcesses(n) or Threads(n), or leave stall unset")
         self.dataset = dataset
         self.batch_size = batch_size
         self.mode = mode
@@ -94,7 +104,9 @@ class Loader:
                              split_batch=split_batch)
         self._stage_times = SharedStageTimes()
         self.stage_times = self._stage_times if stage_times else None  # where a run adds its stage seconds
-        self.watchdog = Watchdog(stall, dataset, self.cursor) if stall is not None else None
+        self.stall = stall
+        self.watchdog = Watchdog(stall, dataset, self.cursor) if stall is not None and mode.on_stall == "restart" \
+            else None
         self.run = mode.start(self)
 
     @property
@@ -118,6 +130,11 @@ class Loader:
 
     def set_epoch(self, epoch: int) -> None:
         self.dataset.set_epoch(epoch)
+
+    def mode_choice(self) -> dict[str, Any] | None:
+        """``Auto``'s trial (per candidate: batches timed, median step and data-wait seconds) and the mode it chose
+        (None until every candidate was tried); None in a fixed mode."""
+        return self.run.choice()
 
     def close(self) -> None:
         """Stop what the loader runs beside the caller (worker processes) now, rather than when the garbage
@@ -195,6 +212,8 @@ class Loader:
         the loader (a trainer's run folder); the folder is checked now. Without a ``StallPolicy`` there are no
         faults to report."""
         checked = None if stack_dir is None else check_stack_dir(stack_dir)
+        if self.stall is not None:
+            self.stall = replace(self.stall, stack_dir=checked, on_event=on_event)
         if self.watchdog is not None:
             self.watchdog.stack_dir, self.watchdog.on_event = checked, on_event
 

@@ -1,9 +1,10 @@
 """``make_loader``: the one ``Loader`` (``shards.loader.base``) around a streaming dataset, with a run mode and
 defaults that suit the dataset, and the collate of images of different sizes.
 
-The run mode is one value: ``WorkerProcesses(n)`` (``shards.loader.worker_processes``) or ``InProcess()``
-(``shards.loader.in_process``); stall recovery is one value too, a ``StallPolicy`` (``shards.loader.watchdog``),
-which only a mode with worker processes can apply.
+The run mode is one value: ``WorkerProcesses(n)`` (``shards.loader.worker_processes``), ``Threads(n)``
+(``shards.loader.threads``), ``InProcess()`` (``shards.loader.in_process``) or ``"auto"``: ``Auto(n)``
+(``shards.loader.auto``), the one with the lowest step time; stall recovery is one value too, a ``StallPolicy``
+(``shards.loader.watchdog``), which a mode with worker processes or threads applies.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from shards.jobs.parallel import MAX_DEFAULT_WORKERS, usable_cpus
+from shards.errors import InputError
+from shards.loader.auto import Auto
 from shards.loader.base import Loader, RunMode
 from shards.loader.in_process import InProcess
+from shards.loader.threads import Threads
 from shards.loader.watchdog import StallPolicy
 from shards.loader.worker_processes import WorkerProcesses
 from shards.stream.feature_stream import FeatureShardDataset
@@ -30,21 +34,39 @@ def default_mode(dataset: Any) -> RunMode:
     return InProcess() if isinstance(dataset, FeatureShardDataset) else WorkerProcesses(default_num_workers())
 
 
-def workers_mode(workers: int, *, prefetch_factor: int = 4, persistent: bool = True) -> RunMode:
-    """The mode a worker count names, as a CLI's ``--workers`` gives it: ``WorkerProcesses(workers, ...)``, or
-    ``InProcess()`` for 0 (the worker options then have no processes to apply to)."""
+def auto_mode(dataset: Any, workers: int | None = None) -> RunMode:
+    """``Auto(workers)`` (default: ``default_num_workers()``, the plan the default mode feeds) over images; over
+    feature rows ``InProcess()``, which no other mode comes near (there is nothing to try)."""
+    if isinstance(dataset, FeatureShardDataset):
+        return InProcess()
+    return Auto(default_num_workers() if workers is None else workers)
+
+
+def workers_mode(workers: int, *, prefetch_factor: int = 4, persistent: bool = True, run: str = "processes",
+                 threads: int = 1) -> RunMode:
+    """The mode a CLI's ``--workers`` and ``--run-mode`` name: ``run="processes"``: ``WorkerProcesses(workers,
+    ..., threads=threads)``, or ``InProcess()`` for 0 (the worker options then have no processes to apply to);
+    ``run="threads"``: ``Threads(workers)`` (``threads`` decode threads shared by them, when more than 1)."""
+    if run == "threads":
+        if workers == 0:
+            raise InputError("the thread run mode needs workers >= 1 (each is a thread)")
+        return Threads(workers, decoders=threads if threads > 1 else 0)
+    if run != "processes":
+        raise InputError(f"run mode must be 'processes' or 'threads', got {run!r}")
     if workers == 0:
         return InProcess()
-    return WorkerProcesses(workers, prefetch_factor=prefetch_factor, persistent=persistent)
+    return WorkerProcesses(workers, prefetch_factor=prefetch_factor, persistent=persistent, threads=threads)
 
 
-def make_loader(dataset: Any, batch_size: int = 256, *, mode: RunMode | None = None,
+def make_loader(dataset: Any, batch_size: int = 256, *, mode: RunMode | str | None = None,
                 stall: StallPolicy | None = None, drop_last: bool | None = None, collate_fn: Callable | None = None,
                 pin_memory: bool | None = None, stage_times: bool = True, **dataloader_options: Any) -> Loader:
     """Batches from a dataset of ``open_dataset``, with defaults that suit it.
 
     ``mode`` defaults to ``default_mode``: ``InProcess()`` for a feature dataset, ``WorkerProcesses(n)`` for
-    images, with ``n`` the usable CPUs minus one (max 8). ``pin_memory`` defaults to whether CUDA is present,
+    images, with ``n`` the usable CPUs minus one (max 8); ``"auto"`` (``auto_mode``) tries ``Threads(n)``,
+    ``WorkerProcesses(n)`` and threads inside processes over the first batches and keeps the lowest step time,
+    feeding exactly the batches of the default (``loader.mode_choice()`` says what it tried and chose). ``pin_memory`` defaults to whether CUDA is present,
     ``drop_last`` to ``dataset.config.shuffle`` (training). ``stage_times=False`` turns off the per-stage seconds
     (``stage_seconds()`` then stays at 0), for measuring what they cost.
 
@@ -55,6 +77,8 @@ def make_loader(dataset: Any, batch_size: int = 256, *, mode: RunMode | None = N
     """
     if mode is None:
         mode = default_mode(dataset)
+    elif mode == "auto":
+        mode = auto_mode(dataset)
     if drop_last is None:
         drop_last = dataset.config.shuffle
     if pin_memory is None:

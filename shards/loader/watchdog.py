@@ -295,9 +295,7 @@ class Watchdog:
         raise CorruptDataError(message, path=self.location_of(busy.row), key=busy.key)
 
     def location_of(self, row: int) -> str:
-        """The shard that holds global ``row`` of the split."""
-        firsts = shard_offsets(self.dataset.split_info.shard_sizes).tolist()
-        return self.dataset.locations[bisect.bisect_right(firsts, row) - 1]
+        return row_location(self.dataset, row)
 
     # -- stacks and events -----------------------------------------------------------------------------------------
     def _dump_stacks(self, workers: list) -> dict[int, str]:
@@ -351,6 +349,12 @@ class Watchdog:
     def _event(self, event: dict) -> None:
         if self.on_event is not None:
             self.on_event(event)
+
+
+def row_location(dataset: Any, row: int) -> str:
+    """The shard of ``dataset`` that holds global ``row`` of the split."""
+    firsts = shard_offsets(dataset.split_info.shard_sizes).tolist()
+    return dataset.locations[bisect.bisect_right(firsts, row) - 1]
 
 
 def gone(iterator: Any, expected: list[bool], wait_s: float = 0.0) -> list[int]:

@@ -43,13 +43,17 @@ from shards.position.resume import STREAM, SharedQuarantine, SharedResume
 class WorkerProcesses(RunMode):
     """Run mode: ``workers`` DataLoader worker processes decode samples beside the training loop (images, or
     features through a DataLoader). ``prefetch_factor``: batches each worker prepares ahead; ``persistent``: keep
-    the workers from epoch to epoch. The one mode a ``StallPolicy`` can heal: its workers can be restarted."""
+    the workers from epoch to epoch; ``threads``: threads decoding inside each worker while it reads on
+    (``shards.stream.decode_ahead``; SPDL's multi-threading in multi-processing: for decoders that hold the GIL,
+    and to keep decoding off the training process's cores), each worker still one logical worker of the plan, so
+    the batches are those of ``threads=1``. The one mode a ``StallPolicy`` can heal: its workers can be restarted."""
 
     workers: int
     prefetch_factor: int = 4
     persistent: bool = True
+    threads: int = 1
 
-    restarts_workers = True
+    on_stall = "restart"
 
     def __post_init__(self) -> None:
         if type(self.workers) is not int or not 1 <= self.workers <= MAX_WORKERS:
@@ -57,12 +61,15 @@ class WorkerProcesses(RunMode):
                              "(no worker processes: InProcess())")
         if type(self.prefetch_factor) is not int or self.prefetch_factor < 1:
             raise InputError(f"WorkerProcesses prefetch_factor must be an integer >= 1, got {self.prefetch_factor!r}")
+        if type(self.threads) is not int or not 1 <= self.threads <= 64:
+            raise InputError(f"WorkerProcesses threads must be an integer in 1..64, got {self.threads!r}")
 
     def layout(self, dataset: Any, batch_size: int) -> tuple[str, int]:
         return STREAM, batch_size
 
     def start(self, loader: Loader) -> Run:
-        return DataLoaderRun(loader, self.workers, prefetch_factor=self.prefetch_factor, persistent=self.persistent)
+        return DataLoaderRun(loader, self.workers, prefetch_factor=self.prefetch_factor, persistent=self.persistent,
+                             threads=self.threads)
 
 
 class OrphanGuard:
@@ -98,13 +105,14 @@ class WorkerFeed(IterableDataset):
     docstring), so the loader never writes its settings or state into the dataset it wraps."""
 
     def __init__(self, dataset: Any, split_batch: int, stage_times: SharedStageTimes | None,
-                 quarantine: SharedQuarantine, status: WorkerStatus | None = None):
+                 quarantine: SharedQuarantine, status: WorkerStatus | None = None, decode_threads: int = 1):
         super().__init__()
         self.dataset = dataset
         self.split_batch = split_batch
         self.stage_times = stage_times
         self.quarantine = quarantine  # the cursor's: rows a restart or a loaded state kept out reach workers here
         self.status = status  # where workers publish the sample they decode (a watched loader's)
+        self.decode_threads = decode_threads  # threads decoding inside each worker (``WorkerProcesses.threads``)
         self.resume = SharedResume()  # skips and rotation: reach persistent workers too
         self.left = None  # an epoch continued in another layout: its rows left (a new DataLoader carries them)
 
@@ -121,7 +129,7 @@ class WorkerFeed(IterableDataset):
         stream = self.dataset.worker_stream(
             epoch, worker, num_workers, split_batch=self.split_batch, skip=resume.skips[worker] if resume else 0,
             left=self.left if resume is not None and resume.remainder else None, stage_times=self.stage_times,
-            quarantine=self.quarantine.rows(), watch=watch)
+            quarantine=self.quarantine.rows(), watch=watch, decode_threads=self.decode_threads)
         if watch is None:
             yield from stream
             return
@@ -135,7 +143,7 @@ class DataLoaderRun(Run):
     ``InProcess`` mode of an image dataset)."""
 
     def __init__(self, loader: Loader, workers: int, *, prefetch_factor: int | None = None,
-                 persistent: bool = False):
+                 persistent: bool = False, threads: int = 1):
         # A proxy, not the loader: the loader holds its run, and a cycle between them would leave a dropped
         # loader to the cyclic collector, which may finalise torch's queues before the workers hear to stop
         # (each then waits out torch's 5 s join); without the cycle, dropping the loader frees it at once.
@@ -144,7 +152,7 @@ class DataLoaderRun(Run):
         watchdog = loader.watchdog
         times = loader.stage_times
         self.feed = WorkerFeed(loader.dataset, loader.batch_size, times, loader.cursor.shared_quarantine,
-                               status=watchdog.status if watchdog is not None else None)
+                               status=watchdog.status if watchdog is not None else None, decode_threads=threads)
         collate_fn = loader.collate_fn if loader.collate_fn is not None else default_collate
         if times is not None:
             collate_fn = TimedCollate(collate_fn, times)

@@ -33,9 +33,21 @@ from shards.order.plan import (
 )
 from shards.select.mixture import Mixture
 from shards.order.stages import Broken
+from shards.procs.decode_mark import decode_mark
 from shards.procs.stage_times import SharedStageTimes, StageTally
+from shards.stream.decode_ahead import DecodeAhead
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class StreamState:
+    """What one stream (a logical worker's epoch) keeps while it runs: the next epoch it plans for the node cache
+    (``(epoch, worker, workers, split_batch)``; None: nothing to plan) and how far its reads were offered for
+    read-ahead (``[reads, index]``). Per stream, so streams in threads of one process never share it."""
+
+    next_epoch: tuple[int, int, int, int] | None = None
+    ahead: list | None = None
 
 
 @dataclass(frozen=True)
@@ -95,7 +107,6 @@ class ShardDataset(IterableDataset):
         self.config = config
         # The node-local shard cache (``shards.cache.cached_shards``), or None: every read goes to the source.
         self.shard_cache = shard_cache
-        self._next_epoch: tuple[int, int, int, int] | None = None  # (epoch, worker, workers, split) after this stream
         if shard_cache is not None and split.shards:
             where = self.locations[0].rsplit("/", 1)[0] if self.locations else config.split
             shard_cache.check_limit(max(s.bytes for s in split.shards), where)
@@ -220,42 +231,50 @@ class ShardDataset(IterableDataset):
 
     def worker_stream(self, epoch: int, worker: int, num_workers: int, *, split_batch: int = 1, skip: int = 0,
                       left: np.ndarray | None = None, stage_times: SharedStageTimes | None = None,
-                      quarantine: frozenset[int] = frozenset(), watch: Any = None) -> Iterator[Any]:
+                      quarantine: frozenset[int] = frozenset(), watch: Any = None, slot: int | None = None,
+                      decode_threads: int | DecodeAhead = 1) -> Iterator[Any]:
         """What logical ``worker`` of ``num_workers`` yields in ``epoch``, after ``skip`` samples a resumed run had
         consumed; ``split_batch``: the loader's batch size (the unit of the worker split); ``stage_times``: the
-        loader's block to add stage seconds to (None: not timed); ``quarantine``: the global rows the loader's
-        cursor keeps out (a stand-in fills each one's slot); ``watch``: a ``WorkerSlot`` to publish each sample in
-        before decoding it (``shards.procs.worker_status``)."""
-        tally = StageTally(stage_times, split_batch) if stage_times is not None else None
+        loader's block to add stage seconds to (None: not timed), in row ``slot`` (None: this process's, by its
+        DataLoader worker id); ``quarantine``: the global rows the loader's cursor keeps out (a stand-in fills each
+        one's slot); ``watch``: a ``WorkerSlot`` to publish each sample in before decoding it
+        (``shards.procs.worker_status``); ``decode_threads``: threads that decode this stream's samples ahead, in
+        order, while this thread reads on (``shards.stream.decode_ahead``; 1: decoded one by one here), or a
+        ``DecodeAhead`` pool shared with other streams."""
+        tally = StageTally(stage_times, split_batch, slot=slot) if stage_times is not None else None
         order = self.worker_order(epoch, worker, num_workers, split_batch=split_batch, left=left)
-        self._next_epoch = (epoch + 1, worker, num_workers, split_batch)  # the node cache plans one epoch ahead
+        # Per stream, never on the dataset: a loader's threads run several streams over one dataset object.
+        stream = StreamState(next_epoch=(epoch + 1, worker, num_workers, split_batch))
         try:
-            yield from self._worker_samples(order, epoch, worker, skip, tally, watch, quarantine)
+            yield from self._worker_samples(order, epoch, worker, skip, tally, watch, quarantine, decode_threads,
+                                            stream)
         finally:
             if tally is not None:
                 tally.flush()  # the samples since the last full batch, before the loader sees the stream end
             if self.shard_cache is not None:
                 self.shard_cache.end_stream()
 
-    def _planned_slices(self, rows: np.ndarray, policy: ErrorTally) -> Iterator[tuple[str, Any]]:
+    def _planned_slices(self, rows: np.ndarray, policy: ErrorTally,
+                        stream: StreamState | None = None) -> Iterator[tuple[str, Any]]:
         """The rows in order, scattered rows of one shard in one read (``plan.CoveringReads``); with a node cache,
         the stream's plan goes to the cache, which fetches shards ahead along it (``_cache_plan``)."""
+        stream = stream if stream is not None else StreamState()
         reads = CoveringReads(rows, shard_offsets(self.split_info.shard_sizes), self.merge_gap)
-        places = self._cache_plan(reads)
+        places = self._cache_plan(reads, stream)
         for i, (piece, keep) in enumerate(reads):
             if places is not None and places[i] >= 0:
                 self.shard_cache.reached(int(places[i]))
-            self._read_ahead(reads, i)
+            self._read_ahead(reads, i, stream)
             yield from self._guarded_slice(piece, policy, keep)
 
     def merge_gap(self, shard: int) -> int | None:
         """How many unwanted rows one read of ``shard`` may pass over to reach the next wanted ones (None: any)."""
         return None
 
-    def _read_ahead(self, reads: CoveringReads, i: int) -> None:
+    def _read_ahead(self, reads: CoveringReads, i: int, stream: StreamState) -> None:
         """Start the bytes of covering read ``i`` and the next ones early, where the storage can (image shards)."""
 
-    def _cache_plan(self, reads: CoveringReads) -> np.ndarray | None:
+    def _cache_plan(self, reads: CoveringReads, stream: StreamState) -> np.ndarray | None:
         """Tell the node cache this stream's plan (``CachedShards.plan``, docs/caching.md): its cached shards in read
         order, one per run of reads of a shard, and the next epoch's (the same worker's order for epoch + 1, a
         pure function). Per read, its shard's place in the plan (-1: not cached); None without a cache."""
@@ -267,8 +286,8 @@ class ShardDataset(IterableDataset):
             np.fromiter((reads.shard(i) for i in range(len(reads))), dtype=np.int64, count=len(reads)),
             self.locations, self.split_info.shards, known)
         next_epoch: list[str] = []
-        if self._next_epoch is not None and cache.plans_ahead:
-            epoch, worker, num_workers, split_batch = self._next_epoch
+        if stream.next_epoch is not None and cache.plans_ahead:
+            epoch, worker, num_workers, split_batch = stream.next_epoch
             rows = self.worker_order(epoch, worker, num_workers, split_batch=split_batch).rows
             shards = np.searchsorted(shard_offsets(self.split_info.shard_sizes), rows, side="right") - 1
             upcoming, _ = cache.planned_runs(shards, self.locations, self.split_info.shards, known)
@@ -290,49 +309,73 @@ class ShardDataset(IterableDataset):
 
     def _worker_samples(self, order: WorkerOrder, epoch: int, worker: int, skip: int,
                         tally: StageTally | None = None, watch: Any = None,
-                        quarantine: frozenset[int] = frozenset()) -> Iterator[Any]:
+                        quarantine: frozenset[int] = frozenset(), decode_threads: int | DecodeAhead = 1,
+                        stream: StreamState | None = None) -> Iterator[Any]:
         c = self.config
         policy = ErrorTally(c, self._state, keeps_recent=bool(quarantine))
         seeds = self.sample_seeds(epoch, worker)
         if skip:  # read only the rows still to come
             order, seeds = order.after(skip), itertools.islice(seeds, skip, None)
-        items: Iterator = self._planned_slices(order.rows, policy)
+        items: Iterator = self._planned_slices(order.rows, policy, stream)
         items = order.arrange(items)
         if tally is not None:
             items = tally.timed_read(items)
-        for (where, sample, row), seed in zip(items, seeds):
+        jobs = ((where, sample, row, seed, isinstance(sample, Broken) or (bool(quarantine) and row in quarantine))
+                for (where, sample, row), seed in zip(items, seeds))
+        if isinstance(decode_threads, DecodeAhead):  # a pool shared by several streams (the thread run mode's)
+            results = decode_threads.results(jobs, self._decode_job, watch)
+        elif decode_threads > 1:
+            results = DecodeAhead(decode_threads).results(jobs, self._decode_job, watch, own=True)
+        else:
+            results = self._decoded_here(jobs, watch)
+        for where, sample, row, result in results:
             if isinstance(sample, Broken):
                 yield from policy.skipped(where, sample.key, sample.reason)
                 continue
-            if quarantine and row in quarantine:
+            if result is None:  # quarantined
                 yield from policy.stand_in()
                 continue
-            if watch is not None:
-                watch.working(row, sample.key)
-            try:
-                output = self.decode_row(sample, seed, row) if tally is None \
-                    else self._timed_decode(sample, seed, row, tally)
-            except CorruptDataError as exc:
-                yield from policy.skipped(where, sample.key, reason_of(exc, where))
+            output, error, seconds = result
+            if tally is not None and self.decode_timed:
+                tally.decoded(*seconds)
+            elif tally is not None:
+                tally.sample_done()
+            if error is not None:
+                yield from policy.skipped(where, sample.key, reason_of(error, where))
                 continue
             yield from policy.emit(self._pack(output, sample))
         yield from policy.finish(self.config.split)
 
-    def _timed_decode(self, sample: Any, seed: int, row: int, tally: StageTally) -> Any:
-        """``decode_row``, its seconds split into decode and transform where the decoder marks the boundary."""
-        if not self.decode_timed:
-            output = self.decode_row(sample, seed, row)
-            tally.sample_done()
-            return output
+    def _decoded_here(self, jobs: Iterator[tuple], watch: Any) -> Iterator[tuple]:
+        """``(where, sample, row, result)`` per job, decoded in this thread; ``result`` None for a sample passed
+        over (broken or quarantined)."""
+        for where, sample, row, seed, passed in jobs:
+            if passed:
+                yield where, sample, row, None
+                continue
+            if watch is not None:
+                watch.working(row, sample.key)
+            yield where, sample, row, self._decode_job(sample, seed, row)
+
+    def _decode_job(self, sample: Any, seed: int, row: int) -> tuple[Any, CorruptDataError | None, tuple]:
+        """``(output, error, (began, decoded_at, ended))`` of one ``decode_row`` call, in whichever thread runs it:
+        the seconds split into decode and transform where the decoder marked the boundary in this thread
+        (``shards.procs.decode_mark``; a user's decoder may set ``decoded_at`` on itself instead)."""
         began = time.perf_counter()
+        output, error = None, None
         try:
-            return self.decode_row(sample, seed, row)
-        finally:
-            tally.decoded(began, getattr(self.decode_marker(), "decoded_at", None), time.perf_counter())
+            output = self.decode_row(sample, seed, row)
+        except CorruptDataError as exc:
+            error = exc
+        ended = time.perf_counter()
+        mark = decode_mark()
+        if mark is None or not began <= mark <= ended:
+            mark = getattr(self.decode_marker(), "decoded_at", None)
+        return output, error, (began, mark, ended)
 
     def decode_marker(self) -> Any:
-        """The object whose ``decoded_at`` (a ``time.perf_counter()`` value it sets) marks where, inside the last
-        decode call, decoding ended and transforming began; None: the whole call counts as decode."""
+        """A user's decoder that marks where decoding ended by setting ``decoded_at`` on itself (a
+        ``time.perf_counter()`` value), or None: without a mark the whole call counts as decode."""
         return None
 
     def normalizer(self, **options: Any) -> Callable:

@@ -16,7 +16,7 @@ from typing import Any, Iterator, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from shards.stream.dataset import ShardDataset, StreamConfig
+from shards.stream.dataset import ShardDataset, StreamConfig, StreamState
 from shards.errors import CorruptDataError, InputError
 from shards.formats.features import FeatureShard, FeatureSpec, check_feature_shard, load_checked, load_feature_shard
 from shards.transport.location import Location, locate
@@ -104,7 +104,7 @@ class FeatureShardDataset(ShardDataset):
             loaded.append(self.shard(index))
         return loaded
 
-    def _read_ahead(self, reads: CoveringReads, i: int) -> None:
+    def _read_ahead(self, reads: CoveringReads, i: int, stream: StreamState) -> None:
         """Before covering read ``i``: the whole shards of it and the next reads in flight (a DataLoader worker
         reading feature shards from a remote store)."""
         if reads.shard(i) in self._shards or (i > 0 and reads.shard(i - 1) == reads.shard(i)):

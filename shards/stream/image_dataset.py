@@ -19,7 +19,7 @@ from shards.formats.sample import RawSample, label_problem
 from shards.transport.storage import get_storage
 from shards.image.decode import ImageDecoder
 from shards.manifest import SplitInfo
-from shards.stream.dataset import ShardDataset, StreamConfig
+from shards.stream.dataset import ShardDataset, StreamConfig, StreamState
 from shards.order.plan import CoveringReads, ShardSlice
 
 log = logging.getLogger(__name__)
@@ -83,9 +83,7 @@ class ImageShardDataset(ShardDataset):
         return self.image_cache(sample, seed, row)
 
     def decode_marker(self) -> Any:
-        if self.image_cache is not None:
-            return self.image_cache
-        return self.decoder  # ImageDecoder and FastDecoder set decoded_at; a user's decoder may too
+        return self.decoder  # ImageDecoder, FastDecoder and the image cache mark in their thread; a user's may here
 
     def normalizer(self, **options: Any) -> Callable:
         """The decoder's own per-batch step when it leaves one (the fast pipeline's uint8 batches -> the spec's
@@ -138,7 +136,7 @@ class ImageShardDataset(ShardDataset):
             self.storage, piece.start, piece.stop, size=info.bytes, offsets=self._index_of(piece.shard),
             sha256=info.sha256 if whole else None, resync=resync)
 
-    def _read_ahead(self, reads: CoveringReads, i: int) -> None:
+    def _read_ahead(self, reads: CoveringReads, i: int, stream: StreamState) -> None:
         """Before covering read ``i`` is read: it and the reads after it in flight already, as far as the location's
         read-ahead budget allows (``Location.read_ahead``: tar slices by their byte index on ``s3://`` and ranged
         ``http(s)``), so the next reads arrive while this one is decoded. Only reads the plan makes, each once: a
@@ -146,10 +144,10 @@ class ImageShardDataset(ShardDataset):
         Shards read through the node cache are skipped: the cache fetches them whole."""
         if not self._any_read_ahead():
             return
-        cursor = self.__dict__.get("_ahead_cursor")
+        cursor = stream.ahead
         if cursor is None or cursor[0] is not reads:
             drop_read_ahead()
-            cursor = self.__dict__["_ahead_cursor"] = [reads, i]
+            cursor = stream.ahead = [reads, i]
         k = max(cursor[1], i)
         while k < min(len(reads), i + AHEAD_READS):
             piece, _ = reads[k]

@@ -16,7 +16,7 @@ import shards
 from shards.errors import InputError
 from tests.helpers import make_shard_dataset
 
-PUBLIC = ["open_dataset", "make_loader", "pad_collate", "WorkerProcesses", "InProcess", "StallPolicy",
+PUBLIC = ["open_dataset", "make_loader", "pad_collate", "WorkerProcesses", "InProcess", "Threads", "Auto", "StallPolicy",
           "Sampling", "ErrorPolicy", "Decode", "Remote", "ShardCache", "Distributed", "MemoryCache", "TransformSpec",
           "SourceSpec", "Subset", "MixOptions"]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from shards.image.fast import FastDecoder
 from shards.image.transforms import TransformSpec, build_transform
 from shards.formats.sample import RawSample
 from shards.loader.in_process import InProcess
+from shards.procs.decode_mark import decode_mark
 from shards.procs.stage_times import WORKER_STAGES, SharedStageTimes, StageTally
 from shards.loader.worker_processes import WorkerProcesses
 from tests.helpers import class_image, make_shard_dataset
@@ -123,7 +125,27 @@ def test_built_in_decoders_mark_the_end_of_decoding_inside_the_call():
                     FastDecoder(TransformSpec(preset="eval", size=32))):
         began = time.perf_counter()
         decoder(sample, 5)
-        assert began <= decoder.decoded_at <= time.perf_counter()
+        assert began <= decode_mark() <= time.perf_counter()
+
+
+def test_a_decode_mark_is_the_calling_threads_own():
+    """Threads sharing one decoder (the thread run mode) split each call at their own mark, never another's."""
+    sample = RawSample("k", class_image(0, 0, (64, 48)), "jpg", 0, b"")
+    decoder = FastDecoder(TransformSpec(preset="eval", size=32))
+    decoder(sample, 0)
+    here = decode_mark()
+    marks = []
+
+    def other() -> None:
+        marks.append(decode_mark())  # a new thread has none yet
+        decoder(sample, 0)
+        marks.append(decode_mark())
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert marks[0] is None and marks[1] > here
+    assert decode_mark() == here  # the other thread's call left this thread's mark alone
 
 
 def test_per_epoch_differences_with_persistent_workers_and_a_reset(folder: Path):

@@ -1,0 +1,175 @@
+"""Run mode ``Auto``: try the candidate run modes for a few batches at the start of the first epoch, keep the one with
+the lowest step time.
+
+What matters to a training run is the time from one batch to the next as the training loop sees it: the wait for
+data plus the step itself. A loader's own rate misleads: threads that decode fast can slow a CPU-bound step that
+shares their cores (SPDL measured plain threads halving the step rate of such a model), and worker processes that
+keep the cores busy can starve it the same way. So every candidate is timed on the real loop: ``trial_batches``
+batches each (the first ``warmup_batches`` not counted: processes starting, queues filling), the median step time
+compared, the lowest kept for the rest of the run.
+
+The trial changes nothing that is fed. The candidates share one epoch plan (``workers`` logical workers, the same
+saved-state layout), and a switch is the loader's own exact resume in that layout (``state_dict`` of the batches
+handed out, ``load_state_dict`` into the next candidate), so the batches are those of any one of the candidates run
+alone. An epoch that ends inside the trial continues it in the next epoch.
+
+Candidates: ``Threads(n)`` and ``WorkerProcesses(n)``, and ``WorkerProcesses(n, threads=t)`` where the CPUs allow
+``t >= 2`` decode threads per worker; on a free-threaded build (the GIL off) threads come first. The trial and the
+choice are on ``loader.mode_choice()`` (``metrics.jsonl`` and the run report carry them in ``train-from-shards``).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import sys
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from shards.errors import InputError
+from shards.jobs.parallel import usable_cpus
+from shards.loader.base import Loader, Run, RunMode
+from shards.loader.threads import Threads
+from shards.loader.worker_processes import WorkerProcesses
+from shards.position.elastic import Continuation
+from shards.position.resume import STREAM
+from shards.procs.values import MAX_WORKERS
+
+log = logging.getLogger(__name__)
+
+
+def gil_enabled() -> bool:
+    """Whether this interpreter runs with the GIL (always, before Python 3.13; on a free-threaded build, unless an
+    extension module turned it back on)."""
+    probe = getattr(sys, "_is_gil_enabled", None)
+    return True if probe is None else bool(probe())
+
+
+@dataclass(frozen=True)
+class Auto(RunMode):
+    """Run mode: the candidate with the lowest step time over ``workers`` logical workers (see the module
+    docstring); ``trial_batches`` per candidate, the first ``warmup_batches`` of them not timed."""
+
+    workers: int
+    trial_batches: int = 12
+    warmup_batches: int = 3
+
+    on_stall = "restart"  # a StallPolicy heals the process candidates; a thread candidate raises (Threads)
+
+    def __post_init__(self) -> None:
+        if type(self.workers) is not int or not 1 <= self.workers <= MAX_WORKERS:
+            raise InputError(f"Auto workers must be an integer in 1..{MAX_WORKERS}, got {self.workers!r}")
+        if type(self.warmup_batches) is not int or self.warmup_batches < 0:
+            raise InputError(f"Auto warmup_batches must be an integer >= 0, got {self.warmup_batches!r}")
+        if type(self.trial_batches) is not int or self.trial_batches < self.warmup_batches + 2:
+            raise InputError(f"Auto trial_batches must be an integer >= warmup_batches + 2, got "
+                             f"{self.trial_batches!r}")
+
+    def candidates(self, gil: bool | None = None, cpus: int | None = None) -> list[RunMode]:
+        """The modes tried, in order (``gil``: whether the GIL is on, ``cpus``: usable CPUs; both default to this
+        process's)."""
+        gil = gil_enabled() if gil is None else gil
+        cpus = usable_cpus() if cpus is None else cpus
+        n = self.workers
+        modes: list[RunMode] = [Threads(n), WorkerProcesses(n)] if not gil else [WorkerProcesses(n), Threads(n)]
+        if cpus // n >= 2:
+            modes.append(WorkerProcesses(n, threads=cpus // n))
+        return modes
+
+    def layout(self, dataset: Any, batch_size: int) -> tuple[str, int]:
+        return STREAM, batch_size
+
+    def start(self, loader: Loader) -> Run:
+        return AutoRun(loader, self)
+
+
+class AutoRun(Run):
+    """The trial, then the chosen candidate's run (see the module docstring)."""
+
+    def __init__(self, loader: Loader, mode: Auto):
+        self._loader = weakref.ref(loader)  # a reference, not a proxy: the candidates' runs take the loader itself
+        self.mode = mode
+        self.candidates = mode.candidates()
+        self.runs: dict[RunMode, Run] = {}
+        self.steps: dict[RunMode, list[tuple[float, float]]] = {c: [] for c in self.candidates}  # (step, wait)
+        self.taken = dict.fromkeys(self.candidates, 0)  # batches each candidate fed in the trial
+        self.on_trial = 0  # index of the candidate being tried
+        self.chosen: RunMode | None = None
+
+    def _run(self, mode: RunMode) -> Run:
+        if mode not in self.runs:
+            self.runs[mode] = mode.start(self._loader())
+        return self.runs[mode]
+
+    @property
+    def current(self) -> RunMode:
+        return self.chosen if self.chosen is not None else self.candidates[self.on_trial]
+
+    def batches(self) -> Iterator[Any]:
+        if self.chosen is not None:
+            yield from self._run(self.chosen).batches()
+            return
+        clock = time.perf_counter
+        while self.chosen is None:
+            mode = self.candidates[self.on_trial]
+            batches = self._run(mode).batches()
+            timed = self.steps[mode]
+            last = None  # an epoch that ended mid-trial: this candidate goes on where it stopped, timed afresh
+            try:
+                while self.taken[mode] < self.mode.trial_batches:
+                    asked = clock()
+                    try:
+                        batch = next(batches)
+                    except StopIteration:
+                        return  # the epoch ended: the trial goes on in the next one
+                    got = clock()
+                    if last is not None and self.taken[mode] >= self.mode.warmup_batches:
+                        timed.append((got - last, got - asked))  # step time: batch to batch; wait: for the data
+                    last = got
+                    self.taken[mode] += 1
+                    yield batch
+            finally:
+                batches.close()
+            self._next_candidate(mode)
+        yield from self._run(self.chosen).batches()
+
+    def _next_candidate(self, tried: RunMode) -> None:
+        """Leave ``tried`` at the exact position: the next candidate, or once all are tried the chosen one, continues
+        the epoch from the loader's own state."""
+        loader = self._loader()
+        state = loader.state_dict()
+        if self.on_trial + 1 < len(self.candidates):
+            self.on_trial += 1
+        else:
+            self.chosen = min(self.candidates, key=self._median_step)
+            log.info("run mode: %s (median step %s)", self.chosen, ", ".join(
+                f"{c} {self._median_step(c) * 1000:.1f} ms" for c in self.candidates))
+        if self.current != tried:
+            self.runs[tried].close()
+        loader.load_state_dict(state)  # the next iteration, whichever run makes it, starts at this batch
+        if self.chosen is not None:
+            for mode, run in self.runs.items():
+                if mode != self.chosen:
+                    run.close()
+
+    def _median_step(self, mode: RunMode) -> float:
+        steps = [step for step, _ in self.steps[mode]]
+        return statistics.median(steps) if steps else float("inf")  # an epoch too short to time it: never chosen
+
+    def loaded(self, continued: Continuation) -> None:
+        for run in self.runs.values():
+            run.loaded(continued)
+
+    def close(self) -> None:
+        for run in self.runs.values():
+            run.close()
+
+    def choice(self) -> dict[str, Any] | None:
+        """The trial so far and the mode chosen (None until every candidate was tried)."""
+        trial = [{"mode": str(c), "batches": len(self.steps[c]),
+                  "step_s": statistics.median(s for s, _ in self.steps[c]) if self.steps[c] else None,
+                  "wait_s": statistics.median(w for _, w in self.steps[c]) if self.steps[c] else None}
+                 for c in self.candidates]
+        return {"trial": trial, "chosen": None if self.chosen is None else str(self.chosen)}
