@@ -9,7 +9,9 @@ only on a network file system (NFS, Lustre, CIFS, GPFS, BeeGFS, CephFS, FUSE mou
 otherwise; ``pipe:`` commands never (their output is not addressable).
 
 A dataset holds a ``CachedShards`` made in the main process (the settings and the counters shared with its
-DataLoader workers); each process opens its own ``NodeCache``, prefetch thread and plan on first use.
+DataLoader workers); each process opens its own ``NodeCache`` and prefetch thread on first use. The plan is per
+stream, and so per thread: the thread run mode (``shards.loader.threads``) runs several streams in threads of one
+process over one ``CachedShards``, and each must keep its own plan, position and prefetched leases.
 
 A stream tells it its plan (``plan``: its cached shards in read order, this epoch's and the next's), which is
 published for the node's eviction (``shards.cache.plan_view``), and each shard it reaches (``reached``): the
@@ -77,9 +79,29 @@ class PlannedShard(NamedTuple):
     size: int
 
 
+class _StreamPlan:
+    """The plan of the stream a thread runs (one at a time): made on the thread's first use, and again in a forked
+    process (the parent's plan file and leases are not the child's)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.shards: list[PlannedShard] = []  # this epoch's plan
+        self.reached = self.ahead_until = -1  # the plan's shard being read; the last one prefetched
+        self.pending: dict[str, tuple[Future, int]] = {}  # location -> (prefetch, bytes)
+        self.publisher: PlanPublisher | None = None  # the stream's plan file, kept from one plan to the next
+
+    def __del__(self) -> None:
+        # A thread that ended takes its plan with it: its plan file would otherwise stay live (its lock held by
+        # this process) and steer the node's eviction for reads no one will make. Never a parent's, after fork.
+        if self.publisher is not None and self.pid == os.getpid():
+            self.publisher.close()
+
+
 class CachedShards:
     """The node cache as a shard reader uses it: ``lease(location, sha256, size)`` -> a local copy (or None: read
-    the source), a stream's ``plan`` and the prefetch along it on a background thread, and the shared counters."""
+    the source), a stream's ``plan`` and the prefetch along it on a background thread, and the shared counters.
+    The plan and its prefetched leases are the calling thread's stream's; the cache, the prefetch thread and the
+    counters are shared by the process's streams."""
 
     def __init__(self, request: ShardCache, storage_options: Any = None, url_origins: Sequence[str] = ()):
         self.request = request
@@ -88,22 +110,19 @@ class CachedShards:
         self.stats = CacheStats()
         self._network: dict[str, bool] = {}
         self._process: tuple[int, NodeCache, ThreadPoolExecutor] | None = None
-        self._pending: dict[str, tuple[Future, int]] = {}  # location -> (prefetch, bytes)
-        self._lock = threading.Lock()
-        self._publisher: PlanPublisher | None = None  # this process's plan file (made again in a forked one)
-        self._stream: list[PlannedShard] = []  # the current stream's plan this epoch
-        self._reached = self._ahead_until = -1  # the plan's shard being read; the last one prefetched
+        self._lock = threading.Lock()  # the making of ``_process``, by whichever stream asks first
+        self._plans = threading.local()  # ``.plan``: the calling thread's _StreamPlan
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        # per process: made again on first use
-        state.update(_process=None, _pending={}, _lock=None, _publisher=None, _stream=[], _reached=-1,
-                     _ahead_until=-1)
+        del state["_plans"]  # per thread, and a thread-local cannot be pickled
+        state.update(_process=None, _lock=None)  # per process: made again on first use
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._plans = threading.local()
 
     def check_limit(self, largest_shard_bytes: int, where: str) -> None:
         check_limit(self.request, largest_shard_bytes, where)
@@ -124,19 +143,27 @@ class CachedShards:
         return self._network[folder]
 
     def _here(self) -> tuple[NodeCache, ThreadPoolExecutor]:
-        if self._process is None or self._process[0] != os.getpid():
-            if self._lock is None:
-                self._lock = threading.Lock()
-            self._pending, self._publisher, self._stream, self._reached, self._ahead_until = {}, None, [], -1, -1
-            self._process = (os.getpid(), NodeCache(self.request, self.stats),
-                             ThreadPoolExecutor(1, thread_name_prefix="shardcache-prefetch"))
-        return self._process[1], self._process[2]
+        process = self._process
+        if process is None or process[0] != os.getpid():
+            with self._lock:
+                process = self._process
+                if process is None or process[0] != os.getpid():
+                    process = self._process = (os.getpid(), NodeCache(self.request, self.stats),
+                                               ThreadPoolExecutor(1, thread_name_prefix="shardcache-prefetch"))
+        return process[1], process[2]
+
+    def _mine(self) -> _StreamPlan:
+        """The calling thread's stream's plan (a thread inherited across fork starts a new one)."""
+        mine = getattr(self._plans, "plan", None)
+        if mine is None or mine.pid != os.getpid():
+            mine = self._plans.plan = _StreamPlan()
+        return mine
 
     def lease(self, location: str, sha256: str, size: int) -> Lease | None:
-        """The verified local copy of a shard (fetched now unless prefetched), held until ``release()``; None when
-        it cannot be cached (no room, or a full disk with ``fallback``): read the source then."""
-        with self._lock:
-            pending = self._pending.pop(location, None)
+        """The verified local copy of a shard (fetched now unless this thread's stream prefetched it), held until
+        ``release()``; None when it cannot be cached (no room, or a full disk with ``fallback``): read the source
+        then. Another stream's prefetch is never taken: that stream releases it, or reads it, itself."""
+        pending = self._mine().pending.pop(location, None)
         if pending is not None:
             lease = pending[0].result()
             if lease is not None:
@@ -171,68 +198,72 @@ class CachedShards:
         return [run for run in runs if run is not None], np.repeat(place_of_run, lengths)
 
     def plan(self, shards: Sequence[PlannedShard], next_epoch: Sequence[str]) -> None:
-        """A stream begins: ``shards``, its cached shards in read order (one per run of reads of a shard), and
-        ``next_epoch``, the keys its next epoch reads in order. Published for the node's eviction by next use."""
+        """The calling thread's stream begins: ``shards``, its cached shards in read order (one per run of reads of
+        a shard), and ``next_epoch``, the keys its next epoch reads in order. Published for the node's eviction by
+        next use. Replaces this thread's last plan only; other threads' streams keep theirs."""
         cache, _ = self._here()
         self.drop_prefetched()
-        self._stream, self._reached, self._ahead_until = list(shards), -1, -1
-        self.stats.add(planned_bytes=sum({s.sha256: s.size for s in self._stream}.values()))
+        mine = self._mine()
+        mine.shards, mine.reached, mine.ahead_until = list(shards), -1, -1
+        self.stats.add(planned_bytes=sum({s.sha256: s.size for s in mine.shards}.values()))
         if self.plans_ahead:
-            if self._publisher is None:
-                self._publisher = PlanPublisher(cache.root)
-            self._publisher.publish([s.sha256 for s in self._stream], next_epoch)
+            if mine.publisher is None:
+                mine.publisher = PlanPublisher(cache.root)
+            mine.publisher.publish([s.sha256 for s in mine.shards], next_epoch)
 
     def reached(self, index: int) -> None:
-        """The stream's read of ``plan``'s shard ``index`` begins: publish the position and prefetch ahead, the next
-        shard always (its room may cost shards needed later than it), more within ``prefetch_bytes`` and only in
-        room to spare (``CacheIndex.reserve``); after a refusal, no more until the refused shard is read."""
-        if index == self._reached or not 0 <= index < len(self._stream):
+        """The calling thread's stream's read of ``plan``'s shard ``index`` begins: publish the position and
+        prefetch ahead, the next shard always (its room may cost shards needed later than it), more within
+        ``prefetch_bytes`` (per stream) and only in room to spare (``CacheIndex.reserve``); after a refusal, no more
+        until the refused shard is read."""
+        mine = self._mine()
+        if index == mine.reached or not 0 <= index < len(mine.shards):
             return
-        self._reached = index
-        if self._publisher is not None:
-            self._publisher.advance(index)
-        current = self._stream[index].location
-        if index + 1 < len(self._stream) and self._stream[index + 1].location != current:
-            following = self._stream[index + 1]
-            with self._lock:
-                pending = self._pending.get(following.location)
+        mine.reached = index
+        if mine.publisher is not None:
+            mine.publisher.advance(index)
+        current = mine.shards[index].location
+        if index + 1 < len(mine.shards) and mine.shards[index + 1].location != current:
+            following = mine.shards[index + 1]
+            pending = mine.pending.get(following.location)
             if pending is None or _refused(pending[0]):  # refused as a prefetch far ahead: now it is the next one
-                self._prefetch(following, spare_only=False)
-            self._ahead_until = max(self._ahead_until, index + 1)
-        with self._lock:
-            pending_now = dict(self._pending)
+                self._prefetch(mine, following, spare_only=False)
+            mine.ahead_until = max(mine.ahead_until, index + 1)
+        pending_now = dict(mine.pending)
         if any(_refused(future) for future, _ in pending_now.values()):
             return
         ahead = sum(size for location, (_, size) in pending_now.items() if location != current)
-        for later in range(max(index + 2, self._ahead_until + 1), len(self._stream)):
-            shard = self._stream[later]
+        for later in range(max(index + 2, mine.ahead_until + 1), len(mine.shards)):
+            shard = mine.shards[later]
             if shard.location == current or shard.location in pending_now:
                 continue
             if ahead + shard.size > self.request.prefetch_bytes:
                 break
-            self._prefetch(shard, spare_only=True)
+            self._prefetch(mine, shard, spare_only=True)
             pending_now[shard.location] = (None, shard.size)
             ahead += shard.size
-            self._ahead_until = later
+            mine.ahead_until = later
 
     def end_stream(self) -> None:
-        """The stream ended or stopped: release what was prefetched for it; only its next epoch stays planned."""
+        """The calling thread's stream ended or stopped: release what was prefetched for it; only its next epoch
+        stays planned. Other threads' streams go on untouched."""
         self.drop_prefetched()
-        if self._publisher is not None and self._process is not None and self._process[0] == os.getpid():
-            self._publisher.finish_epoch()
-        self._stream, self._reached, self._ahead_until = [], -1, -1
+        mine = self._mine()
+        if mine.publisher is not None:
+            mine.publisher.finish_epoch()
+        mine.shards, mine.reached, mine.ahead_until = [], -1, -1
 
-    def _prefetch(self, shard: PlannedShard, *, spare_only: bool) -> None:
+    def _prefetch(self, mine: _StreamPlan, shard: PlannedShard, *, spare_only: bool) -> None:
         cache, pool = self._here()
         future = pool.submit(cache.acquire, shard.sha256, shard.size, _suffix(shard.location),
                              self._fetcher(shard.location), shard.location, spare_only=spare_only)
-        with self._lock:
-            self._pending[shard.location] = (future, shard.size)
+        mine.pending[shard.location] = (future, shard.size)
 
     def drop_prefetched(self) -> None:
-        """Release leases prefetched for shards that will not be read (the end of an epoch, an error)."""
-        with self._lock:
-            pending, self._pending = self._pending, {}
+        """Release the leases the calling thread's stream prefetched for shards it will not read (the end of an
+        epoch, an error); other streams' prefetches stay theirs."""
+        mine = self._mine()
+        pending, mine.pending = mine.pending, {}
         for future, _ in pending.values():
             try:
                 lease = future.result()

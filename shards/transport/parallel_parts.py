@@ -16,7 +16,9 @@ caller's, per part).
   reader (memory: those parts plus what the reader has not consumed). A part's error is raised when the reader
   reaches it; ``close()`` cancels the parts not started.
 - ``ReadAhead`` (``READ_AHEAD``): streams opened ahead of their reader, keyed by ``(url, start, stop)``, within a
-  byte budget; ``take`` hands one over (and drops those offered before it: the reader has passed them).
+  byte budget; ``take`` hands one over (and drops those offered before it: the reader has passed them). One table
+  per thread: a table's order is one reader's plan, and streams in threads of one process (the thread run mode)
+  must never close each other's ranges by taking or clearing their own.
 - ``TransferLimits`` and ``TransferClock``: how slow a server may be before a request is cut off, the one rule
   every ``s3://`` and ``http(s)://`` response body is read under (docs/object-storage.md, "Slow servers"). A socket
   timeout bounds only the wait for the next byte, so a server that sends one byte every few seconds would hold a
@@ -45,7 +47,7 @@ from shards.units import human_bytes
 PART = 8 << 20  # bytes per request of a long range: 0.13 s at 60 MB/s, so 20 ms of latency costs ~13%
 MIN_PART = 4 << 20  # a shorter range is cut into parts of at least this (fewer, so requests cost less CPU and latency)
 FIRST_PART = 1 << 20  # a whole object of unknown size: the first request, which also says the size
-MAX_AHEAD = 256  # ranges opened ahead per process, at most (far more than the requests a pool keeps in flight)
+MAX_AHEAD = 256  # ranges opened ahead per thread, at most (far more than the requests a pool keeps in flight)
 DEFAULT_CONCURRENCY = 8  # requests in flight per process (S3Options.max_concurrency; http(s) always)
 DEFAULT_READ_AHEAD_BYTES = 64 << 20  # bytes of coming reads in flight ahead (S3Options.read_ahead_bytes; http(s))
 
@@ -241,71 +243,68 @@ class PartStream(io.RawIOBase):
         super().close()
 
 
-class ReadAhead:
-    """Streams opened ahead of their reader in this process, oldest first: at most ``MAX_AHEAD`` of them, holding at
-    most ``budget`` bytes of ranges (one range always fits when the table is empty: a stream itself holds at most
-    its pool's size of parts). Entries never taken are closed when the reader takes a later one, or on
-    ``clear()``."""
+class ReadAhead(threading.local):
+    """Streams opened ahead of their reader, oldest first: at most ``MAX_AHEAD`` of them, holding at most ``budget``
+    bytes of ranges (one range always fits when the table is empty: a stream itself holds at most its pool's size
+    of parts). Entries never taken are closed when the reader takes a later one, or on ``clear()``.
+
+    A thread-local: each thread that uses the table sees its own entries (``__init__`` runs in each), so one
+    thread's ``take`` or ``clear`` never closes another's ranges. Hence no lock: no entry is seen by two threads."""
 
     def __init__(self) -> None:
         self._entries: OrderedDict[tuple[str, int, int], PartStream] = OrderedDict()
         self._held = 0  # bytes of the ranges in the table
         self._pid = os.getpid()
-        self._lock = threading.Lock()
 
     def _own(self) -> None:
         if self._pid != os.getpid():  # inherited across fork: the parent's streams are not this process's
             self._entries, self._held, self._pid = OrderedDict(), 0, os.getpid()
 
     def held_bytes(self) -> int:
-        with self._lock:
-            self._own()
-            return self._held
+        self._own()
+        return self._held
 
     def offer(self, key: tuple[str, int, int], budget: int, open_stream: Callable[[], PartStream]) -> bool:
         """Open ``key``'s stream now unless it is open already; False when the budget has no room for it."""
         _, start, stop = key
-        with self._lock:
-            self._own()
-            if key in self._entries:
-                return True
-            if budget <= 0 or len(self._entries) >= MAX_AHEAD or (
-                    self._entries and self._held + (stop - start) > budget):
-                return False
-            self._entries[key] = open_stream()
-            self._held += stop - start
+        self._own()
+        if key in self._entries:
             return True
+        if budget <= 0 or len(self._entries) >= MAX_AHEAD or (
+                self._entries and self._held + (stop - start) > budget):
+            return False
+        self._entries[key] = open_stream()
+        self._held += stop - start
+        return True
 
     def take(self, key: tuple[str, int, int]) -> PartStream | None:
         """The stream opened ahead for ``key`` (then no longer in the table), or None."""
-        with self._lock:
-            self._own()
-            if key not in self._entries:
-                return None
-            while True:
-                (url, start, stop), stream = self._entries.popitem(last=False)
-                self._held -= stop - start
-                if (url, start, stop) == key:
-                    return stream
-                stream.close()  # offered before the one read now: the reader went past it
+        self._own()
+        if key not in self._entries:
+            return None
+        while True:
+            (url, start, stop), stream = self._entries.popitem(last=False)
+            self._held -= stop - start
+            if (url, start, stop) == key:
+                return stream
+            stream.close()  # offered before the one read now: the reader went past it
 
     def clear(self) -> None:
-        with self._lock:
-            self._own()
-            for stream in self._entries.values():
-                stream.close()
-            self._entries.clear()
-            self._held = 0
+        self._own()
+        for stream in self._entries.values():
+            stream.close()
+        self._entries.clear()
+        self._held = 0
 
 
-READ_AHEAD = ReadAhead()
+READ_AHEAD = ReadAhead()  # the calling thread's table
 
 
 def _after_fork_in_child() -> None:
-    """Locks a thread of the parent held at the fork would stay held in the child: start with free ones."""
+    """A lock a thread of the parent held at the fork would stay held in the child: start with a free one. (The
+    forking thread's read-ahead table, kept in the child, is emptied by its first use there.)"""
     global _pools_lock
     _pools_lock = threading.Lock()
-    READ_AHEAD._lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -324,5 +323,5 @@ def read_ahead(fetch: Fetch, url: str, start: int, stop: int, concurrency: int, 
 
 
 def drop_read_ahead() -> None:
-    """Close every stream opened ahead in this process (a reader starting a new plan)."""
+    """Close every stream this thread opened ahead (its reader starting a new plan); other threads' stay open."""
     READ_AHEAD.clear()
