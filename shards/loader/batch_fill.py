@@ -63,7 +63,7 @@ class BatchFill:
             batch = pin_nested(batch) if self.pin else batch
         else:
             first = self.first if self.count == self.batch_size else self.first[: self.count]
-            rest = [default_collate(list(column)) for column in zip(*self.rest)]
+            rest = [default_collate(column) for column in zip(*self.rest)]  # tuples, as a DataLoader's transpose
             batch = [first, *(pin_nested(column) for column in rest)] if self.pin else [first, *rest]
         self._clear()
         return batch

@@ -289,7 +289,21 @@ def stuck_frame(worker: threading.Thread, row: int | None) -> str | None:
     frame = next((f for f in candidates if f is not None), None)
     if frame is None:
         return None
+    inner = frame
+    while frame is not None and _waiting_in_library(frame):  # an Event.wait, a queue: name who waits
+        frame = frame.f_back
+    if frame is None or frame is inner:
+        return _where(inner)
+    return f"{_where(frame)}, waiting in {_where(inner)}"
+
+
+def _where(frame: Any) -> str:
     return f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})"
+
+
+def _waiting_in_library(frame: Any) -> bool:
+    path = frame.f_code.co_filename
+    return os.path.basename(path) in ("threading.py", "queue.py") or f"concurrent{os.sep}futures" in path
 
 
 def _decoding(frame: Any, row: int) -> bool:

@@ -20,24 +20,25 @@ def folder(tmp_path_factory):
     return out
 
 
-def build(folder, workers, *, rank=0, world=1, batch=4, drop_last=False, weights=None):
+def build(folder, workers, *, rank=0, world=1, batch=4, drop_last=False, weights=None, run="processes"):
     dataset = shards.open_dataset(folder, return_keys=True, seed=5,
                                   decode=shards.Decode(decoder=lambda sample, seed: 0),
                                   sampling=shards.Sampling(shuffle_buffer=6, class_weights=weights),
                                   distributed=shards.Distributed(rank=rank, world_size=world))
-    return shards.make_loader(dataset, batch_size=batch, mode=workers_mode(workers, persistent=False),
-                              drop_last=drop_last)
+    return shards.make_loader(dataset, batch_size=batch, mode=workers_mode(workers, persistent=False, run=run)
+                              if workers else workers_mode(0), drop_last=drop_last)
 
 
 def computed(loader, epoch, steps):
     return [[s["key"] for s in loader.batch_keys(epoch, step)] for step in range(steps)]
 
 
+@pytest.mark.parametrize("run", ["processes", "threads"])
 @pytest.mark.parametrize("workers,world,drop_last", [(0, 1, False), (2, 1, False), (3, 2, True)])
 @pytest.mark.slow
-def test_batch_keys_equal_the_batches_iterated_in_two_epochs(folder, workers, world, drop_last):
+def test_batch_keys_equal_the_batches_iterated_in_two_epochs(folder, workers, world, drop_last, run):
     for rank in range(world):
-        loader = build(folder, workers, rank=rank, world=world, drop_last=drop_last)
+        loader = build(folder, workers, rank=rank, world=world, drop_last=drop_last, run=run)
         for epoch in (0, 1):
             loader.set_epoch(epoch)
             fed = [list(batch[2]) for batch in loader]
@@ -100,11 +101,12 @@ def test_feature_batches(tmp_path):
 WEIGHTS = (1.0, 0.0, 4.0)  # class b never drawn, class c about four times over
 
 
+@pytest.mark.parametrize("run", ["processes", "threads"])
 @pytest.mark.parametrize("workers,world", [(0, 1), (2, 1), (3, 2)])
 @pytest.mark.slow
-def test_weighted_batch_keys_equal_the_batches_iterated(folder, workers, world):
+def test_weighted_batch_keys_equal_the_batches_iterated(folder, workers, world, run):
     for rank in range(world):
-        loader = build(folder, workers, rank=rank, world=world, weights=WEIGHTS)
+        loader = build(folder, workers, rank=rank, world=world, weights=WEIGHTS, run=run)
         for epoch in (0, 1):
             loader.set_epoch(epoch)
             fed = [list(batch[2]) for batch in loader]

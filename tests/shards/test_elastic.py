@@ -33,13 +33,13 @@ def weighted_folder(tmp_path_factory):
     return out
 
 
-def build(folder, workers, *, rank=0, world=1, batch=4, drop_last=False, **options):
+def build(folder, workers, *, rank=0, world=1, batch=4, drop_last=False, run="processes", **options):
     dataset = shards.open_dataset(folder, return_keys=True, seed=3,
                                   decode=shards.Decode(decoder=lambda sample, seed: 0),
                                   sampling=shards.Sampling(shuffle_buffer=6), **options,
                                   distributed=shards.Distributed(rank=rank, world_size=world))
-    return shards.make_loader(dataset, batch_size=batch, mode=workers_mode(workers, persistent=False),
-                              drop_last=drop_last)
+    return shards.make_loader(dataset, batch_size=batch, mode=workers_mode(workers, persistent=False, run=run)
+                              if workers else workers_mode(0), drop_last=drop_last)
 
 
 def keys(loader_or_batches):
@@ -55,12 +55,14 @@ def interrupted(loader, batches):
     return head, state
 
 
+@pytest.mark.parametrize("runs", [("processes", "processes"), ("threads", "threads"), ("processes", "threads"),
+                                  ("threads", "processes")], ids="-".join)
 @pytest.mark.parametrize("new_workers", [1, 3])
 @pytest.mark.parametrize("taken", [1, 4, 9])
 @pytest.mark.slow
-def test_two_workers_to_another_count_yields_exactly_the_missing_keys(folder, new_workers, taken):
-    head, state = interrupted(build(folder, 2), taken)
-    resumed = build(folder, new_workers)
+def test_two_workers_to_another_count_yields_exactly_the_missing_keys(folder, new_workers, taken, runs):
+    head, state = interrupted(build(folder, 2, run=runs[0]), taken)
+    resumed = build(folder, new_workers, run=runs[1])
     resumed.load_state_dict(state)
     batches = list(resumed)
     rest = keys(batches)

@@ -19,6 +19,7 @@ from shards.order.order import EpochSource
 from shards.position.elastic import remaining_after
 from shards.position.resume import LoaderState
 from shards.loader.in_process import InProcess
+from shards.loader.threads import Threads
 from shards.loader.worker_processes import WorkerProcesses
 from shards.loader.loader import workers_mode
 from tests.helpers import make_shard_dataset
@@ -129,6 +130,34 @@ def test_replay_finds_what_iteration_left(folders, index):
     expected = collections.Counter(epoch_rows.tolist())
     expected.subtract(consumed)
     assert collections.Counter(left.tolist()) == +expected, case
+
+
+MODES = {"processes": lambda n: WorkerProcesses(n, persistent=False), "threads": Threads,
+         "threads_decoders": lambda n: Threads(n, decoders=2),
+         "processes_threads": lambda n: WorkerProcesses(n, persistent=False, threads=2)}
+
+
+# Every layout in threads; every other one in processes, which start a worker process per worker.
+MODE_CASES = [(index, mode) for index in range(0, CASES, 3) for mode in MODES
+              if not (mode.startswith("processes") and index % 2)]
+
+
+@pytest.mark.parametrize("index,mode", MODE_CASES)
+def test_every_run_mode_feeds_the_order_functions_batches(folders, index, mode):
+    """Whatever makes the batches (worker processes, threads, threads decoding for them, threads inside processes),
+    a rank's epoch is the workers' order-function rows, dealt in the DataLoader's round robin of whole batches."""
+    case = layout(index)
+    drop_last = random.Random(2000 + index).random() < 0.5
+    for rank in range(case["world"]):
+        dataset = open_features(folders, case, rank)
+        dataset.set_epoch(case["epoch"])
+        streams = [dataset.worker_order(case["epoch"], w, case["workers"], split_batch=case["batch"]).served().tolist()
+                   for w in range(case["workers"])]
+        loader = shards.make_loader(dataset, case["batch"], mode=MODES[mode](case["workers"]), drop_last=drop_last)
+        fed = [[combined_row(dataset, row[0]) for row in features] for features, _ in loader]
+        assert len(fed) == len(loader), case
+        assert [row for batch in fed for row in batch] == \
+            dataloader_consumed(streams, case["batch"], drop_last, len(fed)), case
 
 
 @pytest.mark.parametrize("index", range(0, CASES, 2))

@@ -5,6 +5,7 @@ import torch
 
 import shards
 from shards.position.resume import LOADER_STATE_VERSION, LoaderState
+from shards.loader.threads import Threads
 from shards.loader.worker_processes import WorkerProcesses
 from shards.loader.loader import workers_mode
 from tests.helpers import make_shard_dataset
@@ -22,40 +23,44 @@ def folder(tmp_path_factory):
     return out
 
 
-def build(folder, workers, **options):
+def build(folder, workers, run="processes", **options):
     dataset = shards.open_dataset(folder, transform="eval", return_keys=True, seed=3,
                                   sampling=shards.Sampling(shuffle_buffer=6), **options)
-    return shards.make_loader(dataset, batch_size=4, mode=workers_mode(workers, persistent=False), drop_last=False)
+    mode = workers_mode(workers, persistent=False, run=run) if workers else workers_mode(0)
+    return shards.make_loader(dataset, batch_size=4, mode=mode, drop_last=False)
 
 
 def key_batches(iterable):
     return [list(batch[2]) for batch in iterable]
 
 
-@pytest.mark.parametrize("workers", [0, pytest.param(1, marks=pytest.mark.slow),
-                                     pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
-def test_resume_yields_exactly_the_rest(folder, workers):
-    reference = build(folder, workers)
+@pytest.mark.parametrize("workers,run", [(0, "processes"), pytest.param(1, "processes", marks=pytest.mark.slow),
+                                         pytest.param(2, "processes", marks=pytest.mark.slow),
+                                         pytest.param(3, "processes", marks=pytest.mark.slow),
+                                         (1, "threads"), (2, "threads"), (3, "threads")])
+def test_resume_yields_exactly_the_rest(folder, workers, run):
+    reference = build(folder, workers, run)
     reference.set_epoch(2)
     full = key_batches(reference)
     for taken in (1, 3, len(full) - 1):
-        interrupted = build(folder, workers)
+        interrupted = build(folder, workers, run)
         interrupted.set_epoch(2)
         iterator = iter(interrupted)
         head = [list(next(iterator)[2]) for _ in range(taken)]
         state = interrupted.state_dict()
         del iterator
-        resumed = build(folder, workers)
+        resumed = build(folder, workers, run)
         resumed.load_state_dict(state)
         assert resumed.epoch == 2
         assert head + key_batches(resumed) == full
 
 
-def test_resume_replays_class_weights_and_augmentations(folder):
+@pytest.mark.parametrize("mode", [WorkerProcesses(2, persistent=False), Threads(2)], ids=["processes", "threads"])
+def test_resume_replays_class_weights_and_augmentations(folder, mode):
     def loader():
         dataset = shards.open_dataset(folder, transform="train", return_keys=True, seed=5,
                                       sampling=shards.Sampling(class_weights="balanced"))
-        return shards.make_loader(dataset, batch_size=3, mode=WorkerProcesses(2, persistent=False), drop_last=True)
+        return shards.make_loader(dataset, batch_size=3, mode=mode, drop_last=True)
 
     full = [(b[0], list(b[2])) for b in loader()]
     interrupted = loader()

@@ -10,7 +10,9 @@ import pytest
 import shards
 from shards.errors import InputError
 from shards.loader.base import Loader
+from shards.loader.auto import Auto
 from shards.loader.in_process import InProcess
+from shards.loader.threads import Threads
 from shards.loader.loader import workers_mode
 from shards.procs.stage_times import WORKER_STAGES
 from shards.loader.watchdog import StallPolicy
@@ -40,8 +42,9 @@ def features(folders):
     return shards.open_dataset(folders / "features", "train", seed=1)
 
 
-LOADERS = [("images", WorkerProcesses(1, persistent=False)), ("images", InProcess()),
-           ("features", WorkerProcesses(1, persistent=False)), ("features", InProcess())]
+LOADERS = [("images", WorkerProcesses(1, persistent=False)), ("images", InProcess()), ("images", Threads(2)),
+           ("images", Auto(2, trial_batches=2, warmup_batches=0)), ("features", WorkerProcesses(1, persistent=False)),
+           ("features", InProcess()), ("features", Threads(1))]
 
 
 @pytest.mark.parametrize("kind,mode", LOADERS, ids=lambda v: str(v))
