@@ -58,8 +58,9 @@ class Plan:
 
 
 class PlanPublisher:
-    """One reader's plan file and the lock that keeps it alive (see the module docstring). One per process and
-    dataset; made again in a forked process, whose inherited lock would otherwise vouch for its parent."""
+    """One reader's plan file and the lock that keeps it alive (see the module docstring). One per stream (a
+    thread's, ``shards.cache.cached_shards``); made again in a forked process, whose inherited lock would otherwise
+    vouch for its parent."""
 
     def __init__(self, root: Path):
         folder = root / PLANS
