@@ -17,8 +17,25 @@ from shards.cli.sections import SectionedCommand
 from shards.transport.location import locate
 from shards.stream.options import STREAM_DECODES
 from train.config import TrainConfig
-from train.options import (CLASS_MAPS, DEFAULT_DECODE, DEVICES, HEADS, LOSSES, OPTIMIZERS, TASKS, CacheOptions,
-                           DataOptions, LoaderOptions, ModelOptions, OptimOptions, RunOptions)
+from train.options import (CLASS_MAPS, DEFAULT_DECODE, DEVICES, HEADS, LOSSES, OPTIMIZERS, RUN_MODES, TASKS,
+                           CacheOptions, DataOptions, LoaderOptions, ModelOptions, OptimOptions, RunOptions)
+
+
+class WorkerCount(click.ParamType):
+    """``--workers``: a count (an integer >= 0) or ``auto``."""
+
+    name = "N|auto"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int | str:
+        if value == "auto" or (type(value) is int and value >= 0):
+            return value
+        try:
+            count = int(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is neither a worker count nor 'auto'", param, ctx)
+        if count < 0:
+            self.fail(f"{count} is not a worker count (>= 0)", param, ctx)
+        return count
 
 
 @click.command(cls=SectionedCommand, context_settings={"help_option_names": ["-h", "--help"], "show_default": True},
@@ -29,8 +46,8 @@ from train.options import (CLASS_MAPS, DEFAULT_DECODE, DEVICES, HEADS, LOSSES, O
                          "Optimisation": ("epochs", "batch_size", "optimizer", "lr", "momentum", "warmup_epochs",
                                           "weight_decay", "loss", "label_smoothing", "class_weighted_loss",
                                           "balanced_sampler", "seed", "amp"),
-                         "Loader": ("image_size", "decode", "fast_decode", "workers", "prefetch", "feature_window",
-                                    "stall_timeout"),
+                         "Loader": ("image_size", "decode", "fast_decode", "workers", "run_mode", "worker_threads",
+                                    "prefetch", "feature_window", "stall_timeout"),
                          "Cache and storage": ("cache_images", "memory_limit", "cache_dir", "cache_limit",
                                                "cache_eviction", "cache_prefetch", "cache_fallback", "cache_local",
                                                "s3_endpoint_url", "s3_profile", "s3_unsigned", "s3_max_concurrency",
@@ -96,7 +113,16 @@ from train.options import (CLASS_MAPS, DEFAULT_DECODE, DEVICES, HEADS, LOSSES, O
 @click.option("--class-weighted-loss", is_flag=True, help="Weight the loss by inverse class frequency.")
 @click.option("--balanced-sampler", is_flag=True, help="Sample classes evenly (seeded) instead of weighting the loss.")
 @click.option("--seed", type=int, default=0)
-@click.option("--workers", type=int, default=None, help="DataLoader workers. Default: the loader's choice.")
+@click.option("--workers", type=WorkerCount(), default=None,
+              help="Loader workers (processes or threads: one plan, one resume layout), or 'auto' (= --run-mode "
+                   "auto). Default: the loader's choice (CPUs - 1, at most 8).")
+@click.option("--run-mode", type=click.Choice(RUN_MODES), default=None,
+              help="How the workers run: processes (DataLoader workers), threads (in this process: no IPC, for "
+                   "decoders that release the GIL), auto (each tried over the first batches, the lowest step time "
+                   "kept; the trial is in metrics.jsonl and the report). Default: processes.")
+@click.option("--worker-threads", type=click.IntRange(1, 64), default=1,
+              help="Decode threads inside each worker process (SPDL's multi-threading in multi-processing), or "
+                   "shared by the worker threads with --run-mode threads.")
 @click.option("--prefetch", type=int, default=2,
               help="Feature batches a background thread gathers ahead of the training step (0: none).")
 @click.option("--feature-window", type=int, default=0,
@@ -134,7 +160,7 @@ def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...],
                   dropout: float, model: str, weights: str | None, image_size: int, decode: str, fast_decode: bool,
                   epochs: int, batch_size: int, optimizer: str, lr: float | None, momentum: float, warmup_epochs: float,
                   weight_decay: float, label_smoothing: float, class_weighted_loss: bool, balanced_sampler: bool,
-                  seed: int, workers: int | None, prefetch: int, feature_window: int, stall_timeout: float,
+                  seed: int, workers: int | str | None, run_mode: str | None, worker_threads: int, prefetch: int, feature_window: int, stall_timeout: float,
                   amp: bool, device: str, train_split: str,
                   val_split: str, checkpoint_every: int, resume: bool, dry_run: bool, overwrite: bool,
                   stop_after_steps: int | None, no_report: bool, cache_images: bool, memory_limit: int | None,
@@ -165,8 +191,10 @@ def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...],
                            warmup_epochs=warmup_epochs, weight_decay=weight_decay, loss=loss,
                            label_smoothing=label_smoothing, class_weighted_loss=class_weighted_loss,
                            balanced_sampler=balanced_sampler, seed=seed, amp=amp),
-        loader=LoaderOptions(image_size=image_size, decode=decode, fast_decode=fast_decode, workers=workers,
-                             prefetch=prefetch, feature_window=feature_window, stall_timeout=stall_timeout),
+        loader=LoaderOptions(image_size=image_size, decode=decode, fast_decode=fast_decode,
+                             workers=None if workers == "auto" else workers,
+                             run_mode=run_mode or ("auto" if workers == "auto" else "processes"),
+                             worker_threads=worker_threads, prefetch=prefetch, feature_window=feature_window, stall_timeout=stall_timeout),
         cache=cache_group(s3.to_dict() if any(locate(s["path"]).uses_storage_options for s in sources) else None,
                           cache, images=cache_images, memory_limit=memory_limit),
         run=RunOptions(out_dir, device=device, checkpoint_every=checkpoint_every, resume=resume, overwrite=overwrite,

@@ -19,10 +19,12 @@ from train.options import CacheOptions, DataOptions, LoaderOptions, ModelOptions
 
 # Fields a resumed run may change without it being a different run: they steer the process, not the numbers
 # (``optim.epochs`` extends a run; the schedule then follows the new length; other ``loader.workers`` continue the
-# interrupted epoch with exactly the samples it had left, see shards.position.elastic; a cache's folder and sizes
+# interrupted epoch with exactly the samples it had left, see shards.position.elastic; the run mode and its threads
+# feed the same plan, so they resume each other's states; a cache's folder and sizes
 # only decide what is kept where, except ``cache.images``, which changes the train views).
 RESUMABLE_CHANGES = frozenset(
-    {"optim.epochs", "data.exclude_keys", "loader.workers", "loader.stall_timeout", "cache.storage_options",
+    {"optim.epochs", "data.exclude_keys", "loader.workers", "loader.run_mode", "loader.worker_threads",
+     "loader.stall_timeout", "cache.storage_options",
      "cache.dir", "cache.limit", "cache.fallback", "cache.local", "cache.eviction", "cache.prefetch_bytes",
      "cache.memory_limit", "run.device", "run.checkpoint_every", "run.resume", "run.overwrite", "run.dry_run",
      "run.quiet", "run.stop_after_steps", "run.report", "run.record_keys"}

@@ -19,7 +19,7 @@ import shards
 from shards.check.freshness import check_features_fresh
 from shards.cache.node_index import STAT_NAMES
 from shards.errors import InputError, ManifestError
-from shards.loader.loader import default_mode, workers_mode
+from shards.loader.loader import auto_mode, default_mode, default_num_workers, workers_mode
 from shards.loader.watchdog import StallPolicy
 from shards.transport.location import locate
 from shards.transport.manifest_io import load_manifest_at
@@ -257,12 +257,25 @@ def affinity_nodes(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest
     return ctx.nodes
 
 
+def loader_mode(dataset: Any, cfg: TrainConfig) -> Any:
+    """The run mode ``cfg.loader`` names over ``dataset`` (``shards.loader.loader``): the library's default without
+    settings; ``auto``: ``Auto(workers)`` (feature rows: in process, nothing to try); otherwise the workers as
+    processes or threads, ``worker_threads`` decoding inside each process (or shared by the threads)."""
+    options = cfg.loader
+    if options.run_mode == "auto":
+        return auto_mode(dataset, options.workers)
+    if options.workers is None and options.run_mode == "processes" and options.worker_threads == 1:
+        return default_mode(dataset)
+    workers = default_num_workers() if options.workers is None else options.workers
+    return workers_mode(workers, run=options.run_mode, threads=options.worker_threads)
+
+
 def _loader(dataset: Any, cfg: TrainConfig, ctx: DistContext, *, drop_last: bool) -> Any:
     # DataLoader otherwise draws its worker base seed from the global torch RNG at every ``iter()``, so a resumed
     # run (one extra ``iter()``) would see different dropout than an uninterrupted one. The reader seeds each
     # sample's transform itself, so this generator's values do not matter, only that it is not the global one.
     generator = torch.Generator().manual_seed(cfg.optim.seed)
-    mode = default_mode(dataset) if cfg.loader.workers is None else workers_mode(cfg.loader.workers)
+    mode = loader_mode(dataset, cfg)
     # --stall-timeout (on by default) guards worker processes; a run without any has none to restart.
     stall = StallPolicy(cfg.loader.stall_timeout) if cfg.loader.stall_timeout and mode.on_stall is not None else None
     return shards.make_loader(dataset, batch_size=cfg.optim.batch_size, mode=mode, stall=stall, drop_last=drop_last,

@@ -28,6 +28,7 @@ OPTIMIZERS = ("sgd", "adamw")
 # to "standard") because the loop owns the device-side normalisation the fast decode needs.
 DEFAULT_DECODE = "fast"
 DEVICES = ("auto", "cpu", "cuda")
+RUN_MODES = ("processes", "threads", "auto")  # the loader's run mode (shards.loader)
 # auto: regression when features.json's config.target says so (a table with a float target), else classification.
 TASKS = ("auto", "classification", "regression")
 LOSSES = ("mse", "huber")  # regression, on standardised targets (train.model.regression); classification: cross-entropy
@@ -137,12 +138,17 @@ class OptimOptions:
 @dataclass(frozen=True)
 class LoaderOptions:
     """How samples reach the training step: the image pipeline (``image_size``, ``decode``, ``fast_decode``) and
-    the loader's processes and threads. ``workers=None`` is the loader's choice."""
+    the loader's processes and threads: ``workers`` logical workers (None: the loader's choice), run as
+    ``run_mode`` ``processes`` (with ``worker_threads`` decode threads inside each), ``threads`` (threads of the
+    training process; ``worker_threads`` > 1: that many decode threads shared by them) or ``auto`` (the one of them
+    with the lowest step time, ``shards.loader.auto``)."""
 
     image_size: int = 224
     decode: str = DEFAULT_DECODE
     fast_decode: bool = False
     workers: int | None = None
+    run_mode: str = "processes"
+    worker_threads: int = 1
     prefetch: int = 2  # feature batches a background thread gathers ahead (0: none)
     feature_window: int = 0  # features: permute within windows of this many rows, read one window ahead (0: whole)
     stall_timeout: float = 600.0  # seconds without a batch before DataLoader workers are restarted (0: never)
@@ -154,6 +160,12 @@ class LoaderOptions:
             raise InputError("loader.fast_decode applies to decode='standard'; the fast decode drafts JPEGs itself")
         if self.workers is not None:
             _not_negative("loader.workers", self.workers)
+        if self.run_mode not in RUN_MODES:
+            raise InputError(f"loader.run_mode={self.run_mode!r} is not one of {', '.join(RUN_MODES)}")
+        if self.run_mode != "processes" and self.workers == 0:
+            raise InputError(f"loader.run_mode={self.run_mode!r} needs workers >= 1 (workers=0: in the training "
+                             "process, no mode to choose)")
+        _positive("loader.worker_threads", self.worker_threads)
         _not_negative("loader.prefetch", self.prefetch)
         _not_negative("loader.feature_window", self.feature_window)
         if not self.stall_timeout >= 0:

@@ -184,6 +184,29 @@ def first_batch_table(rows: Sequence[Mapping[str, Any]]) -> Markup:
             + note(caption))
 
 
+def run_mode_table(rows: Sequence[Mapping[str, Any]]) -> Markup:
+    """The train loader's run mode, and with ``Auto`` the trial that chose it: per candidate the batches timed
+    and the median step and data-wait seconds (``shards.loader.auto``). Nothing for runs from before it was
+    recorded."""
+    recorded = [row["run_mode"] for row in rows if isinstance(row.get("run_mode"), Mapping)]
+    if not recorded:
+        return Markup("")
+    last = recorded[-1]
+    trial = last.get("trial") if isinstance(last.get("trial"), list) else []
+    if not trial:
+        return tag("h3", "Run mode") + note(f"The train loader ran as {last.get('mode')}.")
+    chosen = last.get("chosen")
+    body = [[str(entry.get("mode")), num_cell(entry.get("batches")), num_cell(number(entry.get("step_s")), seconds),
+             num_cell(number(entry.get("wait_s")), seconds), "chosen" if entry.get("mode") == chosen else ""]
+            for entry in trial if isinstance(entry, Mapping)]
+    verdict = (f"Chosen: {chosen}, the lowest median step time (data wait plus step) over the batches timed."
+               if chosen else "Every candidate had not been timed yet when the run ended: no mode was chosen.")
+    return (tag("h3", "Run mode (auto)")
+            + table(["candidate", "batches timed", "median step", "median data wait", ""], body)
+            + note(f"{verdict} Every candidate feeds the same batches (one plan, one saved-state layout); the trial "
+                   "ran at the start of the first epoch."))
+
+
 def stage_breakdown(rows: Sequence[Mapping[str, Any]]) -> Markup:
     """Stacked seconds per epoch, the last epoch's shares (loop and workers apart: worker time overlaps the loop),
     and the last epoch rank by rank when there are several ranks."""
@@ -191,7 +214,8 @@ def stage_breakdown(rows: Sequence[Mapping[str, Any]]) -> Markup:
     timed = [(row, m) for row, m in timed if m]
     if not timed:
         return subsection("Stage breakdown", note("Not recorded: this run's metrics.jsonl has no stage_seconds "
-                                                  "(runs from before stage timing).") + first_batch_table(rows))
+                                                  "(runs from before stage timing).") + first_batch_table(rows)
+                          + run_mode_table(rows))
     names = ordered_stages([m for _, m in timed])
     fills = _colours(names)
     labels = [str(row.get("epoch", i + 1)) for i, (row, _) in enumerate(timed)]
@@ -220,4 +244,5 @@ def stage_breakdown(rows: Sequence[Mapping[str, Any]]) -> Markup:
         body += _per_rank(ranks, last_row)
     body.append(_stragglers([row for row, _ in timed]))
     body.append(first_batch_table(rows))
+    body.append(run_mode_table(rows))
     return subsection("Stage breakdown", join(body))

@@ -56,6 +56,8 @@ class EpochRows:
             "quarantined": len(self.data.train_loader.quarantined)}  # samples kept out so far
         if self.data.mixture is not None:  # samples each source filled this epoch (fixed by the mixture's draw)
             fields["mixture_drawn"] = list(self.data.mixture.draw)
+        loader = self.data.train_loader
+        fields["run_mode"] = {"mode": str(loader.mode), **(loader.mode_choice() or {})}
         if state.first_batch:  # the starts and resumes of this epoch (train.run.first_batch), rank 0's numbers
             fields["first_batch"], state.first_batch = state.first_batch, []
         fields.update(self.findings(fields, state.history))
