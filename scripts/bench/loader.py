@@ -21,6 +21,11 @@ in short polls), side by side, and a loop that publishes and clears a sample pri
     python scripts/bench/loader.py --quick --repeat 3   # 600 images, ~70 s
     python scripts/bench/loader.py --stage-times-only --repeat 5   # only what stage timing costs
     python scripts/bench/loader.py --watchdog --quick --repeat 4   # only what the stall watchdog costs
+    python scripts/bench/loader.py --modes --repeat 3   # run modes against the peers, SPDL included (~12 min)
+
+``--modes`` (``scripts/bench/loader_modes.py``) runs every pass in a fresh process: the fast path in each run mode
+(worker processes, threads, threads inside a process, ``Auto``), the standard path in processes and threads, and the
+peers (ImageFolder, webdataset, SPDL over files and over tars), with img/s, CPU per image and peak memory.
 
 Progress and the table go to stderr; stdout gets one JSON line with ``images_per_s``, ``fast_vs_best_peer``, the
 ratios and the accuracy numbers.
@@ -369,6 +374,11 @@ def main() -> None:
     parser.add_argument("--watchdog", action="store_true",
                         help="only measure what the stall watchdog (make_loader(stall=StallPolicy(...))) costs, "
                              "fast path")
+    parser.add_argument("--modes", action="store_true",
+                        help="only the run modes against the peers, SPDL included: img/s, CPU per image, peak "
+                             "memory, each pass in a fresh process (scripts/bench/loader_modes.py)")
+    parser.add_argument("--passes", default=None,
+                        help="--modes: only these passes, comma-separated (no ratios then; default: all)")
     parser.add_argument("--stage-times-only", action="store_true",
                         help="only measure what per-stage timing costs (fast and standard paths, with and without)")
     args = parser.parse_args()
@@ -562,6 +572,15 @@ def run(args, workdir: Path, count: int, per_shard: int) -> None:
     log.info("mean file %.0f KB; %d tar and %d HDF5 shards; %d workers, batch %d; simplejpeg %s", mean_kb,
              len(tars), len(h5s), args.workers, args.batch_size,
              getattr(fast.simplejpeg, "__version__", "absent"))
+    if args.modes:
+        import loader_modes
+
+        args.workdir = workdir
+        result = loader_modes.run_modes(args, count, log)
+        print(loader_modes.report(result), file=sys.stderr)
+        print(json.dumps({"images": count, "workers": args.workers, "batch_size": args.batch_size,
+                          "repeat": args.repeat, **result}))
+        return
     if args.sha256_only:
         rates = best_of_rounds(sha256_passes(args, workdir, tars), count, args.repeat)
         costs = sha256_costs(rates)

@@ -4,9 +4,13 @@ the lowest step time.
 What matters to a training run is the time from one batch to the next as the training loop sees it: the wait for
 data plus the step itself. A loader's own rate misleads: threads that decode fast can slow a CPU-bound step that
 shares their cores (SPDL measured plain threads halving the step rate of such a model), and worker processes that
-keep the cores busy can starve it the same way. So every candidate is timed on the real loop: ``trial_batches``
-batches each (the first ``warmup_batches`` not counted: processes starting, queues filling), the median step time
-compared, the lowest kept for the rest of the run.
+keep the cores busy can starve it the same way. So every candidate is timed on the real loop over
+``trial_batches`` batches, its mean step time compared, the lowest kept for the rest of the run.
+
+Only the steady state is timed. A candidate first feeds ``warmup_batches`` (processes starting, first reads) and
+then as many batches as it prepares ahead (``RunMode.batches_ahead``: worker processes keep ``workers x
+prefetch_factor`` batches queued): batches made while the loop was not yet asking come out of the queue at once,
+and a short trial that counted them would crown the deepest queue, not the fastest loader.
 
 The trial changes nothing that is fed. The candidates share one epoch plan (``workers`` logical workers, the same
 saved-state layout), and a switch is the loader's own exact resume in that layout (``state_dict`` of the batches
@@ -14,7 +18,8 @@ handed out, ``load_state_dict`` into the next candidate), so the batches are tho
 alone. An epoch that ends inside the trial continues it in the next epoch.
 
 Candidates: ``Threads(n)`` and ``WorkerProcesses(n)``, and ``WorkerProcesses(n, threads=t)`` where the CPUs allow
-``t >= 2`` decode threads per worker; on a free-threaded build (the GIL off) threads come first. The trial and the
+``t >= 2`` decode threads per worker; on a free-threaded build (the GIL off) threads come first. A candidate that
+cannot run the dataset (threads and a transform that draws from torch's global generator) is left out. The trial and the
 choice are on ``loader.mode_choice()`` (``metrics.jsonl`` and the run report carry them in ``train-from-shards``).
 """
 
@@ -50,11 +55,11 @@ def gil_enabled() -> bool:
 @dataclass(frozen=True)
 class Auto(RunMode):
     """Run mode: the candidate with the lowest step time over ``workers`` logical workers (see the module
-    docstring); ``trial_batches`` per candidate, the first ``warmup_batches`` of them not timed."""
+    docstring); ``trial_batches`` timed per candidate, after ``warmup_batches`` and its queue's batches."""
 
     workers: int
-    trial_batches: int = 12
-    warmup_batches: int = 3
+    trial_batches: int = 10
+    warmup_batches: int = 2
 
     on_stall = "restart"  # a StallPolicy heals the process candidates; a thread candidate raises (Threads)
 
@@ -63,9 +68,8 @@ class Auto(RunMode):
             raise InputError(f"Auto workers must be an integer in 1..{MAX_WORKERS}, got {self.workers!r}")
         if type(self.warmup_batches) is not int or self.warmup_batches < 0:
             raise InputError(f"Auto warmup_batches must be an integer >= 0, got {self.warmup_batches!r}")
-        if type(self.trial_batches) is not int or self.trial_batches < self.warmup_batches + 2:
-            raise InputError(f"Auto trial_batches must be an integer >= warmup_batches + 2, got "
-                             f"{self.trial_batches!r}")
+        if type(self.trial_batches) is not int or self.trial_batches < 1:
+            raise InputError(f"Auto trial_batches must be an integer >= 1, got {self.trial_batches!r}")
 
     def candidates(self, gil: bool | None = None, cpus: int | None = None) -> list[RunMode]:
         """The modes tried, in order (``gil``: whether the GIL is on, ``cpus``: usable CPUs; both default to this
@@ -91,9 +95,11 @@ class AutoRun(Run):
     def __init__(self, loader: Loader, mode: Auto):
         self._loader = weakref.ref(loader)  # a reference, not a proxy: the candidates' runs take the loader itself
         self.mode = mode
-        self.candidates = mode.candidates()
+        self.candidates = [c for c in mode.candidates() if c.unsuited(loader.dataset) is None]
         self.runs: dict[RunMode, Run] = {}
         self.steps: dict[RunMode, list[tuple[float, float]]] = {c: [] for c in self.candidates}  # (step, wait)
+        # Batches each candidate feeds untimed first: the warm-up, and what its queue held before the loop asked.
+        self.untimed = {c: mode.warmup_batches + c.batches_ahead for c in self.candidates}
         self.taken = dict.fromkeys(self.candidates, 0)  # batches each candidate fed in the trial
         self.on_trial = 0  # index of the candidate being tried
         self.chosen: RunMode | None = None
@@ -118,14 +124,14 @@ class AutoRun(Run):
             timed = self.steps[mode]
             last = None  # an epoch that ended mid-trial: this candidate goes on where it stopped, timed afresh
             try:
-                while self.taken[mode] < self.mode.trial_batches:
+                while len(timed) < self.mode.trial_batches:
                     asked = clock()
                     try:
                         batch = next(batches)
                     except StopIteration:
                         return  # the epoch ended: the trial goes on in the next one
                     got = clock()
-                    if last is not None and self.taken[mode] >= self.mode.warmup_batches:
+                    if last is not None and self.taken[mode] >= self.untimed[mode]:
                         timed.append((got - last, got - asked))  # step time: batch to batch; wait: for the data
                     last = got
                     self.taken[mode] += 1
@@ -143,9 +149,9 @@ class AutoRun(Run):
         if self.on_trial + 1 < len(self.candidates):
             self.on_trial += 1
         else:
-            self.chosen = min(self.candidates, key=self._median_step)
-            log.info("run mode: %s (median step %s)", self.chosen, ", ".join(
-                f"{c} {self._median_step(c) * 1000:.1f} ms" for c in self.candidates))
+            self.chosen = min(self.candidates, key=self._mean_step)
+            log.info("run mode: %s (mean step %s)", self.chosen, ", ".join(
+                f"{c} {self._mean_step(c) * 1000:.1f} ms" for c in self.candidates))
         if self.current != tried:
             self.runs[tried].close()
         loader.load_state_dict(state)  # the next iteration, whichever run makes it, starts at this batch
@@ -154,9 +160,9 @@ class AutoRun(Run):
                 if mode != self.chosen:
                     run.close()
 
-    def _median_step(self, mode: RunMode) -> float:
+    def _mean_step(self, mode: RunMode) -> float:
         steps = [step for step, _ in self.steps[mode]]
-        return statistics.median(steps) if steps else float("inf")  # an epoch too short to time it: never chosen
+        return statistics.fmean(steps) if steps else float("inf")  # never timed: never chosen
 
     def loaded(self, continued: Continuation) -> None:
         for run in self.runs.values():
@@ -167,9 +173,10 @@ class AutoRun(Run):
             run.close()
 
     def choice(self) -> dict[str, Any] | None:
-        """The trial so far and the mode chosen (None until every candidate was tried)."""
+        """The trial so far (per candidate: batches timed, mean step and data-wait seconds) and the mode chosen
+        (None until every candidate was tried)."""
         trial = [{"mode": str(c), "batches": len(self.steps[c]),
-                  "step_s": statistics.median(s for s, _ in self.steps[c]) if self.steps[c] else None,
-                  "wait_s": statistics.median(w for _, w in self.steps[c]) if self.steps[c] else None}
+                  "step_s": statistics.fmean(s for s, _ in self.steps[c]) if self.steps[c] else None,
+                  "wait_s": statistics.fmean(w for _, w in self.steps[c]) if self.steps[c] else None}
                  for c in self.candidates]
         return {"trial": trial, "chosen": None if self.chosen is None else str(self.chosen)}

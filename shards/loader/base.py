@@ -60,6 +60,11 @@ class RunMode(ABC):
     workers: int = 0
     on_stall: str | None = None
 
+    @property
+    def batches_ahead(self) -> int:
+        """Batches this mode prepares ahead of the loop at most (its queues' depth)."""
+        return 0
+
     @abstractmethod
     def layout(self, dataset: Any, batch_size: int) -> tuple[str, int]:
         """``(kind, split_batch)`` of this mode over ``dataset``: which saved-state layout a batch count means
@@ -68,6 +73,10 @@ class RunMode(ABC):
     @abstractmethod
     def start(self, loader: Loader) -> Run:
         """The run that makes ``loader``'s batches (called once, when the loader is made)."""
+
+    def unsuited(self, dataset: Any) -> str | None:
+        """Why this mode cannot run ``dataset`` (``start`` refuses it then; ``Auto`` leaves the mode out), or None."""
+        return None
 
 
 class Loader:

@@ -73,16 +73,24 @@ class Threads(RunMode):
         if type(self.prefetch) is not int or self.prefetch < 1:
             raise InputError(f"Threads prefetch must be an integer >= 1, got {self.prefetch!r}")
 
+    @property
+    def batches_ahead(self) -> int:
+        return self.workers * (self.prefetch + 1)  # its queue, and the batch it fills while the queue is full
+
     def layout(self, dataset: Any, batch_size: int) -> tuple[str, int]:
         return STREAM, batch_size
 
     def start(self, loader: Loader) -> Run:
-        decoder = getattr(loader.dataset, "decoder", None)
-        if getattr(decoder, "draws_from_global_generator", False):
-            raise InputError("this transform draws from torch's global random generator, which loader threads share "
-                             "with the training step: give it as a preset name or TransformSpec, or use "
-                             "WorkerProcesses(n)")
+        problem = self.unsuited(loader.dataset)
+        if problem is not None:
+            raise InputError(problem)
         return ThreadRun(loader, self)
+
+    def unsuited(self, dataset: Any) -> str | None:
+        if getattr(getattr(dataset, "decoder", None), "draws_from_global_generator", False):
+            return ("this transform draws from torch's global random generator, which loader threads share with the "
+                    "training step: give it as a preset name or TransformSpec, or use WorkerProcesses(n)")
+        return None
 
 
 class _End:

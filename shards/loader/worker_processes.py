@@ -64,6 +64,10 @@ class WorkerProcesses(RunMode):
         if type(self.threads) is not int or not 1 <= self.threads <= 64:
             raise InputError(f"WorkerProcesses threads must be an integer in 1..64, got {self.threads!r}")
 
+    @property
+    def batches_ahead(self) -> int:
+        return self.workers * self.prefetch_factor
+
     def layout(self, dataset: Any, batch_size: int) -> tuple[str, int]:
         return STREAM, batch_size
 

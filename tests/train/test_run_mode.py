@@ -24,7 +24,7 @@ def run(folder: Path, out: Path, *options: str, epochs: int = 2) -> tuple[dict, 
 
 
 def test_auto_records_its_trial_and_choice_and_trains_the_model_of_its_plan(image_folder: Path, tmp_path: Path):
-    summary, rows = run(image_folder, tmp_path / "auto", "--workers", "auto", epochs=4)  # 12 batches an epoch
+    summary, rows = run(image_folder, tmp_path / "auto", "--workers", "auto", epochs=5)  # 12 batches an epoch
     last = rows[-1]["run_mode"]
     assert last["mode"].startswith("Auto(workers=")
     trial = {entry["mode"]: entry for entry in last["trial"]}
@@ -35,7 +35,7 @@ def test_auto_records_its_trial_and_choice_and_trains_the_model_of_its_plan(imag
     assert "Run mode (auto)" in report and last["chosen"] in report
     # Auto feeds the batches of its plan: the same model as the default mode of the same worker count.
     workers = int(last["mode"].split("workers=")[1].split(",")[0])
-    fixed, fixed_rows = run(image_folder, tmp_path / "fixed", "--workers", str(workers), epochs=4)
+    fixed, fixed_rows = run(image_folder, tmp_path / "fixed", "--workers", str(workers), epochs=5)
     assert fixed_rows[-1]["run_mode"] == {"mode": f"WorkerProcesses(workers={workers}, prefetch_factor=4, "
                                                   "persistent=True, threads=1)"}
     assert [r["train_loss"] for r in fixed_rows] == [r["train_loss"] for r in rows]
