@@ -118,7 +118,7 @@ class EpochRow:
     mixture_drawn: list | None = None  # samples each source filled
     first_batch: list | None = None  # the starts and resumes of this epoch (train.run.first_batch)
     # The train loader's run mode: {"mode": ...}; with Auto also its "trial" (per candidate: mode, batches timed,
-    # median step_s and wait_s) and the mode "chosen" (None until every candidate was tried).
+    # mean step_s and wait_s) and the mode "chosen" (None until every candidate was tried).
     run_mode: dict | None = None
     probe: dict | None = None  # --head logreg's fit
     # The findings the loop made (train.run.diagnose), rendered as recorded by the report:

@@ -141,7 +141,7 @@ class Loader:
         self.dataset.set_epoch(epoch)
 
     def mode_choice(self) -> dict[str, Any] | None:
-        """``Auto``'s trial (per candidate: batches timed, median step and data-wait seconds) and the mode it chose
+        """``Auto``'s trial (per candidate: batches timed, mean step and data-wait seconds) and the mode it chose
         (None until every candidate was tried); None in a fixed mode."""
         return self.run.choice()
 

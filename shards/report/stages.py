@@ -186,7 +186,7 @@ def first_batch_table(rows: Sequence[Mapping[str, Any]]) -> Markup:
 
 def run_mode_table(rows: Sequence[Mapping[str, Any]]) -> Markup:
     """The train loader's run mode, and with ``Auto`` the trial that chose it: per candidate the batches timed
-    and the median step and data-wait seconds (``shards.loader.auto``). Nothing for runs from before it was
+    and the mean step and data-wait seconds (``shards.loader.auto``). Nothing for runs from before it was
     recorded."""
     recorded = [row["run_mode"] for row in rows if isinstance(row.get("run_mode"), Mapping)]
     if not recorded:
@@ -199,10 +199,10 @@ def run_mode_table(rows: Sequence[Mapping[str, Any]]) -> Markup:
     body = [[str(entry.get("mode")), num_cell(entry.get("batches")), num_cell(number(entry.get("step_s")), seconds),
              num_cell(number(entry.get("wait_s")), seconds), "chosen" if entry.get("mode") == chosen else ""]
             for entry in trial if isinstance(entry, Mapping)]
-    verdict = (f"Chosen: {chosen}, the lowest median step time (data wait plus step) over the batches timed."
+    verdict = (f"Chosen: {chosen}, the lowest mean step time (data wait plus step) over the batches timed."
                if chosen else "Every candidate had not been timed yet when the run ended: no mode was chosen.")
     return (tag("h3", "Run mode (auto)")
-            + table(["candidate", "batches timed", "median step", "median data wait", ""], body)
+            + table(["candidate", "batches timed", "mean step", "mean data wait", ""], body)
             + note(f"{verdict} Every candidate feeds the same batches (one plan, one saved-state layout); the trial "
                    "ran at the start of the first epoch."))
 
