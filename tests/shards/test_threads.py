@@ -186,6 +186,7 @@ class HangsOn:
         return torch.zeros(2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decoders", [0, 2])
 def test_a_hung_decoder_in_a_thread_is_an_error_naming_the_sample_and_its_frame(folder, tmp_path, decoders):
     decoder = HangsOn("train_00009")
@@ -266,6 +267,7 @@ def test_make_loader_auto_chooses_among_the_default_plans_modes(folder, tmp_path
     assert features.mode == InProcess() and features.mode_choice() is None
 
 
+@pytest.mark.slow
 def test_importing_shardcache_and_its_decoders_leaves_the_gil_as_the_interpreter_started():
     """On a free-threaded build an extension module without free-threading support turns the GIL back on when
     imported (torchcodec#1701 did): threads would then decode one at a time. The interpreter's own build says
