@@ -7,6 +7,7 @@ logs and writes files; the others compute and join the collectives.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -49,8 +50,13 @@ class DistContext:
             dist.barrier()
 
     def close(self) -> None:
+        """Free what still holds the group (a DDP model in a reference cycle, its finished work objects) and destroy
+        the group while the interpreter is whole: gloo work that outlives it is freed during interpreter
+        finalization, takes the GIL there and aborts the process after a run that succeeded (pytorch#179291)."""
         if self.owns_group and dist.is_initialized():
+            gc.collect()
             dist.destroy_process_group()
+            gc.collect()
 
 
 def setup_distributed(requested_device: str, env: Mapping[str, str] | None = None) -> DistContext:
