@@ -29,8 +29,11 @@ from shards.runrecord import EVENTS_FILE
 
 # The kinds of event, and who writes them: the training loop a ``LAYOUT`` at every start and resume (the world size,
 # workers, batch size and nodes it feeds the run in, and the loader state it resumed from) and an ``EXCLUDE`` when a
-# key list is added; a loader's stall recovery (``shards.loader.watchdog``) a ``RESTART`` and a ``QUARANTINE``.
-LAYOUT, EXCLUDE, RESTART, QUARANTINE = "layout", "exclude", "restart", "quarantine"
+# key list is added; a loader's stall recovery (``shards.loader.watchdog``) a ``RESTART`` and a ``QUARANTINE``; a
+# loader's resume audit (``shards.position.audit``) a ``RESUME_AUDIT`` when it has checked the first batches it fed
+# after a resume (the audit of the state itself is the resume's layout event's ``"resume_audit"``).
+LAYOUT, EXCLUDE, RESTART, QUARANTINE, RESUME_AUDIT = "layout", "exclude", "restart", "quarantine", "resume_audit"
+AUDITED = ("ok", "mismatch")  # the results of an audit that compared something
 _EVENTS_NAME = re.compile(r"^data-events(\.rank(\d+))?\.jsonl$")
 MAX_EVENTS_BYTES = 256 << 20  # one event is ~200 bytes: a million events fit; more means the file is not ours
 
@@ -87,6 +90,19 @@ def _is_event(value: Any) -> bool:
         return False
     stamp = value.get("time", 0.0)
     return type(stamp) in (int, float) and math.isfinite(stamp)
+
+
+def resume_audits(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """How the run's resumes fared in the resume audit, as the run recorded it: ``{"resumes", "audited",
+    "mismatches", "messages"}`` (a resume is audited when its state's record was compared with the plan; a
+    mismatch is one there or in the first batches fed after it). Fields of another type count as not audited."""
+    resumes = [e for e in read_events(run_dir, LAYOUT) if e.get("loader_state")]
+    results = [e.get("resume_audit") for e in resumes]
+    results = [r for r in results if type(r) is dict and r.get("result") in AUDITED]
+    live = [e for e in read_events(run_dir, RESUME_AUDIT) if e.get("result") in AUDITED]
+    bad = [r for r in results + live if r["result"] == "mismatch"]
+    return {"resumes": len(resumes), "audited": len(results), "mismatches": len(bad),
+            "messages": [str(r.get("message"))[:500] for r in bad][:10]}
 
 
 def read_events(run_dir: str | os.PathLike, kind: str | None = None) -> list[dict[str, Any]]:

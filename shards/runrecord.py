@@ -121,6 +121,11 @@ class EpochRow:
     # mean step_s and wait_s) and the mode "chosen" (None until every candidate was tried).
     run_mode: dict | None = None
     probe: dict | None = None  # --head logreg's fit
+    # The storage forecast of this epoch's train reads (``shards.forecast.run.epoch_forecast``, made once as the run
+    # started: requests, bytes, cache counters, first_batch_s, cost) and what the run measured of the same reads,
+    # summed over ranks (requests and bytes sent to object storage, the train reader's node-cache counters).
+    forecast: dict | None = None
+    storage: dict | None = None
     # The findings the loop made (train.run.diagnose), rendered as recorded by the report:
     wait_advice: str | None = None  # the data pipeline held the epoch back, and what to change
     straggler: str | None = None  # the slowest rank, in words

@@ -17,8 +17,8 @@ from shards.cli.sections import SectionedCommand
 from shards.transport.location import locate
 from shards.stream.options import STREAM_DECODES
 from train.config import TrainConfig
-from train.options import (CLASS_MAPS, DEFAULT_DECODE, DEVICES, HEADS, LOSSES, OPTIMIZERS, RUN_MODES, TASKS,
-                           CacheOptions, DataOptions, LoaderOptions, ModelOptions, OptimOptions, RunOptions)
+from train.options import (CLASS_MAPS, DEFAULT_DECODE, DEVICES, HEADS, LOSSES, OPTIMIZERS, RESUME_AUDITS, RUN_MODES,
+                           TASKS, CacheOptions, DataOptions, LoaderOptions, ModelOptions, OptimOptions, RunOptions)
 
 
 class WorkerCount(click.ParamType):
@@ -47,7 +47,7 @@ class WorkerCount(click.ParamType):
                                           "weight_decay", "loss", "label_smoothing", "class_weighted_loss",
                                           "balanced_sampler", "seed", "amp"),
                          "Loader": ("image_size", "decode", "fast_decode", "workers", "run_mode", "worker_threads",
-                                    "prefetch", "feature_window", "stall_timeout"),
+                                    "prefetch", "feature_window", "stall_timeout", "resume_audit"),
                          "Cache and storage": ("cache_images", "memory_limit", "cache_dir", "cache_limit",
                                                "cache_eviction", "cache_prefetch", "cache_fallback", "cache_local",
                                                "s3_endpoint_url", "s3_profile", "s3_unsigned", "s3_max_concurrency",
@@ -131,6 +131,10 @@ class WorkerCount(click.ParamType):
 @click.option("--stall-timeout", type=float, default=600.0, show_default=True,
               help="Seconds without a batch (or a worker process gone) before the DataLoader workers are restarted "
                    "at the exact position; a sample a worker hangs or dies on twice is quarantined (0: off).")
+@click.option("--resume-audit", type=click.Choice(RESUME_AUDITS), default="refuse", show_default=True,
+              help="At --resume, check the saved loader state's record of the batches fed and to come against the "
+                   "plan, and the first batches fed after it: refuse a mismatch (one line naming the batch and key), "
+                   "warn, or off.")
 @click.option("--amp", is_flag=True, help="Mixed precision (float16 autocast + GradScaler); CUDA only.")
 @click.option("--device", type=click.Choice(DEVICES), default="auto")
 @click.option("--train-split", default="train")
@@ -161,7 +165,7 @@ def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...],
                   epochs: int, batch_size: int, optimizer: str, lr: float | None, momentum: float, warmup_epochs: float,
                   weight_decay: float, label_smoothing: float, class_weighted_loss: bool, balanced_sampler: bool,
                   seed: int, workers: int | str | None, run_mode: str | None, worker_threads: int, prefetch: int, feature_window: int, stall_timeout: float,
-                  amp: bool, device: str, train_split: str,
+                  resume_audit: str, amp: bool, device: str, train_split: str,
                   val_split: str, checkpoint_every: int, resume: bool, dry_run: bool, overwrite: bool,
                   stop_after_steps: int | None, no_report: bool, cache_images: bool, memory_limit: int | None,
                   quiet: bool, s3, cache) -> None:
@@ -194,7 +198,8 @@ def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...],
         loader=LoaderOptions(image_size=image_size, decode=decode, fast_decode=fast_decode,
                              workers=None if workers == "auto" else workers,
                              run_mode=run_mode or ("auto" if workers == "auto" else "processes"),
-                             worker_threads=worker_threads, prefetch=prefetch, feature_window=feature_window, stall_timeout=stall_timeout),
+                             worker_threads=worker_threads, prefetch=prefetch, feature_window=feature_window,
+                             stall_timeout=stall_timeout, resume_audit=resume_audit),
         cache=cache_group(s3.to_dict() if any(locate(s["path"]).uses_storage_options for s in sources) else None,
                           cache, images=cache_images, memory_limit=memory_limit),
         run=RunOptions(out_dir, device=device, checkpoint_every=checkpoint_every, resume=resume, overwrite=overwrite,

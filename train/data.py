@@ -279,7 +279,8 @@ def _loader(dataset: Any, cfg: TrainConfig, ctx: DistContext, *, drop_last: bool
     # --stall-timeout (on by default) guards worker processes; a run without any has none to restart.
     stall = StallPolicy(cfg.loader.stall_timeout) if cfg.loader.stall_timeout and mode.on_stall is not None else None
     return shards.make_loader(dataset, batch_size=cfg.optim.batch_size, mode=mode, stall=stall, drop_last=drop_last,
-                              pin_memory=ctx.device.type == "cuda", generator=generator)
+                              pin_memory=ctx.device.type == "cuda", resume_audit=cfg.loader.resume_audit,
+                              generator=generator)
 
 
 def describe_batch(batch: tuple[torch.Tensor, torch.Tensor], classes: list[str]) -> dict[str, Any]:

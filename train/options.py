@@ -18,6 +18,7 @@ from typing import Any
 from shards.atomic import check_local_output
 from shards.cache.node import EVICTION_RULES, NEXT_USE
 from shards.errors import InputError
+from shards.position.audit import MODES as RESUME_AUDITS
 from shards.stream.options import check_decode
 
 CLASS_MAPS = ("same", "union")  # as shards.select.mixture.CLASS_MAPS, without importing the reader
@@ -152,6 +153,7 @@ class LoaderOptions:
     prefetch: int = 2  # feature batches a background thread gathers ahead (0: none)
     feature_window: int = 0  # features: permute within windows of this many rows, read one window ahead (0: whole)
     stall_timeout: float = 600.0  # seconds without a batch before DataLoader workers are restarted (0: never)
+    resume_audit: str = "refuse"  # a resume that disagrees with the plan: refuse, warn, off (shards.position.audit)
 
     def __post_init__(self) -> None:
         _positive("loader.image_size", self.image_size)
@@ -168,6 +170,8 @@ class LoaderOptions:
         _positive("loader.worker_threads", self.worker_threads)
         _not_negative("loader.prefetch", self.prefetch)
         _not_negative("loader.feature_window", self.feature_window)
+        if self.resume_audit not in RESUME_AUDITS:
+            raise InputError(f"loader.resume_audit={self.resume_audit!r} is not one of {', '.join(RESUME_AUDITS)}")
         if not self.stall_timeout >= 0:
             raise InputError(f"loader.stall_timeout={self.stall_timeout!r} must be >= 0 seconds (0: no stall "
                              "recovery)")

@@ -22,6 +22,11 @@ in short polls), side by side, and a loop that publishes and clears a sample pri
     python scripts/bench/loader.py --stage-times-only --repeat 5   # only what stage timing costs
     python scripts/bench/loader.py --watchdog --quick --repeat 4   # only what the stall watchdog costs
     python scripts/bench/loader.py --modes --repeat 3   # run modes against the peers, SPDL included (~12 min)
+    python scripts/bench/loader.py --audit --quick --repeat 4   # what the resume audit costs per save and resume
+
+``--audit`` (``scripts/bench/loader_audit.py``): the resume audit's cost per ``state_dict`` and per
+``load_state_dict`` (ms, and as a share of a step), per sample in the workers, and on throughput, beside the audit
+off.
 
 ``--modes`` (``scripts/bench/loader_modes.py``) runs every pass in a fresh process: the fast path in each run mode
 (worker processes, threads, threads inside a process, ``Auto``), the standard path in processes and threads, and the
@@ -214,8 +219,8 @@ def simplejpeg_switch(enabled: bool) -> Iterator[None]:
 
 
 def fast_batches(folder: Path, args, use_simplejpeg: bool = True, consumer: str = "normalize",
-                 verify_sha256: bool = True, stage_times: bool = True,
-                 stall_timeout: float | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                 verify_sha256: bool = True, stage_times: bool = True, stall_timeout: float | None = None,
+                 resume_audit: str = "refuse") -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The fast path as a consumer sees it: uint8 batches from the workers, normalised here, per batch.
 
     ``consumer``: ``normalize`` (torch's default intra-op threads), ``normalize_1thread`` (one thread, so idle
@@ -229,7 +234,8 @@ def fast_batches(folder: Path, args, use_simplejpeg: bool = True, consumer: str 
     check = functools.partial(_check_decoder, use_simplejpeg and fast.simplejpeg is not None, confirmed)
     loader = shards.make_loader(dataset, batch_size=args.batch_size, mode=workers_mode(args.workers, persistent=False),
                                 drop_last=False, worker_init_fn=check, stage_times=stage_times,
-                                stall=None if stall_timeout is None else StallPolicy(stall_timeout))
+                                stall=None if stall_timeout is None else StallPolicy(stall_timeout),
+                                resume_audit=resume_audit)
     threads = torch.get_num_threads()
     if consumer == "normalize_1thread":
         torch.set_num_threads(1)
@@ -379,6 +385,9 @@ def main() -> None:
                              "memory, each pass in a fresh process (scripts/bench/loader_modes.py)")
     parser.add_argument("--passes", default=None,
                         help="--modes: only these passes, comma-separated (no ratios then; default: all)")
+    parser.add_argument("--audit", action="store_true",
+                        help="only measure what the resume audit costs per save and per resume (ms, share of a "
+                             "step), per sample and on throughput, beside the audit off")
     parser.add_argument("--stage-times-only", action="store_true",
                         help="only measure what per-stage timing costs (fast and standard paths, with and without)")
     args = parser.parse_args()
@@ -605,6 +614,18 @@ def run(args, workdir: Path, count: int, per_shard: int) -> None:
                           "images_per_s_rounds": {k: [round(v, 1) for v in vs] for k, vs in per_round.items()},
                           "watchdog_cost": round(cost, 4), "median_round_ratio": round(median, 4),
                           "watchdog_us_per_sample": round(per_sample_us, 3)}))
+        return
+    if args.audit:
+        import loader_audit
+
+        per_round = alternating_rounds(loader_audit.audit_passes(args, workdir, tars, fast_batches), count,
+                                       args.repeat)
+        rates = {name: max(values) for name, values in per_round.items()}
+        costs = loader_audit.audit_costs(workdir / "tar", args, rates, rounds=max(3, 2 * args.repeat))
+        print(loader_audit.report(costs), file=sys.stderr)
+        print(json.dumps({"images": count, "workers": args.workers, "batch_size": args.batch_size,
+                          "repeat": args.repeat, "images_per_s": {k: round(v, 1) for k, v in rates.items()},
+                          **costs}))
         return
     if args.stage_times_only:
         per_round = alternating_rounds(stage_time_passes(args, workdir, tars), count, args.repeat)

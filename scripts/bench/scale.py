@@ -16,9 +16,13 @@ with the dataset packed from it, since writing and packing 1.28M files takes a w
   (JSON bytes), and an elastic resume of that state with 3 workers and batch 192 in a fresh process: seconds from
   ``open_dataset`` to the first batch.
 - ``verify`` (default checks) with 1 and 2 workers, ``inspect`` and ``report`` of the dataset, through the CLI.
+- ``plan`` (``--plan SAMPLES:SHARDS``, default 1280000:1280): ``shards plan`` in a fresh process over a synthetic
+  manifest of that many samples in that many shards of 128 MiB (no shard bytes exist: the forecast never reads one),
+  for a few layouts, with and without a node cache that holds half the dataset. ``--plan-only`` runs just these.
 
     .venv/bin/python scripts/bench/scale.py --sizes 20000            # a quick look, ~2 minutes
     .venv/bin/python scripts/bench/scale.py --sizes 20000,200000,1280000 --pack-speedup 200000
+    .venv/bin/python scripts/bench/scale.py --plan-only                # shards plan at 1.28M samples, ~1 minute
 
 The table goes to stderr (and ``--markdown FILE``); the last stdout line is one JSON object with every number.
 """
@@ -315,6 +319,43 @@ def measure_size(files: int, cache: Path, repack: bool, label: str) -> dict[str,
     return row
 
 
+# -- shards plan -----------------------------------------------------------------------------------------------------
+PLAN_SHARD_BYTES = 128 << 20
+# (name, arguments): one rank; a node of 8 ranks x 8 workers; the same with a node cache of half the dataset.
+PLAN_LAYOUTS = (("1 rank x 8 workers", ["--workers", "8"]),
+                ("8 ranks x 8 workers", ["--world-size", "8", "--workers", "8"]),
+                ("8 x 8, cache of half", ["--world-size", "8", "--workers", "8", "--cache-local", "--cache-limit"]))
+
+
+def synthetic_manifest(folder: Path, samples: int, shards: int) -> Path:
+    """A ``dataset.json`` of ``samples`` samples in ``shards`` tar shards of ``PLAN_SHARD_BYTES`` (no shard is
+    written: the forecast needs only the manifest)."""
+    from shards.manifest import DatasetManifest, ShardInfo, SourceInfo, SplitInfo
+
+    folder.mkdir(parents=True, exist_ok=True)
+    sizes = [samples * (i + 1) // shards - samples * i // shards for i in range(shards)]
+    infos = tuple(ShardInfo(f"train-{i:06d}.tar", n, PLAN_SHARD_BYTES, f"{i:064x}") for i, n in enumerate(sizes))
+    classes = tuple(f"c{i:04d}" for i in range(1000))
+    counts = tuple(samples * (c + 1) // 1000 - samples * c // 1000 for c in range(1000))
+    DatasetManifest(storage="tar", classes=classes, splits={"train": SplitInfo(samples, counts, infos)},
+                    source=SourceInfo(kind="generated", root="", files_seen=samples), packing={"seed": 0}).save(folder)
+    return folder
+
+
+def measure_plan(samples: int, shards: int) -> dict[str, Any]:
+    """``shards plan`` (2 epochs, batch 256) over the synthetic manifest, each layout in a fresh process."""
+    out: dict[str, Any] = {"samples": samples, "shards": shards}
+    with tempfile.TemporaryDirectory() as tmp:
+        dataset = synthetic_manifest(Path(tmp) / "synthetic", samples, shards)
+        half = str(shards * PLAN_SHARD_BYTES // 2)
+        for name, extra in PLAN_LAYOUTS:
+            argv = [str(BIN / "shards"), "plan", str(dataset), "--epochs", "2", "--batch-size", str(BATCH), "--quiet",
+                    *extra, *([half] if extra[-1] == "--cache-limit" else [])]
+            log(f"plan {samples:,} samples / {shards:,} shards: {name}")
+            out[name] = run_measured(argv)
+    return out
+
+
 def markdown(rows: list[dict[str, Any]], speedup: dict[str, Any] | None) -> str:
     head = "| | " + " | ".join(f"{r['files']:,}" for r in rows) + " |"
     lines = [head, "| --- |" + " --- |" * len(rows)]
@@ -354,14 +395,32 @@ def main() -> None:
                         help="also pack a corpus of FILES with 1 and 2 workers for the ratio")
     parser.add_argument("--label", default="", help="a tag in the packed folders' names (to keep two versions' apart)")
     parser.add_argument("--markdown", type=Path, help="also write the table here")
+    parser.add_argument("--plan", default="1280000:1280", metavar="SAMPLES:SHARDS",
+                        help="the synthetic manifest shards plan is timed on")
+    parser.add_argument("--plan-only", action="store_true", help="time only shards plan")
     args = parser.parse_args()
+    samples, _, count = args.plan.partition(":")
+    plan = measure_plan(int(samples), int(count))
+    if args.plan_only:
+        table = plan_markdown(plan)
+        print(table, file=sys.stderr)
+        print(json.dumps({"plan": plan, "cpus": os.cpu_count()}))
+        return
     rows = [measure_size(int(size), args.cache, args.repack, args.label) for size in args.sizes.split(",")]
     speedup = pack_speedup(args.pack_speedup, args.cache) if args.pack_speedup else None
-    table = markdown(rows, speedup)
+    table = markdown(rows, speedup) + "\n\n" + plan_markdown(plan)
     print(table, file=sys.stderr)
     if args.markdown:
         args.markdown.write_text(table + "\n")
-    print(json.dumps({"sizes": rows, "pack_speedup": speedup, "cpus": os.cpu_count()}))
+    print(json.dumps({"sizes": rows, "pack_speedup": speedup, "plan": plan, "cpus": os.cpu_count()}))
+
+
+def plan_markdown(plan: dict[str, Any]) -> str:
+    lines = [f"| shards plan, {plan['samples']:,} samples in {plan['shards']:,} shards, 2 epochs | s | peak RSS |",
+             "| --- | --- | --- |"]
+    for name, _ in PLAN_LAYOUTS:
+        lines.append(f"| {name} | {plan[name]['seconds']:.2f} | {plan[name]['max_rss_mb']:.0f} MB |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -222,27 +222,14 @@ class CachedShards:
         mine.reached = index
         if mine.publisher is not None:
             mine.publisher.advance(index)
-        current = mine.shards[index].location
-        if index + 1 < len(mine.shards) and mine.shards[index + 1].location != current:
-            following = mine.shards[index + 1]
-            pending = mine.pending.get(following.location)
-            if pending is None or _refused(pending[0]):  # refused as a prefetch far ahead: now it is the next one
-                self._prefetch(mine, following, spare_only=False)
-            mine.ahead_until = max(mine.ahead_until, index + 1)
-        pending_now = dict(mine.pending)
-        if any(_refused(future) for future, _ in pending_now.values()):
-            return
-        ahead = sum(size for location, (_, size) in pending_now.items() if location != current)
-        for later in range(max(index + 2, mine.ahead_until + 1), len(mine.shards)):
-            shard = mine.shards[later]
-            if shard.location == current or shard.location in pending_now:
-                continue
-            if ahead + shard.size > self.request.prefetch_bytes:
-                break
+        following, spares, mine.ahead_until = prefetch_choice(
+            mine.shards, index, mine.ahead_until, {location: size for location, (_, size) in mine.pending.items()},
+            {location for location, (future, _) in mine.pending.items() if _refused(future)},
+            self.request.prefetch_bytes)
+        if following is not None:
+            self._prefetch(mine, following, spare_only=False)
+        for shard in spares:
             self._prefetch(mine, shard, spare_only=True)
-            pending_now[shard.location] = (None, shard.size)
-            ahead += shard.size
-            mine.ahead_until = later
 
     def end_stream(self) -> None:
         """The calling thread's stream ended or stopped: release what was prefetched for it; only its next epoch
@@ -285,6 +272,42 @@ class CachedShards:
         counts = self.stats.snapshot()
         log.debug("shard cache %s: %s (fetched %s)", self.request.dir, counts, human_bytes(counts["fetched_bytes"]))
         return counts
+
+
+def prefetch_choice(shards: Sequence[PlannedShard], index: int, ahead_until: int, pending: dict[str, int],
+                    refused: set[str], budget: int) -> tuple[PlannedShard | None, list[PlannedShard], int]:
+    """What a stream fetches ahead when its read of plan entry ``index`` begins (``CachedShards.reached``): the next
+    shard when it differs from this one and is not pending already (or its prefetch was refused), then later ones
+    along the plan while the bytes pending ahead stay within ``budget``, none while a refused prefetch is pending.
+    ``pending``: the locations prefetched and not yet read, with their sizes; ``ahead_until``: the last entry
+    prefetched. Pure, so the forecast (``shards.forecast.node_model``) prefetches as the cache does.
+    Returns (the next shard or None, the shards fetched ahead in room to spare, the new ``ahead_until``)."""
+    current = shards[index].location
+    pending_now = dict(pending)
+    waiting = set(refused)
+    following = None
+    if index + 1 < len(shards) and shards[index + 1].location != current:
+        candidate = shards[index + 1]
+        if candidate.location not in pending or candidate.location in refused:
+            following = candidate  # refused as a prefetch far ahead: now it is the next one
+            pending_now[candidate.location] = candidate.size
+            waiting.discard(candidate.location)
+        ahead_until = max(ahead_until, index + 1)
+    spares: list[PlannedShard] = []
+    if waiting & set(pending_now):
+        return following, spares, ahead_until
+    ahead = sum(size for location, size in pending_now.items() if location != current)
+    for later in range(max(index + 2, ahead_until + 1), len(shards)):
+        shard = shards[later]
+        if shard.location == current or shard.location in pending_now:
+            continue
+        if ahead + shard.size > budget:
+            break
+        spares.append(shard)
+        pending_now[shard.location] = shard.size
+        ahead += shard.size
+        ahead_until = later
+    return following, spares, ahead_until
 
 
 def _refused(future: Future | None) -> bool:

@@ -64,8 +64,8 @@ from typing import Any, BinaryIO
 from shards.atomic import unique_tmp_path, write_json_atomic
 from shards.door.bounded_read import open_regular_file
 # The folder's layout, locks, room and counters live in node_index.
-from shards.cache.node_index import (
-    ENTRY_PATTERN, LAYOUT, NEEDED_LATER, RESERVED, CacheIndex, CacheStats, stamp_path)
+from shards.cache.eviction import NEEDED_LATER, RESERVED
+from shards.cache.node_index import ENTRY_PATTERN, LAYOUT, CacheIndex, CacheStats, stamp_path
 from shards.cache.node_locks import SHA256_PATTERN, locked, open_locked, read_cache_json, unlink, warn_once
 from shards.cache.plan_view import PLANS
 from shards.errors import ChecksumError, InputError, ShardcacheError

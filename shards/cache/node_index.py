@@ -30,7 +30,6 @@ import errno
 import fcntl
 import json
 import logging
-import math
 import os
 import re
 import stat
@@ -41,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from shards.atomic import host_tag
-from shards.cache.eviction import REASONS, Entry, choose_victims
+from shards.cache.eviction import NO_ROOM, REASONS, RESERVED, Entry, room_for
 from shards.cache.node_locks import SHA256_PATTERN, locked, read_cache_json, unlink, warn_once
 from shards.cache.plan_view import live_plans, next_uses, remove_dead_plans
 from shards.errors import MissingInputError, ShardcacheError
@@ -59,9 +58,6 @@ STALE_TMP_S = 3600.0  # a temp file this old is a leftover even when its writer'
 # shards each reader's plan reads in its epoch (docs/caching.md, "Counters").
 STAT_NAMES = ("hits", "misses", "fetched_bytes", "served_bytes", "refetches", "evictions", "bypasses",
               *(f"evictions_{reason}" for reason in REASONS), "bypassed_bytes", "planned_bytes")
-# What ``CacheIndex.reserve`` answers: room claimed; no room without waiting (read the source); or not now, since
-# the room would cost an entry needed sooner than the incoming shard (a prefetch that waits for its turn).
-RESERVED, NO_ROOM, NEEDED_LATER = "reserved", "no-room", "needed-later"
 ENTRY_PATTERN = re.compile(r"^(?P<sha>[0-9a-f]{64})\.[a-z0-9]{1,8}$")
 # Temp files of a shard and of its stamp: ``<final>.<host>.<pid>.<token>.tmp`` (``shards.atomic.unique_tmp_path``).
 _TMP = re.compile(r"^(?P<sha>[0-9a-f]{64})\.[a-z0-9]{1,8}(\.ok)?\.(?P<host>[A-Za-z0-9-]{1,32})\.(?P<pid>\d+)"
@@ -172,15 +168,11 @@ class CacheIndex:
                 return NO_ROOM
             entries = self._entries()
             used = self.scan_reservations({entry.key for entry in entries})[0] + sum(entry.size for entry in entries)
-            horizon: float | None = None
-            if used + size > limit:
-                uses = next_uses(live_plans(self.root)) if self.by_next_use else None
-                # The incoming shard's own next use: nothing needed no later than it is evicted for it.
-                horizon = math.inf if spare_only else uses.get(sha256) if uses is not None else None
-                if uses is not None or not spare_only:
-                    used -= self._make_room(entries, uses, used + size - limit, horizon)
-            if used + size > limit:
-                return NEEDED_LATER if horizon else NO_ROOM
+            answer = room_for(sha256, size, limit=limit, entries=entries, used=used, spare_only=spare_only,
+                              uses=lambda: next_uses(live_plans(self.root)) if self.by_next_use else None,
+                              evict=self._evict)
+            if answer != RESERVED:
+                return answer
             record = {"size": size, "host": host_tag(), "pid": os.getpid()}
             if not self._write_reservation(self.root / "reserve" / sha256, json.dumps(record).encode()):
                 return NO_ROOM
@@ -202,22 +194,6 @@ class CacheIndex:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
         return True
-
-    def _make_room(self, entries: list[Entry], uses: dict[str, int] | None, needed: int,
-                   horizon: float | None) -> int:
-        """Evict ``choose_victims``'s choice until ``needed`` bytes are free or nothing is left to evict; a leased
-        victim is passed over (the choice is made again without it). The bytes freed."""
-        freed, candidates = 0, entries
-        while freed < needed:
-            victims = choose_victims(candidates, uses, needed - freed, horizon)
-            if not victims:
-                break
-            for entry, reason in victims:
-                if self._evict(entry, reason):
-                    freed += entry.size
-            tried = {entry.path for entry, _ in victims}
-            candidates = [entry for entry in candidates if entry.path not in tried]
-        return freed
 
     def release(self, sha256: str) -> None:
         """Drop the reservation of a fetch that has finished, failed or bypassed (caller holds its fetch lock)."""

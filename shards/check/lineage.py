@@ -67,7 +67,9 @@ def _exclude(dataset: Any, path: str, split: str, keys_file: str, storage_option
 
 def open_train_loader(call: DataCall, *, rank: int, world_size: int, nodes: int, workers: int, batch_size: int,
                       exclude_keys: str | None, where: str = RECORD_FILE) -> Any:
-    """Rank ``rank``'s train loader as the recorded call made it, in the layout given (no worker is started)."""
+    """Rank ``rank``'s train loader as the recorded call made it, in the layout given (no worker is started). Its
+    resume audit is off: lineage answers what a step was fed, whatever the audit said (``shards audit`` asks it
+    through ``Loader.audit_state``)."""
     import shards
 
     path, kwargs = _options(call.open_dataset, rank=rank, world_size=world_size, nodes=nodes,
@@ -79,10 +81,10 @@ def open_train_loader(call: DataCall, *, rank: int, world_size: int, nodes: int,
 
     # The loader call in plain values: the run mode its workers count names, as train-from-shards's --workers.
     return shards.make_loader(dataset, batch_size=batch_size, mode=workers_mode(workers),
-                              drop_last=call.make_loader["drop_last"])
+                              drop_last=call.make_loader["drop_last"], resume_audit="off")
 
 
-def _layout(event: dict[str, Any], where: str) -> dict[str, Any]:
+def checked_layout(event: dict[str, Any], where: str) -> dict[str, Any]:
     """A layout event as lineage uses it, each field of its type and range (a ``ManifestError`` naming the events
     file and the field otherwise). The loader state it resumed from is the loader's to check, when it is loaded;
     the exclusion list it names must be a copy the run kept in its folder, never a path elsewhere."""
@@ -108,7 +110,7 @@ def layout_at(folder: Path, step: int) -> dict[str, Any]:
     if not before:
         raise InputError(f"no layout event before step {step} in its {EVENTS_FILE} (not a train-from-shards run "
                          "folder, or one that never took a step)", path=str(folder))
-    return _layout(before[-1], str(folder / EVENTS_FILE))
+    return checked_layout(before[-1], str(folder / EVENTS_FILE))
 
 
 def _walk_to(loader: Any, layout: dict[str, Any], step: int, epochs: int) -> tuple[int, int]:

@@ -9,7 +9,8 @@ import sys
 
 import click
 
-from shards.cli.common import EXIT_FAILED, class_names, emit_json, handle_errors, quiet_option, s3_options
+from shards.cli.common import (
+    EXIT_FAILED, ByteSize, class_names, emit_json, handle_errors, quiet_option, s3_options)
 from shards.cli.sections import SectionedCommand
 from shards.check.inspect import batch_report, format_mixture, format_summary, mixture_report, save_grid, summarize
 from shards.check.verify import verify_dataset
@@ -174,6 +175,74 @@ def report_command(paths: tuple[str, ...], out: str | None, no_grid: bool, quiet
     emit_json({"out": str(target), "sections": report.summary()})
 
 
+@main.command("plan", cls=SectionedCommand,
+              sections={"Layout": ("epochs", "world_size", "nodes", "workers", "batch_size", "split", "seed",
+                                   "no_shuffle", "drop_last", "fresh_workers"),
+                        "Node cache": ("cache", "cache_limit", "cache_eviction", "cache_prefetch", "cache_local"),
+                        "Link and prices": ("request_ms", "mbps", "prices", "read_index"),
+                        "Object storage": ("s3_endpoint_url", "s3_profile", "s3_unsigned", "s3_max_concurrency",
+                                           "s3_read_ahead", "min_transfer_rate", "request_deadline")})
+@click.argument("path", type=click.Path(path_type=str))
+@click.option("--epochs", type=click.IntRange(1, 10_000), required=True, help="Epochs to forecast.")
+@click.option("--world-size", type=click.IntRange(1, 1 << 16), default=1, show_default=True, help="Ranks.")
+@click.option("--nodes", type=click.IntRange(1, 1 << 16), default=1, show_default=True,
+              help="Nodes (one node cache each); must divide --world-size.")
+@click.option("--workers", type=click.IntRange(0, 256), default=0, show_default=True,
+              help="DataLoader workers per rank (0: read in the training process).")
+@click.option("--batch-size", type=click.IntRange(1, None), required=True, help="Samples per batch per rank.")
+@click.option("--split", default="train", show_default=True)
+@click.option("--seed", type=click.IntRange(0, None), default=0, show_default=True, help="The run's --seed.")
+@click.option("--no-shuffle", is_flag=True, help="The run reads without shuffling.")
+@click.option("--drop-last", is_flag=True, help="Equal rank shares by leaving samples out (not padding).")
+@click.option("--fresh-workers", is_flag=True,
+              help="Workers start anew each epoch (not persistent): each loads the byte indexes again.")
+@click.option("--cache", is_flag=True, help="Shards go through a node-local cache (implied by --cache-limit).")
+@click.option("--cache-limit", type=ByteSize(), default=None, help="The node cache's limit (e.g. 200G).")
+@click.option("--cache-eviction", type=click.Choice(["next-use", "lru"]), default="next-use", show_default=True,
+              help="The cache's eviction rule (train-from-shards --cache-eviction).")
+@click.option("--cache-prefetch", type=ByteSize(), default=None,
+              help="Bytes of shards fetched ahead along the plan beyond the next one. Default: 256M.")
+@click.option("--cache-local", is_flag=True, help="Local shard paths go through the cache too.")
+@click.option("--request-ms", type=click.FloatRange(0, None), default=None,
+              help="Milliseconds per request round trip, for the time to the first batch.")
+@click.option("--mbps", type=click.FloatRange(0, None, min_open=True), default=None,
+              help="A node's link to storage in megabits per second, for the time to the first batch.")
+@click.option("--prices", type=click.Path(dir_okay=False, path_type=str), default=None,
+              help="A price table (JSON; docs/prices-s3-example.json) to bill the requests and bytes by.")
+@click.option("--read-index", is_flag=True,
+              help="Read the tar shards' byte indexes (.idx sidecars, no shard) for exact slice bytes.")
+@s3_options
+@quiet_option
+@handle_errors
+def plan_command(path: str, epochs: int, world_size: int, nodes: int, workers: int, batch_size: int, split: str,
+                 seed: int, no_shuffle: bool, drop_last: bool, fresh_workers: bool, cache: bool,
+                 cache_limit: int | None, cache_eviction: str, cache_prefetch: int | None, cache_local: bool,
+                 request_ms: float | None,
+                 mbps: float | None, prices: str | None, read_index: bool, quiet: bool, s3) -> None:
+    """What each epoch of a run will ask of storage, from the manifest and the order alone (no shard is read):
+    per epoch and rank the requests and bytes from the source, those read ahead and the byte indexes, the node
+    cache's hits, misses and evictions (its own rules played forward), the time to the first batch (with
+    --request-ms and --mbps) and the bill (with --prices). PATH may be s3://bucket/prefix."""
+    from shards.cache.node import ShardCache
+    from shards.forecast.plan import Link, forecast
+    from shards.forecast.prices import load_prices
+    from shards.forecast.text import format_forecast
+
+    node_cache = None
+    if cache or cache_limit is not None or cache_local:
+        options = {"prefetch_bytes": cache_prefetch} if cache_prefetch is not None else {}
+        node_cache = ShardCache(limit=cache_limit, eviction=cache_eviction, local=True if cache_local else None,
+                                **options)
+    link = None if request_ms is None and mbps is None else Link(request_ms or 0.0, mbps)
+    result = forecast(path, epochs=epochs, world_size=world_size, nodes=nodes, workers=workers,
+                      batch_size=batch_size, split=split, seed=seed, shuffle=not no_shuffle, drop_last=drop_last,
+                      cache=node_cache, link=link, prices=None if prices is None else load_prices(prices),
+                      storage_options=s3, read_index=read_index, persistent_workers=not fresh_workers).to_dict()
+    if not quiet:
+        click.echo(format_forecast(result), err=True)
+    emit_json(result)
+
+
 @main.command("lineage")
 @click.argument("run_dir", type=click.Path(file_okay=False, exists=True, path_type=str))
 @click.option("--epoch", type=int, required=True, help="The epoch, from 1 (as metrics.jsonl counts).")
@@ -189,3 +258,25 @@ def lineage_command(run_dir: str, epoch: int, step: int, rank: int | None, quiet
     from shards.check.lineage import run_lineage
 
     emit_json(run_lineage(run_dir, epoch, step, rank))
+
+
+@main.command("audit")
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True, path_type=str))
+@quiet_option
+@handle_errors
+def audit_command(run_dir: str, quiet: bool) -> None:
+    """Check every resume a train-from-shards run folder records: the loader state each resume continued holds
+    the keys of the last batches fed and of the next ones planned, compared again with the plan and the shards now
+    (docs/training.md, "Resume audit"). Prints one JSON line; exit 1 on any mismatch."""
+    from shards.check.audit import audit_run
+
+    result = audit_run(run_dir)
+    if not quiet:
+        click.echo(f"{result['resumes']} resume(s), {result['audited']} audited, {result['mismatches']} "
+                   f"mismatch(es)", err=True)
+        for row in result["results"]:
+            if row["result"] in ("mismatch", "invalid"):
+                click.echo(row["message"], err=True)
+    emit_json(result)
+    if result["mismatches"]:
+        sys.exit(EXIT_FAILED)

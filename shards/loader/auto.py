@@ -145,7 +145,7 @@ class AutoRun(Run):
         """Leave ``tried`` at the exact position: the next candidate, or once all are tried the chosen one, continues
         the epoch from the loader's own state."""
         loader = self._loader()
-        state = loader.state_dict()
+        state = loader.position_state()
         if self.on_trial + 1 < len(self.candidates):
             self.on_trial += 1
         else:
@@ -154,7 +154,7 @@ class AutoRun(Run):
                 f"{c} {self._mean_step(c) * 1000:.1f} ms" for c in self.candidates))
         if self.current != tried:
             self.runs[tried].close()
-        loader.load_state_dict(state)  # the next iteration, whichever run makes it, starts at this batch
+        loader.continue_from(state)  # the next iteration, whichever run makes it, starts at this batch
         if self.chosen is not None:
             for mode, run in self.runs.items():
                 if mode != self.chosen:

@@ -20,9 +20,13 @@ from abc import ABC, abstractmethod
 from dataclasses import replace
 from typing import Any, Callable, Iterator
 
+import numpy as np
+
 from shards.errors import InputError
 from shards.procs.stage_times import SharedStageTimes
+from shards.loader.resume_audit import ResumeAudit, check_state, resume_verdict, saved_with_audit
 from shards.loader.watchdog import StallPolicy, Watchdog, check_stack_dir
+from shards.position.audit import check_mode
 from shards.position.cursor import Cursor
 from shards.position.dcp_state import DcpLoaderState
 from shards.position.elastic import EXCLUDED, Continuation
@@ -90,11 +94,13 @@ class Loader:
     the run with an error naming the sample and its stack; a mode with nothing beside the loop to watch refuses it
     (an ``InputError`` naming the mode), never ignores it. ``stage_times=False``: no stage seconds (they
     stay at 0), for measuring what they cost. ``collate_fn``, ``pin_memory`` and ``dataloader_options`` go to the
-    DataLoader of a mode that makes one."""
+    DataLoader of a mode that makes one. ``resume_audit``: what a loaded state whose recorded batches disagree
+    with the plan does (``shards.position.audit``): ``"refuse"`` (a ``ResumeAuditError``), ``"warn"`` (one
+    logged line) or ``"off"`` (no audit record is saved or checked)."""
 
     def __init__(self, dataset: Any, batch_size: int, mode: RunMode, *, drop_last: bool = False,
                  stall: StallPolicy | None = None, stage_times: bool = True, collate_fn: Callable | None = None,
-                 pin_memory: bool = False, **dataloader_options: Any):
+                 pin_memory: bool = False, resume_audit: str = "refuse", **dataloader_options: Any):
         if batch_size < 1:
             raise InputError(f"batch_size must be at least 1, got {batch_size}")
         if not isinstance(mode, RunMode):
@@ -116,6 +122,7 @@ class Loader:
         self.stall = stall
         self.watchdog = Watchdog(stall, dataset, self.cursor) if stall is not None and mode.on_stall == "restart" \
             else None
+        self.audit = None if check_mode(resume_audit) == "off" else ResumeAudit(self, resume_audit)
         self.run = mode.start(self)
 
     @property
@@ -125,7 +132,14 @@ class Loader:
     def __iter__(self) -> Iterator[Any]:
         # A generator of the loader's own, so an iteration keeps its loader alive (``next(iter(make_loader(...)))``);
         # the run refers back to its loader only weakly.
-        yield from self.run.batches()
+        audit = self.audit
+        if audit is None:
+            yield from self.run.batches()
+            return
+        audit.begin()
+        for batch in self.run.batches():
+            audit.handed()  # the loader's own count of what it fed; the first batches after a resume are checked
+            yield batch
 
     def __len__(self) -> int:
         """Batches of this epoch, counting those handed out before a resume in another layout."""
@@ -172,7 +186,12 @@ class Loader:
         """The position in the current epoch: after the batches handed out, or after ``batches_consumed`` of them
         when the consumer lags behind (a prefetcher that drew batches the training step has not used); with the
         quarantine, and the rows the dataset leaves out (``exclude_rows``), which a resume with others replays
-        (``elastic``)."""
+        (``elastic``), and the resume audit's record of the batches fed and to come (``shards.position.audit``)."""
+        return saved_with_audit(self, self.position_state(batches_consumed), batches_consumed)
+
+    def position_state(self, batches_consumed: int | None = None) -> dict[str, Any]:
+        """``state_dict`` without the audit record: the loader's own position, for a run mode's switch or restart
+        within the process (``Auto``, the watchdog), where there is nothing to audit."""
         state = self.cursor.state_dict(batches_consumed)
         if self.dataset.excluded is not None:
             state[EXCLUDED] = self.dataset.excluded.tolist()
@@ -181,8 +200,35 @@ class Loader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the saved epoch at the next batch it had not yet handed out: in the same layout exactly as the
         interrupted run would have, in another (world size, workers, batch size) with exactly the samples the
-        interrupted epoch had not yet yielded; the saved quarantine is kept out from then on."""
-        self.run.loaded(self.cursor.load(state))
+        interrupted epoch had not yet yielded; the saved quarantine is kept out from then on. The state's audit
+        record is checked against the plan first (``resume_audit``), and the first batches fed after it too."""
+        checked = self.cursor.checked(state)
+        verdict = resume_verdict(self, state)  # refused before anything changes
+        continued = self.cursor.apply(checked)
+        self.run.loaded(continued)
+        if self.audit is not None:
+            self.audit.loaded(state, continued, verdict)
+
+    def continue_from(self, state: dict[str, Any]) -> Continuation:
+        """``load_state_dict`` without the audit: a state this loader saved itself in this process."""
+        continued = self.cursor.load(state)
+        self.run.loaded(continued)
+        if self.audit is not None:
+            self.audit.switched(continued.position.batches)
+        return continued
+
+    def resume_audit_result(self) -> dict[str, Any]:
+        """The audit of the last state loaded: ``{"result": "ok" | "mismatch" | "not audited" | "off", ...}``
+        (``"message"`` naming the first mismatch), or ``{"result": "off"}`` with the audit off; ``{}`` before any
+        state was loaded."""
+        if self.audit is None:
+            return {"result": "off"}
+        return dict(self.audit.result or {})
+
+    def audit_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The audit of saved ``state`` against this loader's dataset and plan, without loading it (``shards
+        audit``), whatever the loader's own ``resume_audit``."""
+        return check_state(self, state)
 
     def dcp_state(self) -> DcpLoaderState:
         """This loader's position as ``torch.distributed.checkpoint`` saves and loads it
@@ -207,20 +253,25 @@ class Loader:
         rank: ``{"key", "shard", "row"}`` each, ``"stand_in": True`` on a quarantined row (another sample was fed
         in its place). Computed from the order (``shards.position.lineage``), not recorded: an epoch continued from
         a loaded state (in this layout or another) is answered as it was fed while it is the current epoch."""
+        return row_samples(self.dataset, self.batch_rows(epoch, step), self.cursor.quarantine)
+
+    def batch_rows(self, epoch: int, step: int) -> np.ndarray:
+        """The global rows of batch ``step`` of ``epoch`` on this rank, in the batch's order (``batch_keys``)."""
         remainder = self.cursor.remainder()
         if remainder is not None and remainder.position.epoch == epoch:
             position = remainder.position
         else:
             position = replace(self.cursor.position(0), epoch=epoch, prior=None)
-        rows = batch_rows(self.dataset.epoch_source(), position, self.dataset.config.rank, step)
-        return row_samples(self.dataset, rows, self.cursor.quarantine)
+        return batch_rows(self.dataset.epoch_source(), position, self.dataset.config.rank, step)
 
     # -- faults and time ---------------------------------------------------------------------------------------------
     def report_faults(self, stack_dir: str | None, on_event: Callable[[dict], Any] | None) -> None:
         """Where stall recovery writes stack dumps and sends its events, for a caller that knows only after making
         the loader (a trainer's run folder); the folder is checked now. Without a ``StallPolicy`` there are no
-        faults to report."""
+        faults to report. ``on_event`` also hears the resume audit's check of the first batches after a resume."""
         checked = None if stack_dir is None else check_stack_dir(stack_dir)
+        if self.audit is not None:
+            self.audit.on_event = on_event  # the check of the batches fed after a resume
         if self.stall is not None:
             self.stall = replace(self.stall, stack_dir=checked, on_event=on_event)
         if self.watchdog is not None:

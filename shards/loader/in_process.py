@@ -86,6 +86,7 @@ class FeatureBatches(Run):
 
     def batches(self) -> Iterator[tuple]:
         cursor, size, times = self.loader.cursor, self.loader.batch_size, self.loader.stage_times
+        audit = self.loader.audit
         epoch = self.dataset.epoch
         continued = cursor.begin()
         start = continued.position.layout_batches if continued is not None else 0
@@ -100,6 +101,8 @@ class FeatureBatches(Run):
             for batch in range(start, self._batches(len(rows))):
                 first, stop = batch * size, min((batch + 1) * size, len(rows))
                 out = tuple(joined(ahead.pieces(first, stop)) if ahead is not None else gather(rows[first:stop]))
+                if audit is not None:
+                    audit.gathered(rows[first:stop])  # what the batch was gathered from (``resume_audit``)
                 cursor.handed = before + batch + 1
                 if clock:
                     times.add_one(IN_PROCESS_SLOT, READ, clock() - began)

@@ -60,7 +60,8 @@ def workers_mode(workers: int, *, prefetch_factor: int = 4, persistent: bool = T
 
 def make_loader(dataset: Any, batch_size: int = 256, *, mode: RunMode | str | None = None,
                 stall: StallPolicy | None = None, drop_last: bool | None = None, collate_fn: Callable | None = None,
-                pin_memory: bool | None = None, stage_times: bool = True, **dataloader_options: Any) -> Loader:
+                pin_memory: bool | None = None, stage_times: bool = True, resume_audit: str = "refuse",
+                **dataloader_options: Any) -> Loader:
     """Batches from a dataset of ``open_dataset``, with defaults that suit it.
 
     ``mode`` defaults to ``default_mode``: ``InProcess()`` for a feature dataset, ``WorkerProcesses(n)`` for
@@ -74,6 +75,10 @@ def make_loader(dataset: Any, batch_size: int = 256, *, mode: RunMode | str | No
     ``timeout_s``, or a worker process gone, restarts the workers at the exact position
     (``shards.loader.watchdog``); a sample a worker hung or died on twice is quarantined (``loader.quarantined``,
     carried in ``state_dict``). A mode without worker processes refuses it with an ``InputError``.
+
+    ``resume_audit`` (``"refuse"``, ``"warn"``, ``"off"``): every ``state_dict`` carries the keys of the last
+    batches fed and of the next ones the plan gives; ``load_state_dict`` checks them, and the first batches fed
+    after it, against the plan and refuses (or warns about) a state that disagrees (``shards.position.audit``).
     """
     if mode is None:
         mode = default_mode(dataset)
@@ -87,7 +92,7 @@ def make_loader(dataset: Any, batch_size: int = 256, *, mode: RunMode | str | No
     # would shift the training loop's random numbers by one draw per epoch (and differently after a resume).
     dataloader_options.setdefault("generator", torch.Generator().manual_seed(dataset.config.seed))
     return Loader(dataset, batch_size, mode, drop_last=drop_last, stall=stall, stage_times=stage_times,
-                  collate_fn=collate_fn, pin_memory=pin_memory, **dataloader_options)
+                  collate_fn=collate_fn, pin_memory=pin_memory, resume_audit=resume_audit, **dataloader_options)
 
 
 def pad_collate(batch: Sequence[tuple]) -> dict[str, Any]:

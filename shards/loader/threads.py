@@ -163,7 +163,8 @@ class _Epoch:
             watch = self.run.status.slot(worker)
             stream = loader.dataset.worker_stream(
                 epoch, worker, self.workers, split_batch=loader.batch_size, skip=skip, left=left, stage_times=times,
-                quarantine=quarantine, watch=watch, slot=worker, decode_threads=self.pool or 1)
+                quarantine=quarantine, watch=watch, slot=worker, decode_threads=self.pool or 1,
+                fed=loader.audit.ring if loader.audit is not None else None)
             clock = time.perf_counter
             for sample in stream:
                 watch.idle()

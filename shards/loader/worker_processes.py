@@ -109,7 +109,8 @@ class WorkerFeed(IterableDataset):
     docstring), so the loader never writes its settings or state into the dataset it wraps."""
 
     def __init__(self, dataset: Any, split_batch: int, stage_times: SharedStageTimes | None,
-                 quarantine: SharedQuarantine, status: WorkerStatus | None = None, decode_threads: int = 1):
+                 quarantine: SharedQuarantine, status: WorkerStatus | None = None, decode_threads: int = 1,
+                 fed: Any = None):
         super().__init__()
         self.dataset = dataset
         self.split_batch = split_batch
@@ -117,6 +118,7 @@ class WorkerFeed(IterableDataset):
         self.quarantine = quarantine  # the cursor's: rows a restart or a loaded state kept out reach workers here
         self.status = status  # where workers publish the sample they decode (a watched loader's)
         self.decode_threads = decode_threads  # threads decoding inside each worker (``WorkerProcesses.threads``)
+        self.fed = fed  # the loader's ``FedRing``: each slot's key as read (``shards.position.audit``), or None
         self.resume = SharedResume()  # skips and rotation: reach persistent workers too
         self.left = None  # an epoch continued in another layout: its rows left (a new DataLoader carries them)
 
@@ -133,7 +135,7 @@ class WorkerFeed(IterableDataset):
         stream = self.dataset.worker_stream(
             epoch, worker, num_workers, split_batch=self.split_batch, skip=resume.skips[worker] if resume else 0,
             left=self.left if resume is not None and resume.remainder else None, stage_times=self.stage_times,
-            quarantine=self.quarantine.rows(), watch=watch, decode_threads=self.decode_threads)
+            quarantine=self.quarantine.rows(), watch=watch, decode_threads=self.decode_threads, fed=self.fed)
         if watch is None:
             yield from stream
             return
@@ -156,7 +158,8 @@ class DataLoaderRun(Run):
         watchdog = loader.watchdog
         times = loader.stage_times
         self.feed = WorkerFeed(loader.dataset, loader.batch_size, times, loader.cursor.shared_quarantine,
-                               status=watchdog.status if watchdog is not None else None, decode_threads=threads)
+                               status=watchdog.status if watchdog is not None else None, decode_threads=threads,
+                               fed=loader.audit.ring if loader.audit is not None else None)
         collate_fn = loader.collate_fn if loader.collate_fn is not None else default_collate
         if times is not None:
             collate_fn = TimedCollate(collate_fn, times)
@@ -197,9 +200,9 @@ class DataLoaderRun(Run):
     def restart(self) -> None:
         """Continue the current epoch on fresh workers (the old ones are gone) at the batches handed out, with
         the quarantine as it now is: the loader's own state, saved and loaded."""
-        state = self.loader.state_dict()
+        state = self.loader.position_state()
         self.dataloader = self._new_dataloader()
-        self.loader.load_state_dict(state)
+        self.loader.continue_from(state)
 
     def loaded(self, continued: Continuation) -> None:
         if self.dataloader.persistent_workers and continued.left is not None:

@@ -64,6 +64,10 @@ class Cursor:
         had left in another (``shards.position.elastic``). Everything is checked before anything changes: the state's
         fields (``LoaderState.from_dict``), its batch count against the epoch's batches, its quarantined rows
         against the split."""
+        return self.apply(self.checked(state))
+
+    def checked(self, state: dict[str, Any]) -> tuple[Continuation, dict[int, str]]:
+        """``load``'s checks of ``state``, nothing changed: how this cursor continues it, and its quarantine."""
         continued = continuation(state, self.position(0), self.dataset.epoch_source())
         position, had = continued.position, self.epoch_batches(continued)
         if position.layout_batches > had:  # refused, not clamped: no run was ever at that position
@@ -74,6 +78,11 @@ class Cursor:
         if saved and max(saved) >= rows:
             raise InputError(f"loader state quarantined row {max(saved)} is not a row of this split ({rows} rows)")
         check_quarantine_size(len({**self.quarantine, **saved}))  # before anything changes
+        return continued, saved
+
+    def apply(self, checked: tuple[Continuation, dict[int, str]]) -> Continuation:
+        """Continue a state ``checked`` found good from the next iteration on."""
+        continued, saved = checked
         self.keep_out(saved)
         self._pending = continued
         self.handed = continued.position.batches
@@ -103,6 +112,12 @@ class Cursor:
         self._active = continued if continued is not None and continued.left is not None else None
         self.handed = continued.position.batches if continued is not None else 0
         return continued
+
+    def upcoming(self) -> int:
+        """The batch of the current epoch the next iteration starts at: a loaded state's position, else 0."""
+        pending = self._pending
+        return pending.position.batches if pending is not None and pending.position.epoch == self.dataset.epoch \
+            else 0
 
     def remainder(self) -> Continuation | None:
         """The continuation whose remainder the current (or next) iteration of this epoch reads, if any."""

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from shards.door.bounded_read import read_json_file
-from shards.data_events import QUARANTINE, read_events
+from shards.data_events import QUARANTINE, read_events, resume_audits
 from shards.errors import ManifestError
 from shards.report import svg
 from shards.report.curves import find_best_epoch
+from shards.report.forecast import forecast_part
 from shards.report.html import (Cell, Markup, Section, count, figure, fixed, image_data_uri, join, key_value_grid,
                                 note, num_cell, number, pct, rate, seconds, size, subsection, table, tag, tiles, void)
 from shards.report.mixture import mixture_part, recorded_sources
@@ -285,6 +286,19 @@ def _quarantined(folder: Path) -> list[dict[str, Any]]:
     return read_events(folder, QUARANTINE)
 
 
+def _audited(folder: Path) -> list[Markup]:
+    """One line on the run's resumes and their resume audit (docs/training.md, "Resume audit"), when it resumed."""
+    tally = resume_audits(folder)
+    if not tally["resumes"]:
+        return []
+    line = f"{tally['audited']} resumes audited, {tally['mismatches']} mismatches"
+    if tally["audited"] < tally["resumes"]:
+        line += f" ({tally['resumes'] - tally['audited']} of {tally['resumes']} not audited: saved without a record)"
+    if tally["mismatches"]:
+        return [note(f"{line}: {tally['messages'][0]} (shards audit RUN_DIR checks them again).", "warn")]
+    return [note(f"{line} (data-events.jsonl; shards audit RUN_DIR checks them again).")]
+
+
 def run_section(run: RunFiles, anchor: str, *, classes: Sequence[str] | None = None,
                 links: Markup | None = None) -> Section:
     """``classes``: the class list of the run's data manifest, when it could be read (names the matrix)."""
@@ -301,12 +315,14 @@ def run_section(run: RunFiles, anchor: str, *, classes: Sequence[str] | None = N
             parts.append(note(f"{len(quarantined)} sample(s) quarantined after DataLoader workers hung or died on "
                               f"them twice, and left out from then on: {shown}{more} (data-events.jsonl; stack "
                               "dumps in the run folder).", "warn"))
+        parts += _audited(run.folder)
         parts.append(subsection("Curves", _curves(history)))
         parts.append(subsection("Per epoch", _epoch_table(history, run.rows)))
         if not is_regression(history):  # a regression run has no classes to break down
             parts.append(_per_class(run.rows[-1], classes))
         parts.append(stage_breakdown(run.rows))
         parts.append(_cache(history, run.rows))
+        parts.append(forecast_part(run.rows))
     parts.append(mixture_part(run.config.get("mixture"), run.rows))
     parts.append(_checkpoints(run.folder, history))
     # The mixture has its own part above; as one JSON value in the grid it would be a wall of text.

@@ -122,6 +122,8 @@ class ShardDataset(IterableDataset):
         self.label_maps: list[Any] | None = None  # per shard: source label -> combined label, or None
         # Each global row's label, which class weighting draws by (``shards.select.labels``; None: no weights).
         self.row_labels: np.ndarray | None = None
+        # Each global row's key from the column index, for the resume audit (``shards.select.row_keys``; None: none).
+        self.key_columns: Any = None
         if self.sizes.dropped:
             log.info("Sampling(balance='drop') leaves out the last %d sample(s) of %r every epoch", self.sizes.dropped,
                      config.split)
@@ -232,7 +234,7 @@ class ShardDataset(IterableDataset):
     def worker_stream(self, epoch: int, worker: int, num_workers: int, *, split_batch: int = 1, skip: int = 0,
                       left: np.ndarray | None = None, stage_times: SharedStageTimes | None = None,
                       quarantine: frozenset[int] = frozenset(), watch: Any = None, slot: int | None = None,
-                      decode_threads: int | DecodeAhead = 1) -> Iterator[Any]:
+                      decode_threads: int | DecodeAhead = 1, fed: Any = None) -> Iterator[Any]:
         """What logical ``worker`` of ``num_workers`` yields in ``epoch``, after ``skip`` samples a resumed run had
         consumed; ``split_batch``: the loader's batch size (the unit of the worker split); ``stage_times``: the
         loader's block to add stage seconds to (None: not timed), in row ``slot`` (None: this process's, by its
@@ -240,14 +242,16 @@ class ShardDataset(IterableDataset):
         one's slot); ``watch``: a ``WorkerSlot`` to publish each sample in before decoding it
         (``shards.procs.worker_status``); ``decode_threads``: threads that decode this stream's samples ahead, in
         order, while this thread reads on (``shards.stream.decode_ahead``; 1: decoded one by one here), or a
-        ``DecodeAhead`` pool shared with other streams."""
+        ``DecodeAhead`` pool shared with other streams; ``fed``: the loader's ``FedRing``, where this stream records
+        the key of each slot it fills as it reads it (``shards.position.audit``; None: nothing recorded)."""
         tally = StageTally(stage_times, split_batch, slot=slot) if stage_times is not None else None
         order = self.worker_order(epoch, worker, num_workers, split_batch=split_batch, left=left)
         # Per stream, never on the dataset: a loader's threads run several streams over one dataset object.
         stream = StreamState(next_epoch=(epoch + 1, worker, num_workers, split_batch))
         try:
+            recorder = fed.writer(worker, epoch, split_batch) if fed is not None else None
             yield from self._worker_samples(order, epoch, worker, skip, tally, watch, quarantine, decode_threads,
-                                            stream)
+                                            stream, recorder)
         finally:
             if tally is not None:
                 tally.flush()  # the samples since the last full batch, before the loader sees the stream end
@@ -310,7 +314,7 @@ class ShardDataset(IterableDataset):
     def _worker_samples(self, order: WorkerOrder, epoch: int, worker: int, skip: int,
                         tally: StageTally | None = None, watch: Any = None,
                         quarantine: frozenset[int] = frozenset(), decode_threads: int | DecodeAhead = 1,
-                        stream: StreamState | None = None) -> Iterator[Any]:
+                        stream: StreamState | None = None, recorder: Any = None) -> Iterator[Any]:
         c = self.config
         policy = ErrorTally(c, self._state, keeps_recent=bool(quarantine))
         seeds = self.sample_seeds(epoch, worker)
@@ -329,6 +333,8 @@ class ShardDataset(IterableDataset):
         else:
             results = self._decoded_here(jobs, watch)
         for where, sample, row, result in results:
+            if recorder is not None:  # the slot's key as read, before a stand-in may fill it (as lineage names it)
+                recorder.slot(sample.key)
             if isinstance(sample, Broken):
                 yield from policy.skipped(where, sample.key, sample.reason)
                 continue

@@ -32,6 +32,7 @@ from shards.transport.manifest_io import load_manifest_at
 from shards.stream.options import Decode, Distributed, ErrorPolicy, MemoryCache, Remote, Sampling
 from shards.order.weights import class_weights_from_counts
 from shards.select.labels import split_labels
+from shards.select.row_keys import KeyColumns
 from shards.image.transforms import TransformSpec, build_transform
 
 
@@ -160,10 +161,11 @@ def open_dataset(path: str | os.PathLike | SourceSpec | Sequence[str | os.PathLi
                      origins=origins, caches=_Caches.of(cache, node_cache))
     if combined is not None:
         dataset.use_mixture(combined.mixture, combined.label_maps)
+    label_sources = sources if specs is not None else \
+        [_load_source(SourceSpec(path), split, remote, config, node_cache, lambda _: (manifest, base))]
     if config.class_weights is not None:  # the labels the order's class weighting draws by, read once here
-        label_sources = sources if specs is not None else \
-            [_load_source(SourceSpec(path), split, remote, config, node_cache, lambda _: (manifest, base))]
         dataset.row_labels = split_labels(dataset, manifest.kind, label_sources, len(config.class_weights))
+    dataset.key_columns = KeyColumns(dataset.locations, label_sources)  # opened when the resume audit asks
     return dataset
 
 

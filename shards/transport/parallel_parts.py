@@ -175,6 +175,14 @@ def pool_for(size: int) -> PartPool:
         return pool
 
 
+def part_length(length: int, connections: int) -> int:
+    """The bytes per request of a ``length``-byte range read over ``connections``: a range of a few parts' length is
+    spread over every connection (parts of at least ``MIN_PART``), a long one cut into ``PART``s. ``PART`` and
+    ``MIN_PART`` are looked up at each use, so a value set here (a test's) takes effect; the forecast
+    (``shards.forecast.requests``) counts requests by this rule."""
+    return min(PART, max(MIN_PART, -(-length // connections)))
+
+
 class PartStream(io.RawIOBase):
     """Bytes ``[start, stop)`` of ``url`` as parts fetched by ``fetch`` on ``pool``, read in order. ``head``: bytes
     already fetched just before ``start`` (the first request of a whole object), read first."""
@@ -184,9 +192,7 @@ class PartStream(io.RawIOBase):
         super().__init__()
         self.url, self.start, self.stop = url, start, stop
         self._fetch, self._pool = fetch, pool
-        # A range of a few parts' length is spread over every connection of the pool (parts of at least
-        # MIN_PART); PART and MIN_PART are looked up at each use, so a value set here (a test's) takes effect.
-        part = part or min(PART, max(MIN_PART, -(-(stop - start) // pool.size)))
+        part = part or part_length(stop - start, pool.size)
         self._bounds = deque((a, min(a + part, stop)) for a in range(start, stop, part))
         self._pending: deque[tuple[int, int, Future]] = deque()
         self._buffer = memoryview(head)

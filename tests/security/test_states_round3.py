@@ -214,7 +214,8 @@ def test_more_batches_than_the_epoch_has_are_refused_not_clamped(folder, saved):
     batches = len(loader)
     message = refused(loader, {**saved, "batches": batches + 1}, "loader state batches")
     assert f"{batches} batches" in message
-    loader.load_state_dict({**saved, "batches": batches})  # the end of the epoch is a position
+    # the end of the epoch is a position (made by hand: without the audit record, which says where the run was)
+    loader.load_state_dict({**saved, "batches": batches, "audit": None})
 
 
 def test_more_batches_than_the_continued_layouts_epoch_had_are_refused(folder, continued):

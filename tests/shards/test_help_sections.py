@@ -22,10 +22,12 @@ TITLES = {
                             "Object storage", "Run"),
     "shards verify": ("Checks", "Object storage", "Run"),
     "shards inspect": ("Batch and grid", "Mixture and subset", "Object storage", "Run"),
+    "shards plan": ("Layout", "Node cache", "Link and prices", "Object storage", "Run"),
 }
 COMMANDS = {"train-from-shards": (train_command, []), "pack-shards": (pack_shards_command, []),
             "precompute-features": (precompute_features_command, []),
-            "shards verify": (shards_main, ["verify"]), "shards inspect": (shards_main, ["inspect"])}
+            "shards verify": (shards_main, ["verify"]), "shards inspect": (shards_main, ["inspect"]),
+            "shards plan": (shards_main, ["plan"])}
 FLAG = re.compile(r"(?<![\w-])--?[A-Za-z0-9][\w-]*")
 
 
@@ -91,6 +93,6 @@ def test_options_go_where_a_user_looks_for_them():
 def test_every_long_shards_subcommand_prints_sections():
     long = [name for name, command in shards_main.commands.items()
             if sum(isinstance(p, click.Option) for p in command.params) > 8]
-    assert sorted(long) == ["inspect", "verify"]
+    assert sorted(long) == ["inspect", "plan", "verify"]
     for name in long:
         assert "Options:" not in help_text(f"shards {name}")

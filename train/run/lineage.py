@@ -118,7 +118,9 @@ class DataWatch:
         append_event(folder, {
             "kind": LAYOUT, **where, "loader_state": resumed_loader, "world_size": run.ctx.world_size,
             "num_workers": loader.num_workers, "batch_size": run.cfg.optim.batch_size,
-            "nodes": int(loader.dataset.config.nodes), "exclude_keys": kept and kept["keys_file"]})
+            "nodes": int(loader.dataset.config.nodes), "exclude_keys": kept and kept["keys_file"],
+            # the audit of the state resumed from (``shards.position.audit``); ``shards audit`` redoes it
+            "resume_audit": loader.resume_audit_result() if resumed_loader is not None else None})
 
     def watch_loaders(self) -> None:
         """Stall recovery (``--stall-timeout``) writes its stack dumps into the run folder and its restarts and

@@ -179,6 +179,7 @@ class Run:
     def end_epoch(self, meter: Any) -> dict[str, Any]:
         """Validate, record the epoch's row (all ranks build it), then rank 0 writes and logs it."""
         state = self.state
+        self.rows.train_done()  # the storage the epoch's train reads used, before validation reads more
         val = self.task.evaluate(self.model, self.batches(self.data.val_loader), self.ctx.device, self.amp,
                                  self.data.normalize)
         row = self.rows.row(state, meter, self.optimizer.param_groups[0]["lr"], val)

@@ -13,6 +13,9 @@ from typing import Any, Sequence
 import torch
 
 from shards.cache.node_index import ideal_fetch_bytes
+from shards.errors import ShardcacheError
+from shards.forecast.run import COMPARED, epoch_forecast, forecast_of_call
+from shards.transport import s3
 from shards.runrecord import EpochRow
 from shards.units import human_bytes
 from train.config import TrainConfig
@@ -24,6 +27,20 @@ from train.run.epoch import TrainState
 from train.run.meter import DataWaitMeter, gather_stage_seconds, sum_stage_seconds
 
 log = logging.getLogger("shardcache.train")
+
+
+def storage_forecast(cfg: TrainConfig, ctx: DistContext, data: RunData) -> Any:
+    """The forecast of the train reads (``shards.forecast.run``), made once as the run starts; None where it does
+    not apply (features, a mixture or subset, keys left out) or cannot be made (said once, never fatal: a
+    forecast is an aid)."""
+    if data.kind != "images" or data.train_call is None or data.mixture is not None or cfg.data.exclude_keys:
+        return None
+    try:
+        return forecast_of_call(data.train_call, epochs=cfg.optim.epochs, world_size=ctx.world_size,
+                                cache=cfg.cache.shard_cache)
+    except ShardcacheError as exc:
+        log.info("no storage forecast for this run: %s", exc)
+        return None
 
 
 def reads_over_network(cfg: TrainConfig, kind: str) -> bool:
@@ -39,6 +56,37 @@ class EpochRows:
         self.cfg, self.ctx, self.data, self.task = cfg, ctx, data, task
         self._cache_before: dict[str, int] = {}
         self.network_reads = reads_over_network(cfg, data.kind)
+        self.forecast = storage_forecast(cfg, ctx, data) if ctx.is_main else None
+        s3.share_stats()  # before any worker starts: the workers' requests count in this process's counters
+        self._storage_before = self._storage_now()
+        self._storage_train: list[int] | None = None
+
+    def _storage_now(self) -> list[int]:
+        """Requests and bytes sent to object storage by this process and its workers so far, and the train reader's
+        node-cache counters (``COMPARED``'s order)."""
+        cache = getattr(self.data.train_loader.dataset, "shard_cache", None)
+        counts = cache.stats.snapshot() if cache is not None else {}
+        return [s3.FETCH_STATS.requests, s3.FETCH_STATS.bytes, *(int(counts.get(name, 0)) for name in COMPARED[2:])]
+
+    def train_done(self) -> None:
+        """The epoch's training reads are over (validation reads next): what they sent is counted up to here."""
+        self._storage_train = self._storage_now()
+
+    def forecast_fields(self, epoch: int) -> dict[str, Any]:
+        """The forecast of epoch ``epoch`` (from 0) beside what its train reads measured, summed over ranks;
+        collective. Nothing when the run has no forecast (features, a mixture, an error making it)."""
+        now = self._storage_train if self._storage_train is not None else self._storage_now()
+        spent = torch.tensor([a - b for a, b in zip(now, self._storage_before)], dtype=torch.float64,
+                             device=self.ctx.device)
+        self._storage_before, self._storage_train = self._storage_now(), None
+        if self.ctx.distributed:
+            torch.distributed.all_reduce(spent)
+        if self.forecast is None or epoch >= len(self.forecast.ranks):
+            return {}
+        measured = dict(zip(COMPARED, (int(v) for v in spent.tolist())))
+        if getattr(self.data.train_loader.dataset, "shard_cache", None) is None:
+            measured = {name: measured[name] for name in COMPARED[:2]}
+        return {"forecast": epoch_forecast(self.forecast, epoch), "storage": measured}
 
     def row(self, state: TrainState, meter: DataWaitMeter, lr: float, val: dict[str, Any]) -> EpochRow:
         """The epoch ``state`` has just finished, with its validation scores ``val``; collective (all ranks)."""
@@ -53,7 +101,8 @@ class EpochRows:
             "epoch": state.epoch + 1, "step": state.step, "lr": lr, **self.task.train_fields(*sums.tolist()),
             "samples_per_s": samples_per_s, "data_wait_share": wait_share, "epoch_time_s": meter.wall_s, **val,
             **self.cache_fields(), **self.stage_fields(meter),
-            "quarantined": len(self.data.train_loader.quarantined)}  # samples kept out so far
+            "quarantined": len(self.data.train_loader.quarantined),  # samples kept out so far
+            **self.forecast_fields(state.epoch)}
         if self.data.mixture is not None:  # samples each source filled this epoch (fixed by the mixture's draw)
             fields["mixture_drawn"] = list(self.data.mixture.draw)
         loader = self.data.train_loader
