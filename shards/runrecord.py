@@ -198,7 +198,7 @@ def read_rows(path: str | os.PathLike, *, problems: list[str] | None = None) -> 
 # ``shards.stream.options``, ``shards.select.mixture`` and ``shards.image.transforms``, as plain JSON).
 OPEN_FIELDS = ("path", "sources", "split", "transform", "seed", "return_keys", "sampling", "decode", "remote",
                "distributed", "mix")
-SOURCE_FIELDS = ("path", "weight", "repeat", "choose", "subset")
+SOURCE_FIELDS = ("path", "weight", "repeat", "choose", "subset", "source")
 SUBSET_FIELDS = ("classes", "keys", "where", "max_samples")
 LOADER_FIELDS = ("batch_size", "drop_last", "workers")
 
@@ -241,7 +241,7 @@ class DataCall:
         sources = None
         if not isinstance(path, (str, os.PathLike)):
             sources = [{"path": s.path, "weight": s.weight, "repeat": s.repeat, "choose": s.choose,
-                        "subset": _subset(s.subset)} for s in path]
+                        "subset": _subset(s.subset), "source": s.source} for s in path]
         call = {"path": None if sources else os.fspath(path), "sources": sources, "split": split,
                 "transform": None if transform is None else _plain(transform), "seed": seed,
                 "return_keys": return_keys, "sampling": _plain(sampling),
@@ -275,6 +275,8 @@ class DataCall:
                    where=where)
             if source.get("subset") is not None:
                 _fields(source["subset"], f"{what}.sources[{index}].subset", SUBSET_FIELDS, where)
+            if source.get("source") is not None:
+                as_str(source["source"], f"{what}.sources[{index}].source", where=where)
         as_str(get(call, "split", what, where=where), f"{what}.split", where=where)
         as_int(get(call, "seed", what, where=where), f"{what}.seed", lo=-MAX_COUNT, where=where)
         as_bool(get(call, "return_keys", what, where=where), f"{what}.return_keys", where=where)

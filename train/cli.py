@@ -40,7 +40,7 @@ class WorkerCount(click.ParamType):
 
 @click.command(cls=SectionedCommand, context_settings={"help_option_names": ["-h", "--help"], "show_default": True},
                sections={"Data": ("data_options", "class_map", "epoch_size", "subset_classes", "subset_keys",
-                                  "subset_where", "subset_max", "exclude_keys", "train_split", "val_split"),
+                                  "subset_where", "subset_max", "exclude_keys", "train_split", "val_split", "source"),
                          "Model": ("task", "head", "standardize", "logreg_c", "hidden_dim", "dropout", "model",
                                    "weights"),
                          "Optimisation": ("epochs", "batch_size", "optimizer", "lr", "momentum", "warmup_epochs",
@@ -70,6 +70,9 @@ class WorkerCount(click.ParamType):
               help="A filter on each sample's metadata, e.g. \"width >= 256 and mode == 'RGB'\".")
 @click.option("--max-samples", "subset_max", type=int, default=None,
               help="At most this many samples of each source (after the other filters, in manifest order).")
+@click.option("--source", default=None, metavar="PATH",
+              help="Where the shards are when not beside dataset.json: the tars of an index made by shards index "
+                   "(a folder, s3:// or https:// prefix).")
 @click.option("--exclude-keys", type=click.Path(dir_okay=False, exists=True), default=None,
               help="A file of sample keys, one per line, left out of training (the rest keep their order); may be "
                    "added or extended with --resume: the rest of the interrupted epoch drops them too.")
@@ -168,7 +171,7 @@ def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...],
                   resume_audit: str, amp: bool, device: str, train_split: str,
                   val_split: str, checkpoint_every: int, resume: bool, dry_run: bool, overwrite: bool,
                   stop_after_steps: int | None, no_report: bool, cache_images: bool, memory_limit: int | None,
-                  quiet: bool, s3, cache) -> None:
+                  quiet: bool, s3, cache, source: str | None) -> None:
     """Train a classifier from image shards (dataset.json) or cached features (features.json) in PATH, or a
     regression head on a table's float target (pack-shards --table). Several --data sources mix into one epoch
     (by weight, repeat or choose); --classes, --keys, --where and --max-samples train on a subset; no repacking.
@@ -188,7 +191,8 @@ def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...],
         data=DataOptions(path, sources=sources if len(sources) > 1 or len(sources[0]) > 1 else [],
                          class_map=class_map, subset=subset if any(v is not None for v in subset.values()) else None,
                          epoch_size=epoch_size, train_split=train_split, val_split=val_split,
-                         exclude_keys=os.path.abspath(exclude_keys) if exclude_keys else None),
+                         exclude_keys=os.path.abspath(exclude_keys) if exclude_keys else None,
+                         source=os.path.abspath(source) if source and locate(source).is_local else source),
         model=ModelOptions(task=task, head=head, standardize=standardize, logreg_c=logreg_c, hidden_dim=hidden_dim,
                            dropout=dropout, name=model, weights=weights),
         optim=OptimOptions(epochs=epochs, batch_size=batch_size, optimizer=optimizer, lr=lr, momentum=momentum,
@@ -200,7 +204,8 @@ def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...],
                              run_mode=run_mode or ("auto" if workers == "auto" else "processes"),
                              worker_threads=worker_threads, prefetch=prefetch, feature_window=feature_window,
                              stall_timeout=stall_timeout, resume_audit=resume_audit),
-        cache=cache_group(s3.to_dict() if any(locate(s["path"]).uses_storage_options for s in sources) else None,
+        cache=cache_group(s3.to_dict() if any(locate(p).uses_storage_options
+                                              for p in [s["path"] for s in sources] + [source or ""]) else None,
                           cache, images=cache_images, memory_limit=memory_limit),
         run=RunOptions(out_dir, device=device, checkpoint_every=checkpoint_every, resume=resume, overwrite=overwrite,
                        dry_run=dry_run, quiet=quiet, stop_after_steps=stop_after_steps, report=not no_report,

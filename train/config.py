@@ -23,7 +23,7 @@ from train.options import CacheOptions, DataOptions, LoaderOptions, ModelOptions
 # feed the same plan, so they resume each other's states; a cache's folder and sizes
 # only decide what is kept where, except ``cache.images``, which changes the train views).
 RESUMABLE_CHANGES = frozenset(
-    {"optim.epochs", "data.exclude_keys", "loader.workers", "loader.run_mode", "loader.worker_threads",
+    {"optim.epochs", "data.exclude_keys", "data.source", "loader.workers", "loader.run_mode", "loader.worker_threads",
      "loader.stall_timeout", "loader.resume_audit", "cache.storage_options",
      "cache.dir", "cache.limit", "cache.fallback", "cache.local", "cache.eviction", "cache.prefetch_bytes",
      "cache.memory_limit", "run.device", "run.checkpoint_every", "run.resume", "run.overwrite", "run.dry_run",

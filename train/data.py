@@ -164,7 +164,8 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
         decode = Decode(cfg.loader.decode, draft=cfg.loader.fast_decode)
     sampling = Sampling(class_weights="balanced" if cfg.optim.balanced_sampler else None,
                         feature_window=cfg.loader.feature_window)
-    remote = Remote(storage_options=cfg.cache.storage_options, shard_cache=cfg.cache.shard_cache)
+    remote = Remote(base_url=cfg.data.source, storage_options=cfg.cache.storage_options,
+                    shard_cache=cfg.cache.shard_cache)
     train_images, val_images = image_caches(cfg, manifest, ctx)
     specs = source_specs(cfg)
     if specs and cfg.data.exclude_keys:  # a mixture leaves them out where it selects (the val split keeps them)

@@ -42,10 +42,13 @@ class DataOptions:
     (``shards.select.mixture``): ``sources``, each ``{"path", "weight", "repeat", "choose"}``; how their class
     lists combine (``class_map``); a ``subset`` of every source ``{"classes", "keys", "where", "max_samples"}``;
     the samples per epoch of weighted sources (``epoch_size``). ``exclude_keys``: a file of sample keys (one per
-    line) left out of training from now on (train.run.lineage); it may be given or changed at a resume."""
+    line) left out of training from now on (train.run.lineage); it may be given or changed at a resume. ``source``:
+    where the shards are when not beside the manifest (the tars of an index made by ``shards index``): the
+    caller's choice, never the manifest's; it may change at a resume (the checksums say they are the same bytes)."""
 
     path: str
     sources: list = dataclasses.field(default_factory=list)
+    source: str | None = None
     class_map: str = "same"
     subset: dict | None = None
     epoch_size: int | None = None

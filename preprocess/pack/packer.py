@@ -36,7 +36,7 @@ from shards.errors import CorruptDataError, InputError
 from shards.manifest import DATASET_FILE, DatasetManifest, load_dataset_manifest
 from shards.jobs.progress import progress
 from shards.formats.sample import RawSample
-from shards.transport.storage import STORAGES, get_storage
+from shards.transport.storage import STORAGES, writable_storage
 from shards.lock import claim_output, merge_lock
 from shards.jobs.parallel import ordered_map
 
@@ -73,7 +73,7 @@ class PackConfig:
     def __post_init__(self) -> None:
         check_local_output(self.out)
         check_out_outside_source(self.source, self.out)
-        get_storage(self.storage)
+        writable_storage(self.storage)
         for name in ("max_samples", "max_bytes", "workers", "num_tasks"):
             if getattr(self, name) < 1:
                 raise InputError(f"{name}={getattr(self, name)}: must be at least 1")

@@ -42,7 +42,7 @@ def _options(call: dict[str, Any], *, rank: int, world_size: int, nodes: int, ex
         if call.get("sources") is None:
             return call["path"], kwargs
         sources = [SourceSpec(s["path"], s.get("weight"), s.get("repeat"), s.get("choose"),
-                              Subset(**(s.get("subset") or {}), exclude_keys=exclude_keys))
+                              Subset(**(s.get("subset") or {}), exclude_keys=exclude_keys), s.get("source"))
                    for s in call["sources"]]
         return sources, kwargs
     except (InputError, TypeError) as exc:  # a ManifestError is an InputError: its reason is kept

@@ -53,6 +53,8 @@ class ShardJob:
     n_classes: int
     shard: ShardInfo
     decode_wanted: int | None
+    # Where the shards are, when not beside the manifest (``--source``: tars adopted in place); None: ``base``.
+    shards_at: Location | None = None
 
 
 HASH_BLOCK = 4 << 20
@@ -90,11 +92,23 @@ def _check_index(where: Location, path: Path, shard: ShardInfo, tally: ShardTall
         tally.problem(f"{shard.index}: {exc}")
 
 
+def _load_rows(storage: Any, base: Location, shard: ShardInfo, tally: ShardTally) -> Any:
+    """An adopted tar's row index (its size, sha256 and layout checked), or None with the problem recorded."""
+    try:
+        return storage.load_index(base, shard, where=str(base.file(DATASET_FILE)))
+    except MissingInputError:
+        tally.problem(f"{shard.index}: missing (the manifest names it)")
+    except ShardcacheError as exc:
+        tally.problem(f"{shard.index}: {exc}")
+    return None
+
+
 def check_shard(job: ShardJob) -> ShardTally:
     """Everything about one image shard that needs no other shard (run in a worker process with ``--workers``)."""
     shard, tally = job.shard, ShardTally(job.n_classes)
+    storage = get_storage(job.storage)
     try:
-        where = job.base.child(shard.path)
+        where = (job.base if job.shards_at is None else job.shards_at).child(shard.path)
     except ManifestError as exc:  # a symlink out of the folder: reported, never read
         tally.problem(str(exc))
         return tally
@@ -102,9 +116,14 @@ def check_shard(job: ShardJob) -> ShardTally:
     try:
         with where.local_copy(limit) as path:
             _check_bytes(path, shard, limit, tally)
-            if shard.index is not None and get_storage(job.storage).indexed:
+            rows = None
+            if storage.load_index is not None:  # adopted tars: their row index is under the manifest's folder
+                rows = _load_rows(storage, job.base, shard, tally)
+                if rows is None:
+                    return tally
+            elif shard.index is not None and storage.indexed:
                 _check_index(where, path, shard, tally)
-            check_samples(path, job.storage, shard, job.decode_wanted, tally)
+            check_samples(path, job.storage, shard, job.decode_wanted, tally, offsets=rows)
     except MissingInputError:
         tally.problem(f"{shard.path}: missing")
     except InputError:
@@ -175,10 +194,11 @@ def _shown(value: Any) -> str:
     return repr(value.decode("utf-8", "replace")) if isinstance(value, bytes) else str(value)
 
 
-def _verify_images(shown: str, base: Location, manifest: DatasetManifest, options: VerifyOptions) -> VerifyReport:
+def _verify_images(shown: str, base: Location, manifest: DatasetManifest, options: VerifyOptions,
+                   shards_at: Location | None = None) -> VerifyReport:
     tally = Tally(len(manifest.classes))
     decode_wanted = None if options.full else options.samples_per_shard
-    jobs = [ShardJob(base, manifest.storage, len(manifest.classes), shard, decode_wanted)
+    jobs = [ShardJob(base, manifest.storage, len(manifest.classes), shard, decode_wanted, shards_at)
             for split in manifest.splits.values() for shard in split.shards]
     with progress(total=len(jobs), desc="verify", unit="shard", quiet=options.quiet) as bar, \
             closing(ordered_map(check_shard, jobs, options.workers, lambda _: bar.update(1))) as results:
@@ -197,10 +217,12 @@ def _verify_images(shown: str, base: Location, manifest: DatasetManifest, option
 
 def verify_dataset(folder: str | os.PathLike, *, full: bool = False,
                    samples_per_shard: int = DEFAULT_SAMPLES_PER_SHARD, storage_options: Any = None,
-                   workers: int = 1, quiet: bool = False) -> VerifyReport:
+                   workers: int = 1, quiet: bool = False, source: str | None = None) -> VerifyReport:
     """Check a dataset (``dataset.json``) or feature (``features.json``) folder against its manifest; ``folder``
     may be ``s3://bucket/prefix`` (reached with ``storage_options``). ``workers`` processes check shards side by
-    side (the report is the one a single process makes); a progress bar counts shards on stderr unless ``quiet``."""
+    side (the report is the one a single process makes); a progress bar counts shards on stderr unless ``quiet``.
+    ``source``: where the shards are when not beside the manifest (the tars of an index made by ``shards index``;
+    the manifest's names are resolved under it, confined there); the row indexes and columns stay the folder's."""
     options = VerifyOptions(full, samples_per_shard, workers, quiet)
     manifest, base = load_manifest_at(folder, storage_options=storage_options)
     where = locate(base, storage_options=storage_options)
@@ -210,4 +232,9 @@ def verify_dataset(folder: str | os.PathLike, *, full: bool = False,
         problems = verify_feature_folder(where, full=full, workers=workers, quiet=quiet)
         shards = sum(len(s.shards) for s in manifest.splits.values())
         return VerifyReport(str(folder), "features", tuple(problems), shards)
-    return _verify_images(str(folder), where, manifest, options)
+    adopted = get_storage(manifest.storage).load_index is not None
+    if adopted and source is None:
+        raise InputError("indexes tars adopted in place (shards index): give --source, the folder holding them",
+                         path=str(folder))
+    shards_at = None if source is None else locate(source, storage_options=storage_options)
+    return _verify_images(str(folder), where, manifest, options, shards_at)

@@ -122,16 +122,19 @@ class Tally:
         self.decoded += shard.decoded
 
 
-def check_samples(path: Path, storage: str, shard: ShardInfo, decode_wanted: int | None, tally: ShardTally) -> None:
+def check_samples(path: Path, storage: str, shard: ShardInfo, decode_wanted: int | None, tally: ShardTally, *,
+                  offsets: Any = None) -> None:
     """Read the samples of one shard (the file at ``path``: the shard itself, or a copy of it): labels in range,
     the recorded sample and class counts, and the images at the ``decode_wanted`` spread positions (every one with
-    ``None``) decode. Its keys and labels are kept in ``tally`` for the dataset-wide checks (``Tally.add``, the
-    column index in ``shards.check.verify``)."""
+    ``None``) decode (``offsets``: an adopted tar's rows, which say where its samples are). Its keys and labels are
+    kept in ``tally`` for the dataset-wide checks (``Tally.add``, the column index in ``shards.check.verify``)."""
     positions = None if decode_wanted is None else decode_positions(shard.samples, decode_wanted)
     seen, last_key = 0, None
     own = tally.class_counts  # this shard's, against its recorded class_counts (what subsets skip shards by)
     try:
-        for position, sample in enumerate(get_storage(storage).read(path)):
+        reader = get_storage(storage)
+        samples = reader.read(path) if offsets is None else reader.read_slice(path, 0, None, offsets=offsets)
+        for position, sample in enumerate(samples):
             seen, last_key = seen + 1, sample.key
             where = f"{shard.path} [sample {sample.key}]"
             tally.keys.append(sample.key)

@@ -19,13 +19,36 @@ from shards.jobs.parallel import default_workers
 from shards.select.mixture import CLASS_MAPS, MixOptions, SourceSpec, Subset
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+COMMANDS_GROUP = "shards.commands"  # entry points: commands other packages add (shards index, from preprocess)
+
+
+class _Commands(click.Group):
+    """The group's own commands plus those registered under the ``shards.commands`` entry-point group: ``shards``
+    imports nothing from the job packages (tests/test_layout.py), yet ``shards index`` runs one of their jobs."""
+
+    def _plugins(self) -> dict:
+        from importlib.metadata import entry_points
+
+        return {point.name: point for point in entry_points(group=COMMANDS_GROUP)}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self._plugins()})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        own = super().get_command(ctx, name)
+        if own is not None:
+            return own
+        point = self._plugins().get(name)
+        return None if point is None else point.load()
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Verify, inspect and report on shardcache folders."""
 
 
 @main.command("verify", cls=SectionedCommand,
-              sections={"Checks": ("full", "samples_per_shard", "workers"),
+              sections={"Checks": ("full", "samples_per_shard", "workers", "source"),
                         "Object storage": ("s3_endpoint_url", "s3_profile", "s3_unsigned", "s3_max_concurrency",
                                            "s3_read_ahead", "min_transfer_rate", "request_deadline")})
 @click.argument("folder", type=click.Path(path_type=str))
@@ -34,14 +57,17 @@ def main() -> None:
               help="Images decoded per shard without --full.")
 @click.option("--workers", type=int, default=None,
               help="Processes checking shards side by side (default: the usable CPUs, at most 8; 1: this process).")
+@click.option("--source", default=None,
+              help="Where the shards are when not in FOLDER: the tars of an index made by shards index.")
 @s3_options
 @quiet_option
 @handle_errors
-def verify_command(folder: str, full: bool, samples_per_shard: int, workers: int | None, quiet: bool, s3) -> None:
+def verify_command(folder: str, full: bool, samples_per_shard: int, workers: int | None, source: str | None,
+                   quiet: bool, s3) -> None:
     """Recompute checksums and counts and decode images; exit 1 naming the shard and sample on any problem.
     FOLDER may be s3://bucket/prefix (each shard is read in one streaming GET)."""
     report = verify_dataset(folder, full=full, samples_per_shard=samples_per_shard, storage_options=s3,
-                            workers=default_workers() if workers is None else workers, quiet=quiet)
+                            workers=default_workers() if workers is None else workers, quiet=quiet, source=source)
     for problem in report.problems:
         click.echo(f"error: {problem}", err=True)
     if report.ok and not quiet:
@@ -156,19 +182,23 @@ def _sources(folder: str | None, mix_sources: tuple[str, ...], subset: Subset) -
 @click.option("--out", type=click.Path(dir_okay=False, path_type=str), default=None,
               help="The HTML file to write. Default: PATH/report.html for one folder, else ./report.html.")
 @click.option("--no-grid", is_flag=True, help="Leave out the sample images (no shard is opened).")
+@click.option("--source", default=None,
+              help="Where the shards of the sample images are when not beside dataset.json: the tars of an index "
+                   "made by shards index.")
 @quiet_option
 @handle_errors
-def report_command(paths: tuple[str, ...], out: str | None, no_grid: bool, quiet: bool) -> None:
+def report_command(paths: tuple[str, ...], out: str | None, no_grid: bool, source: str | None, quiet: bool) -> None:
     """One self-contained HTML page (no network, opens in any browser) for each dataset (dataset.json), feature
     cache (features.json) or training run (metrics.jsonl + config.json) given, and the local folders they name."""
     from shards.atomic import check_local_output
     from shards.report.build import check_report_out, default_out, make_report
+    from shards.report.samples import GridOptions
 
     if out is not None:
         check_local_output(out)
     target = out if out is not None else default_out(paths)
     check_report_out(target)  # before any work: a report never replaces a manifest or a file of yours
-    report = make_report(list(paths), grid=not no_grid)
+    report = make_report(list(paths), grid=False if no_grid else GridOptions(source=source))
     target = report.write(target)
     if not quiet:
         click.echo(f"report: {target} ({', '.join(s['kind'] for s in report.summary())})", err=True)
@@ -280,3 +310,32 @@ def audit_command(run_dir: str, quiet: bool) -> None:
     emit_json(result)
     if result["mismatches"]:
         sys.exit(EXIT_FAILED)
+
+
+@main.command("export-index", cls=SectionedCommand,
+              sections={"Index": ("out", "split", "url_base", "overwrite"),
+                        "Object storage": ("s3_endpoint_url", "s3_profile", "s3_unsigned", "s3_max_concurrency",
+                                           "s3_read_ahead", "min_transfer_rate", "request_deadline")})
+@click.argument("dataset", type=click.Path(path_type=str))
+@click.option("--out", type=click.Path(dir_okay=False, path_type=str), required=True,
+              help="The index file to write (.json, on this machine).")
+@click.option("--split", default="train", show_default=True, help="The split the index lists.")
+@click.option("--url-base", default=None, metavar="URL",
+              help="Where wids will read the shards (a folder, s3:// or https:// prefix); each url is URL/<shard>. "
+                   "Default: relative to the index for a local dataset (move both together), else the dataset's "
+                   "own location.")
+@click.option("--overwrite", is_flag=True, help="Replace an earlier wids index at --out.")
+@s3_options
+@quiet_option
+@handle_errors
+def export_index_command(dataset: str, out: str, split: str, url_base: str | None, overwrite: bool, quiet: bool,
+                         s3) -> None:
+    """Write a wids shard index (wids-shard-index-v1) of one split of a tar dataset, so webdataset's random-access
+    reader (wids.ShardListDataset(INDEX)) opens the shards without shardcache. DATASET may be s3://bucket/prefix."""
+    from shards.publish.wids_index import export_wids_index
+
+    result = export_wids_index(dataset, split, out, url_base=url_base, overwrite=overwrite, storage_options=s3)
+    if not quiet:
+        click.echo(f"{out}: wids index of {dataset} ({split}: {result.shards} shards, {result.samples:,} samples, "
+                   f"{'relative' if result.relative_urls else 'absolute'} urls)", err=True)
+    emit_json(result.to_dict())

@@ -11,6 +11,7 @@ escaped on its way into the page.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +85,7 @@ class _Builder:
 
     def __init__(self, grid: GridOptions | None):
         self.grid = grid
+        self.sources: dict[str, str] = {}  # a dataset folder -> where a run read its shards from (--source)
         self.sections: list[Section | None] = []
         self.anchors: dict[str, str] = {}
 
@@ -117,7 +119,9 @@ class _Builder:
         from shards.report.dataset import dataset_section
         from shards.manifest import load_dataset_manifest
 
-        return dataset_section(folder, load_dataset_manifest(folder), anchor, grid=self.grid)
+        source = self.sources.get(os.path.realpath(folder))
+        grid = self.grid if self.grid is None or source is None else dataclasses.replace(self.grid, source=source)
+        return dataset_section(folder, load_dataset_manifest(folder), anchor, grid=grid)
 
     def _features(self, folder: Path, anchor: str) -> Section:
         from shards.manifest import load_feature_manifest
@@ -135,7 +139,10 @@ class _Builder:
 
         run = read_run(folder)
         links, classes = Markup(""), None
+        source = run.config.get("data", {}).get("source") if isinstance(run.config.get("data"), dict) else None
         for data_path in trained_on(run.config):
+            if isinstance(source, str):  # the tars of an index (shards index), read where the run read them
+                self.sources.setdefault(os.path.realpath(data_path), source)
             if not locate(data_path).is_local:
                 links += note(f"Trained on {data_path}: remote, not included (a report reads local folders only).")
                 continue

@@ -30,6 +30,7 @@ class GridOptions:
     max_classes: int = 40
     max_scan: int = 4000  # samples read (not decoded) at most
     max_seconds: float = 3.0
+    source: str | None = None  # where the shards are when not beside the manifest (an index of adopted tars)
 
 
 @dataclass(frozen=True)
@@ -84,12 +85,12 @@ def collect_thumbs(folder: Path, manifest: DatasetManifest, split: str, options:
 
 
 def _read_thumbs(folder: Path, manifest: DatasetManifest, split: str, options: GridOptions) -> list[Thumb]:
-    from shards.stream.options import Decode, Distributed, Sampling
+    from shards.stream.options import Decode, Distributed, Remote, Sampling
     from shards.stream.reader import open_dataset
 
     wanted = {label: options.per_class for label in range(min(len(manifest.classes), options.max_classes))}
     dataset = open_dataset(folder, split, sampling=Sampling(shuffle=False), return_keys=True,
-                           distributed=Distributed(rank=0, world_size=1),
+                           distributed=Distributed(rank=0, world_size=1), remote=Remote(base_url=options.source),
                            decode=Decode(mode="standard", decoder=_keep_encoded))
     thumbs: list[Thumb] = []
     deadline = time.monotonic() + options.max_seconds

@@ -227,16 +227,23 @@ class SourceSpec:
     """One source of a mixture: a dataset or feature folder (or ``s3://`` prefix) and how much of each epoch it
     fills: ``weight`` (a share; then every source needs one), ``repeat`` (times its samples; 1 by default) or
     ``choose`` (samples per epoch). ``subset`` reads only part of it (None: all of it); one folder's part is
-    ``open_dataset(SourceSpec(path, subset=...))``."""
+    ``open_dataset(SourceSpec(path, subset=...))``. ``source``: where this source's shards are when not beside its
+    manifest (the tars of an index made by ``shards index``), for this source only (``Remote.base_url`` is every
+    source's), so adopted tars mix with packed datasets; the caller's choice, never a manifest's."""
 
     path: str
     weight: float | None = None
     repeat: float | None = None
     choose: int | None = None
     subset: Subset = field(default_factory=Subset)
+    source: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", os.fspath(self.path))
+        if self.source is not None:
+            if not isinstance(self.source, (str, os.PathLike)):
+                raise InputError(f"source {self.path}: source={self.source!r} must be a folder or URL")
+            object.__setattr__(self, "source", os.fspath(self.source))
         if self.subset is None:  # None: the whole source, as Subset() says
             object.__setattr__(self, "subset", Subset())
         elif not isinstance(self.subset, Subset):
@@ -375,7 +382,7 @@ class Mixture:
         state = dict(self.__dict__)
         state["_cache"] = {}
         # A callable where= filter may not pickle (a lambda); workers never filter again, so keep its description.
-        state["specs"] = tuple(SourceSpec(s.path, s.weight, s.repeat, s.choose) for s in self.specs)
+        state["specs"] = tuple(SourceSpec(s.path, s.weight, s.repeat, s.choose, source=s.source) for s in self.specs)
         return state
 
 
@@ -419,6 +426,6 @@ def as_specs(path: Any) -> tuple[SourceSpec, ...] | None:
 
 def unweighted(specs: Sequence[SourceSpec]) -> tuple[SourceSpec, ...]:
     """The same sources, each read once (validation reads every selected sample once, whatever the weights)."""
-    return tuple(SourceSpec(s.path, subset=s.subset) for s in specs)
+    return tuple(SourceSpec(s.path, subset=s.subset, source=s.source) for s in specs)
 
 

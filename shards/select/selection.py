@@ -30,6 +30,7 @@ from shards.select.mixture import KeySet, MixOptions, Mixture, SourceSpec, draws
 from shards.order.plan import ShardSlice
 from shards.select.rows import SampleColumns, column_fields, index_rows, shard_fields
 from shards.select.where import Where
+from shards.transport.storage import get_storage
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,8 @@ def _check_compatible(first: Any, source: LoadedSource) -> None:
     other, where = source.manifest, source.spec.path
     if other.kind != first.kind:
         raise InputError(f"holds {other.kind}, the first source holds {first.kind}: mix sources of one kind", path=where)
-    if other.storage != first.storage and first.kind == "images":
+    # Packed and adopted tars (shards index) mix: each shard is read in its own format.
+    if first.kind == "images" and get_storage(other.storage).suffix != get_storage(first.storage).suffix:
         raise InputError(f"stores {other.storage} shards, the first source {first.storage}: mix sources of one "
                          "storage (repack one with --storage)", path=where)
     if first.kind == "features" and other.config_hash != first.config_hash:

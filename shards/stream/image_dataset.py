@@ -64,15 +64,21 @@ class ImageShardDataset(ShardDataset):
     def __init__(self, split: SplitInfo, locations: Sequence[str], config: StreamConfig, *, storage: str,
                  decoder: Callable[[RawSample, int], Any] | None = None,
                  num_classes: int | None = None, storage_options: Any = None, url_origins: Sequence[str] = (),
-                 shard_cache: CachedShards | None = None, image_cache: Any = None):
+                 shard_cache: CachedShards | None = None, image_cache: Any = None,
+                 shard_storages: Sequence[str] | None = None, index_roots: Sequence[str | None] | None = None):
         super().__init__(split, locations, config, num_classes, shard_cache)
         self.storage = get_storage(storage)
+        # Per shard: its format (a mixture may hold packed and adopted tars) and, for a format that keeps its index
+        # with the manifest (adopted tars), that manifest's folder.
+        self.storages = tuple(get_storage(name) for name in shard_storages) if shard_storages is not None \
+            else (self.storage,) * len(self.locations)
+        self.index_roots = tuple(index_roots) if index_roots is not None else (None,) * len(self.locations)
         self.decoder = decoder if decoder is not None else ImageDecoder()  # called as decoder(sample, seed)
         self.image_cache = image_cache
         self.storage_options = storage_options  # for s3:// (an S3Options, picklable: each worker makes its client)
         self.url_origins = tuple(url_origins)  # where http(s) redirects may lead (locations.request_origins)
-        for location in self.locations:
-            self._where(location).check_image_shard(self.storage)
+        for location, format_ in zip(self.locations, self.storages):
+            self._where(location).check_image_shard(format_)
 
     def decode(self, sample: RawSample, seed: int) -> Any:
         return self.decoder(sample, seed)
@@ -101,7 +107,7 @@ class ImageShardDataset(ShardDataset):
         """A tar shard without its byte index is walked from its first header on every read: one read for all its
         wanted rows, however far apart. Otherwise a read may pass over ``MERGE_GAP`` rows, about what one more
         seek, file open or ranged GET costs in reading time."""
-        if self.storage.indexed and self.split_info.shards[shard].index is None:
+        if self.storages[shard].indexed and self.split_info.shards[shard].index is None:
             return None
         return MERGE_GAP
 
@@ -133,7 +139,7 @@ class ImageShardDataset(ShardDataset):
         info = self.split_info.shards[piece.shard]
         whole = self.verify_sha256 and piece.start == 0 and piece.stop >= info.samples
         return self._where(self.locations[piece.shard]).read_slice(
-            self.storage, piece.start, piece.stop, size=info.bytes, offsets=self._index_of(piece.shard),
+            self.storages[piece.shard], piece.start, piece.stop, size=info.bytes, offsets=self._index_of(piece.shard),
             sha256=info.sha256 if whole else None, resync=resync)
 
     def _read_ahead(self, reads: CoveringReads, i: int, stream: StreamState) -> None:
@@ -152,7 +158,7 @@ class ImageShardDataset(ShardDataset):
         while k < min(len(reads), i + AHEAD_READS):
             piece, _ = reads[k]
             if not self._through_cache(piece.shard) and not self._where(self.locations[piece.shard]).read_ahead(
-                    self.storage, piece.start, piece.stop, offsets=self._index_of(piece.shard)):
+                    self.storages[piece.shard], piece.start, piece.stop, offsets=self._index_of(piece.shard)):
                 break  # no room in the budget: offered again before a later read
             k += 1
         cursor[1] = k
@@ -167,7 +173,7 @@ class ImageShardDataset(ShardDataset):
     def _index_of(self, shard: int) -> Any:
         """The byte index of a shard in an indexed format that records one (where a slice starts, and where
         reading resumes after a damaged sample), else None."""
-        if not self.storage.indexed or self.split_info.shards[shard].index is None:
+        if not self.storages[shard].indexed or self.split_info.shards[shard].index is None:
             return None
         return self._offsets(shard)
 
@@ -177,8 +183,10 @@ class ImageShardDataset(ShardDataset):
         try:
             # The index only to seek (a stream's location has none to give): the copy matched the manifest's
             # sha256 when fetched, so damage in it was packed in, rare enough to resync by scanning.
-            offsets = self._index_of(piece.shard) if piece.start > 0 else None
-            yield from LocalFile(str(lease.path)).read_slice(self.storage, piece.start, piece.stop,
+            storage = self.storages[piece.shard]
+            needed = piece.start > 0 or storage.load_index is not None  # adopted tars: always by their rows
+            offsets = self._index_of(piece.shard) if needed else None
+            yield from LocalFile(str(lease.path)).read_slice(storage, piece.start, piece.stop,
                                                              size=self.split_info.shards[piece.shard].bytes,
                                                              offsets=offsets, resync=resync)
         finally:
@@ -189,6 +197,9 @@ class ImageShardDataset(ShardDataset):
         (each holds its own copy); None when the manifest records none, or when the index is damaged: it only
         speeds reads up, so its shard is then read by scanning its headers (``shards verify`` reports it)."""
         cache = self.__dict__.setdefault("_offsets_cache", {})
+        load_index = self.storages[shard].load_index
+        if shard not in cache and load_index is not None:  # no index, no read: its errors are the read's
+            cache[shard] = load_index(self._where(self.index_roots[shard]), self.split_info.shards[shard])
         if shard not in cache:
             try:
                 cache[shard] = self._where(self.locations[shard]).load_index(self.split_info.shards[shard])

@@ -29,6 +29,7 @@ from shards.select.columns import open_columns
 from shards.transport.location import locate
 from shards.door.locations import request_origins, shard_location
 from shards.transport.manifest_io import load_manifest_at
+from shards.transport.storage import get_storage
 from shards.stream.options import Decode, Distributed, ErrorPolicy, MemoryCache, Remote, Sampling
 from shards.order.weights import class_weights_from_counts
 from shards.select.labels import split_labels
@@ -135,12 +136,13 @@ def open_dataset(path: str | os.PathLike | SourceSpec | Sequence[str | os.PathLi
     # Every hop of an http(s) request for this dataset stays on a source manifest's own origin or the caller's.
     origins = request_origins([path] if specs is None else [spec.path for spec in specs], remote.url_origins)
     node_cache = _node_cache(remote, origins)
-    combined = None
+    combined, per_shard = None, {}
     if specs is None:
         manifest, base = load_manifest_at(path, remote.url_origins, remote.storage_options)
         split_info = manifest.split(split)
         root = remote.base_url if remote.base_url is not None else base
         locations = [shard_location(root, s.path) for s in split_info.shards]
+        per_shard = {"index_roots": [base] * len(locations)}
     else:
         # Parts of one folder mixed (two subsets of one dataset) parse its manifest once: 0.3 s at 1.28M samples.
         manifests: dict[str, Any] = {}
@@ -153,12 +155,13 @@ def open_dataset(path: str | os.PathLike | SourceSpec | Sequence[str | os.PathLi
 
         sources = [_load_source(spec, split, remote, config, node_cache, manifest_of) for spec in specs]
         combined = combine(sources, split, mix, seed=seed, shuffle=sampling.shuffle)
+        per_shard = _per_shard(sources, combined.mixture.runs, manifest_of)
         manifest, split_info, locations = combined.manifest, combined.split, combined.locations
     if sampling.class_weights is not None:
         config = dataclasses.replace(config, class_weights=_resolve_weights(sampling.class_weights,
                                                                             split_info.class_counts))
     dataset = _build(manifest, split_info, locations, config, transform=transform, decode=decode, remote=remote,
-                     origins=origins, caches=_Caches.of(cache, node_cache))
+                     origins=origins, caches=_Caches.of(cache, node_cache), **per_shard)
     if combined is not None:
         dataset.use_mixture(combined.mixture, combined.label_maps)
     label_sources = sources if specs is not None else \
@@ -175,9 +178,12 @@ def _load_source(spec: SourceSpec, split: str, remote: Remote, config: StreamCon
     reader for what a subset must look at."""
     manifest, base = manifest_of(spec.path)
     split_info = manifest.split(split, where=spec.path)
-    root = remote.base_url if remote.base_url is not None else base
+    root = spec.source if spec.source is not None else remote.base_url if remote.base_url is not None else base
     locations = [shard_location(root, s.path) for s in split_info.shards]
-    folder = str(root) if locate(root).is_local else None  # the source index is read from local folders only
+    # What shardcache wrote (columns, source index) is beside the shards, or, for tars adopted in place
+    # (``shards index``), beside the manifest: the tars' folder is not ours.
+    own = base if _adopted(manifest) else root
+    folder = str(own) if locate(own).is_local else None  # the source index is read from local folders only
     plain = dataclasses.replace(config, shuffle=False, class_weights=None, return_keys=False, rank=0, world_size=1,
                                 nodes=1, rotate_every=0)
     readers: list[ShardDataset] = []
@@ -186,13 +192,13 @@ def _load_source(spec: SourceSpec, split: str, remote: Remote, config: StreamCon
         if not readers:  # a plain reader of this source, made only when a shard must be read to be filtered
             readers.append(_build(manifest, split_info, locations, plain, transform=None, decode=Decode(),
                                   remote=remote, origins=request_origins([spec.path], remote.url_origins),
-                                  caches=_Caches("none", shard_cache)))
+                                  caches=_Caches("none", shard_cache), index_roots=[base] * len(locations)))
         return readers[0].read_slice(ShardSlice(shard, 0, split_info.shards[shard].samples))
 
     def columns() -> Any:  # the split's column index, through the node cache when remote (None: packed before)
         if manifest.kind != "images":
             return None
-        base = locate(root, storage_options=remote.storage_options,
+        base = locate(own, storage_options=remote.storage_options,
                       origins=request_origins([spec.path], remote.url_origins))
         return open_columns(base, manifest, split, cache=shard_cache)
 
@@ -216,8 +222,27 @@ class _Caches:
         return cls(cache, shards)
 
 
+def _adopted(manifest: Manifest) -> bool:
+    """Whether ``manifest`` describes tars adopted in place: its index files are beside it, not beside the tars."""
+    return manifest.kind == "images" and get_storage(manifest.storage).load_index is not None
+
+
+def _per_shard(sources: Sequence[LoadedSource], runs: Sequence[Sequence[Any]],
+               manifest_of: Callable[[Any], Any]) -> dict[str, list]:
+    """Each kept shard's format and the folder of its manifest (where an adopted tar's row index is), in the
+    combined split's order: each source's kept shards (``runs``: one per kept shard), source by source."""
+    if any(source.manifest.kind != "images" for source in sources):
+        return {}
+    storages, roots = [], []
+    for source, kept in zip(sources, runs):
+        storages += [source.manifest.storage] * len(kept)
+        roots += [manifest_of(source.spec.path)[1]] * len(kept)
+    return {"shard_storages": storages, "index_roots": roots}
+
+
 def _build(manifest: Manifest, split_info: Any, locations: list[str], config: StreamConfig, *, transform: Any,
-           decode: Decode, remote: Remote, origins: Sequence[str], caches: _Caches) -> ShardDataset:
+           decode: Decode, remote: Remote, origins: Sequence[str], caches: _Caches,
+           shard_storages: Sequence[str] | None = None, index_roots: Sequence[Any] | None = None) -> ShardDataset:
     """The streaming dataset of one (possibly combined) split; ``origins``: where its http(s) reads may be
     redirected (``request_origins``)."""
     split, shard_cache = config.split, caches.shards
@@ -245,7 +270,8 @@ def _build(manifest: Manifest, split_info: Any, locations: list[str], config: St
     return ImageShardDataset(split_info, locations, config, storage=manifest.storage, decoder=decoder,
                              num_classes=len(manifest.classes), storage_options=remote.storage_options,
                              url_origins=origins, shard_cache=shard_cache,
-                             image_cache=images.open(decoder, split_info.samples, split))
+                             image_cache=images.open(decoder, split_info.samples, split),
+                             shard_storages=shard_storages, index_roots=index_roots)
 
 
 def _node_cache(remote: Remote, origins: Sequence[str] = ()):

@@ -27,6 +27,7 @@ workers.
 from __future__ import annotations
 
 import hashlib
+import io
 import itertools
 import os
 import tempfile
@@ -328,6 +329,11 @@ def _indexed_span(storage: Any, start: int, stop: int, offsets: Any) -> tuple[in
 
     if not storage.indexed or offsets is None:
         return None
+    if storage.load_index is not None:  # an adopted tar's rows (shards.formats.adopted)
+        from shards.formats.adopted import row_span
+
+        first, last = row_span(offsets, start, stop)
+        return (first, last) if first < last else None
     first, last = tar_slice_range(offsets, start, stop)
     return (first, last) if first < last else None
 
@@ -378,6 +384,8 @@ class HttpUrl(_Stream):
     def read_slice(self, storage: Any, start: int, stop: int, *, size: int, offsets: Any = None,
                    sha256: str | None = None, resync: bool = False) -> Iterator[Any]:
         """A tar slice by its byte index (given only where the server answers ranges), else the stream."""
+        if storage.load_index is not None:
+            return self._adopted_slice(start, stop, offsets, resync)
         if not storage.indexed or offsets is None:
             return super().read_slice(storage, start, stop, size=size, offsets=offsets, sha256=sha256,
                                       resync=resync)
@@ -392,10 +400,34 @@ class HttpUrl(_Stream):
             with open_parts(self.text, first, last, self.origins, self.limits()) as stream:
                 yield from iter_tar_range(stream, self.text, start, stop, offsets, resync=resync)
 
+    def _adopted_slice(self, start: int, stop: int, rows: Any, resync: bool) -> Iterator[Any]:
+        """Rows of an adopted tar (``shards.formats.adopted``): the bytes they span in ranged parts where the server
+        answers ranges, else the stream from byte 0 with the bytes before each row passed over."""
+        from shards.formats.adopted import iter_adopted_stream, row_span
+        from shards.transport.remote import accepts_ranges, open_parts
+
+        if rows is None:
+            raise CorruptDataError("an adopted tar is read by its row index, and none was loaded", path=self.text)
+        first, last = row_span(rows, start, stop)
+        if first >= last:
+            return
+        ranged = accepts_ranges(self.text, self.origins, self.limits())
+        with (open_parts(self.text, first, last, self.origins, self.limits()) if ranged else self.open_stream()) \
+                as stream:
+            yield from iter_adopted_stream(io.BufferedReader(stream, 1 << 20), self.text, rows, start, stop,
+                                           resync=resync, from_start=not ranged)
+
+    def check_image_shard(self, storage: Any) -> None:
+        if storage.load_index is None:  # adopted tars are read by their row index, ranged or not
+            super().check_image_shard(storage)
+
     def read_ahead(self, storage: Any, start: int, stop: int, *, offsets: Any = None) -> bool:
-        from shards.transport.remote import read_ahead
+        from shards.transport.remote import accepts_ranges, read_ahead
 
         span = _indexed_span(storage, start, stop, offsets)
+        if span is not None and storage.load_index is not None \
+                and not accepts_ranges(self.text, self.origins, self.limits()):
+            return True  # an adopted tar's rows on a server without ranges: read as a stream, nothing to start
         return span is None or read_ahead(self.text, *span, self.origins, self.limits())
 
     def open(self) -> ContextManager[BinaryIO]:

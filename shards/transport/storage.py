@@ -12,7 +12,8 @@ import io
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from shards.errors import InputError
+from shards.errors import CorruptDataError, InputError
+from shards.formats.adopted import iter_adopted_slice, load_rows, no_stream_read
 from shards.formats.hdf5 import Hdf5ShardWriter, iter_hdf5_shard, iter_hdf5_slice
 from shards.formats.sample import RawSample
 from shards.formats.tar import TarShardWriter, iter_tar_shard
@@ -33,6 +34,9 @@ class Storage:
     read_s3_slice: Callable[..., Iterator[RawSample]]
     read_bytes: Callable[[bytes, str], Iterator[RawSample]]  # (a whole shard's bytes, where) -> every sample
     indexed: bool = False  # read_slice takes ``offsets=`` (a per-sample byte index, see shards.formats.tarindex)
+    # Adopted tars (``shards.formats.adopted``): the index is under the manifest's folder, not beside the shards
+    # (``load_index(index folder location, ShardInfo)``), and every read needs it.
+    load_index: Callable[..., Any] | None = None
 
 
 def _tar_s3_slice(location: str, start: int, stop: int, options: Any, *, size: int,
@@ -49,6 +53,21 @@ def _hdf5_s3_slice(location: str, start: int, stop: int, options: Any, *, size: 
     return iter_s3_hdf5_slice(location, start, stop, options, size, resync=resync)
 
 
+def _adopted_s3_slice(location: str, start: int, stop: int, options: Any, *, size: int,
+                      offsets: Any = None, resync: bool = False) -> Iterator[RawSample]:
+    """Rows ``start:stop`` of an adopted tar on S3: the bytes they span in parallel ranged parts."""
+    from shards.formats.adopted import iter_adopted_stream, row_span
+    from shards.transport.s3_parallel import open_parts
+
+    if offsets is None:
+        raise CorruptDataError("an adopted tar is read by its row index, and none was loaded", path=location)
+    first, last = row_span(offsets, start, stop)
+    if first < last:
+        with open_parts(location, first, last, options) as stream:
+            yield from iter_adopted_stream(io.BufferedReader(stream, 1 << 20), location, offsets, start, stop,
+                                           resync=resync)
+
+
 def _tar_bytes(data: bytes, where: str) -> Iterator[RawSample]:
     return iter_tar_stream(io.BytesIO(data), where)
 
@@ -63,13 +82,27 @@ STORAGES: dict[str, Storage] = {
     "hdf5": Storage("hdf5", ".h5", Hdf5ShardWriter, iter_hdf5_shard, iter_hdf5_slice, None, _hdf5_s3_slice,
                     _hdf5_bytes),
 }
+# Formats shardcache reads but never writes: WebDataset tars indexed in place (``shards index``), read through
+# their row index only.
+READ_ONLY: dict[str, Storage] = {
+    "wds": Storage("wds", ".tar", type(None), no_stream_read, iter_adopted_slice, None, _adopted_s3_slice,
+                   no_stream_read, indexed=True, load_index=load_rows),
+}
 
 
 def get_storage(name: str) -> Storage:
-    try:
-        return STORAGES[name]
-    except KeyError:
-        raise InputError(f"unknown storage {name!r}; choose one of {sorted(STORAGES)}") from None
+    """The storage a manifest names, written by shardcache or only read by it."""
+    found = STORAGES.get(name) or READ_ONLY.get(name)
+    if found is None:
+        raise InputError(f"unknown storage {name!r}; choose one of {sorted(STORAGES)}")
+    return found
+
+
+def writable_storage(name: str) -> Storage:
+    """A storage shardcache writes shards in (``pack-shards --storage``)."""
+    if name not in STORAGES:
+        raise InputError(f"unknown storage {name!r}; choose one of {sorted(STORAGES)}")
+    return STORAGES[name]
 
 
 def shard_name(split: str, index: int, storage: str) -> str:

@@ -23,11 +23,12 @@ TITLES = {
     "shards verify": ("Checks", "Object storage", "Run"),
     "shards inspect": ("Batch and grid", "Mixture and subset", "Object storage", "Run"),
     "shards plan": ("Layout", "Node cache", "Link and prices", "Object storage", "Run"),
+    "shards export-index": ("Index", "Object storage", "Run"),
 }
 COMMANDS = {"train-from-shards": (train_command, []), "pack-shards": (pack_shards_command, []),
             "precompute-features": (precompute_features_command, []),
             "shards verify": (shards_main, ["verify"]), "shards inspect": (shards_main, ["inspect"]),
-            "shards plan": (shards_main, ["plan"])}
+            "shards plan": (shards_main, ["plan"]), "shards export-index": (shards_main, ["export-index"])}
 FLAG = re.compile(r"(?<![\w-])--?[A-Za-z0-9][\w-]*")
 
 
@@ -93,6 +94,6 @@ def test_options_go_where_a_user_looks_for_them():
 def test_every_long_shards_subcommand_prints_sections():
     long = [name for name, command in shards_main.commands.items()
             if sum(isinstance(p, click.Option) for p in command.params) > 8]
-    assert sorted(long) == ["inspect", "plan", "verify"]
+    assert sorted(long) == ["export-index", "inspect", "plan", "verify"]
     for name in long:
         assert "Options:" not in help_text(f"shards {name}")

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, NamedTuple, Sequence
 
 from preprocess.pack.sources.members import (DEFAULT_MAX_BYTES, MemberBytes, MemberSpec, SourceFields, member_key,
                                              member_path)
@@ -94,7 +94,7 @@ def expand_braces(pattern: str) -> list[str]:
     return expanded
 
 
-def _tar_files(pattern: str) -> tuple[str, list[tuple[str, str]]]:
+def tar_files(pattern: str) -> tuple[str, list[tuple[str, str]]]:
     """The base folder and ``(absolute path, path relative to it)`` of every tar the pattern names."""
     paths = [os.path.abspath(p) for p in expand_braces(pattern)]
     if len(set(paths)) != len(paths):
@@ -205,7 +205,7 @@ def _problem(sample: _Sample, first_tar: dict[str, str], max_bytes: int) -> str 
     return None
 
 
-class _Skips:
+class Skips:
     """Skipped samples and why: the first ``MAX_LISTED_SKIPS`` named one by one, the rest counted and named in one
     line per tar, so neither memory nor the manifest grows with the members a tar holds."""
 
@@ -227,28 +227,50 @@ class _Skips:
             self.unlisted, self.first_unlisted = 0, ""
 
 
+class Judged(NamedTuple):
+    """One sample of a tar as the scan judged it: where its members start and end, its class name and ``.json``
+    member (when asked for), or why it is skipped (``key`` None: damage, the rest of the tar skipped)."""
+
+    key: str | None
+    start: int
+    end: int
+    label: str | None
+    problem: str | None
+    json: bytes | None = None
+
+
+def judged_samples(path: str, fields: SourceFields, first_tar: Mapping[str, str], max_bytes: int, *,
+                   keep_json: bool = False) -> Iterator[Judged]:
+    """Every sample of the tar at ``path`` in order, with its label or its skip reason; ``first_tar``: the tar
+    holding each key accepted so far (a key seen there again is a duplicate; the caller records the accepted
+    ones). ``keep_json``: read each sample's ``.json`` member too (up to ``MAX_LABEL_BYTES``), for its metadata."""
+    label_exts = {"json"} if fields.label_field is not None else {(fields.label_member or "cls").lower()}
+    for found in _walk(path, label_exts | ({"json"} if keep_json else set())):
+        if isinstance(found, CorruptDataError):
+            yield Judged(None, 0, 0, None, f"damaged tar, the rest of it skipped ({found.reason})")
+            continue
+        problem = _problem(found, first_tar, max_bytes)
+        label, label_problem = _label(found, fields) if problem is None else (None, None)
+        yield Judged(found.key, found.start, found.end, label, problem or label_problem, found.texts.get("json"))
+
+
 def scan_tar_source(pattern: str, fields: SourceFields, *, max_bytes: int = DEFAULT_MAX_BYTES):
     """Every sample of every tar as a member: ``(classes, samples, skipped pairs, MemberSpec)``. A sample of more
     than ``max_bytes`` (``--max-bytes``; its headers and data, as declared) is skipped unread: the packer holds a
     sample's bytes whole, and a shard's at most about that much."""
-    base, tars = _tar_files(pattern)
-    text_exts = {"json"} if fields.label_field is not None else {(fields.label_member or "cls").lower()}
+    base, tars = tar_files(pattern)
     builder = SamplesBuilder(base, members=True, kept_keys=True)
     numbers: dict[str, int] = {}
-    skips = _Skips()
+    skips = Skips()
     first_tar: dict[str, str] = {}
     for path, rel in tars:
         mtime_ns = os.stat(path).st_mtime_ns
-        for found in _walk(path, text_exts):
-            if isinstance(found, CorruptDataError):
-                skips.add(rel, f"damaged tar, the rest of it skipped ({found.reason})")
+        for found in judged_samples(path, fields, first_tar, max_bytes):
+            if found.problem is not None:
+                skips.add(rel if found.key is None else member_path(rel, found.key), found.problem)
                 continue
             rel_path = member_path(rel, found.key)
-            problem = _problem(found, first_tar, max_bytes)
-            label, label_problem = _label(found, fields) if problem is None else (None, None)
-            if problem is not None or label_problem is not None:
-                skips.add(rel_path, problem or label_problem)
-                continue
+            label = found.label
             first_tar[found.key] = rel
             builder.add(rel_path, numbers.setdefault(label, len(numbers)), None, found.end - found.start,
                         mtime_ns, found.start)
