@@ -11,7 +11,7 @@ import click
 
 from preprocess.adopt.index import index_tars
 from preprocess.pack.sources.members import DEFAULT_MAX_BYTES
-from shards.cli.common import ByteSize, emit_json, handle_errors, quiet_option
+from shards.cli.common import ByteSize, emit_json, handle_errors, quiet_option, s3_options
 from shards.cli.sections import SectionedCommand
 
 
@@ -22,7 +22,9 @@ def _names(text: str | None) -> tuple[str, ...]:
 @click.command("index", cls=SectionedCommand, context_settings={"help_option_names": ["-h", "--help"]},
                sections={"Labels": ("label_member", "label_field"),
                          "Splits": ("val_fraction", "seed", "train_shards", "val_shards"),
-                         "Output": ("out", "max_bytes")})
+                         "Output": ("out", "max_bytes"),
+                         "Object storage": ("s3_endpoint_url", "s3_profile", "s3_unsigned", "s3_max_concurrency",
+                                            "s3_read_ahead", "min_transfer_rate", "request_deadline")})
 @click.argument("source", type=str)
 @click.option("--out", required=True, type=click.Path(path_type=str),
               help="The index folder: everything shardcache writes goes here; the tars are only read.")
@@ -35,16 +37,19 @@ def _names(text: str | None) -> tuple[str, ...]:
 @click.option("--val-shards", default=None, help="Comma-separated tar names (relative to the source) for val.")
 @click.option("--max-bytes", type=ByteSize(), default=DEFAULT_MAX_BYTES, show_default=True,
               help="A sample larger than this (its members, as declared) is refused unread.")
+@s3_options
 @quiet_option
 @handle_errors
 def index_command(source: str, out: str, label_member: str | None, label_field: str | None, val_fraction: float,
-                  seed: int, train_shards: str | None, val_shards: str | None, max_bytes: int, quiet: bool) -> None:
-    """Index WebDataset tars in place: SOURCE (a folder, a .tar path or 'data/shard-{000..099}.tar') is read, never
-    written; OUT gets dataset.json, each tar's row index and the column index. Rerun to index new tars only; a tar
-    whose bytes changed is refused (exit 1). Read it with --source (or Remote(base_url=)) naming the tars' folder."""
+                  seed: int, train_shards: str | None, val_shards: str | None, max_bytes: int, quiet: bool,
+                  s3) -> None:
+    """Index WebDataset tars in place: SOURCE (a folder, a .tar path or 'data/shard-{000..099}.tar', an s3://
+    prefix, or an http(s):// pattern 'https://host/data/shard-{000..099}.tar') is read, never written; OUT gets
+    dataset.json, each tar's row index and the column index. Rerun to index new tars only; a tar whose bytes
+    changed is refused (exit 1). Read it with --source (or Remote(base_url=)) naming the tars' folder or prefix."""
     report = index_tars(source, out, label_member=label_member, label_field=label_field, val_fraction=val_fraction,
                         seed=seed, train_shards=_names(train_shards), val_shards=_names(val_shards),
-                        max_bytes=max_bytes, quiet=quiet)
+                        max_bytes=max_bytes, storage_options=s3, quiet=quiet)
     if not quiet:
         click.echo(f"{out}: {report.to_dict()['tars_indexed']} tars indexed, {report.kept} kept, "
                    f"{report.rejected} samples refused; read with --source {report.source_base}", err=True)

@@ -7,9 +7,11 @@ Layout inside ``INDEX/``::
                                   relative to the source's base, each with its size, sha256, class counts and row
                                   index; ``source.skipped``: the samples refused, with their reasons (as
                                   ``pack-shards`` lists them: the first 1,000 of a run by name, the rest counted
-                                  per tar); ``adoption``: each tar's size, mtime and sha256 as indexed (what an
-                                  incremental run compares)
+                                  per tar); ``adoption``: each tar's size, sha256 and version as indexed (what an
+                                  incremental run compares: ``mtime_ns`` for a local tar, ``etag`` and
+                                  ``last_modified`` for an object)
     .adopt/<n>.jsonl              while a run scans: each new tar's accepted samples (removed once committed)
+    .adopt/<n>.tar                while a remote tar is scanned: its copy, from one streaming read (then removed)
     <tar path>.rows               each tar's row index (``shards.formats.adopted``): where each accepted sample's
                                   members start and end, and its label
     source-index-<n>.jsonl        one row per accepted sample (key, label, split, shard, row, metadata)
@@ -18,12 +20,16 @@ Layout inside ``INDEX/``::
 The index names tars by relative path only: where they are read from is the caller's choice when reading
 (``Remote(base_url=SOURCE)``, ``--source``), as the trust model wants (docs/design.md, section 6).
 
+The source may be local, an ``s3://`` prefix or pattern, or an ``http(s)://`` pattern
+(``preprocess.adopt.sources``).
+
 Incremental (like ``pack-shards --append``): a rerun into the same ``INDEX`` indexes only tars it has not seen. A
-tar it has seen is checked by size and mtime, and rehashed when its mtime moved: a tar whose bytes changed, or
-that is gone, is refused by name (exit 1), never re-indexed silently. Labels are places among the sorted classes,
-so new tars bringing a class the index does not have are refused (index into a new ``--out``). A rerun with other
-labelling or split options is refused. Each run writes the new row indexes, then a new source index and columns,
-then ``dataset.json`` last (atomically), then removes what the old manifest named and the new one does not.
+tar it has seen is checked by size and version (mtime; ETag and Last-Modified), and rehashed when its version
+moved (or a server gives none): a tar whose bytes changed, or that is gone, is refused by name (exit 1), never
+re-indexed silently. Labels are places among the sorted classes, so new tars bringing a class the index does not
+have are refused (index into a new ``--out``). A rerun with other labelling or split options is refused. Each run
+writes the new row indexes, then a new source index and columns, then ``dataset.json`` last (atomically), then
+removes what the old manifest named and the new one does not.
 """
 
 from __future__ import annotations
@@ -32,19 +38,19 @@ import hashlib
 import itertools
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from preprocess.adopt.scan import ScannedTar, scan_tar, stat_of
+from preprocess.adopt.scan import ScannedTar, scan_tar
+from preprocess.adopt.sources import SourceTar, is_remote_source, same_bytes, source_tars, stage
 from preprocess.adopt.splits import SplitRule
 from preprocess.pack.parts import column_file_names, index_file_rows, write_columns
 from preprocess.pack.sources.members import DEFAULT_MAX_BYTES, SourceFields
-from preprocess.pack.sources.tars import Skips, tar_files
+from preprocess.pack.sources.tars import Skips
 from shards.atomic import atomic_output, sha256_file, write_bytes_atomic
 from shards.door.shape import as_int, as_object, as_str
-from shards.errors import ChecksumError, InputError, ManifestError, MissingInputError
+from shards.errors import ChecksumError, InputError, ManifestError
 from shards.formats.adopted import rows_bytes, rows_name
 from shards.formats.columns import COLUMNS_KEY
 from shards.lock import output_lock
@@ -80,11 +86,11 @@ class IndexReport:
 
 @dataclass
 class _Previous:
-    """An earlier run's index: its manifest and, per tar, ``(bytes, mtime_ns, sha256)`` as indexed."""
+    """An earlier run's index: its manifest and, per tar, ``(bytes, version, sha256)`` as indexed."""
 
     manifest: DatasetManifest | None = None
-    tars: dict[str, tuple[int, int, str]] = field(default_factory=dict)
-    touched: bool = False  # a tar's mtime moved with its bytes the same: the record changes
+    tars: dict[str, tuple[int, dict[str, Any], str]] = field(default_factory=dict)
+    touched: bool = False  # a tar's version moved with its bytes the same: the record changes
 
     def keys(self, out: Path) -> Iterator[tuple[str, str]]:
         """``(key, tar)`` of every sample the earlier run accepted (duplicates across runs are refused too)."""
@@ -94,36 +100,21 @@ class _Previous:
                     yield row["key"], row["shard"]
 
 
-def source_tars(source: str) -> tuple[str, list[tuple[str, str]]]:
-    """The base folder and ``(path, name relative to it)`` of every tar: a folder's ``*.tar`` files (in its
-    subfolders too), or a ``.tar`` path or brace pattern (``shards-{000..099}.tar``), in name order."""
-    if os.path.isdir(source):
-        base = os.path.abspath(source)
-        found = sorted(p.relative_to(base).as_posix() for p in Path(base).rglob("*.tar") if p.is_file())
-        if not found:
-            raise MissingInputError("holds no .tar files", path=source)
-        return base, [(os.path.join(base, rel), rel) for rel in found]
-    if "://" in source:
-        raise InputError("only local tars can be indexed so far (a folder, a .tar path or a brace pattern)",
-                         path=source)
-    base, tars = tar_files(os.path.join(os.getcwd(), source))
-    return base, sorted(tars, key=lambda item: item[1])
-
-
 def index_tars(source: str, out: str, *, label_member: str | None = None, label_field: str | None = None,
                val_fraction: float = 0.0, seed: int = 0, train_shards: tuple[str, ...] = (),
                val_shards: tuple[str, ...] = (), storage_options: Any = None, quiet: bool = False,
                max_bytes: int = DEFAULT_MAX_BYTES) -> IndexReport:
-    """Index the WebDataset tars at ``source`` (a folder, a ``.tar`` path or a brace pattern) into ``out``; stream
-    them with ``open_dataset(out, split, remote=Remote(base_url=<the report's source_base>))``. Reruns index only
-    new tars (see the module). ``storage_options`` is for object storage sources, not supported yet."""
+    """Index the WebDataset tars at ``source`` (a folder, a ``.tar`` path or brace pattern, an ``s3://`` prefix or
+    pattern, an ``http(s)://`` pattern) into ``out``; stream them with ``open_dataset(out, split,
+    remote=Remote(base_url=<the report's source_base>))``. Reruns index only new tars (see the module).
+    ``storage_options``: how ``s3://`` is reached and how slow an ``s3://`` or ``http(s)://`` server may be
+    (``shards.transport.s3.S3Options`` or a mapping of its fields); unused for local tars."""
     fields = SourceFields(label_member=label_member, label_field=label_field)
     rule = SplitRule(val_fraction, seed, tuple(train_shards), tuple(val_shards))
-    if storage_options is not None:
-        raise InputError("storage_options: only local tars can be indexed so far")
-    base, tars = source_tars(source)
+    base, tars = source_tars(source, storage_options=storage_options)
     out_path = Path(out).absolute()
-    if out_path.resolve() == Path(base).resolve() or Path(base).resolve() in out_path.resolve().parents:
+    if not is_remote_source(source) and (out_path.resolve() == Path(base).resolve()
+                                         or Path(base).resolve() in out_path.resolve().parents):
         raise InputError(f"is inside the source folder {base}: the index is written elsewhere, the source is "
                          "never written", path=str(out))
     options = {"adopted": True, "label_member": label_member, "label_field": label_field, "max_bytes": max_bytes,
@@ -139,11 +130,20 @@ def index_tars(source: str, out: str, *, label_member: str | None = None, label_
         first_tar = dict(previous.keys(out_path))
         scanned, skips = [], Skips()
         (out_path / STATE_DIR).mkdir(exist_ok=True)
-        for path, rel in fresh:
-            part = out_path / STATE_DIR / f"{hashlib.sha256(rel.encode()).hexdigest()[:24]}.jsonl"
-            scanned.append(scan_tar(path, rel, fields, first_tar, max_bytes, part, skips))
+        for tar in fresh:
+            name = hashlib.sha256(tar.rel.encode()).hexdigest()[:24]
+            part = out_path / STATE_DIR / f"{name}.jsonl"
+            if tar.location.is_local:
+                scanned.append(scan_tar(tar, fields, first_tar, max_bytes, part, skips))
+            else:
+                copy = out_path / STATE_DIR / f"{name}.tar"
+                try:
+                    scanned.append(scan_tar(tar, fields, first_tar, max_bytes, part, skips,
+                                            staged=(copy, *stage(tar, copy))))
+                finally:
+                    copy.unlink(missing_ok=True)
             if not quiet:
-                log.info("indexed %s: %d samples, %d refused", rel, scanned[-1].count, scanned[-1].refused)
+                log.info("indexed %s: %d samples, %d refused", tar.rel, scanned[-1].count, scanned[-1].refused)
         manifest = _commit(out_path, base, previous, scanned, skips.listed, rule, options)
         for tar in scanned:  # committed: the parts are spent
             tar.part.unlink(missing_ok=True)
@@ -174,33 +174,40 @@ def _load_previous(out: Path, options: Mapping[str, Any]) -> _Previous:
     for rel, entry in tars.items():
         what = f"{ADOPTION}.tars[{rel!r:.80}]"
         entry = as_object(entry, what, where=where)
-        seen[rel] = (as_int(entry.get("bytes"), f"{what}.bytes", where=where),
-                     as_int(entry.get("mtime_ns"), f"{what}.mtime_ns", lo=-(1 << 63), hi=(1 << 63) - 1,
-                            where=where),
+        seen[rel] = (as_int(entry.get("bytes"), f"{what}.bytes", where=where), _version(entry, what, where),
                      as_str(entry.get("sha256"), f"{what}.sha256", max_len=128, where=where))
     return _Previous(manifest, seen)
 
 
-def _check_seen(previous: _Previous, tars: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """The tars not indexed yet; a tar indexed before must hold the same bytes (size, then sha256 when its mtime
-    moved), else ``ChecksumError`` naming it; one gone from the source is refused the same way."""
-    names = {rel for _, rel in tars}
+def _version(entry: Mapping[str, Any], what: str, where: str) -> dict[str, Any]:
+    """A recorded tar's version: ``mtime_ns`` (a local tar) or ``etag`` and ``last_modified`` (an object)."""
+    if "mtime_ns" in entry:
+        return {"mtime_ns": as_int(entry["mtime_ns"], f"{what}.mtime_ns", lo=-(1 << 63), hi=(1 << 63) - 1,
+                                   where=where)}
+    return {name: as_str(entry.get(name), f"{what}.{name}", max_len=256, where=where)
+            for name in ("etag", "last_modified")}
+
+
+def _check_seen(previous: _Previous, tars: list[SourceTar]) -> list[SourceTar]:
+    """The tars not indexed yet; a tar indexed before must hold the same bytes (size, then sha256 when its version
+    moved or none is known), else ``ChecksumError`` naming it; one gone from the source is refused the same way."""
+    names = {tar.rel for tar in tars}
     gone = sorted(set(previous.tars) - names)
     if gone:
         raise ChecksumError("is in the index but no longer in the source (the index would name a missing tar)",
                             path=gone[0])
     fresh = []
-    for path, rel in tars:
-        if rel not in previous.tars:
-            fresh.append((path, rel))
+    for tar in tars:
+        if tar.rel not in previous.tars:
+            fresh.append(tar)
             continue
-        size, mtime_ns, digest = previous.tars[rel]
-        now = stat_of(path)
-        if now[0] != size or (now[1] != mtime_ns and sha256_file(path) != digest):
+        size, version, digest = previous.tars[tar.rel]
+        moved = dict(tar.version) != version or all(value == "" for value in version.values())
+        if tar.size != size or (moved and not same_bytes(tar, size, digest)):
             raise ChecksumError("changed since it was indexed (its bytes differ); refused: index the changed source "
-                                "into a new --out", path=path)
-        if now[1] != mtime_ns:  # touched, same bytes: recorded, so the next run need not hash it again
-            previous.tars[rel] = (size, now[1], digest)
+                                "into a new --out", path=tar.where)
+        if dict(tar.version) != version:  # touched, same bytes: recorded, so the next run need not hash it again
+            previous.tars[tar.rel] = (size, dict(tar.version), digest)
             previous.touched = True
     return fresh
 
@@ -260,8 +267,8 @@ def _commit(out: Path, base: str, previous: _Previous, scanned: list[ScannedTar]
     index = _write_source_index(out, generation, previous, splits, new_tars, index_of)
     skipped = [*(old.source.skipped if old else ()), *(SkippedFile(path, reason) for path, reason in refused)]
     seen = (old.source.files_seen if old else 0) + sum(t.seen for t in scanned)
-    tars = {rel: {"bytes": b, "mtime_ns": m, "sha256": d} for rel, (b, m, d) in previous.tars.items()}
-    tars.update({t.rel: {"bytes": t.bytes, "mtime_ns": t.mtime_ns, "sha256": t.sha256} for t in scanned})
+    tars = {rel: {"bytes": b, **v, "sha256": d} for rel, (b, v, d) in previous.tars.items()}
+    tars.update({t.rel: {"bytes": t.bytes, **t.version, "sha256": t.sha256} for t in scanned})
     manifest = DatasetManifest(storage=STORAGE, classes=classes, splits=splits,
                                source=SourceInfo(KIND, base, seen, tuple(skipped)), packing=dict(options),
                                extra={ADOPTION: {"version": 1, "generation": generation, "tars": tars}})
@@ -318,4 +325,4 @@ def _remove_superseded(out: Path, old: DatasetManifest | None, new: DatasetManif
         (out / name).unlink(missing_ok=True)
 
 
-__all__ = ["IndexReport", "index_tars", "source_tars"]
+__all__ = ["IndexReport", "index_tars"]

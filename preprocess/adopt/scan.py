@@ -1,22 +1,24 @@
-"""One source tar indexed: its size, mtime and sha256, the rows of the samples the strict parser accepts, and the
-samples it refuses with their reasons.
+"""One source tar indexed: its size, version (mtime, or ETag and Last-Modified) and sha256, the rows of the
+samples the strict parser accepts, and the samples it refuses with their reasons.
 
 The tar is read by the pack source's scan (``preprocess.pack.sources.tars.judged_samples``: our strict tar parser,
 headers and label/``.json`` members only, images passed over by a seek), so adopting and packing accept and refuse
-the same samples for the same reasons. It is opened read-only through the one door and never written; its size
-and mtime are taken before and after, and a tar that changed meanwhile is refused (an index of bytes that moved
-would point at the wrong samples).
+the same samples for the same reasons. It is opened read-only through the one door and never written; a local
+tar's size and mtime are taken before and after, and a tar that changed meanwhile is refused (an index of bytes
+that moved would point at the wrong samples). A remote tar is scanned from the copy its one streaming read staged
+under the index folder (``preprocess.adopt.sources.stage``, which hashed it and held it to its listed size).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
+from preprocess.adopt.sources import SourceTar, local_version
 from preprocess.pack.sources.members import SourceFields, member_path
 from preprocess.pack.sources.tars import Skips, judged_samples
 from shards.atomic import atomic_output, sha256_file
@@ -35,7 +37,7 @@ class ScannedTar:
 
     rel: str
     bytes: int
-    mtime_ns: int
+    version: Mapping[str, Any]
     sha256: str
     part: Path
     count: int = 0
@@ -48,11 +50,6 @@ class ScannedTar:
         with open(self.part, "rb") as handle:
             for line in handle:
                 yield parse_json(line)
-
-
-def stat_of(path: str) -> tuple[int, int]:
-    info = os.stat(path)
-    return info.st_size, info.st_mtime_ns
 
 
 def scalar_meta(raw: bytes | None) -> dict[str, Any]:
@@ -71,13 +68,36 @@ def scalar_meta(raw: bytes | None) -> dict[str, Any]:
             and not (isinstance(item, float) and not math.isfinite(item))}
 
 
-def scan_tar(path: str, rel: str, fields: SourceFields, first_tar: dict[str, str], max_bytes: int,
-             part: Path, skips: Skips) -> ScannedTar:
-    """Index the tar at ``path`` (``rel``: its name under the source's base) into the part file ``part``;
-    ``first_tar`` (key -> tar) gains the keys accepted here, ``skips`` the samples refused (the first
-    ``MAX_LISTED_SKIPS`` of a run by name, the rest counted in one line per tar, as ``pack-shards`` lists them)."""
-    before = stat_of(path)
-    scanned = ScannedTar(rel, before[0], before[1], sha256_file(path), part)
+def scan_tar(tar: SourceTar, fields: SourceFields, first_tar: dict[str, str], max_bytes: int, part: Path,
+             skips: Skips, *, staged: tuple[Path, int, str] | None = None) -> ScannedTar:
+    """Index ``tar`` into the part file ``part``: the local tar itself, or (``staged``: its copy's path, size and
+    sha256) a remote tar's staged copy; ``first_tar`` (key -> tar) gains the keys accepted here, ``skips`` the
+    samples refused (the first ``MAX_LISTED_SKIPS`` of a run by name, the rest counted in one line per tar, as
+    ``pack-shards`` lists them)."""
+    rel = tar.rel
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardcache-hash") as hasher:
+        if staged is None:
+            path = str(tar.location.path)
+            before = local_version(path)
+            # hashlib releases the GIL over large blocks: the whole-file hash runs beside the header walk, which
+            # seeks over the members' data, so indexing costs about the longer of the two, not their sum
+            digest = hasher.submit(sha256_file, path)
+            scanned = ScannedTar(rel, before[0], before[1], "", part)
+        else:
+            path = str(staged[0])
+            scanned = ScannedTar(rel, staged[1], dict(tar.version), staged[2], part)
+        _walk_into(scanned, path, fields, first_tar, max_bytes, part, skips)
+        if staged is None:
+            scanned.sha256 = digest.result()
+    if staged is None and local_version(path) != before:
+        raise ChecksumError("changed while it was being indexed; index it again once it is complete", path=path)
+    return scanned
+
+
+def _walk_into(scanned: ScannedTar, path: str, fields: SourceFields, first_tar: dict[str, str], max_bytes: int,
+               part: Path, skips: Skips) -> None:
+    """The strict scan of the tar at ``path``: accepted rows into ``part``, refused samples into ``skips``."""
+    rel = scanned.rel
     with atomic_output(part) as tmp, open(tmp, "w", encoding="utf-8") as handle:
         for found in judged_samples(path, fields, first_tar, max_bytes, keep_json=True):
             scanned.seen += 1
@@ -91,6 +111,3 @@ def scan_tar(path: str, rel: str, fields: SourceFields, first_tar: dict[str, str
             handle.write(json.dumps({"key": found.key, "start": found.start, "end": found.end, "class": found.label,
                                      "meta": scalar_meta(found.json)}, ensure_ascii=False) + "\n")
     skips.end_of_tar(rel)
-    if stat_of(path) != before:
-        raise ChecksumError("changed while it was being indexed; index it again once it is complete", path=path)
-    return scanned

@@ -34,8 +34,8 @@ def _triple(name: str, value: str | None) -> tuple[float, ...] | None:
 
 
 @click.command(cls=SectionedCommand, context_settings={"help_option_names": ["-h", "--help"]},
-               sections={"Input": ("splits", "cache_dir", "cache_limit", "cache_eviction", "cache_prefetch",
-                                   "cache_fallback", "cache_local"),
+               sections={"Input": ("splits", "shard_source", "cache_dir", "cache_limit", "cache_eviction",
+                                   "cache_prefetch", "cache_fallback", "cache_local"),
                          "Backbone": ("backbone", "weights", "seed", "dtype", "amp", "device"),
                          "Transform and views": ("resize", "crop", "mean", "std", "interpolation", "views",
                                                  "augment"),
@@ -74,6 +74,9 @@ def _triple(name: str, value: str | None) -> tuple[float, ...] | None:
 @click.option("--batch-size", default=64, show_default=True)
 @click.option("--workers", default=2, show_default=True, help="DataLoader worker processes (decode + transform).")
 @click.option("--split", "splits", multiple=True, help="Only these splits (repeatable). Default: all.")
+@click.option("--source", "shard_source", default=None, metavar="PATH",
+              help="Where the shards are when not beside dataset.json: the tars of an index made by shards index "
+                   "(a folder, s3:// or https:// prefix).")
 @click.option("--overwrite", is_flag=True, help="Replace a feature folder computed with a different config.")
 @click.option("--merge", "merge_dir", type=click.Path(path_type=Path),
               help="Only write FEAT_DIR/features.json from finished parts (after a task array).")
@@ -94,12 +97,14 @@ def precompute_features_command(data_dir: str | None, out_dir: Path | None, back
                                 interpolation: str | None, views: int, augment: bool, dtype: str, storage: str,
                                 device: str, amp: str, decode: str, device_share: float, batch_size: int,
                                 workers: int,
-                                splits: tuple[str, ...], overwrite: bool, merge_dir: Path | None,
+                                splits: tuple[str, ...], shard_source: str | None, overwrite: bool,
+                                merge_dir: Path | None,
                                 stage_dir: str | None, break_lease: bool, task_index: int, num_tasks: int,
                                 quiet: bool, s3: S3Options, cache) -> None:
     """Cache a frozen backbone's penultimate features of every image shard in DATA_DIR under --out.
 
-    DATA_DIR and --out may be s3://bucket/prefix (the --s3-* options apply to both).
+    DATA_DIR and --out may be s3://bucket/prefix (the --s3-* options apply to both). An index made by shards index
+    reads its tars from --source.
 
     One feature file per image shard, aligned sample for sample; features.json is written last, when all parts
     exist. Reruns skip finished shards; a different config refuses without --overwrite.
@@ -127,7 +132,8 @@ def precompute_features_command(data_dir: str | None, out_dir: Path | None, back
         resize=resize, crop=crop, mean=_triple("mean", mean), std=_triple("std", std), interpolation=interpolation,
         views=views, augment=augment, dtype=dtype, storage=storage, device=device, amp=amp, decode=decode,
         device_share=device_share, batch_size=batch_size, workers=workers, splits=tuple(splits) or None,
-        task_index=task_index, num_tasks=num_tasks, overwrite=overwrite, quiet=quiet, storage_options=s3, cache=cache)
+        task_index=task_index, num_tasks=num_tasks, overwrite=overwrite, quiet=quiet, storage_options=s3, cache=cache,
+        shard_source=shard_source)
     if staged is not None:
         _, summary = run_staged(staged, lambda stage: run_precompute(cfg), features_spec())
     else:

@@ -7,7 +7,9 @@ transform, augmentation and views, output dtype, the resolved AMP mode, the reso
 Device, batch size and worker count are not in it (they change speed, not features beyond float noise) and are
 recorded as provenance instead. The dataset is wherever ``shards.transport.location`` reaches (a local folder, an
 ``s3://bucket/prefix`` read with ``storage_options``): ``dataset_dir`` records where, ``dataset_sha256`` is the
-sha256 of the very ``dataset.json`` bytes the shards to featurise were listed from.
+sha256 of the very ``dataset.json`` bytes the shards to featurise were listed from. The shards of an index of tars
+adopted in place (``shards index``) are read from ``shard_source`` (``--source``), the caller's choice like every
+reader's (``Remote(base_url=...)``); it is provenance, not config: the tars' checksums say they are the same bytes.
 
 The image shards are read by the training reader (``preprocess.features.loader``) and their features put together
 shard by shard (``preprocess.features.assembly``); a finished shard is checked against ``dataset.json`` and
@@ -47,6 +49,7 @@ from shards.transport.location import Location, locate
 from shards.door.locations import check_dataset_dir
 from shards.transport.manifest_io import read_dataset_manifest
 from shards.transport.s3 import S3Options
+from shards.transport.storage import get_storage
 from shards.manifest import FEATURES_FILE, DatasetManifest, FeatureManifest, ShardInfo
 from shards.jobs.progress import progress
 
@@ -88,13 +91,18 @@ class FeatureConfig:
     quiet: bool = False
     storage_options: Any = None  # S3Options (or a mapping of its fields) for an s3:// data_dir
     cache: Any = None  # a shards.cache.node.ShardCache: keep fetched image shards on this node's disk
+    shard_source: Path | str | None = None  # where the shards are when not beside dataset.json (adopted tars)
     source: Location = field(init=False, repr=False, compare=False)
+    shards_at: Location | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_local_output(self.out_dir)  # before Path(), which turns s3://b/x into s3:/b/x
-        if locate(self.data_dir).uses_storage_options:
+        places = [self.data_dir] + ([] if self.shard_source is None else [self.shard_source])
+        if any(locate(place).uses_storage_options for place in places):
             object.__setattr__(self, "storage_options", S3Options.from_mapping(self.storage_options))
         object.__setattr__(self, "source", locate(self.data_dir, storage_options=self.storage_options))
+        object.__setattr__(self, "shards_at", None if self.shard_source is None
+                           else locate(self.shard_source, storage_options=self.storage_options))
         check_dataset_dir(_recorded(self.source))  # what features.json may record: a local folder or s3:// prefix
         object.__setattr__(self, "out_dir", Path(self.out_dir))
         choices = {"dtype": DTYPES, "storage": FEATURE_SUFFIXES, "decode": DECODES,
@@ -116,6 +124,9 @@ class FeatureConfig:
             raise InputError(f"task index {self.task_index} is not in [0, {self.num_tasks})")
         if self.source.is_local and self.source.path.resolve() == self.out_dir.resolve():
             raise InputError("--out must differ from the dataset folder", path=str(self.out_dir))
+        if self.shards_at is not None and self.shards_at.is_local \
+                and self.shards_at.path.resolve() == self.out_dir.resolve():
+            raise InputError("--out must differ from the --source folder", path=str(self.out_dir))
 
 
 @dataclass
@@ -176,7 +187,8 @@ def _run_record(cfg: FeatureConfig, backbone: Backbone, spec: TransformSpec, dev
         "splits": splits,
         "features_dim": backbone.features_dim,
         "provenance": {"weights": backbone.weights, "device": str(device), "batch_size": cfg.batch_size,
-                       "workers": cfg.workers, "num_tasks": cfg.num_tasks},
+                       "workers": cfg.workers, "num_tasks": cfg.num_tasks,
+                       **({} if cfg.shards_at is None else {"source": _recorded(cfg.shards_at)})},
     }
 
 
@@ -311,12 +323,15 @@ def run_precompute(cfg: FeatureConfig) -> tuple[FeatureManifest | None, dict[str
     if unknown:
         raise InputError(f"no split(s) {unknown} in dataset.json (it has {sorted(dataset.splits)})",
                          path=cfg.source.text)
+    if get_storage(dataset.storage).load_index is not None and cfg.shards_at is None:
+        raise InputError("indexes tars adopted in place (shards index): give --source, the folder holding them",
+                         path=cfg.source.text)
     backbone = build_backbone(cfg.backbone, cfg.weights, seed=cfg.seed)
     spec = resolve_transform(cfg, backbone)
     device = resolve_device(cfg.device)
-    jobs = shard_jobs(dataset, cfg.source, cfg.splits)
+    jobs = shard_jobs(dataset, cfg.source, cfg.splits, cfg.shards_at)
     mine = [job for job in jobs if job.index % cfg.num_tasks == cfg.task_index]
-    reader = ShardReader(dataset.storage, len(dataset.classes), cfg.storage_options, cfg.cache)
+    reader = ShardReader(dataset.storage, len(dataset.classes), cfg.storage_options, cfg.cache, cfg.source.text)
     reader.check_locations(mine)
     record = _run_record(cfg, backbone, spec, device, sorted({job.split for job in jobs}))
     # Every file of the finished folder, whichever task writes it: what --overwrite may not write over unless the
@@ -394,6 +409,7 @@ def _merge_claimed(out_dir: Path, record: dict[str, Any], storage_options: Any =
     # Written by this tool into its own state folder: followed, with the caller's storage options.
     source = locate(record["dataset_dir"], storage_options=storage_options)
     dataset, dataset_sha256 = read_dataset_manifest(source)
+    # Only the jobs' names and checksums: no shard is read, so adopted tars need no --source here.
     jobs = shard_jobs(dataset, source, tuple(record["splits"]))
     manifest, missing = assemble_manifest(out_dir, record, dataset, dataset_sha256, jobs)
     if manifest is None:

@@ -9,6 +9,11 @@ row of that split, so the consumer (``preprocess.features.assembly``) puts each 
 sample, whichever worker read which rows. A sample that cannot be read or decoded stops the run with the reader's
 ``CorruptDataError`` naming shard and key.
 
+Tars adopted in place (``shards index``) are read where the caller says (``--source``, ``shard_jobs``'s
+``shards_at``, as ``Remote(base_url=...)`` sets it for training), by their row index, which stays in the dataset
+folder (the reader's ``index_roots``): only the rows the index accepted, so the features hold the index's samples
+in its order, its rejects left out.
+
 The reader checks no sha256 on a slice of an ``s3://`` shard, nor on a local slice that is not the whole shard, so
 ``ShardReader.check_bytes`` vouches for a shard before its features are written: its node-cache copy (checked against
 ``dataset.json`` when it was fetched), else one hashed read of the whole shard (docs/design.md, section 6).
@@ -47,19 +52,26 @@ class ShardJob:
     index: int
     split: str
     shard: ShardInfo  # as dataset.json records it
-    location: str  # where it is: a file in the dataset folder, or an object under its s3:// prefix
+    location: str  # where it is: a file in the dataset folder (or ``shards_at``), or an object under an s3:// prefix
+    # Its feature file's name without suffix; None: its image shard's own stem (``train-000012``, as pack-shards
+    # names shards). Tars adopted in place have names that are not ours: two folders may both hold ``0000.tar``.
+    feature_stem: str | None = None
 
 
-def shard_jobs(manifest: DatasetManifest, data_dir: Location | str, splits: tuple[str, ...] | None
-               ) -> list[ShardJob]:
+def shard_jobs(manifest: DatasetManifest, data_dir: Location | str, splits: tuple[str, ...] | None,
+               shards_at: Location | str | None = None) -> list[ShardJob]:
     """Every image shard of the chosen splits, in a fixed order: sorted split names, then manifest shard order.
-    Names are confined to the dataset (``Location.child``: a local shard symlinked out of the folder is refused)."""
-    source = locate(data_dir)
+    ``shards_at``: where the shards are when not beside ``dataset.json`` (``--source``: tars adopted in place).
+    Names are confined there (``Location.child``: a local shard symlinked out of the folder is refused). An adopted
+    tar's features are named by its split and place in it (``train-000002``), unique whatever the tars are called."""
+    source = locate(data_dir if shards_at is None else shards_at)
+    adopted = get_storage(manifest.storage).load_index is not None
     names = sorted(manifest.splits) if splits is None else [s for s in sorted(manifest.splits) if s in splits]
     jobs: list[ShardJob] = []
     for split in names:
-        for shard in manifest.splits[split].shards:
-            jobs.append(ShardJob(len(jobs), split, shard, source.child(shard.path, where=source.text).text))
+        for position, shard in enumerate(manifest.splits[split].shards):
+            jobs.append(ShardJob(len(jobs), split, shard, source.child(shard.path, where=source.text).text,
+                                 f"{split}-{position:06d}" if adopted else None))
     return jobs
 
 
@@ -141,10 +153,13 @@ def collate_rows(items: Sequence[tuple]) -> dict[str, Any]:
 
 class ShardReader:
     """How this run reads its image shards: the dataset's storage format and classes, the caller's storage options
-    (for ``s3://``) and node cache (``shards.cache.node.ShardCache``, or None: none)."""
+    (for ``s3://``) and node cache (``shards.cache.node.ShardCache``, or None: none), and the dataset folder
+    (``index_root``), where a format that keeps its index with the manifest (adopted tars) has it."""
 
-    def __init__(self, storage: str, num_classes: int, storage_options: Any = None, cache: ShardCache | None = None):
+    def __init__(self, storage: str, num_classes: int, storage_options: Any = None, cache: ShardCache | None = None,
+                 index_root: str | None = None):
         self.storage, self.num_classes, self.storage_options = storage, num_classes, storage_options
+        self.index_root = index_root
         self.shard_cache = None if cache is None else CachedShards(cache, storage_options)
         # Checks run on a thread beside the reader, which reads in this process too when there are no DataLoader
         # workers: a handle of their own on the same cache, not sharing the reader's prefetches.
@@ -170,7 +185,7 @@ class ShardReader:
                               return_keys=True)
         return _RowTagged(split, [job.location for job in jobs], config, storage=self.storage, decoder=decoder,
                           num_classes=self.num_classes, storage_options=self.storage_options,
-                          shard_cache=self.shard_cache)
+                          shard_cache=self.shard_cache, index_roots=[self.index_root] * len(jobs))
 
     def loader(self, jobs: Sequence[ShardJob], decoder: FeatureDecoder, *, batch_size: int, workers: int,
                pin_memory: bool) -> Loader:

@@ -148,11 +148,11 @@ def recorded_names(out_dir: Path) -> set[str]:
 
 
 def feature_path(out_dir: Path, job: ShardJob, storage: str) -> Path:
-    return out_dir / feature_shard_name(job.shard.path, storage)
+    return out_dir / feature_shard_name(job.feature_stem or job.shard.path, storage)
 
 
 def _record_path(out_dir: Path, job: ShardJob, storage: str) -> Path:
-    return out_dir / STATE_DIR / (Path(feature_shard_name(job.shard.path, storage)).stem + ".json")
+    return out_dir / STATE_DIR / (feature_path(out_dir, job, storage).stem + ".json")
 
 
 def write_shard_record(out_dir: Path, job: ShardJob, storage: str, info: ShardInfo, digest: str) -> None:
@@ -172,8 +172,10 @@ def finished_shard(out_dir: Path, job: ShardJob, storage: str, digest: str) -> S
         log.warning("%s; recomputing", exc)
         return None
     feature_file = out_dir / info.path
+    # An adopted tar's feature file is named by its place in its split (``shard_jobs``): in an index rebuilt since,
+    # another tar may hold that place (its sha256 alone does not tell two copies of one tar apart).
     if record.get("config_hash") != digest or info.path != feature_path(out_dir, job, storage).name \
-            or not feature_file.is_file():
+            or info.source != job.shard.path or not feature_file.is_file():
         return None
     stale = shard_staleness(info, job.shard.sha256) if info.source_sha256 else "its record names no source sha256"
     if stale is not None:

@@ -11,7 +11,8 @@ not raised, so ``shards verify`` can report all of them at once.
 Every file is read once through its location (``shards.transport.location``): a local file in place, any other
 copied to a temporary file. The source dataset is the one ``dataset_location`` follows from ``dataset_dir``
 (docs/design.md, "Trust model"): only its ``dataset.json`` is read, and its image shards only as that manifest
-lists them, confined to its folder or prefix.
+lists them, confined to its folder or prefix, or to the caller's ``source`` where the dataset indexes tars adopted in
+place (``shards index``): those are read by their row index, from the dataset's folder, as every reader reads them.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ log = logging.getLogger("shardcache.check")
 class FeatureJob:
     """One feature file to check: all a worker process needs (locations carry the caller's S3 options). ``source``
     and ``image`` (the image shard the dataset's manifest lists for it, ``None`` when it lists none) are set when
-    keys and labels are compared with the image shards (``full``)."""
+    keys and labels are compared with the image shards (``full``); ``shards_at``: where those are when not beside
+    the dataset's manifest (adopted tars)."""
 
     folder: Location
     info: ShardInfo
@@ -51,17 +53,20 @@ class FeatureJob:
     source: Location | None = None
     storage: str = ""
     image: ShardInfo | None = None
+    shards_at: Location | None = None
 
 
 def verify_feature_folder(folder: str | os.PathLike | Location, *, full: bool = False,
-                          storage_options: Any = None, workers: int = 1, quiet: bool = False) -> list[str]:
+                          storage_options: Any = None, workers: int = 1, quiet: bool = False,
+                          source: str | os.PathLike | None = None) -> list[str]:
     """All problems found in ``folder`` (empty when the cache is complete, intact and current).
 
     Every feature file is loaded (``weights_only=True``) and its content checked against ``features.json``: row
     count, feature width and dtype, int64 labels within the class count, unique string keys, views. With ``full``,
     keys and labels are also compared sample for sample with the image shards when the dataset is reachable.
     ``workers`` processes check files side by side (the problems and their order are those of one process); a
-    progress bar counts files on stderr unless ``quiet``.
+    progress bar counts files on stderr unless ``quiet``. ``source``: where the image shards are when not beside
+    the dataset's manifest (the tars of an index made by ``shards index``), needed to compare keys with them.
     """
     VerifyOptions(full=full, workers=workers)  # validated like the image check's
     where = locate(folder, storage_options=storage_options)
@@ -69,23 +74,28 @@ def verify_feature_folder(folder: str | os.PathLike | Location, *, full: bool = 
         manifest = read_feature_manifest(where)
     except ShardcacheError as exc:
         return [str(exc)]
-    source, dataset, unreadable = _source_dataset(where, manifest)
+    source_dir, dataset, unreadable = _source_dataset(where, manifest)
     spec = FeatureSpec.of(manifest)
     align = full and dataset is not None
+    alignment: list[str] = []
+    if align and source is None and get_storage(dataset.storage).load_index is not None:
+        alignment.append(f"{where}: cannot check keys: {source_dir} indexes tars adopted in place (shards index); "
+                         "give --source, the folder holding them")
+        align = False
+    shards_at = None if source is None else locate(source, storage_options=where.storage_options)
     listed = {s.path: s for split in dataset.splits.values() for s in split.shards} if align else {}
-    jobs = [FeatureJob(where, info, spec, source, dataset.storage, listed.get(info.source)) if align
+    jobs = [FeatureJob(where, info, spec, source_dir, dataset.storage, listed.get(info.source), shards_at) if align
             else FeatureJob(where, info, spec) for split in manifest.splits.values() for info in split.shards]
     problems: list[str] = []
-    alignment: list[str] = []
     with progress(total=len(jobs), desc="verify", unit="shard", quiet=quiet) as bar:
         for found, misaligned in ordered_map(check_feature_file, jobs, workers, lambda _: bar.update(1)):
             problems.extend(found)
             alignment.extend(misaligned)
-    if source is None:
+    if source_dir is None:
         return problems
     if dataset is None:
         return problems + [f"cannot check staleness: source dataset unreadable ({unreadable})"]
-    return problems + feature_staleness(where, manifest, source, dataset) + alignment
+    return problems + feature_staleness(where, manifest, source_dir, dataset) + alignment
 
 
 def check_feature_file(job: FeatureJob) -> tuple[list[str], list[str]]:
@@ -94,7 +104,7 @@ def check_feature_file(job: FeatureJob) -> tuple[list[str], list[str]]:
     shard = _check_shard(job.folder, job.info, job.spec, problems)
     if shard is None or job.source is None:
         return problems, []
-    return problems, _check_keys(*shard, job.source, job.storage, job.image, job.info)
+    return problems, _check_keys(*shard, job.source, job.storage, job.image, job.info, job.shards_at)
 
 
 def _source_dataset(where: Location, manifest: FeatureManifest
@@ -166,19 +176,28 @@ def _content_problems(where: Location, shard: FeatureShard, info: ShardInfo, spe
 
 
 def _check_keys(where: Location, shard: FeatureShard, source: Location, storage: str, listed: ShardInfo | None,
-                info: ShardInfo) -> list[str]:
+                info: ShardInfo, shards_at: Location | None = None) -> list[str]:
     """Keys and labels sample for sample against the image shard the features were computed from (``listed``: its
     entry in the dataset's manifest). Only an image shard the dataset's own manifest lists is opened, confined to
-    the dataset's folder or prefix."""
+    the dataset's folder or prefix (``shards_at``'s, when given); an adopted tar by the row index in the dataset's
+    folder, so its samples are the rows the index accepted, with their labels."""
     if listed is None:
         return [f"{where}: cannot check keys: source shard {info.source} is not in {source.file(DATASET_FILE)}"]
+    reader = get_storage(storage)
+    image = None
     try:
-        image = source.child(info.source)
+        rows = None if reader.load_index is None else \
+            reader.load_index(source, listed, where=str(source.file(DATASET_FILE)))
+        image = (source if shards_at is None else shards_at).child(info.source)
         with image.local_copy(listed.bytes + 1) as image_path:
             if not image_path.is_file():
                 raise MissingInputError("missing", path=image.text)
-            pairs = [(sample.key, sample.label) for sample in get_storage(storage).read(image_path)]
-    except MissingInputError:
+            samples = reader.read(image_path) if rows is None else \
+                reader.read_slice(image_path, 0, None, offsets=rows)
+            pairs = [(sample.key, sample.label) for sample in samples]
+    except MissingInputError as exc:
+        if image is None:  # the row index, in the dataset's folder
+            return [f"{where}: cannot check keys: {exc}"]
         return [f"{where}: cannot check keys: source shard {image} missing"]
     except (ShardcacheError, OSError) as exc:
         return [f"{where}: cannot check keys: {exc}"]

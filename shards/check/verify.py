@@ -229,7 +229,7 @@ def verify_dataset(folder: str | os.PathLike, *, full: bool = False,
     if manifest.kind == "features":
         from shards.check.features_verify import verify_feature_folder  # written with the features stage
 
-        problems = verify_feature_folder(where, full=full, workers=workers, quiet=quiet)
+        problems = verify_feature_folder(where, full=full, workers=workers, quiet=quiet, source=source)
         shards = sum(len(s.shards) for s in manifest.splits.values())
         return VerifyReport(str(folder), "features", tuple(problems), shards)
     adopted = get_storage(manifest.storage).load_index is not None

@@ -141,11 +141,16 @@ def iter_adopted_slice(path: str | os.PathLike, start: int = 0, stop: int | None
             yield from iter_rows(source, offsets, start, stop, resync=resync)
             source.check(sha256)
             return
-        for number in range(start, min(stop, len(offsets))):
+        number, last = start, min(stop, len(offsets))
+        while number < last:  # one source over the rows, the gaps between them skipped by seeking
             begin = int(offsets[number, 0])
-            handle.seek(begin)  # a fresh source per row: damage in one row never shifts the next
-            yield from iter_rows(ByteSource(handle, str(path), total=total, hashing=False, offset=begin),
-                                 offsets, number, number + 1, resync=resync)
+            handle.seek(begin)
+            source = ByteSource(handle, str(path), total=total, hashing=False, offset=begin)
+            for item in iter_rows(source, offsets, number, last, resync=resync):
+                number += 1
+                yield item
+                if isinstance(item, CorruptDataError):
+                    break  # a fresh source from the next row: damage in one row never shifts the next
 
 
 def iter_adopted_stream(stream: BinaryIO, where: str, rows: np.ndarray, start: int, stop: int, *,

@@ -279,6 +279,17 @@ def accepts_ranges(location: str, origins: Iterable[str] = (), limits: TransferL
     return _answers_ranges[location]
 
 
+def object_state(location: str, origins: Iterable[str] = (),
+                 limits: TransferLimits = TransferLimits()) -> tuple[int | None, str, str]:
+    """``(size or None, ETag, Last-Modified)`` of ``location`` as a HEAD answers them (empty strings where the
+    server gives none): what tells a rerun that an object changed without reading it."""
+    with closing(_request(location, origins, method="HEAD", limits=limits)) as response:
+        headers = response.headers
+        length = headers.get("Content-Length", "")
+        size = int(length) if length.strip().isdigit() else None
+        return size, headers.get("ETag", "")[:256], headers.get("Last-Modified", "")[:256]
+
+
 def _fetcher(location: str, origins: Iterable[str], limits: TransferLimits):
     origins = tuple(origins)
     return lambda start, stop: fetch_range(location, start, stop, origins, limits)

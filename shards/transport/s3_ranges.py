@@ -201,6 +201,28 @@ def head_object(url: str, options: S3Options | None = None) -> tuple[int, dict[s
     return int(response["ContentLength"]), dict(response.get("Metadata", {}))
 
 
+def list_objects(url: str, options: S3Options | None = None) -> Iterator[tuple[str, int, str, str]]:
+    """Every object under the prefix ``url`` names (``s3://bucket/prefix``: the keys under ``prefix/``), as
+    ``(key relative to the prefix, size, ETag, Last-Modified)``, a page of the listing at a time (each retried)."""
+    options = options if options is not None else S3Options()
+    bucket, prefix = s3.parse_s3_url(url)
+    start = prefix.rstrip("/") + "/" if prefix.strip("/") else ""
+    client = s3.make_client(options)
+    token = None
+    while True:
+        kwargs = {"Bucket": bucket, "Prefix": start, **({"ContinuationToken": token} if token else {})}
+        page = _with_retries(url, options, lambda kwargs=kwargs: client.list_objects_v2(**kwargs))
+        for item in page.get("Contents", []):
+            modified = item.get("LastModified")
+            yield (str(item["Key"])[len(start):], int(item["Size"]), str(item.get("ETag", "")),
+                   modified.isoformat() if hasattr(modified, "isoformat") else str(modified or ""))
+        if not page.get("IsTruncated"):
+            return
+        token = page.get("NextContinuationToken")
+        if not token:
+            raise CorruptDataError("the listing says it is truncated but gives no continuation token", path=url)
+
+
 def read_object(url: str, options: S3Options | None = None) -> bytes:
     """The whole object (ranged GETs, retried and resumed like ``open_range``)."""
     with open_range(url, 0, None, options) as stream:
