@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -75,20 +74,14 @@ def scan_tar(tar: SourceTar, fields: SourceFields, first_tar: dict[str, str], ma
     samples refused (the first ``MAX_LISTED_SKIPS`` of a run by name, the rest counted in one line per tar, as
     ``pack-shards`` lists them)."""
     rel = tar.rel
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardcache-hash") as hasher:
-        if staged is None:
-            path = str(tar.location.path)
-            before = local_version(path)
-            # hashlib releases the GIL over large blocks: the whole-file hash runs beside the header walk, which
-            # seeks over the members' data, so indexing costs about the longer of the two, not their sum
-            digest = hasher.submit(sha256_file, path)
-            scanned = ScannedTar(rel, before[0], before[1], "", part)
-        else:
-            path = str(staged[0])
-            scanned = ScannedTar(rel, staged[1], dict(tar.version), staged[2], part)
-        _walk_into(scanned, path, fields, first_tar, max_bytes, part, skips)
-        if staged is None:
-            scanned.sha256 = digest.result()
+    if staged is None:
+        path = str(tar.location.path)
+        before = local_version(path)
+        scanned = ScannedTar(rel, before[0], before[1], sha256_file(path), part)
+    else:
+        path = str(staged[0])
+        scanned = ScannedTar(rel, staged[1], dict(tar.version), staged[2], part)
+    _walk_into(scanned, path, fields, first_tar, max_bytes, part, skips)
     if staged is None and local_version(path) != before:
         raise ChecksumError("changed while it was being indexed; index it again once it is complete", path=path)
     return scanned
