@@ -127,7 +127,7 @@ def run_pipeline(cfg: DemoConfig) -> dict[str, Any]:
     # Options are in the folder names: changing one builds beside the old artifacts instead of refusing.
     shards_dir = cfg.work / name / f"shards-max{cfg.max_samples}"
     feat_dir = shards_dir.with_name(shards_dir.name + "-features-mobilenet_v2")
-    run_stage("pack", ["pack-shards", source, "--out", shards_dir, "--max-samples", cfg.max_samples,
+    run_stage("pack", ["pack-shards", source, "--out", shards_dir, "--shard-samples", cfg.max_samples,
                        "--workers", cfg.workers, *pack_extra], cfg.quiet)
     # A small tree of your own may hold fewer training samples than one batch.
     batch_size = min(cfg.batch_size, load_dataset_manifest(shards_dir).split("train").samples)
@@ -188,7 +188,7 @@ def parse_args(argv: list[str] | None = None) -> DemoConfig:
     parser.add_argument("--lr", type=float, default=0.01, help="--head linear: AdamW peak learning rate (cosine decay)")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="--head linear: AdamW weight decay")
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--max-samples", type=int, default=256, help="samples per shard")
+    parser.add_argument("--shard-samples", type=int, default=256, help="samples per shard")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="packing processes")
     parser.add_argument("--work", type=Path, default=ROOT / ".demo", help="shards and features go here")
     parser.add_argument("--runs", type=Path, default=ROOT / "runs", help="the training run goes here")
@@ -196,7 +196,7 @@ def parse_args(argv: list[str] | None = None) -> DemoConfig:
     args = parser.parse_args(argv)
     return DemoConfig(data=args.data, head=args.head, val_fraction=args.val_fraction, seed=args.seed,
                       epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay, batch_size=args.batch_size,
-                      max_samples=args.max_samples, workers=args.workers, work=args.work.resolve(),
+                      max_samples=args.shard_samples, workers=args.workers, work=args.work.resolve(),
                       runs=args.runs.resolve(), quiet=args.quiet)
 
 

@@ -38,6 +38,7 @@ _EVENTS_NAME = re.compile(r"^data-events(\.rank(\d+))?\.jsonl$")
 MAX_EVENTS_BYTES = 256 << 20  # one event is ~200 bytes: a million events fit; more means the file is not ours
 
 log = logging.getLogger(__name__)
+_NOT_EVENT = "not an object with a string 'kind' and a finite 'time'"
 
 
 def events_path(run_dir: str | os.PathLike, rank: int = 0) -> Path:
@@ -67,7 +68,9 @@ def append_event(run_dir: str | os.PathLike, event: dict[str, Any]) -> None:
         os.fsync(handle.fileno())
 
 
-def _read_file(path: Path) -> list[dict[str, Any]]:
+def _read_file(path: Path, unreadable: list[str] | None = None) -> list[dict[str, Any]]:
+    """The file's events; each line that is not one (but a torn last line) is logged and left out, and said in
+    ``unreadable`` when given (``path: line N is not a data event (why)``)."""
     text = read_regular_file(path, limit=MAX_EVENTS_BYTES, error=ManifestError).decode("utf-8", errors="replace")
     last = len(text.splitlines())
     events = []
@@ -77,8 +80,10 @@ def _read_file(path: Path) -> list[dict[str, Any]]:
         elif number == last and not text.endswith("\n"):
             continue  # the line a killed writer left torn
         else:
-            log.warning("%s: line %d is not a data event (%s); left out", path, number, why or "not an object "
-                        "with a string 'kind' and a finite 'time'")
+            line = f"{path}: line {number} is not a data event ({why or _NOT_EVENT})"
+            log.warning("%s; left out", line)
+            if unreadable is not None:
+                unreadable.append(line)
     return events
 
 
@@ -105,13 +110,15 @@ def resume_audits(run_dir: str | os.PathLike) -> dict[str, Any]:
             "messages": [str(r.get("message"))[:500] for r in bad][:10]}
 
 
-def read_events(run_dir: str | os.PathLike, kind: str | None = None) -> list[dict[str, Any]]:
+def read_events(run_dir: str | os.PathLike, kind: str | None = None, *,
+                unreadable: list[str] | None = None) -> list[dict[str, Any]]:
     """Every event of the run (of ``kind``, when given), from all its event files, in the order they happened (by
-    ``"time"``; a file's own lines keep their order). An absent file is no events; a torn last line is ignored."""
+    ``"time"``; a file's own lines keep their order). An absent file is no events; a torn last line is ignored;
+    ``unreadable`` (when given) gets one line per other line that is not an event (it may have been any kind)."""
     folder = Path(run_dir)
     if not folder.is_dir():
         return []
-    per_file = [_read_file(path) for path in sorted(folder.iterdir()) if _EVENTS_NAME.match(path.name)]
+    per_file = [_read_file(path, unreadable) for path in sorted(folder.iterdir()) if _EVENTS_NAME.match(path.name)]
     merged = [(event.get("time", 0.0), index, event) for index, events in enumerate(per_file) for event in events]
     # sort on (time, file, line) stably: equal times keep rank 0's file first and each file's own order
     events = [event for _, _, event in sorted(merged, key=lambda item: (item[0], item[1]))]

@@ -130,6 +130,9 @@ class EpochRow:
     wait_advice: str | None = None  # the data pipeline held the epoch back, and what to change
     straggler: str | None = None  # the slowest rank, in words
     straggler_warning: str | None = None  # a rank held the others back for data over the last epochs
+    # What a person should conclude from the epoch (chance-level accuracy, one class, loss at ln C, the data
+    # pipeline): [{"rule", "level", "text"}], worst first; the run report opens with the last epoch's.
+    verdicts: list | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {name: value for name, value in dataclasses.asdict(self).items() if value is not None}
@@ -308,12 +311,17 @@ class RunRecord:
 
     data: DataCall
     epochs: int  # the epochs the train loader is iterated, as the latest start asked
+    # The loaders' memory budget as this start resolved it (bytes, source, ranks on the node, read-ahead sized from
+    # it: ``shards.loader.budget.MemoryBudget.record``): steering, so beside the data call, not in it.
+    memory_budget: dict[str, Any] | None = None
     format: str = RUN_FORMAT
     version: int = RUN_VERSION
 
     def write(self, folder: str | os.PathLike) -> None:
-        write_json_atomic(Path(folder) / RECORD_FILE, {"format": self.format, "version": self.version,
-                                                       "epochs": self.epochs, "data": self.data.to_json()})
+        record = {"format": self.format, "version": self.version, "epochs": self.epochs, "data": self.data.to_json()}
+        if self.memory_budget is not None:
+            record["memory_budget"] = self.memory_budget
+        write_json_atomic(Path(folder) / RECORD_FILE, record)
 
     @classmethod
     def read(cls, folder: str | os.PathLike) -> "RunRecord":
@@ -327,7 +335,10 @@ class RunRecord:
             raise ManifestError(f"version {version!r:.20} is not one this shardcache reads ({RUN_VERSION})",
                                 path=where)
         epochs = as_int(get(data, "epochs", "the run record", where=where), "epochs", lo=1, where=where)
-        return cls(DataCall.from_json(get(data, "data", "the run record", where=where), where), epochs)
+        budget = data.get("memory_budget")
+        if budget is not None:
+            budget = as_object(budget, "memory_budget", where=where)
+        return cls(DataCall.from_json(get(data, "data", "the run record", where=where), where), epochs, budget)
 
 
 def is_run_folder(folder: Path) -> bool:

@@ -2,7 +2,7 @@
 
 The ``--help`` sections are ``TrainConfig``'s option groups (``train.options``), so an option's section says where
 ``config.json`` records it; Run is the rest (``run.*``), and Cache and storage also lists the S3 options that make
-``cache.storage_options``."""
+``cache.storage_options``. The most used options of every group print first, under Most used."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ from typing import Any
 
 import click
 
-from shards.cli.common import ByteSize, class_names, cache_options, emit_json, handle_errors, quiet_option, s3_options
+from shards.cli.common import (DEVICE_HELP, S3_OPTION_NAMES, WORKERS_RULE, ByteSize, DeviceName, class_names,
+                               cache_options, emit_json, handle_errors, memory_budget_option, quiet_option, s3_options,
+                               version_option)
 from shards.cli.sections import SectionedCommand
-from shards.transport.location import locate
+from shards.jobs.preemption import stop_signals
 from shards.stream.options import STREAM_DECODES
-from train.config import TrainConfig
-from train.options import (CLASS_MAPS, DEFAULT_DECODE, DEVICES, HEADS, LOSSES, OPTIMIZERS, RESUME_AUDITS, RUN_MODES,
-                           TASKS, CacheOptions, DataOptions, LoaderOptions, ModelOptions, OptimOptions, RunOptions)
+from train.api import train_config
+from train.options import CLASS_MAPS, DEFAULT_DECODE, HEADS, LOSSES, OPTIMIZERS, RESUME_AUDITS, RUN_MODES, TASKS
 
 
 class WorkerCount(click.ParamType):
@@ -47,11 +48,14 @@ class WorkerCount(click.ParamType):
                                           "weight_decay", "loss", "label_smoothing", "class_weighted_loss",
                                           "balanced_sampler", "seed", "amp"),
                          "Loader": ("image_size", "decode", "fast_decode", "workers", "run_mode", "worker_threads",
-                                    "prefetch", "feature_window", "stall_timeout", "resume_audit"),
+                                    "prefetch", "feature_window", "stall_timeout", "resume_audit", "memory_budget"),
                          "Cache and storage": ("cache_images", "memory_limit", "cache_dir", "cache_limit",
                                                "cache_eviction", "cache_prefetch", "cache_fallback", "cache_local",
-                                               "s3_endpoint_url", "s3_profile", "s3_unsigned", "s3_max_concurrency",
-                                               "s3_read_ahead", "min_transfer_rate", "request_deadline")})
+                                               *S3_OPTION_NAMES)},
+               common=("out_dir", "epochs", "batch_size", "lr", "model", "head", "device", "workers", "resume",
+                       "dry_run"),
+               examples=("train-from-shards photos-shards --out runs/r18 --model resnet18 --epochs 30",
+                         "train-from-shards photos-feat --out runs/probe --head linear --epochs 20 --lr 0.01"))
 @click.argument("path", type=click.Path(file_okay=False), required=False)
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
               help="Run folder, local (copy it elsewhere afterwards): config.json, metrics.jsonl, curves.png, "
@@ -118,7 +122,8 @@ class WorkerCount(click.ParamType):
 @click.option("--seed", type=int, default=0)
 @click.option("--workers", type=WorkerCount(), default=None,
               help="Loader workers (processes or threads: one plan, one resume layout), or 'auto' (= --run-mode "
-                   "auto). Default: the loader's choice (CPUs - 1, at most 8).")
+                   f"auto). Default: for image shards {WORKERS_RULE}; for feature folders in this process "
+                   "(workers only slow feature rows down).")
 @click.option("--run-mode", type=click.Choice(RUN_MODES), default=None,
               help="How the workers run: processes (DataLoader workers), threads (in this process: no IPC, for "
                    "decoders that release the GIL), auto (each tried over the first batches, the lowest step time "
@@ -139,7 +144,8 @@ class WorkerCount(click.ParamType):
                    "plan, and the first batches fed after it: refuse a mismatch (one line naming the batch and key), "
                    "warn, or off.")
 @click.option("--amp", is_flag=True, help="Mixed precision (float16 autocast + GradScaler); CUDA only.")
-@click.option("--device", type=click.Choice(DEVICES), default="auto")
+@click.option("--device", type=DeviceName(), default="auto",
+              help=f"{DEVICE_HELP} Under torchrun, cuda is each process's local-rank GPU.")
 @click.option("--train-split", default="train")
 @click.option("--val-split", default="val", help="Split to validate on every epoch.")
 @click.option("--checkpoint-every", type=int, default=0, help="Also write last.pt every N steps (0: epoch ends only).")
@@ -156,9 +162,11 @@ class WorkerCount(click.ParamType):
                    "what the job (its cgroup, else the machine) has left.")
 @click.option("--stop-after-steps", type=int, default=None, hidden=True,
               help="Testing and profiling: return after N steps as if killed (nothing more is written).")
+@memory_budget_option
 @s3_options
 @cache_options
 @quiet_option
+@version_option
 @handle_errors
 def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...], class_map: str,
                   epoch_size: int | None, subset_classes: str | None, subset_keys: str | None,
@@ -168,7 +176,7 @@ def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...],
                   epochs: int, batch_size: int, optimizer: str, lr: float | None, momentum: float, warmup_epochs: float,
                   weight_decay: float, label_smoothing: float, class_weighted_loss: bool, balanced_sampler: bool,
                   seed: int, workers: int | str | None, run_mode: str | None, worker_threads: int, prefetch: int, feature_window: int, stall_timeout: float,
-                  resume_audit: str, amp: bool, device: str, train_split: str,
+                  resume_audit: str, memory_budget: int | None, amp: bool, device: str, train_split: str,
                   val_split: str, checkpoint_every: int, resume: bool, dry_run: bool, overwrite: bool,
                   stop_after_steps: int | None, no_report: bool, cache_images: bool, memory_limit: int | None,
                   quiet: bool, s3, cache, source: str | None) -> None:
@@ -182,60 +190,24 @@ def train_command(path: str | None, out_dir: str, data_options: tuple[str, ...],
     started = time.perf_counter()  # the time to first batch counts from here (train.run.first_batch)
     from train.run.loop import train
 
-    sources = data_sources(path, data_options)
-    path = sources[0]["path"]
-    subset = {"classes": class_names(subset_classes),
-              "keys": os.path.abspath(subset_keys) if subset_keys else None, "where": subset_where,
-              "max_samples": subset_max}
-    cfg = TrainConfig(
-        data=DataOptions(path, sources=sources if len(sources) > 1 or len(sources[0]) > 1 else [],
-                         class_map=class_map, subset=subset if any(v is not None for v in subset.values()) else None,
-                         epoch_size=epoch_size, train_split=train_split, val_split=val_split,
-                         exclude_keys=os.path.abspath(exclude_keys) if exclude_keys else None,
-                         source=os.path.abspath(source) if source and locate(source).is_local else source),
-        model=ModelOptions(task=task, head=head, standardize=standardize, logreg_c=logreg_c, hidden_dim=hidden_dim,
-                           dropout=dropout, name=model, weights=weights),
-        optim=OptimOptions(epochs=epochs, batch_size=batch_size, optimizer=optimizer, lr=lr, momentum=momentum,
-                           warmup_epochs=warmup_epochs, weight_decay=weight_decay, loss=loss,
-                           label_smoothing=label_smoothing, class_weighted_loss=class_weighted_loss,
-                           balanced_sampler=balanced_sampler, seed=seed, amp=amp),
-        loader=LoaderOptions(image_size=image_size, decode=decode, fast_decode=fast_decode,
-                             workers=None if workers == "auto" else workers,
-                             run_mode=run_mode or ("auto" if workers == "auto" else "processes"),
-                             worker_threads=worker_threads, prefetch=prefetch, feature_window=feature_window,
-                             stall_timeout=stall_timeout, resume_audit=resume_audit),
-        cache=cache_group(s3.to_dict() if any(locate(p).uses_storage_options
-                                              for p in [s["path"] for s in sources] + [source or ""]) else None,
-                          cache, images=cache_images, memory_limit=memory_limit),
-        run=RunOptions(out_dir, device=device, checkpoint_every=checkpoint_every, resume=resume, overwrite=overwrite,
-                       dry_run=dry_run, quiet=quiet, stop_after_steps=stop_after_steps, report=not no_report,
-                       record_keys=record_keys))
-    summary = train(cfg, started=started)
+    cfg = train_config(path, out=out_dir, data=data_options, class_map=class_map, epoch_size=epoch_size,
+                       classes=class_names(subset_classes), keys=subset_keys, where=subset_where,
+                       max_samples=subset_max, source=source, exclude_keys=exclude_keys, record_keys=record_keys,
+                       task=task, loss=loss, head=head, standardize=standardize, logreg_c=logreg_c,
+                       hidden_dim=hidden_dim, dropout=dropout, model=model, weights=weights, image_size=image_size,
+                       decode=decode, fast_decode=fast_decode, epochs=epochs, batch_size=batch_size,
+                       optimizer=optimizer, lr=lr, momentum=momentum, warmup_epochs=warmup_epochs,
+                       weight_decay=weight_decay, label_smoothing=label_smoothing,
+                       class_weighted_loss=class_weighted_loss, balanced_sampler=balanced_sampler, seed=seed,
+                       workers=workers, run_mode=run_mode, worker_threads=worker_threads, prefetch=prefetch,
+                       feature_window=feature_window, stall_timeout=stall_timeout, resume_audit=resume_audit,
+                       memory_budget=memory_budget,
+                       amp=amp, device=device, train_split=train_split, val_split=val_split,
+                       checkpoint_every=checkpoint_every, resume=resume, dry_run=dry_run, overwrite=overwrite,
+                       no_report=no_report, cache_images=cache_images, memory_limit=memory_limit,
+                       stop_after_steps=stop_after_steps, quiet=quiet, s3=s3, cache=cache)
+    # Caught from here on, so DataLoader workers forked later inherit the handlers (shards.jobs.preemption).
+    with stop_signals("train-from-shards") as stop:
+        summary = train(cfg, started=started, stop=stop)
     if int(os.environ.get("RANK", "0")) == 0:
         emit_json(summary)
-
-
-def cache_group(storage_options: dict | None, cache: Any, *, images: bool, memory_limit: int | None) -> CacheOptions:
-    """The cache group from the shared ``--cache-*`` options (``cache`` is None without ``--cache-dir``)."""
-    if cache is None:
-        return CacheOptions(storage_options, images=images, memory_limit=memory_limit)
-    return CacheOptions(storage_options, dir=os.path.abspath(cache.dir), limit=cache.limit, fallback=cache.fallback,
-                        eviction=cache.eviction, prefetch_bytes=cache.prefetch_bytes, local=bool(cache.local),
-                        images=images, memory_limit=memory_limit)
-
-
-def data_sources(path: str | None, data_options: tuple[str, ...]) -> list[dict]:
-    """The sources from PATH and the ``--data PATH[:WEIGHT]`` values; PATH, when given, is the first source."""
-    from shards.select.mixture import SourceSpec
-
-    specs = [SourceSpec.parse(v) for v in data_options]
-    if path is not None:
-        specs.insert(0, SourceSpec(path))
-    if not specs:
-        raise click.UsageError("give a PATH or at least one --data PATH[:WEIGHT]")
-    sources = []
-    for spec in specs:
-        row = {"path": locate(spec.path).record()}  # a local path made absolute, a URL as it is
-        row.update({k: getattr(spec, k) for k in ("weight", "repeat", "choose") if getattr(spec, k) is not None})
-        sources.append(row)
-    return sources

@@ -24,7 +24,7 @@ from train.options import CacheOptions, DataOptions, LoaderOptions, ModelOptions
 # only decide what is kept where, except ``cache.images``, which changes the train views).
 RESUMABLE_CHANGES = frozenset(
     {"optim.epochs", "data.exclude_keys", "data.source", "loader.workers", "loader.run_mode", "loader.worker_threads",
-     "loader.stall_timeout", "loader.resume_audit", "cache.storage_options",
+     "loader.stall_timeout", "loader.resume_audit", "loader.memory_budget", "cache.storage_options",
      "cache.dir", "cache.limit", "cache.fallback", "cache.local", "cache.eviction", "cache.prefetch_bytes",
      "cache.memory_limit", "run.device", "run.checkpoint_every", "run.resume", "run.overwrite", "run.dry_run",
      "run.quiet", "run.stop_after_steps", "run.report", "run.record_keys"}

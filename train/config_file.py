@@ -25,7 +25,7 @@ def _signed(value: Any, what: str, *, where: str | None) -> int:
 _FIELD_SHAPES: dict[str, Callable[..., Any]] = {"int": _signed, "float": as_number, "bool": as_bool, "str": as_str,
                                                  "dict": as_object, "list": as_list}
 
-# A mixture's parts as config.json records them (train.cli.data_sources, --classes/--keys/--where/--max-samples).
+# A mixture's parts as config.json records them (train.api.data_sources, --classes/--keys/--where/--max-samples).
 SOURCE_FIELDS = ("path", "weight", "repeat", "choose")
 SUBSET_FIELDS = ("classes", "keys", "where", "max_samples")
 

@@ -19,7 +19,7 @@ import shards
 from shards.check.freshness import check_features_fresh
 from shards.cache.node_index import STAT_NAMES
 from shards.errors import InputError, ManifestError
-from shards.loader.loader import auto_mode, default_mode, default_num_workers, workers_mode
+from shards.loader.loader import auto_mode, default_mode, default_num_workers, workers_mode, worth_pinning
 from shards.loader.watchdog import StallPolicy
 from shards.transport.location import locate
 from shards.transport.manifest_io import load_manifest_at
@@ -31,9 +31,11 @@ from shards.select.mixture import MixOptions, SourceSpec, Subset, read_keys, unw
 from shards.stream.options import Decode, Distributed, MemoryCache, Remote, Sampling
 from shards.select.selection import combined_classes, excluded_rows
 from shards.units import human_bytes
+from train.applies import check_options_apply
 from train.config import TrainConfig
 from train.model.regression import manifest_task, resolve_task
 from train.distributed import DistContext
+from train.memory import loader_budget
 
 log = logging.getLogger("shardcache.train")
 # The node-cache counters a run reports per epoch (summed over ranks): metrics.jsonl's cache_hit_rate and
@@ -55,6 +57,7 @@ class RunData:
     normalize: torch.nn.Module | None = None
     open_s: float = 0.0  # wall seconds of the two open_dataset calls (train.run.first_batch's open_s)
     train_call: DataCall | None = None  # the train loader's calls, as the run record keeps them
+    memory_budget: dict[str, Any] | None = None  # the loaders' budget as resolved (run.json, train.memory)
 
     @property
     def classes(self) -> list[str]:
@@ -142,6 +145,7 @@ def prepare_manifest(cfg: TrainConfig) -> DatasetManifest | FeatureManifest:
         if isinstance(one, FeatureManifest):
             check_features_fresh(path, one, storage_options=cfg.cache.storage_options)
         check_splits(one, cfg, path)
+        check_options_apply(cfg, one.kind, path)
     manifest = manifests[0]
     if len(manifests) > 1:  # the mixture's classes; build_data puts in its combined splits
         manifest = manifest.replace(classes=tuple(combined_classes([m.classes for m in manifests], paths,
@@ -164,7 +168,8 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
         decode = Decode(cfg.loader.decode, draft=cfg.loader.fast_decode)
     sampling = Sampling(class_weights="balanced" if cfg.optim.balanced_sampler else None,
                         feature_window=cfg.loader.feature_window)
-    remote = Remote(base_url=cfg.data.source, storage_options=cfg.cache.storage_options,
+    budget = loader_budget(cfg, ctx, kind)  # its read-ahead is fixed when the datasets open
+    remote = Remote(base_url=cfg.data.source, storage_options=budget.storage_options,
                     shard_cache=cfg.cache.shard_cache)
     train_images, val_images = image_caches(cfg, manifest, ctx)
     specs = source_specs(cfg)
@@ -190,8 +195,8 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
     if specs:
         manifest = manifest.replace(splits={cfg.data.train_split: train_set.split_info,
                                             cfg.data.val_split: val_set.split_info})
-    train_loader = _loader(train_set, cfg, ctx, drop_last=True)
-    val_loader = _loader(val_set, cfg, ctx, drop_last=False)
+    train_loader = _loader(train_set, cfg, ctx, drop_last=True, memory=budget.budget)
+    val_loader = _loader(val_set, cfg, ctx, drop_last=False, memory=budget.budget)
     if len(train_loader) == 0 and (cfg.model.head != "logreg" or cfg.run.dry_run):  # the probe fits all rows at once
         raise InputError(f"the train split has fewer samples per process than --batch-size {cfg.optim.batch_size}",
                          path=cfg.data.path)
@@ -201,7 +206,8 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
         normalize = val_set.normalizer(channels_last=ctx.device.type == "cuda").to(ctx.device)
     train_call = DataCall.of(specs or cfg.data.path, cfg.data.train_split, **train_args,
                              batch_size=cfg.optim.batch_size, drop_last=True, workers=workers)
-    return RunData(kind, manifest, train_loader, val_loader, workers, eval_spec, normalize, open_s, train_call)
+    return RunData(kind, manifest, train_loader, val_loader, workers, eval_spec, normalize, open_s, train_call,
+                   budget.record)
 
 
 def exclude_train_keys(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, train_set: Any) -> None:
@@ -271,7 +277,7 @@ def loader_mode(dataset: Any, cfg: TrainConfig) -> Any:
     return workers_mode(workers, run=options.run_mode, threads=options.worker_threads)
 
 
-def _loader(dataset: Any, cfg: TrainConfig, ctx: DistContext, *, drop_last: bool) -> Any:
+def _loader(dataset: Any, cfg: TrainConfig, ctx: DistContext, *, drop_last: bool, memory: Any = None) -> Any:
     # DataLoader otherwise draws its worker base seed from the global torch RNG at every ``iter()``, so a resumed
     # run (one extra ``iter()``) would see different dropout than an uninterrupted one. The reader seeds each
     # sample's transform itself, so this generator's values do not matter, only that it is not the global one.
@@ -280,8 +286,9 @@ def _loader(dataset: Any, cfg: TrainConfig, ctx: DistContext, *, drop_last: bool
     # --stall-timeout (on by default) guards worker processes; a run without any has none to restart.
     stall = StallPolicy(cfg.loader.stall_timeout) if cfg.loader.stall_timeout and mode.on_stall is not None else None
     return shards.make_loader(dataset, batch_size=cfg.optim.batch_size, mode=mode, stall=stall, drop_last=drop_last,
-                              pin_memory=ctx.device.type == "cuda", resume_audit=cfg.loader.resume_audit,
-                              generator=generator)
+                              pin_memory=ctx.device.type == "cuda" and worth_pinning(dataset, mode),
+                              resume_audit=cfg.loader.resume_audit,
+                              generator=generator, memory=memory)
 
 
 def describe_batch(batch: tuple[torch.Tensor, torch.Tensor], classes: list[str]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any
 from shards.atomic import check_local_output
 from shards.cache.node import EVICTION_RULES, NEXT_USE
 from shards.errors import InputError
+from shards.jobs.device_names import check_device_name
 from shards.position.audit import MODES as RESUME_AUDITS
 from shards.stream.options import check_decode
 
@@ -28,7 +29,6 @@ OPTIMIZERS = ("sgd", "adamw")
 # The decode modes are defined and validated in shards.stream.options; training defaults to "fast" (the library
 # to "standard") because the loop owns the device-side normalisation the fast decode needs.
 DEFAULT_DECODE = "fast"
-DEVICES = ("auto", "cpu", "cuda")
 RUN_MODES = ("processes", "threads", "auto")  # the loader's run mode (shards.loader)
 # auto: regression when features.json's config.target says so (a table with a float target), else classification.
 TASKS = ("auto", "classification", "regression")
@@ -157,6 +157,7 @@ class LoaderOptions:
     feature_window: int = 0  # features: permute within windows of this many rows, read one window ahead (0: whole)
     stall_timeout: float = 600.0  # seconds without a batch before DataLoader workers are restarted (0: never)
     resume_audit: str = "refuse"  # a resume that disagrees with the plan: refuse, warn, off (shards.position.audit)
+    memory_budget: int | None = None  # bytes each process's loaders hold in flight (None: shards.loader.budget's default)
 
     def __post_init__(self) -> None:
         _positive("loader.image_size", self.image_size)
@@ -175,6 +176,8 @@ class LoaderOptions:
         _not_negative("loader.feature_window", self.feature_window)
         if self.resume_audit not in RESUME_AUDITS:
             raise InputError(f"loader.resume_audit={self.resume_audit!r} is not one of {', '.join(RESUME_AUDITS)}")
+        if self.memory_budget is not None:
+            _positive("loader.memory_budget", self.memory_budget)
         if not self.stall_timeout >= 0:
             raise InputError(f"loader.stall_timeout={self.stall_timeout!r} must be >= 0 seconds (0: no stall "
                              "recovery)")
@@ -240,7 +243,7 @@ class RunOptions:
         # made absolute so config.json names the same folder from any working directory.
         check_local_output(self.out_dir)
         object.__setattr__(self, "out_dir", os.path.abspath(self.out_dir))
-        _choice("run.device", self.device, DEVICES)
+        check_device_name(self.device, "run.device")  # the rule --device parses with in every command
         _not_negative("run.checkpoint_every", self.checkpoint_every)
         if self.stop_after_steps is not None and self.stop_after_steps < 1:
             raise InputError(f"run.stop_after_steps={self.stop_after_steps!r} must be >= 1")

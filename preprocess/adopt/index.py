@@ -13,7 +13,7 @@ Layout inside ``INDEX/``::
     .adopt/<n>.jsonl              while a run scans: each new tar's accepted samples (removed once committed)
     .adopt/<n>.tar                while a remote tar is scanned: its copy, from one streaming read (then removed)
     <tar path>.rows               each tar's row index (``shards.formats.adopted``): where each accepted sample's
-                                  members start and end, and its label
+                                  members start and end, its label, its key and the checksum of its bytes
     source-index-<n>.jsonl        one row per accepted sample (key, label, split, shard, row, metadata)
     columns/<split>/c000.npy...   the column index built from it (keys, labels, the ``.json`` members' scalars)
 
@@ -24,12 +24,14 @@ The source may be local, an ``s3://`` prefix or pattern, or an ``http(s)://`` pa
 (``preprocess.adopt.sources``).
 
 Incremental (like ``pack-shards --append``): a rerun into the same ``INDEX`` indexes only tars it has not seen. A
-tar it has seen is checked by size and version (mtime; ETag and Last-Modified), and rehashed when its version
-moved (or a server gives none): a tar whose bytes changed, or that is gone, is refused by name (exit 1), never
-re-indexed silently. Labels are places among the sorted classes, so new tars bringing a class the index does not
-have are refused (index into a new ``--out``). A rerun with other labelling or split options is refused. Each run
-writes the new row indexes, then a new source index and columns, then ``dataset.json`` last (atomically), then
-removes what the old manifest named and the new one does not.
+tar it has seen is checked by size, then rehashed whatever its version says (an mtime is restored as easily as
+bytes are changed): a tar whose bytes changed, or that is gone, is refused by name (exit 1), never re-indexed
+silently; a moved version with the same bytes is recorded. Labels are places among the sorted classes, so new
+tars bringing a class the index does not have are refused (index into a new ``--out``). A rerun with other
+labelling or split options is refused. Each run writes the new row indexes, then a new source index and
+columns, then ``dataset.json`` last (atomically), then removes what the old manifest named and the new one does
+not. Every folder it writes under ``INDEX`` is made without following links (``preprocess.adopt.folders``); local
+tars resolving outside the source are refused unread (``preprocess.adopt.sources``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from preprocess.adopt.folders import owned_folder
 from preprocess.adopt.scan import ScannedTar, scan_tar
 from preprocess.adopt.sources import SourceTar, is_remote_source, same_bytes, source_tars, stage
 from preprocess.adopt.splits import SplitRule
@@ -51,8 +54,9 @@ from preprocess.pack.sources.tars import Skips
 from shards.atomic import atomic_output, sha256_file, write_bytes_atomic
 from shards.door.shape import as_int, as_object, as_str
 from shards.errors import ChecksumError, InputError, ManifestError
-from shards.formats.adopted import rows_bytes, rows_name
-from shards.formats.columns import COLUMNS_KEY
+from shards.formats.adopted import IndexedRow, rows_bytes, rows_name
+from shards.formats.column_writer import MAX_SAMPLE_FIELDS
+from shards.formats.columns import COLUMNS_KEY, FOLDER
 from shards.lock import output_lock
 from shards.manifest import (DATASET_FILE, DatasetManifest, ShardInfo, SkippedFile, SourceInfo, SplitInfo,
                              load_dataset_manifest)
@@ -62,6 +66,8 @@ log = logging.getLogger("shardcache.adopt")
 STORAGE = "wds"
 KIND = "wds-adopted"
 ADOPTION = "adoption"  # the manifest's record of every tar as indexed
+ADOPTION_VERSION = 2  # 2: row indexes record each row's key and checksum (shards.formats.adopted)
+DROPPED = "json_fields_dropped"  # scalar .json fields past MAX_SAMPLE_FIELDS of a sample, all runs together
 STATE_DIR = ".adopt"  # each new tar's accepted samples while a run scans (part files), removed at its commit
 
 
@@ -111,7 +117,7 @@ def index_tars(source: str, out: str, *, label_member: str | None = None, label_
     (``shards.transport.s3.S3Options`` or a mapping of its fields); unused for local tars."""
     fields = SourceFields(label_member=label_member, label_field=label_field)
     rule = SplitRule(val_fraction, seed, tuple(train_shards), tuple(val_shards))
-    base, tars = source_tars(source, storage_options=storage_options)
+    base, tars, outside = source_tars(source, storage_options=storage_options)
     out_path = Path(out).absolute()
     if not is_remote_source(source) and (out_path.resolve() == Path(base).resolve()
                                          or Path(base).resolve() in out_path.resolve().parents):
@@ -129,21 +135,25 @@ def index_tars(source: str, out: str, *, label_member: str | None = None, label_
                                len(previous.manifest.classes))
         first_tar = dict(previous.keys(out_path))
         scanned, skips = [], Skips()
-        (out_path / STATE_DIR).mkdir(exist_ok=True)
+        for rel, reason in outside:
+            log.warning("refused %s: %s", rel, reason)
+            skips.add(rel, reason)
+        state = owned_folder(out_path, STATE_DIR)
         for tar in fresh:
             name = hashlib.sha256(tar.rel.encode()).hexdigest()[:24]
-            part = out_path / STATE_DIR / f"{name}.jsonl"
+            part = state / f"{name}.jsonl"
             if tar.location.is_local:
                 scanned.append(scan_tar(tar, fields, first_tar, max_bytes, part, skips))
             else:
-                copy = out_path / STATE_DIR / f"{name}.tar"
+                copy = state / f"{name}.tar"
                 try:
                     scanned.append(scan_tar(tar, fields, first_tar, max_bytes, part, skips,
                                             staged=(copy, *stage(tar, copy))))
                 finally:
                     copy.unlink(missing_ok=True)
             if not quiet:
-                log.info("indexed %s: %d samples, %d refused", tar.rel, scanned[-1].count, scanned[-1].refused)
+                log.info("indexed %s: %d samples, %d refused, %d .json fields past %d a sample dropped", tar.rel,
+                         scanned[-1].count, scanned[-1].refused, scanned[-1].dropped_fields, MAX_SAMPLE_FIELDS)
         manifest = _commit(out_path, base, previous, scanned, skips.listed, rule, options)
         for tar in scanned:  # committed: the parts are spent
             tar.part.unlink(missing_ok=True)
@@ -169,6 +179,10 @@ def _load_previous(out: Path, options: Mapping[str, Any]) -> _Previous:
         raise InputError(f"was indexed with {changed}={recorded[changed]!r}, not {options[changed]!r}; rerun with "
                          "the same options or index into another --out", path=where)
     record = as_object(manifest.extra.get(ADOPTION), ADOPTION, where=where)
+    if record.get("version") != ADOPTION_VERSION:
+        raise InputError(f"was indexed by another version of shards index (record version "
+                         f"{record.get('version')!r:.20}, this one writes {ADOPTION_VERSION}: its row indexes hold no "
+                         "keys or checksums); index the source into a new --out", path=where)
     tars = as_object(record.get("tars"), f"{ADOPTION}.tars", where=where)
     seen = {}
     for rel, entry in tars.items():
@@ -189,8 +203,8 @@ def _version(entry: Mapping[str, Any], what: str, where: str) -> dict[str, Any]:
 
 
 def _check_seen(previous: _Previous, tars: list[SourceTar]) -> list[SourceTar]:
-    """The tars not indexed yet; a tar indexed before must hold the same bytes (size, then sha256 when its version
-    moved or none is known), else ``ChecksumError`` naming it; one gone from the source is refused the same way."""
+    """The tars not indexed yet; a tar indexed before must hold the same bytes (size, then sha256: a version can
+    be restored after a same-size change), else ``ChecksumError`` naming it; one gone is refused the same way."""
     names = {tar.rel for tar in tars}
     gone = sorted(set(previous.tars) - names)
     if gone:
@@ -202,8 +216,7 @@ def _check_seen(previous: _Previous, tars: list[SourceTar]) -> list[SourceTar]:
             fresh.append(tar)
             continue
         size, version, digest = previous.tars[tar.rel]
-        moved = dict(tar.version) != version or all(value == "" for value in version.values())
-        if tar.size != size or (moved and not same_bytes(tar, size, digest)):
+        if tar.size != size or not same_bytes(tar, size, digest):
             raise ChecksumError("changed since it was indexed (its bytes differ); refused: index the changed source "
                                 "into a new --out", path=tar.where)
         if dict(tar.version) != version:  # touched, same bytes: recorded, so the next run need not hash it again
@@ -248,12 +261,14 @@ def _commit(out: Path, base: str, previous: _Previous, scanned: list[ScannedTar]
         if not tar.count:  # nothing to read in it: recorded (a rerun checks it) but in no split
             continue
         split = rule.split_of(tar.rel)
-        rows = [(row["start"], row["end"], index_of[row["class"]]) for row in tar.rows()]
+        rows = [IndexedRow(row["start"], row["end"], index_of[row["class"]], row["crc"], row["key"])
+                for row in tar.rows()]
         data = rows_bytes(rows)
+        owned_folder(out, rows_name(tar.rel).rpartition("/")[0])
         write_bytes_atomic(out / rows_name(tar.rel), data)
         counts = [0] * len(classes)
-        for _, _, label in rows:
-            counts[label] += 1
+        for row in rows:
+            counts[row.label] += 1
         shards.setdefault(split, []).append(ShardInfo(tar.rel, len(rows), tar.bytes, tar.sha256,
                                                       index=rows_name(tar.rel),
                                                       index_sha256=hashlib.sha256(data).hexdigest(),
@@ -264,6 +279,8 @@ def _commit(out: Path, base: str, previous: _Previous, scanned: list[ScannedTar]
                               tuple(infos)) for name, infos in shards.items() if infos}
     generation = as_int(old.extra[ADOPTION].get("generation"), f"{ADOPTION}.generation",
                         where=str(out / DATASET_FILE)) + 1 if old else 1
+    dropped = sum(t.dropped_fields for t in scanned) + (as_int(old.extra[ADOPTION].get(DROPPED, 0), DROPPED,
+                                                               where=str(out / DATASET_FILE)) if old else 0)
     index = _write_source_index(out, generation, previous, splits, new_tars, index_of)
     skipped = [*(old.source.skipped if old else ()), *(SkippedFile(path, reason) for path, reason in refused)]
     seen = (old.source.files_seen if old else 0) + sum(t.seen for t in scanned)
@@ -271,9 +288,12 @@ def _commit(out: Path, base: str, previous: _Previous, scanned: list[ScannedTar]
     tars.update({t.rel: {"bytes": t.bytes, **t.version, "sha256": t.sha256} for t in scanned})
     manifest = DatasetManifest(storage=STORAGE, classes=classes, splits=splits,
                                source=SourceInfo(KIND, base, seen, tuple(skipped)), packing=dict(options),
-                               extra={ADOPTION: {"version": 1, "generation": generation, "tars": tars}})
+                               extra={ADOPTION: {"version": ADOPTION_VERSION, "generation": generation,
+                                                 DROPPED: dropped, "tars": tars}})
     old_columns = old.extra.get(COLUMNS_KEY) if old else None
     changed = set(new_tars) | ({name for name in splits if name not in (old.splits if old else {})})
+    for name in changed:
+        owned_folder(out, f"{FOLDER}/{name}")
     columns = write_columns(out, manifest, lambda split: index_file_rows(out / index["path"], split),
                             splits=changed, previous=old_columns)
     manifest = manifest.replace(extra={**manifest.extra, "source_index": index, COLUMNS_KEY: columns})

@@ -7,6 +7,13 @@ its name relative to the source's base, which is what the index records and what
 caller's ``base_url`` (``shards.door.locations.shard_location``, which refuses ``..`` and other unsafe names): so a
 tar is always read here from the location that join gives, never from a name outside the base.
 
+A local tar is read only where it lies inside the base: one that resolves outside it (a symlink to
+``/etc/passwd`` or to a tar elsewhere, a symlinked folder) is never opened, only listed as refused with the reason
+(``shards.door.locations.local_shard_path``, the rule the reader holds every name to).
+An object of a listed ``s3://`` prefix whose key is unusable as a shard name (a control character, an empty,
+``.`` or ``..`` part: ``shards.door.locations.check_shard_path``) is listed as refused the same way, its key shown
+escaped, and the rest of the prefix is indexed: one stray key costs that object, not the prefix.
+
 Its state as listed is what an incremental run compares: the size, and a version that moves when the bytes may
 have moved (a local file's ``mtime_ns``; an object's ``etag`` and ``last_modified``). One record format holds both
 (docs/packing.md, "Adopting WebDataset shards in place").
@@ -22,8 +29,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from preprocess.pack.sources.tars import expand_braces, is_tar_pattern, tar_files
-from shards.door.locations import check_shard_path, shard_location, url_origin
-from shards.errors import ChecksumError, InputError, MissingInputError
+from shards.door.locations import check_shard_path, local_shard_path, shard_location, url_origin
+from shards.errors import ChecksumError, InputError, ManifestError, MissingInputError
 from shards.transport.location import CHUNK, Location, locate
 
 
@@ -51,21 +58,24 @@ def local_version(path: str) -> tuple[int, dict[str, Any]]:
     return info.st_size, {"mtime_ns": info.st_mtime_ns}
 
 
-def source_tars(source: str, *, storage_options: Any = None) -> tuple[str, list[SourceTar]]:
-    """The base and every tar of ``source`` (see the module), in name order."""
+def source_tars(source: str, *, storage_options: Any = None
+                ) -> tuple[str, list[SourceTar], list[tuple[str, str]]]:
+    """The base, every tar of ``source`` (see the module) in name order, and the ones refused unread
+    (``(name, reason)``: local ones resolving outside the base, listed keys unusable as shard names)."""
+    refused: list[tuple[str, str]] = []
     if source.startswith("s3://"):
-        base, tars = _s3_tars(source, storage_options)
+        base, tars = _s3_tars(source, storage_options, refused)
     elif source.startswith(("http://", "https://")):
         base, tars = _http_tars(source, storage_options)
     elif "://" in source or source.startswith("pipe:"):
         raise InputError("is not a folder, a .tar path or pattern, an s3:// prefix or an http(s):// pattern",
                          path=source)
     else:
-        base, tars = _local_tars(source)
-    return base, sorted(tars, key=lambda tar: tar.rel)
+        base, tars = _local_tars(source, refused)
+    return base, sorted(tars, key=lambda tar: tar.rel), refused
 
 
-def _local_tars(source: str) -> tuple[str, list[SourceTar]]:
+def _local_tars(source: str, refused: list[tuple[str, str]]) -> tuple[str, list[SourceTar]]:
     if os.path.isdir(source):
         base = os.path.abspath(source)
         found = sorted(p.relative_to(base).as_posix() for p in Path(base).rglob("*.tar") if p.is_file())
@@ -74,7 +84,15 @@ def _local_tars(source: str) -> tuple[str, list[SourceTar]]:
         pairs = [(os.path.join(base, rel), rel) for rel in found]
     else:
         base, pairs = tar_files(os.path.join(os.getcwd(), source))
-    return base, [SourceTar(rel, locate(path), *local_version(path)) for path, rel in pairs]
+    inside = []
+    for path, rel in pairs:
+        try:
+            inside.append((str(local_shard_path(base, rel, where=source, what="tar")), rel))
+        except ManifestError:  # never opened: its bytes, size, hash and target stay out of the index
+            refused.append((rel, "resolves outside the source folder (a symlink, or a name leaving it): not read"))
+    if not inside:
+        raise MissingInputError(f"holds no .tar files inside it ({refused[0][1]})", path=source)
+    return base, [SourceTar(rel, locate(path), *local_version(path)) for path, rel in inside]
 
 
 def _pattern_base(urls: list[str], pattern: str) -> tuple[str, list[str]]:
@@ -94,7 +112,7 @@ def _pattern_base(urls: list[str], pattern: str) -> tuple[str, list[str]]:
     return base, [check_shard_path(p[len(common) + 1:], where=pattern, what="tar") for p in paths]
 
 
-def _s3_tars(source: str, storage_options: Any) -> tuple[str, list[SourceTar]]:
+def _s3_tars(source: str, storage_options: Any, refused: list[tuple[str, str]]) -> tuple[str, list[SourceTar]]:
     from shards.transport.s3_ranges import list_objects
 
     pattern = is_tar_pattern(source)
@@ -104,12 +122,19 @@ def _s3_tars(source: str, storage_options: Any) -> tuple[str, list[SourceTar]]:
         base, wanted = source.rstrip("/"), None
     listed = {}
     for rel, size, etag, modified in list_objects(base, storage_options):
-        if wanted is None and not rel.endswith(".tar"):
-            continue
+        if wanted is None:
+            if not rel.endswith(".tar"):
+                continue
+            try:
+                check_shard_path(rel, what="tar")
+            except ManifestError as exc:  # never read; its key is recorded escaped (repr), so it stays one line
+                refused.append((repr(rel)[1:-1], f"{exc.reason}: its object is not read"))
+                continue
         listed[rel] = (size, {"etag": etag, "last_modified": modified})
     names = sorted(listed) if wanted is None else wanted
     if not names:
-        raise MissingInputError("holds no .tar objects", path=source)
+        raise MissingInputError("holds no .tar objects" + (f" usable as shard names ({refused[0][1]})"
+                                                           if refused else ""), path=source)
     tars = []
     for rel in names:
         if rel not in listed:
@@ -153,7 +178,9 @@ def stage(tar: SourceTar, dest: Path) -> tuple[int, str]:
     """Copy the remote ``tar`` to ``dest`` in one streaming read (no more than its listed size and one byte),
     hashing it on the way: ``(size, sha256)``. A size other than the listed one means it changed meanwhile."""
     digest, total = hashlib.sha256(), 0
-    with tar.location.open() as stream, open(dest, "wb") as out:
+    dest.unlink(missing_ok=True)  # a file planted under this name is replaced, never written through
+    created = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(created, "wb") as out, tar.location.open() as stream:
         while total <= tar.size and (data := stream.read(min(CHUNK, tar.size + 1 - total))):
             out.write(data)
             digest.update(data)

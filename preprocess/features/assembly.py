@@ -41,14 +41,14 @@ class FeatureAssembly:
         self._missing: dict[tuple[int, int], int] = {}  # (job, chunk) -> rows not yet arrived
         self._done: dict[int, dict[int, tuple]] = {}  # job -> chunk -> (features, views, labels, keys)
 
-    def empty_shards(self) -> Iterator[tuple[ShardJob, FeatureShard]]:
+    def empty_shards(self) -> Iterator[tuple[ShardJob, "ShardParts"]]:
         """The shards without samples: no batch will ever name them."""
         for job in self.jobs:
             if job.shard.samples == 0:
                 features, views = self.featurise(job, [])
-                yield job, FeatureShard(features, torch.empty(0, dtype=torch.int64), [], views)
+                yield job, ShardParts([(features, views, torch.empty(0, dtype=torch.int64), [])])
 
-    def add(self, batch: dict[str, Any]) -> Iterator[tuple[ShardJob, FeatureShard]]:
+    def add(self, batch: dict[str, Any]) -> Iterator[tuple[ShardJob, "ShardParts"]]:
         """Take one loader batch; yield the shards whose last chunk it completed."""
         rows = batch["rows"].numpy()
         positions = np.searchsorted(self.first_rows, rows, side="right") - 1
@@ -59,7 +59,7 @@ class FeatureAssembly:
             piece = {name: value[start:stop] for name, value in batch.items()}
             yield from self._arrived(int(positions[start]), int(chunks[start]), piece)
 
-    def _arrived(self, position: int, chunk: int, piece: dict[str, Any]) -> Iterator[tuple[ShardJob, FeatureShard]]:
+    def _arrived(self, position: int, chunk: int, piece: dict[str, Any]) -> Iterator[tuple[ShardJob, "ShardParts"]]:
         job = self.jobs[position]
         key = (position, chunk)
         if key not in self._missing:
@@ -79,11 +79,21 @@ class FeatureAssembly:
                        [k for p in pieces for k in p["keys"]])
         if len(done) * self.batch_size >= job.shard.samples:  # every chunk of the shard is done
             del self._done[position]
-            yield job, _shard([done[c] for c in sorted(done)])
+            yield job, ShardParts([done[c] for c in sorted(done)])
 
 
-def _shard(chunks: list[tuple]) -> FeatureShard:
-    """One shard's chunks, in order, as one feature shard."""
-    features, views, labels, keys = zip(*chunks)
-    return FeatureShard(torch.cat(features), torch.cat(labels), [k for part in keys for k in part],
-                        None if views[0] is None else torch.cat(views))
+class ShardParts:
+    """One finished shard's chunks, in order: ``shard()`` joins them into a ``FeatureShard``.
+
+    Joining is left to the caller's thread: the features of the last chunks may still be on their way from the
+    device (``featurise`` may return values that ``resolve`` waits for), and the thread that writes the shard is the
+    one that should wait, not the one feeding the device."""
+
+    def __init__(self, chunks: list[tuple]):
+        self.chunks = chunks
+
+    def shard(self, resolve: Callable[[Any], torch.Tensor] = lambda value: value) -> FeatureShard:
+        features, views, labels, keys = zip(*self.chunks)
+        return FeatureShard(torch.cat([resolve(f) for f in features]), torch.cat(labels),
+                            [k for part in keys for k in part],
+                            None if views[0] is None else torch.cat([resolve(v) for v in views]))

@@ -24,6 +24,7 @@ from torch import nn
 
 from shards.atomic import sha256_file
 from shards.errors import InputError, MissingInputError
+from shards.suggest import did_you_mean
 from shards.formats.weights import read_state_dict
 
 log = logging.getLogger(__name__)
@@ -81,8 +82,8 @@ def _check_name(name: str) -> None:
 
     known = models.list_models(module=models)
     if name not in known:
-        raise InputError(f"unknown backbone {name!r}; torchvision classification models include "
-                         f"{', '.join(n for n in known if n.startswith(('resnet', 'efficientnet_b', 'vit_b')))}, ...")
+        raise InputError(f"unknown backbone {name!r}" + did_you_mean(
+            name, known, more="; torchvision classification models include resnet50, efficientnet_b0, vit_b_16, ..."))
     family_of(name)
 
 

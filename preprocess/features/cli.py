@@ -1,4 +1,6 @@
-"""The ``precompute-features`` console script: options -> ``FeatureConfig`` -> ``run_precompute``, one JSON line out."""
+"""The ``precompute-features`` console script: options -> ``FeatureConfig`` -> ``run_precompute``, one JSON line out.
+
+torch and torchvision are imported inside the command body only, so ``--help`` and option errors come back at once."""
 
 from __future__ import annotations
 
@@ -7,14 +9,13 @@ from pathlib import Path
 import click
 
 from shards.image.options import INTERPOLATIONS
-from preprocess.features.featurize import AMP_MODES, DTYPES, FeatureConfig, merge_features, run_precompute
-from preprocess.pack.cli import stage_root
-from preprocess.staging import resolve_stage, run_staged
-from preprocess.features.state import features_spec
+from preprocess.features.vocabulary import AMP_NAMES, DTYPE_NAMES
+from preprocess.features.api import precompute_features
 from shards.atomic import on_disk_full
-from shards.cli.common import cache_options, emit_json, handle_errors, quiet_option, s3_options, task_options
+from shards.cli.common import (DEVICE_HELP, S3_OPTION_NAMES, DeviceName, cache_options, emit_json, handle_errors,
+                               memory_budget_option, quiet_option, s3_options, task_options, version_option,
+                               workers_option)
 from shards.cli.sections import SectionedCommand
-from shards.transport.location import locate
 from shards.transport.s3 import S3Options
 from shards.errors import InputError
 from shards.formats.feature_names import FEATURE_SUFFIXES
@@ -40,11 +41,14 @@ def _triple(name: str, value: str | None) -> tuple[float, ...] | None:
                          "Transform and views": ("resize", "crop", "mean", "std", "interpolation", "views",
                                                  "augment"),
                          "Output": ("out_dir", "storage", "overwrite", "merge_dir"),
-                         "Loader": ("decode", "device_share", "batch_size", "workers"),
+                         "Loader": ("decode", "device_share", "batch_size", "workers", "memory_budget"),
                          "Parallel jobs": ("task_index", "num_tasks"),
-                         "Object storage": ("stage_dir", "break_lease", "s3_endpoint_url", "s3_profile",
-                                            "s3_unsigned", "s3_max_concurrency", "s3_read_ahead",
-                                            "min_transfer_rate", "request_deadline")})
+                         "Object storage": ("stage_dir", "break_lease", *S3_OPTION_NAMES)},
+               common=("out_dir", "backbone", "weights", "device", "batch_size", "workers", "dtype", "quiet"),
+               examples=("precompute-features photos-shards --out photos-feat --backbone resnet50 "
+                         "--weights IMAGENET1K_V2",
+                         "precompute-features photos-shards --out photos-feat --backbone resnet50 "
+                         "--weights resnet50.safetensors --device cuda:1 --dtype float32"))
 @click.argument("data_dir", required=False, type=click.Path(path_type=str))
 @click.option("--out", "-o", "out_dir", type=click.Path(path_type=str), help="Feature folder to write (FEAT_DIR).")
 @click.option("--backbone", default="resnet50", show_default=True, help="torchvision classification model name.")
@@ -58,10 +62,10 @@ def _triple(name: str, value: str | None) -> tuple[float, ...] | None:
 @click.option("--interpolation", type=click.Choice(INTERPOLATIONS), help="Resize filter. Default: the preset's.")
 @click.option("--views", default=0, show_default=True, help="Augmented views per image to store (with --augment).")
 @click.option("--augment", is_flag=True, help="Store --views seeded RandomResizedCrop+flip views as 'views' [N,K,D].")
-@click.option("--dtype", type=click.Choice(sorted(DTYPES)), default="float16", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float16", show_default=True)
 @click.option("--format", "storage", type=click.Choice(sorted(FEATURE_SUFFIXES)), default="pt", show_default=True)
-@click.option("--device", default="auto", show_default=True, help="auto (CUDA when present), cpu, cuda, cuda:1...")
-@click.option("--amp", type=click.Choice([*AMP_MODES, "auto"]), default="auto", show_default=True,
+@click.option("--device", type=DeviceName(), default="auto", show_default=True, help=DEVICE_HELP)
+@click.option("--amp", type=click.Choice([*AMP_NAMES, "auto"]), default="auto", show_default=True,
               help="Autocast dtype; auto is bf16 on CUDA and off on CPU.")
 @click.option("--decode", type=click.Choice(DECODES), default="fast", show_default=True,
               help="fast: DCT-scaled decode + one crop-then-resize in workers (default); standard: PIL + "
@@ -72,7 +76,7 @@ def _triple(name: str, value: str | None) -> tuple[float, ...] | None:
                    "the fast path, so both feed the model. Which images go where follows from their keys, so the "
                    "same share gives the same features (the share is part of the config).")
 @click.option("--batch-size", default=64, show_default=True)
-@click.option("--workers", default=2, show_default=True, help="DataLoader worker processes (decode + transform).")
+@workers_option("DataLoader worker processes (decode + transform)")
 @click.option("--split", "splits", multiple=True, help="Only these splits (repeatable). Default: all.")
 @click.option("--source", "shard_source", default=None, metavar="PATH",
               help="Where the shards are when not beside dataset.json: the tars of an index made by shards index "
@@ -87,16 +91,18 @@ def _triple(name: str, value: str | None) -> tuple[float, ...] | None:
 @click.option("--break-lease", is_flag=True,
               help="With --out s3://...: take over the prefix's writer lease even while another run holds it "
                    "(a lease left by a killed run expires by itself 10 minutes after its last renewal).")
+@memory_budget_option
 @task_options
 @s3_options
 @cache_options
 @quiet_option
+@version_option
 @handle_errors
 def precompute_features_command(data_dir: str | None, out_dir: Path | None, backbone: str, weights: str | None,
                                 seed: int, resize: int | None, crop: int | None, mean: str | None, std: str | None,
                                 interpolation: str | None, views: int, augment: bool, dtype: str, storage: str,
                                 device: str, amp: str, decode: str, device_share: float, batch_size: int,
-                                workers: int,
+                                workers: int, memory_budget: int | None,
                                 splits: tuple[str, ...], shard_source: str | None, overwrite: bool,
                                 merge_dir: Path | None,
                                 stage_dir: str | None, break_lease: bool, task_index: int, num_tasks: int,
@@ -109,6 +115,8 @@ def precompute_features_command(data_dir: str | None, out_dir: Path | None, back
     One feature file per image shard, aligned sample for sample; features.json is written last, when all parts
     exist. Reruns skip finished shards; a different config refuses without --overwrite.
     """
+    from preprocess.features.featurize import merge_features
+
     if merge_dir is not None:
         with on_disk_full(merge_dir):
             manifest = merge_features(merge_dir, storage_options=s3)
@@ -119,24 +127,10 @@ def precompute_features_command(data_dir: str | None, out_dir: Path | None, back
                if value is None]
     if missing:
         raise InputError(f"missing {', '.join(missing)} (see precompute-features --help)")
-    staged = None
-    if locate(out_dir).publishable:  # staged here, then uploaded (preprocess.staging)
-        staged = resolve_stage(out_dir, stage_dir, stage_root(), num_tasks=num_tasks, options=s3,
-                               overwrite=overwrite, break_lease=break_lease)
-    elif stage_dir is not None or break_lease:
-        raise InputError(f"{'--stage-dir' if stage_dir is not None else '--break-lease'} works only with --out "
-                         "s3://...")
-    cfg = FeatureConfig(
-        data_dir=data_dir, out_dir=out_dir if staged is None else str(staged.stage_dir),
-        backbone=backbone, weights=weights, seed=seed,
-        resize=resize, crop=crop, mean=_triple("mean", mean), std=_triple("std", std), interpolation=interpolation,
-        views=views, augment=augment, dtype=dtype, storage=storage, device=device, amp=amp, decode=decode,
-        device_share=device_share, batch_size=batch_size, workers=workers, splits=tuple(splits) or None,
-        task_index=task_index, num_tasks=num_tasks, overwrite=overwrite, quiet=quiet, storage_options=s3, cache=cache,
-        shard_source=shard_source)
-    if staged is not None:
-        _, summary = run_staged(staged, lambda stage: run_precompute(cfg), features_spec())
-    else:
-        with on_disk_full(cfg.out_dir):  # what a writer below raised as a bare OSError (a full disk: one line, exit 1)
-            _, summary = run_precompute(cfg)
-    emit_json(summary)
+    emit_json(precompute_features(
+        data_dir, out_dir, weights=weights, backbone=backbone, device=device, batch_size=batch_size, workers=workers,
+        dtype=dtype, stage_dir=stage_dir, break_lease=break_lease, seed=seed, resize=resize, crop=crop,
+        mean=_triple("mean", mean), std=_triple("std", std), interpolation=interpolation, views=views,
+        augment=augment, storage=storage, amp=amp, decode=decode, device_share=device_share,
+        splits=tuple(splits) or None, task_index=task_index, num_tasks=num_tasks, overwrite=overwrite, quiet=quiet,
+        storage_options=s3, cache=cache, shard_source=shard_source, memory_budget=memory_budget))

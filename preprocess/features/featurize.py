@@ -19,10 +19,8 @@ written on a thread beside the backbone. Resume state and the assembly of ``feat
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import logging
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,34 +28,30 @@ from typing import Any
 import torch
 
 from preprocess.features.backbones import Backbone, build_backbone
-from preprocess.features.assembly import FeatureAssembly
-from preprocess.features.loader import FeatureDecoder, ShardJob, ShardReader, shard_jobs
+from preprocess.features.consumer import AMP_MODES, DTYPES, FeatureExtractor, RunStats, featurize_jobs
+from preprocess.features.loader import ShardJob, ShardReader, shard_jobs
 from preprocess.features.state import (CONFIG_RECORD, STATE_DIR, assemble_manifest, check_output, config_hash, feature_path,
-                                      finished_shard, prepare_output, read_config_record, write_shard_record)
-from preprocess.features.transforms import AugmentSpec, eval_tensors, transform_record, views_tensors
+                                      finished_shard, prepare_output, read_config_record)
+from preprocess.features.transforms import AugmentSpec, transform_record
 from shards.jobs.devices import resolve_device
-from shards.image.device import Normalize, decode_images
 from shards.image.options import DEFAULT_INTERPOLATION, IMAGENET_MEAN, IMAGENET_STD
 from shards.image.transforms import TransformSpec
-from shards.atomic import check_local_output, check_room, remove_stale_tmp
-from shards.errors import CorruptDataError, InputError, ShardcacheError
+from shards.atomic import check_local_output, remove_stale_tmp
+from shards.errors import InputError, ShardcacheError
+from shards.loader.budget import MemoryBudget, read_ahead_within, resolve_budget
 from shards.lock import claim_output
 from shards.stream.options import DECODES
 from shards.formats.feature_names import FEATURE_SUFFIXES
-from shards.formats.features import FeatureShard, write_feature_shard
 from shards.transport.location import Location, locate
 from shards.door.locations import check_dataset_dir
 from shards.transport.manifest_io import read_dataset_manifest
 from shards.transport.s3 import S3Options
 from shards.transport.storage import get_storage
-from shards.manifest import FEATURES_FILE, DatasetManifest, FeatureManifest, ShardInfo
-from shards.jobs.progress import progress
+from shards.manifest import FEATURES_FILE, DatasetManifest, FeatureManifest
+from shards.jobs.preemption import StopRequest, stop_signals
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float16": torch.float16, "float32": torch.float32}
-AMP_MODES = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}
-MAX_UNWRITTEN = 4  # finished shards waiting for their check and write: their features are held in memory
 
 
 @dataclass(frozen=True)
@@ -82,6 +76,7 @@ class FeatureConfig:
     amp: str = "auto"
     decode: str = "fast"
     device_share: float = 1.0  # with decode="device": the share of images decoded there; workers do the rest
+    decode_check: int = 256  # with decode="device": 1 in N images decoded again on the CPU and compared (0: off)
     batch_size: int = 64
     workers: int = 2
     splits: tuple[str, ...] | None = None
@@ -92,6 +87,7 @@ class FeatureConfig:
     storage_options: Any = None  # S3Options (or a mapping of its fields) for an s3:// data_dir
     cache: Any = None  # a shards.cache.node.ShardCache: keep fetched image shards on this node's disk
     shard_source: Path | str | None = None  # where the shards are when not beside dataset.json (adopted tars)
+    memory_budget: int | None = None  # bytes the loader holds in flight (None: shards.loader.budget's default)
     source: Location = field(init=False, repr=False, compare=False)
     shards_at: Location | None = field(init=False, repr=False, compare=False)
 
@@ -115,6 +111,10 @@ class FeatureConfig:
                              f"views {self.views} >= 0")
         if bool(self.views) != self.augment:
             raise InputError("--views K and --augment go together: K augmented views per image need both")
+        if self.memory_budget is not None and (type(self.memory_budget) is not int or self.memory_budget < 1):
+            raise InputError(f"memory_budget {self.memory_budget!r} must be a positive number of bytes")
+        if self.decode_check < 0:
+            raise InputError(f"decode_check {self.decode_check} must be >= 0 (1 in N images checked; 0: off)")
         if not 0.0 <= self.device_share <= 1.0:
             raise InputError(f"device_share {self.device_share} must be between 0 and 1")
         if self.device_share < 1.0 and (self.decode != "device" or self.augment):
@@ -127,15 +127,6 @@ class FeatureConfig:
         if self.shards_at is not None and self.shards_at.is_local \
                 and self.shards_at.path.resolve() == self.out_dir.resolve():
             raise InputError("--out must differ from the --source folder", path=str(self.out_dir))
-
-
-@dataclass
-class RunStats:
-    images: int = 0
-    shards_done: int = 0
-    wall_s: float = 0.0
-    wait_s: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def resolve_transform(cfg: FeatureConfig, backbone: Backbone) -> TransformSpec:
@@ -165,6 +156,8 @@ def _run_record(cfg: FeatureConfig, backbone: Backbone, spec: TransformSpec, dev
     amp = ("bf16" if device.type == "cuda" else "off") if cfg.amp == "auto" else cfg.amp
     # The record names the decoder that made the pixels, not the option: on the device, nvjpeg's differ from libjpeg's.
     decoder = {"fast": "fast", "standard": "pil"}.get(cfg.decode, f"decode_jpeg:{device.type}")
+    if cfg.decode == "device" and device.type != "cpu":  # resized there by one roi_align per batch (batch_crops)
+        decoder += "+batch-crop"
     if cfg.device_share < 1.0:  # which images the device decodes is a function of the share: part of the numbers
         decoder += f"@{cfg.device_share:g}+fast"
     augment = AugmentSpec(cfg.views, seed=cfg.seed) if cfg.augment else None
@@ -192,132 +185,15 @@ def _run_record(cfg: FeatureConfig, backbone: Backbone, spec: TransformSpec, dev
     }
 
 
-class FeatureExtractor:
-    """uint8 batches on the device -> penultimate features on the CPU, in the output dtype."""
+def run_precompute(cfg: FeatureConfig,
+                   stop: StopRequest | None = None) -> tuple[FeatureManifest | None, dict[str, Any]]:
+    """Featurise this task's unfinished shards; write ``features.json`` if every shard is then done.
 
-    def __init__(self, backbone: Backbone, spec: TransformSpec, device: torch.device, amp: str, dtype: str,
-                 batch_size: int):
-        cuda = device.type == "cuda"
-        self.model = backbone.model.to(device, memory_format=torch.channels_last if cuda else torch.preserve_format)
-        self.normalize = Normalize(spec.mean, spec.std, channels_last=cuda).to(device)
-        self.device, self.amp, self.dtype = device, AMP_MODES[amp], DTYPES[dtype]
-        self.dim, self.batch_size = backbone.features_dim, batch_size
-
-    def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        outputs = [torch.empty(0, self.dim, dtype=self.dtype)]
-        for chunk in images.split(self.batch_size):
-            autocast = (torch.autocast(self.device.type, dtype=self.amp) if self.amp is not None
-                        else contextlib.nullcontext())
-            with torch.inference_mode(), autocast:
-                features = self.model(self.normalize(chunk.to(self.device, non_blocking=True)))
-            outputs.append(features.float().to(self.dtype).cpu())
-        return torch.cat(outputs)
-
-
-def _model_inputs(job: ShardJob, pieces: list[dict[str, Any]], spec: TransformSpec,
-                  augment: AugmentSpec | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One chunk's uint8 model inputs on the device (its pieces moved there, then joined); with ``--decode device``
-    decoded and cropped there. No pieces: a shard without samples."""
-    crop = spec.size
-    if not pieces:
-        empty = torch.empty(0, 3, crop, crop, dtype=torch.uint8, device=device)
-        no_views = None if augment is None else torch.empty(0, augment.views, 3, crop, crop, dtype=torch.uint8)
-        return empty, no_views
-    if "data" not in pieces[0]:
-        def joined(name: str) -> torch.Tensor:
-            return torch.cat([p[name].to(device, non_blocking=True) for p in pieces])
-        return joined("image"), None if augment is None else joined("views")
-    keys = [k for p in pieces for k in p["keys"]]
-    datas = [d for p in pieces for d in p["data"]]
-    on_device = [i for i, data in enumerate(datas) if data is not None]
-    exts = [e for p in pieces for e in p["ext"]]
-    orientations = [o for p in pieces for o in p["orientation"]]
-    try:
-        decoded = decode_images([datas[i] for i in on_device], [exts[i] for i in on_device],
-                                [orientations[i] for i in on_device], device, keys=[keys[i] for i in on_device])
-    except CorruptDataError as exc:
-        raise CorruptDataError(exc.reason, path=job.location, key=exc.key) from exc
-    views = None if augment is None else views_tensors(decoded, keys, spec, augment)
-    if len(on_device) == len(datas):
-        return eval_tensors(decoded, spec), views
-    # device_share < 1: the workers decoded the other images; both go into the batch in row order.
-    images = torch.empty(len(datas), 3, crop, crop, dtype=torch.uint8, device=device)
-    by_workers = [image for p in pieces for image in p["image"] if image is not None]
-    images[[i for i, data in enumerate(datas) if data is None]] = torch.stack(by_workers).to(device,
-                                                                                            non_blocking=True)
-    if on_device:
-        images[on_device] = eval_tensors(decoded, spec)
-    return images, views
-
-
-def _write_job(cfg: FeatureConfig, job: ShardJob, shard: FeatureShard, digest: str) -> None:
-    path = feature_path(cfg.out_dir, job, cfg.storage)
-    if cfg.storage == "hdf5":  # HDF5 crashes on a disk that fills up under it: refused before (shards.atomic)
-        check_room(cfg.out_dir, _tensor_bytes(shard) + sum(len(k) + 16 for k in shard.keys), path.name)
-    size, sha256 = write_feature_shard(path, shard, cfg.storage)
-    info = ShardInfo(path.name, len(shard), size, sha256, source=job.shard.path, source_sha256=job.shard.sha256)
-    write_shard_record(cfg.out_dir, job, cfg.storage, info, digest)
-
-
-def _tensor_bytes(shard: FeatureShard) -> int:
-    """The bytes of a feature shard's tensors (features, labels, views, targets)."""
-    tensors = (shard.features, shard.labels, shard.views, shard.targets)
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-def _featurize(cfg: FeatureConfig, jobs: list[ShardJob], reader: ShardReader, extractor: FeatureExtractor,
-               spec: TransformSpec, augment: AugmentSpec | None, digest: str) -> RunStats:
-    """Features of every job's shard, each checked (``reader.check_bytes``) and written on a thread while the next
-    ones are computed, at most ``MAX_UNWRITTEN`` shards waiting; a failed check or write stops the run at the next
-    batch."""
-
-    def featurise(job: ShardJob, pieces: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        images, views = _model_inputs(job, pieces, spec, augment, extractor.device)
-        features = extractor(images)
-        if views is None:
-            return features, None
-        return features, extractor(views.flatten(0, 1)).view(len(features), cfg.views, extractor.dim)
-
-    def finish(job: ShardJob, shard: FeatureShard) -> None:
-        reader.check_bytes(job)  # the bytes read were dataset.json's, before anything is made of them
-        _write_job(cfg, job, shard, digest)
-
-    stats = RunStats()
-    loader = reader.loader(jobs, FeatureDecoder(spec, augment, cfg.decode, cfg.device_share), batch_size=cfg.batch_size,
-                           workers=cfg.workers, pin_memory=extractor.device.type == "cuda")
-    assembly = FeatureAssembly(jobs, cfg.batch_size, featurise)
-    unwritten: list[Future] = []
-
-    def settle(wait_for: int) -> None:
-        """Take the results of the shards written so far (raising what a check or write raised), and wait while
-        more than ``wait_for`` are still to be written."""
-        while unwritten and (unwritten[0].done() or len(unwritten) > wait_for):
-            unwritten.pop(0).result()
-            stats.shards_done += 1
-
-    bar = progress(total=sum(job.shard.samples for job in jobs), desc="features", unit="img", quiet=cfg.quiet)
-    start = time.perf_counter()
-    batches = iter(loader)
-    # The loader closed on the way out, an error included: its workers stop now, not at garbage collection.
-    with loader, bar, ThreadPoolExecutor(1, thread_name_prefix="precompute-write") as writer:
-        unwritten += [writer.submit(finish, job, shard) for job, shard in assembly.empty_shards()]
-        while True:
-            waited = time.perf_counter()
-            batch = next(batches, None)
-            stats.wait_s += time.perf_counter() - waited
-            if batch is None:
-                break
-            unwritten += [writer.submit(finish, job, shard) for job, shard in assembly.add(batch)]
-            settle(MAX_UNWRITTEN)
-            bar.update(len(batch["keys"]))
-            stats.images += len(batch["keys"])
-        settle(0)
-    stats.wall_s = time.perf_counter() - start
-    return stats
-
-
-def run_precompute(cfg: FeatureConfig) -> tuple[FeatureManifest | None, dict[str, Any]]:
-    """Featurise this task's unfinished shards; write ``features.json`` if every shard is then done."""
+    The run's entry: unless the caller passes its own ``stop``, SIGTERM, SIGINT and SIGUSR1 are caught while it runs
+    (``shards.jobs.preemption``), so a stopped task keeps its finished shards and raises ``Preempted``."""
+    if stop is None:
+        with stop_signals("precompute-features") as caught:
+            return run_precompute(cfg, caught)
     dataset, dataset_sha256 = read_dataset_manifest(cfg.source)
     unknown = sorted(set(cfg.splits or ()) - set(dataset.splits))
     if unknown:
@@ -331,7 +207,9 @@ def run_precompute(cfg: FeatureConfig) -> tuple[FeatureManifest | None, dict[str
     device = resolve_device(cfg.device)
     jobs = shard_jobs(dataset, cfg.source, cfg.splits, cfg.shards_at)
     mine = [job for job in jobs if job.index % cfg.num_tasks == cfg.task_index]
-    reader = ShardReader(dataset.storage, len(dataset.classes), cfg.storage_options, cfg.cache, cfg.source.text)
+    memory = resolve_budget(cfg.memory_budget)
+    reader = ShardReader(dataset.storage, len(dataset.classes), budgeted_options(cfg, memory), cfg.cache,
+                         cfg.source.text, memory=memory)
     reader.check_locations(mine)
     record = _run_record(cfg, backbone, spec, device, sorted({job.split for job in jobs}))
     # Every file of the finished folder, whichever task writes it: what --overwrite may not write over unless the
@@ -341,12 +219,14 @@ def run_precompute(cfg: FeatureConfig) -> tuple[FeatureManifest | None, dict[str
     with claim_output(cfg.out_dir, STATE_DIR, what="precompute-features", task=(cfg.task_index, cfg.num_tasks),
                       prepare=lambda lock: prepare_output(cfg.out_dir, record, overwrite=cfg.overwrite,
                                                           writes=writes, folder_lock=lock)):
-        return _precompute_claimed(cfg, dataset, dataset_sha256, reader, backbone, spec, device, jobs, mine, record)
+        return _precompute_claimed(cfg, dataset, dataset_sha256, reader, backbone, spec, device, jobs, mine, record,
+                                   stop)
 
 
 def _precompute_claimed(cfg: FeatureConfig, dataset: DatasetManifest, dataset_sha256: str, reader: ShardReader,
                         backbone: Backbone, spec: TransformSpec, device: torch.device, jobs: list[ShardJob],
-                        mine: list[ShardJob], record: dict[str, Any]) -> tuple[FeatureManifest | None, dict[str, Any]]:
+                        mine: list[ShardJob], record: dict[str, Any],
+                        stop: StopRequest) -> tuple[FeatureManifest | None, dict[str, Any]]:
     digest = record["config_hash"]
     todo = [job for job in mine if finished_shard(cfg.out_dir, job, cfg.storage, digest) is None]
     # This task owns these names (under its lock): temp files a killed run left of them can go.
@@ -357,11 +237,25 @@ def _precompute_claimed(cfg: FeatureConfig, dataset: DatasetManifest, dataset_sh
     stats = RunStats()
     if todo:
         extractor = FeatureExtractor(backbone, spec, device, record["config"]["amp"], cfg.dtype, cfg.batch_size)
-        stats = _featurize(cfg, todo, reader, extractor, spec, augment, digest)
+        stats = featurize_jobs(cfg, todo, reader, extractor, spec, augment, digest, stop)
     manifest, missing = assemble_manifest(cfg.out_dir, record, dataset, dataset_sha256, jobs)
     if missing:
         log.info("features.json waits for %d shards from other tasks", len(missing))
-    return manifest, _summary(cfg, stats, record, len(jobs), len(mine) - len(todo), manifest is not None)
+    summary = _summary(cfg, stats, record, len(jobs), len(mine) - len(todo), manifest is not None)
+    options = reader.storage_options
+    summary["memory_budget"] = reader.memory.record(
+        read_ahead_bytes_per_process=options.read_ahead_bytes if isinstance(options, S3Options) else None)
+    return manifest, summary
+
+
+def budgeted_options(cfg: FeatureConfig, memory: MemoryBudget) -> Any:
+    """``cfg.storage_options`` with each worker's S3 read-ahead within the loader's budget (it is fixed before
+    the loader exists: ``shards.loader.budget.read_ahead_within``)."""
+    options = cfg.storage_options
+    if not isinstance(options, S3Options):
+        return options
+    ahead = read_ahead_within(memory, max(1, cfg.workers), options.read_ahead_bytes)
+    return dataclasses.replace(options, read_ahead_bytes=ahead)
 
 
 def _summary(cfg: FeatureConfig, stats: RunStats, record: dict[str, Any], total: int, skipped: int,
@@ -383,6 +277,8 @@ def _summary(cfg: FeatureConfig, stats: RunStats, record: dict[str, Any], total:
         "decode": record["config"]["decode"],
         "task_index": cfg.task_index,
         "num_tasks": cfg.num_tasks,
+        "stages": {name: round(seconds, 4) for name, seconds in stats.stages.items()},
+        **stats.extra,
     }
 
 

@@ -43,6 +43,7 @@ from shards.stream.dataset import StreamConfig
 from shards.stream.image_dataset import ImageShardDataset
 from shards.loader.loader import make_loader, workers_mode
 from shards.loader.base import Loader
+from shards.loader.budget import MemoryBudget
 
 
 @dataclass(frozen=True)
@@ -157,8 +158,9 @@ class ShardReader:
     (``index_root``), where a format that keeps its index with the manifest (adopted tars) has it."""
 
     def __init__(self, storage: str, num_classes: int, storage_options: Any = None, cache: ShardCache | None = None,
-                 index_root: str | None = None):
+                 index_root: str | None = None, memory: MemoryBudget | None = None):
         self.storage, self.num_classes, self.storage_options = storage, num_classes, storage_options
+        self.memory = memory  # the loader's memory budget (``shards.loader.budget``; None: its default)
         self.index_root = index_root
         self.shard_cache = None if cache is None else CachedShards(cache, storage_options)
         # Checks run on a thread beside the reader, which reads in this process too when there are no DataLoader
@@ -194,7 +196,8 @@ class ShardReader:
         dataset = self.dataset(jobs, decoder)
         batches = -(-dataset.split_info.samples // batch_size)
         return make_loader(dataset, batch_size, mode=workers_mode(min(workers, batches), persistent=False),
-                           drop_last=False, collate_fn=collate_rows, pin_memory=pin_memory, stage_times=False)
+                           drop_last=False, collate_fn=collate_rows, pin_memory=pin_memory, stage_times=False,
+                           memory=self.memory)
 
     def check_bytes(self, job: ShardJob) -> None:
         """Raise ``ChecksumError`` (naming the shard) unless the shard's bytes match ``dataset.json``'s size and

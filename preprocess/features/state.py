@@ -20,6 +20,7 @@ import logging
 from pathlib import Path
 from typing import Any, Collection, Mapping, Sequence
 
+from preprocess.features.feature_stats import check_features
 from preprocess.features.loader import ShardJob
 from shards.atomic import sha256_file, write_json_atomic, write_json_shared
 from shards.door.bounded_read import read_json_file
@@ -29,6 +30,7 @@ from shards.lock import FolderLock, merge_lock
 from shards.formats.feature_names import FEATURE_SUFFIXES, is_feature_file
 from shards.formats.features import feature_shard_name
 from shards.door.locations import check_dataset_dir
+from shards.feature_stats import STATS_KEY
 from shards.manifest import (FEATURES_FILE, MAX_FEATURES_DIM, MAX_VIEWS, DatasetManifest, FeatureManifest,
                              ShardInfo, SplitInfo, load_feature_manifest)
 from shards.jobs.owned import plain_names, refuse_clobber, remove_owned
@@ -155,9 +157,21 @@ def _record_path(out_dir: Path, job: ShardJob, storage: str) -> Path:
     return out_dir / STATE_DIR / (feature_path(out_dir, job, storage).stem + ".json")
 
 
-def write_shard_record(out_dir: Path, job: ShardJob, storage: str, info: ShardInfo, digest: str) -> None:
+def write_shard_record(out_dir: Path, job: ShardJob, storage: str, info: ShardInfo, digest: str,
+                       stats: dict[str, Any] | None = None) -> None:
+    """``stats``: the shard's feature statistics (``preprocess.features.feature_stats``), merged into the summary
+    ``features.json`` holds when every shard is done."""
     write_json_atomic(_record_path(out_dir, job, storage), {"config_hash": digest, "split": job.split,
-                                                            "shard": info.to_dict()})
+                                                            "shard": info.to_dict(), "stats": stats})
+
+
+def shard_stats_record(out_dir: Path, job: ShardJob, storage: str) -> Any:
+    """The ``stats`` of a finished shard's record (None when it was written before statistics existed)."""
+    try:
+        record = read_json_file(_record_path(out_dir, job, storage))
+    except ShardcacheError:
+        return None
+    return record.get("stats") if isinstance(record, dict) else None
 
 
 def finished_shard(out_dir: Path, job: ShardJob, storage: str, digest: str) -> ShardInfo | None:
@@ -205,6 +219,8 @@ def assemble_manifest(out_dir: Path, record: Mapping[str, Any], dataset: Dataset
                        for job in jobs if job.split == name)
         splits[name] = SplitInfo(source.samples, source.class_counts, shards)  # type: ignore[arg-type]
     config = record["config"]
+    summary = check_features([shard_stats_record(out_dir, job, storage) for job in jobs], dims=record["features_dim"],
+                             dtype=config["dtype"], where=str(out_dir))  # degenerate features: refused here
     manifest = FeatureManifest(
         storage=storage,
         classes=dataset.classes,
@@ -216,7 +232,7 @@ def assemble_manifest(out_dir: Path, record: Mapping[str, Any], dataset: Dataset
         config_hash=record["config_hash"],
         dataset_dir=record["dataset_dir"],
         dataset_sha256=dataset_sha256,
-        extra={"provenance": dict(record.get("provenance", {}))},
+        extra={"provenance": dict(record.get("provenance", {})), STATS_KEY: summary.to_json()},
     )
     with merge_lock(out_dir, STATE_DIR, what="precompute-features merge"):
         write_json_shared(out_dir / FEATURES_FILE, manifest.to_dict())

@@ -30,14 +30,13 @@ from preprocess.pack.parts import PLAN_FILE, STATE_DIR, column_file_names, write
 from preprocess.pack.plan import PlannedShard, assign_splits, cut_shards, split_order_key
 from preprocess.pack.sources.columns import SourceSample
 from preprocess.pack.sources.scan import SourceScan, scan_source
+from preprocess.pack.source_diff import SourceDiff, diff_source, read_index
 from shards.atomic import sha256_file, write_bytes_atomic
 from shards.door.bounded_read import read_json_file
-from shards.errors import CorruptDataError, InputError, ManifestError
-from shards.door.jsonlines import json_lines
+from shards.errors import InputError
 from shards.manifest import (DATASET_FILE, DatasetManifest, ShardInfo, SkippedFile, SourceInfo, SplitInfo,
                              load_dataset_manifest, utc_now)
 from shards.formats.columns import COLUMNS_KEY
-from shards.door.locations import local_shard_path
 from shards.transport.storage import get_storage, shard_name
 from shards.formats.tarindex import index_name
 from shards.lock import claim_output
@@ -48,38 +47,9 @@ _SHARD_INDEX = re.compile(r"-(\d{6})\.[a-z0-9]+$")
 
 
 @dataclass(frozen=True)
-class SourceDiff:
-    """The source compared with the index: files to pack, files whose packed version is outdated or gone."""
-
-    new: tuple[SourceSample, ...]
-    changed: tuple[SourceSample, ...]  # the current version of files whose size, mtime or label changed
-    disappeared: tuple[str, ...]  # relative paths
-    unchanged: int
-
-
-@dataclass(frozen=True)
 class AppendResult:
     manifest: DatasetManifest
     summary: dict[str, Any]
-
-
-def read_index(out: Path, manifest: DatasetManifest) -> dict[str, dict[str, Any]]:
-    """The committed source index (relative path -> row), checked against the checksum in ``dataset.json``."""
-    entry = manifest.extra.get("source_index")
-    if not isinstance(entry, Mapping) or "path" not in entry:
-        raise ManifestError("records no source index, so --append cannot tell what is packed; repack it",
-                            path=str(out / DATASET_FILE))
-    path = local_shard_path(out, entry["path"], where=str(out / DATASET_FILE), what="source index")
-    if not path.is_file():
-        raise ManifestError(f"source index {entry['path']} is missing", path=str(out))
-    if entry.get("sha256") and sha256_file(path) != entry["sha256"]:
-        raise CorruptDataError("source index does not match the checksum in dataset.json", path=str(path))
-    index: dict[str, dict[str, Any]] = {}
-    for number, row, bad in json_lines(path.read_text(encoding="utf-8")):
-        if bad is not None:
-            raise CorruptDataError(f"source index line {number} is not JSON ({bad})", path=str(path))
-        index[row["path"]] = row
-    return index
 
 
 def recorded_config(cfg: PackConfig, manifest: DatasetManifest) -> PackConfig:
@@ -105,19 +75,6 @@ def relabel(scan: SourceScan, manifest: DatasetManifest) -> list[SourceSample]:
                          "would change); repack with --overwrite", path=scan.root)
     to_label = manifest.class_to_idx
     return [s._replace(label=to_label[scan.classes[s.label]]) for s in scan.samples]
-
-
-def diff_source(samples: Iterable[SourceSample], index: Mapping[str, Mapping[str, Any]]) -> SourceDiff:
-    new, changed, seen = [], [], set()
-    for sample in samples:
-        seen.add(sample.rel_path)
-        row = index.get(sample.rel_path)
-        if row is None:
-            new.append(sample)
-        elif (row["size"], row["mtime_ns"], row["label"]) != (sample.size, sample.mtime_ns, sample.label):
-            changed.append(sample)
-    disappeared = tuple(sorted(set(index) - seen))
-    return SourceDiff(tuple(new), tuple(changed), disappeared, len(seen) - len(new) - len(changed))
 
 
 def _next_indices(out: Path, manifest: DatasetManifest) -> dict[str, int]:

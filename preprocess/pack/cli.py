@@ -3,49 +3,43 @@ so ``pack-shards --help`` stays fast."""
 
 from __future__ import annotations
 
-import logging
-import os
 import time
 from pathlib import Path
 
 import click
 
-from preprocess.pack.append import append
+from preprocess.pack.api import pack_shards
 from preprocess.pack.sources.members import SourceFields
-from preprocess.pack.packer import PackConfig, pack
 from preprocess.pack.parts import STATE_DIR, merge_parts, read_plan_doc
 from preprocess.pack.table.pack import pack_table
 from preprocess.pack.table.config import ENCODINGS, IMPUTE_STATISTICS, TASKS, TableConfig
-from preprocess.staging import resolve_stage, run_staged
-from preprocess.pack.parts import dataset_spec
 from shards.atomic import check_local_output, on_disk_full
 from shards.lock import claim_output
-from shards.cli.common import ByteSize, emit_json, handle_errors, quiet_option, s3_options, task_options
+from shards.cli.common import (S3_OPTION_NAMES, ByteSize, emit_json, handle_errors, quiet_option, s3_options,
+                               task_options, version_option, workers_option)
 from shards.cli.sections import SectionedCommand
 from shards.image.decode import DEFAULT_MAX_PIXELS
 from shards.errors import InputError
-from shards.transport.location import locate
 from shards.transport.storage import STORAGES
-
-log = logging.getLogger("shardcache.pack")
 
 @click.command(cls=SectionedCommand, context_settings={"help_option_names": ["-h", "--help"]},
                sections={"Source": ("image_column", "label_column", "label_member", "label_field"),
                          "Validation": ("verify", "max_pixels", "strict", "allow_empty_classes"),
-                         "Output and shards": ("out", "storage", "max_samples", "max_bytes", "val_fraction", "seed",
+                         "Output and shards": ("out", "storage", "shard_samples", "max_bytes", "val_fraction", "seed",
                                                "no_shuffle", "resize_max_side", "quality", "overwrite",
                                                "append_new", "prune"),
                          "Tables (--table)": ("table", "target", "columns", "categorical", "encode", "impute",
                                               "table_task"),
                          "Parallel jobs": ("workers", "task_index", "num_tasks", "merge_dir"),
-                         "Object storage": ("stage_dir", "break_lease", "s3_endpoint_url", "s3_profile",
-                                            "s3_unsigned", "s3_max_concurrency", "s3_read_ahead",
-                                            "min_transfer_rate", "request_deadline")})
+                         "Object storage": ("stage_dir", "break_lease", *S3_OPTION_NAMES)},
+               common=("out", "shard_samples", "val_fraction", "workers", "append_new", "overwrite", "quiet"),
+               examples=("pack-shards photos/ --out photos-shards --val-fraction 0.1",
+                         "pack-shards photos/ --out photos-shards --append   # after photos/ grew"))
 @click.argument("source", required=False, type=click.Path(path_type=str))
 @click.option("--out", "-o", type=click.Path(path_type=str), help="Output folder for shards and dataset.json.")
 @click.option("--storage", type=click.Choice(sorted(STORAGES)), default="tar", show_default=True,
               help="tar: WebDataset shards; hdf5: HDF5 shards.")
-@click.option("--max-samples", type=int, default=1000, show_default=True, help="Samples per shard at most.")
+@click.option("--shard-samples", type=int, default=1000, show_default=True, help="Samples per shard at most.")
 @click.option("--max-bytes", type=ByteSize(), default="256M", show_default=True, help="Bytes per shard at most.")
 @click.option("--val-fraction", type=float, default=0.0, show_default=True,
               help="Carve a stratified val split from train when the source has none.")
@@ -60,7 +54,7 @@ log = logging.getLogger("shardcache.pack")
 @click.option("--strict", is_flag=True, help="Fail (exit 1) on the first unreadable image or non-regular file "
                                             "instead of skipping.")
 @click.option("--allow-empty-classes", is_flag=True, help="Keep class folders that hold no images.")
-@click.option("--workers", type=int, default=1, show_default=True, help="Processes packing shards in parallel.")
+@workers_option("Processes packing shards in parallel")
 @click.option("--overwrite", is_flag=True, help="Replace a different dataset already in --out.")
 @click.option("--append", "append_new", is_flag=True,
               help="Pack only source files not yet in OUT (known by relative path, size and mtime) into new shards, "
@@ -104,8 +98,9 @@ log = logging.getLogger("shardcache.pack")
 @task_options
 @s3_options
 @quiet_option
+@version_option
 @handle_errors
-def pack_shards_command(source, out, storage, max_samples, max_bytes, val_fraction, seed, no_shuffle, verify,
+def pack_shards_command(source, out, storage, shard_samples, max_bytes, val_fraction, seed, no_shuffle, verify,
                         max_pixels, resize_max_side, quality, strict, allow_empty_classes, workers, overwrite,
                         append_new, prune, merge_dir, stage_dir, break_lease, image_column, label_column,
                         label_member, label_field, table, target, columns, categorical, encode, impute, table_task,
@@ -130,7 +125,7 @@ def pack_shards_command(source, out, storage, max_samples, max_bytes, val_fracti
         cfg = TableConfig(source=source, out=out, target=target, columns=_names(columns),
                           categorical=_names(categorical) or (), encode=encode, impute=impute, task=table_task,
                           val_fraction=val_fraction if "val_fraction" in given else None, seed=seed,
-                          shuffle=not no_shuffle, max_samples=max_samples,
+                          shuffle=not no_shuffle, max_samples=shard_samples,
                           storage="hdf5" if storage == "hdf5" else "pt", overwrite=overwrite)
         with on_disk_full(out):
             emit_json(pack_table(cfg).summary)
@@ -148,34 +143,14 @@ def pack_shards_command(source, out, storage, max_samples, max_bytes, val_fracti
         return
     if source is None or out is None:
         raise InputError("give SOURCE and --out OUT (or --merge OUT to merge part manifests)")
-    staged = None
-    if locate(out).publishable:  # staged here, then uploaded (preprocess.staging)
-        if append_new:
-            raise InputError(f"--out {out}: --append works on local folders only; append locally, then upload")
-        staged = resolve_stage(out, stage_dir, stage_root(), num_tasks=num_tasks, options=s3,
-                               overwrite=overwrite, break_lease=break_lease)
-    elif stage_dir is not None or break_lease:
-        raise InputError(f"{'--stage-dir' if stage_dir is not None else '--break-lease'} works only with --out "
-                         "s3://...")
-    cfg = PackConfig(source=source, out=out if staged is None else str(staged.stage_dir), storage=storage,
-                     max_samples=max_samples, max_bytes=max_bytes,
-                     val_fraction=val_fraction, seed=seed, shuffle=not no_shuffle, verify=verify,
-                     max_pixels=max_pixels, resize_max_side=resize_max_side, quality=quality, strict=strict,
-                     allow_empty_classes=allow_empty_classes, workers=workers, task_index=task_index,
-                     num_tasks=num_tasks, overwrite=overwrite, quiet=quiet,
-                     source_fields=_source_fields(image_column, label_column, label_member, label_field))
-    if prune and not append_new:
-        raise InputError("--prune works only with --append")
-    if staged is not None:
-        manifest, summary = run_staged(staged, lambda stage: _pack_result(pack(cfg)), dataset_spec())
-    else:
-        with on_disk_full(out):  # what a writer below raised as a bare OSError (a full disk: one line, exit 1)
-            manifest, summary = _pack_result(append(cfg, prune=prune) if append_new else pack(cfg))
-    if manifest is None:
-        log.info("task %d/%d done; dataset.json appears when every task has finished", task_index, num_tasks)
-    else:
-        log.info("wrote %s/dataset.json", out)
-    emit_json(summary)
+    emit_json(pack_shards(source, out, storage=storage, shard_samples=shard_samples, max_bytes=max_bytes,
+                          val_fraction=val_fraction, seed=seed, no_shuffle=no_shuffle, verify=verify,
+                          max_pixels=max_pixels, resize_max_side=resize_max_side, quality=quality, strict=strict,
+                          allow_empty_classes=allow_empty_classes, workers=workers, overwrite=overwrite,
+                          append=append_new, prune=prune,
+                          source_fields=_source_fields(image_column, label_column, label_member, label_field),
+                          stage_dir=stage_dir, break_lease=break_lease, task_index=task_index,
+                          num_tasks=num_tasks, quiet=quiet, s3=s3))
 
 
 # Options given on the command line that the other kind of packing would silently ignore are refused instead.
@@ -217,13 +192,3 @@ def _names(text: str | None) -> tuple[str, ...] | None:
     if not names:
         raise InputError(f"{text!r} names no column")
     return names
-
-
-def _pack_result(result) -> tuple:
-    return result.manifest, result.summary
-
-
-def stage_root() -> str:
-    """Where ``--out s3://...`` stages by default: ``$SHARDCACHE_STAGE_DIR`` or ``~/.cache/shardcache/stage``."""
-    return os.environ.get("SHARDCACHE_STAGE_DIR") or str(Path.home() / ".cache" / "shardcache" / "stage")
-

@@ -28,6 +28,8 @@ from preprocess.pack.sources.members import DEFAULT_MAX_BYTES, MemberBytes, Memb
 from preprocess.pack.sources.registry import fetch_members
 from preprocess.pack.plan import PackPlan, PlannedShard, make_plan
 from preprocess.pack.sources.scan import SourceScan, check_out_outside_source, scan_source
+from preprocess.pack.source_diff import describe_change
+from shards.errors import redact
 from shards.atomic import check_local_output, check_room, on_disk_full, remove_stale_tmp
 from preprocess.pack.validate import (InvalidImage, ValidateOptions, read_ahead, read_and_validate, sample_meta,
                                       validate_image)
@@ -82,7 +84,7 @@ class PackConfig:
         if not 0 <= self.task_index < self.num_tasks:
             raise InputError(f"task_index={self.task_index}: must be in [0, num_tasks={self.num_tasks})")
         object.__setattr__(self, "validate", ValidateOptions(self.verify, self.max_pixels, self.resize_max_side,
-                                                             self.quality))
+                                                             self.quality, max_file_bytes=self.max_bytes))
 
     def packing(self) -> dict[str, Any]:
         """The options that decide the output (task split, workers and verbosity do not)."""
@@ -155,7 +157,7 @@ def pack_shard(job: ShardJob, on_file: Callable[[int], None] | None = None) -> d
     samples = list(job.shard.samples)
     with ExitStack() as stack:
         if job.members is None:
-            stack.enter_context(read_ahead([sample.abs_path for sample in samples]))
+            stack.enter_context(read_ahead([sample.abs_path for sample in samples], job.validate.max_file_bytes))
             members: Sequence[MemberBytes | None] = [None] * len(samples)
         else:  # every container of the shard opened once, its members read in order
             members = fetch_members(job.members, samples)
@@ -189,7 +191,7 @@ def pack_shard(job: ShardJob, on_file: Callable[[int], None] | None = None) -> d
 def _plan_doc(plan: PackPlan, storage: str) -> dict[str, Any]:
     scan = plan.scan
     return {"plan_sha256": plan.sha256, "storage": storage, "classes": list(scan.classes),
-            "source": {"kind": scan.kind, "root": scan.root, "files_seen": scan.files_seen,
+            "source": {"kind": scan.kind, "root": redact(scan.root), "files_seen": scan.files_seen,
                        "skipped": [{"path": s.rel_path, "reason": s.reason} for s in scan.skipped]},
             "packing": plan.packing, "splits": plan.splits,
             "shards": [{"name": s.name, "split": s.split} for s in plan.shards]}
@@ -283,7 +285,8 @@ def pack(cfg: PackConfig) -> PackResult:
     plan = make_plan(scan, source_packing(cfg, scan), cfg.storage)
     out = Path(cfg.out)
     plan_doc = _plan_doc(plan, cfg.storage)
-    check_output(out, plan_doc, cfg.overwrite)  # refuse before creating even a lock file
+    check_output(out, plan_doc, cfg.overwrite,  # refuse before creating even a lock file, saying what changed
+                 explain=lambda: describe_change(out, scan, source_packing(cfg, scan)))
     with claim_output(out, STATE_DIR, what="pack-shards", task=(cfg.task_index, cfg.num_tasks),
                       prepare=lambda folder_lock: prepare_output(out, plan_doc, cfg.overwrite, folder_lock)):
         return _pack_claimed(cfg, plan, out, started)

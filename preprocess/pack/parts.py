@@ -141,8 +141,10 @@ def _dataset_names(manifest: Any) -> list[object]:
     return names
 
 
-def check_output(out: Path, plan_doc: Mapping[str, Any], overwrite: bool) -> str | None:
+def check_output(out: Path, plan_doc: Mapping[str, Any], overwrite: bool,
+                 explain: Callable[[], str] | None = None) -> str | None:
     """Refuse a folder holding a different dataset (or foreign files) unless ``overwrite``; writes nothing.
+    ``explain()`` says what differs (``preprocess.pack.source_diff.describe_change``), asked only when refusing.
 
     Returns what ``prepare_output`` must remove first: "foreign", "different", or None. Even with ``overwrite``,
     a file this plan would write that the old output does not name is refused (``shards.jobs.owned.refuse_clobber``).
@@ -158,8 +160,8 @@ def check_output(out: Path, plan_doc: Mapping[str, Any], overwrite: bool) -> str
         conflict = "foreign"
     elif existing is not None and existing != plan_doc["plan_sha256"]:
         if not overwrite:
-            raise OutputExistsError("already holds a different dataset (other source files or options); "
-                                    "pass --overwrite to replace it", path=str(out))
+            why = explain() if explain is not None else "other source files or options; pass --overwrite to replace it"
+            raise OutputExistsError(f"already holds a different dataset: {why}", path=str(out))
         conflict = "different"
     if conflict is not None:
         refuse_clobber(out, recorded_names(out), planned_names(plan_doc), writer="pack-shards")

@@ -31,7 +31,8 @@ from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
 from PIL import Image, ImageOps
 
-from shards.door.bounded_read import open_regular_file
+from preprocess.pack.sources.members import DEFAULT_MAX_BYTES, too_large
+from shards.door.bounded_read import open_regular_file, read_capped
 from shards.image.decode import DEFAULT_MAX_PIXELS, to_rgb
 from shards.errors import InputError
 
@@ -59,6 +60,7 @@ class ValidateOptions:
     resize_max_side: int | None = None
     quality: int | None = None
     read_timeout_s: float = READ_TIMEOUT_S  # not recorded in the manifest: it does not change what is stored
+    max_file_bytes: int = DEFAULT_MAX_BYTES  # ``--max-bytes``: a larger file is skipped unread (recorded as that)
 
     def __post_init__(self) -> None:
         if self.verify not in VERIFY_MODES:
@@ -190,15 +192,19 @@ def validate_image(data: bytes, opts: ValidateOptions) -> ValidImage:
     return ValidImage(data, FORMAT_EXTENSIONS[source_format], width, height, source_mode, source_format)
 
 
-def _read_regular(path: str) -> bytes:
-    """The bytes of ``path`` if it is a regular file; ``InvalidImage`` with the reason otherwise ("not a regular
-    file (FIFO)", "no such file", "cannot read (Permission denied)"). Never blocks on a FIFO or device."""
+def _read_regular(path: str, limit: int) -> bytes:
+    """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes; ``InvalidImage`` with the reason
+    otherwise ("not a regular file (FIFO)", "no such file", "too large: ..."). Never blocks on a FIFO or device;
+    a file over the limit (grown since the scan judged it) is refused by its size, and one that grows while read
+    is cut at the limit, so memory stays bounded."""
     try:
-        handle = open_regular_file(path)
+        with open_regular_file(path) as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size > limit:
+                raise InvalidImage(too_large(size, limit))
+            return read_capped(handle, path, limit=limit, error=InputError)
     except InputError as exc:
         raise InvalidImage(exc.reason) from None
-    with handle:
-        return handle.read()
 
 
 class _ReaderThread:
@@ -213,9 +219,9 @@ class _ReaderThread:
 
     def _serve(self) -> None:
         while True:
-            path, box, done = self.requests.get()
+            path, limit, box, done = self.requests.get()
             try:
-                box.append(_read_regular(path))
+                box.append(_read_regular(path, limit))
             except BaseException as exc:  # handed to the caller's thread
                 box.append(exc)
             done.release()
@@ -226,7 +232,8 @@ class _Lane:
     ``READ_AHEAD_BYTES``, whichever is reached first), so the caller finds each file already read instead of
     waiting for a thread to be scheduled per file (which, on a loaded machine, cost more than the work)."""
 
-    def __init__(self, paths: Sequence[str]):
+    def __init__(self, paths: Sequence[str], limit: int):
+        self.limit = limit
         self.cond = threading.Condition()
         self.results: deque[bytes | BaseException] = deque()
         self.buffered = 0
@@ -241,7 +248,7 @@ class _Lane:
                 if self.stopped:
                     return
             try:
-                result: bytes | BaseException = _read_regular(path)
+                result: bytes | BaseException = _read_regular(path, self.limit)
             except BaseException as exc:  # handed to the caller's thread
                 result = exc
             with self.cond:
@@ -269,10 +276,10 @@ class _ReadAhead:
     """The files one shard will read, in order: ``read_file`` takes them from a ``_Lane``; a file not read in
     time abandons that lane (its thread is stuck in the read) and a new one starts after it."""
 
-    def __init__(self, paths: Sequence[str]):
-        self.paths = list(paths)
+    def __init__(self, paths: Sequence[str], limit: int):
+        self.paths, self.limit = list(paths), limit
         self.next = 0
-        self.lane = _Lane(self.paths)
+        self.lane = _Lane(self.paths, limit)
 
     def expects(self, path: str) -> bool:
         return self.next < len(self.paths) and self.paths[self.next] == path
@@ -282,7 +289,7 @@ class _ReadAhead:
         result = self.lane.take(timeout_s)
         if result is None:
             self.lane.stop()
-            self.lane = _Lane(self.paths[self.next:])
+            self.lane = _Lane(self.paths[self.next:], self.limit)
         return result
 
     def close(self) -> None:
@@ -295,10 +302,11 @@ _ahead = threading.local()  # .plan: the _ReadAhead of the calling thread, insid
 
 
 @contextlib.contextmanager
-def read_ahead(paths: Sequence[str]) -> Iterator[None]:
+def read_ahead(paths: Sequence[str], limit: int = DEFAULT_MAX_BYTES) -> Iterator[None]:
     """Inside, ``read_file`` of ``paths`` in this order (a shard's files) takes each from a thread that reads
-    ahead; any other path is read as outside. The timeout still bounds the wait for every file."""
-    plan = _ReadAhead(paths)
+    ahead, each file at most ``limit`` bytes; any other path is read as outside. The timeout still bounds the
+    wait for every file."""
+    plan = _ReadAhead(paths, limit)
     _ahead.plan = plan
     try:
         yield
@@ -307,10 +315,11 @@ def read_ahead(paths: Sequence[str]) -> Iterator[None]:
         plan.close()
 
 
-def read_file(path: str, timeout_s: float = READ_TIMEOUT_S) -> bytes:
-    """Read a regular file within ``timeout_s`` seconds, else ``InvalidImage`` with the reason to record."""
+def read_file(path: str, timeout_s: float = READ_TIMEOUT_S, limit: int = DEFAULT_MAX_BYTES) -> bytes:
+    """Read a regular file of at most ``limit`` bytes within ``timeout_s`` seconds, else ``InvalidImage`` with the
+    reason to record."""
     plan = getattr(_ahead, "plan", None)
-    result = plan.take(timeout_s) if plan is not None and plan.expects(path) else _read_alone(path, timeout_s)
+    result = plan.take(timeout_s) if plan is not None and plan.expects(path) else _read_alone(path, timeout_s, limit)
     if result is None:
         raise InvalidImage(f"could not be opened and read within {timeout_s:g} s (hung file system?)")
     if isinstance(result, bytes):
@@ -322,7 +331,7 @@ def read_file(path: str, timeout_s: float = READ_TIMEOUT_S) -> bytes:
     raise result
 
 
-def _read_alone(path: str, timeout_s: float) -> bytes | BaseException | None:
+def _read_alone(path: str, timeout_s: float, limit: int) -> bytes | BaseException | None:
     """One file read by this process's ``_ReaderThread``; None when not read within ``timeout_s``."""
     global _reader
     box: list[bytes | BaseException] = []
@@ -331,7 +340,7 @@ def _read_alone(path: str, timeout_s: float) -> bytes | BaseException | None:
     with _reader_guard:
         if _reader is None or _reader.pid != os.getpid():
             _reader = _ReaderThread()
-        _reader.requests.put((path, box, done))
+        _reader.requests.put((path, limit, box, done))
         if not done.acquire(timeout=timeout_s):
             _reader = None  # its thread is stuck in this read: abandoned, the next read gets a new one
             return None
@@ -340,7 +349,7 @@ def _read_alone(path: str, timeout_s: float) -> bytes | BaseException | None:
 
 def read_and_validate(path: str, opts: ValidateOptions) -> ValidImage:
     """Read one file and validate it; unreadable, non-regular and hung files are skipped like corrupt ones."""
-    return validate_image(read_file(path, opts.read_timeout_s), opts)
+    return validate_image(read_file(path, opts.read_timeout_s, opts.max_file_bytes), opts)
 
 
 def sample_meta(rel_path: str, class_name: str, image: ValidImage,

@@ -233,7 +233,8 @@ def fast_batches(folder: Path, args, use_simplejpeg: bool = True, consumer: str 
     confirmed = multiprocessing.Value("i", 0)
     check = functools.partial(_check_decoder, use_simplejpeg and fast.simplejpeg is not None, confirmed)
     loader = shards.make_loader(dataset, batch_size=args.batch_size, mode=workers_mode(args.workers, persistent=False),
-                                drop_last=False, worker_init_fn=check, stage_times=stage_times,
+                                drop_last=False, worker_init_fn=check if args.workers > 0 else None,
+                                stage_times=stage_times,
                                 stall=None if stall_timeout is None else StallPolicy(stall_timeout),
                                 resume_audit=resume_audit)
     threads = torch.get_num_threads()

@@ -21,14 +21,19 @@ from shards.runrecord import RECORD_FILE, RunRecord
 
 
 def audit_run(run_dir: str | os.PathLike) -> dict[str, Any]:
-    """``{"run_dir", "resumes", "audited", "mismatches", "not_audited", "results"}``: per resume (in run order) its
+    """``{"run_dir", "resumes", "audited", "mismatches", "not_audited", "unreadable", "results"}``: per resume (in run order) its
     epoch and step, the result now (``"ok"``, ``"mismatch"`` with the line naming the batch and key, ``"not
     audited"`` for a state saved without a record, ``"invalid"`` for a state the loader refuses to read) and what
-    the run recorded then. A mismatch recorded by the run itself counts as one too."""
+    the run recorded then. A mismatch recorded by the run itself counts as one too. Each events line that cannot be
+    read (it may have been a resume's record) is an ``"unreadable"`` result naming the file and line."""
     folder = Path(run_dir)
     record = RunRecord.read(folder)
     where = str(folder / EVENTS_FILE)
-    resumes = [e for e in read_events(folder, LAYOUT) if type(e.get("step")) is int and e.get("loader_state")]
+    unreadable: list[str] = []  # a line that is not an event may have been a resume's: the audit cannot vouch
+    layouts = read_events(folder, LAYOUT, unreadable=unreadable)
+    resumes = [e for e in layouts if type(e.get("step")) is int and e.get("loader_state")]
+    unreadable += [f"{where}: the layout event of step {e.get('step')!r:.40} is unreadable (its step is not an "
+                   "integer); left out" for e in layouts if type(e.get("step")) is not int and e.get("loader_state")]
     live = [e for e in read_events(folder, RESUME_AUDIT) if e.get("result") == "mismatch"]
     results = []
     for event in resumes:
@@ -49,8 +54,10 @@ def audit_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     for event in live:
         results.append({"epoch": event.get("epoch"), "step": event.get("step"), "result": "mismatch",
                         "message": str(event.get("message")), "recorded": "fed after resume"})
+    results += [{"epoch": None, "step": None, "result": "unreadable", "message": line, "recorded": None}
+                for line in unreadable]
     failed = [r for r in results if r["result"] in ("mismatch", "invalid")]
     return {"run_dir": str(folder), "resumes": len(resumes),
             "audited": sum(r["result"] in ("ok", "mismatch") for r in results[:len(resumes)]),
             "mismatches": len(failed), "not_audited": sum(r["result"] == "not audited" for r in results),
-            "results": results}
+            "unreadable": len(unreadable), "results": results}

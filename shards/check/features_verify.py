@@ -141,7 +141,7 @@ def _check_shard(folder: Location, info: ShardInfo, spec: FeatureSpec,
             if problem is not None:  # missing or not the bytes recorded: nothing more to learn
                 problems.append(problem)
                 return None
-            shard = load_feature_shard(path)
+            shard = load_feature_shard(path, samples=info.samples)
             problems.extend(_content_problems(where, shard, info, spec))
             return where, shard
     except MissingInputError:

@@ -16,9 +16,12 @@ from typing import Any, Callable
 import click
 
 from shards.errors import InputError, ShardcacheError
+from shards.jobs.preemption import Preempted
 from shards.jobs.progress import setup_logging
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+# Stopped by a signal after saving its place: rerun (with --resume) to continue; 75 is sysexits' EX_TEMPFAIL.
+EXIT_PREEMPTED, EXIT_INTERRUPTED = 75, 130
 log = logging.getLogger("shardcache")
 
 
@@ -37,7 +40,8 @@ def error_line(exc: BaseException) -> str:
 
 
 def handle_errors(func: Callable) -> Callable:
-    """Turn domain errors into a one-line message and the documented exit code (2 bad input, 1 failure)."""
+    """Turn domain errors into a one-line message and the documented exit code (2 bad input, 1 failure; 75 stopped
+    by a signal with the place saved, ``shards.jobs.preemption``)."""
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
@@ -49,9 +53,13 @@ def handle_errors(func: Callable) -> Callable:
         except ShardcacheError as exc:
             click.echo(f"error: {error_line(exc)}", err=True)
             sys.exit(EXIT_FAILED)
+        except Preempted as exc:
+            if exc.line:
+                click.echo(exc.line, err=True)
+            sys.exit(EXIT_PREEMPTED)
         except KeyboardInterrupt:
             click.echo("error: interrupted", err=True)
-            sys.exit(130)
+            sys.exit(EXIT_INTERRUPTED)
 
     return wrapper
 
@@ -246,3 +254,80 @@ def cache_options(func: Callable) -> Callable:
         return func(*args, cache=request, **kwargs)
 
     return wrapper
+
+
+
+MEMORY_BUDGET_HELP = ("Bytes the data loader may hold in flight per process (batches queued, in shared memory or "
+                      "being filled, samples decoded ahead, remote read-ahead), e.g. 2G; its queues are sized to fit "
+                      "and a budget below one batch per worker is refused naming the smallest. Default: a quarter "
+                      "of what the job (its cgroup, else the machine) has left, shared by the node's ranks.")
+
+
+def memory_budget_option(func: Callable) -> Callable:
+    """``--memory-budget SIZE``: the loader's memory budget (``shards.loader.budget``), passed on as
+    ``memory_budget`` (bytes, or None for the default)."""
+    return click.option("--memory-budget", type=ByteSize(), default=None, metavar="SIZE",
+                        help=MEMORY_BUDGET_HELP)(func)
+
+# --- The vocabulary every command shares: one default for --workers, one device name rule, --version. ---
+
+
+def default_workers() -> int:
+    """The one default of every command's ``--workers``: the CPUs this process may use minus one (the main process
+    keeps one for itself: the training step, the writer, the progress), at most 8; 0 means the work runs in this
+    process. One rule, so a user who learnt it on one command knows it on all (docs/troubleshooting.md)."""
+    from shards.jobs.parallel import MAX_DEFAULT_WORKERS, usable_cpus
+
+    return max(0, min(MAX_DEFAULT_WORKERS, usable_cpus() - 1))
+
+
+WORKERS_RULE = "the usable CPUs minus one, at most 8 (0: in this process)"
+
+
+def workers_option(what: str) -> Callable:
+    """``--workers N``: ``what`` the workers are, with the shared default (``default_workers``), resolved here so
+    the command receives a count."""
+
+    def decorate(func: Callable) -> Callable:
+        @click.option("--workers", type=click.IntRange(0, 256), default=None, metavar="N",
+                      help=f"{what}. Default: {WORKERS_RULE}.")
+        @functools.wraps(func)
+        def wrapper(*args, workers: int | None, **kwargs):
+            return func(*args, workers=default_workers() if workers is None else workers, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+class DeviceName(click.ParamType):
+    """``--device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``, checked by the one rule
+    (``shards.jobs.device_names``) that the library's configs check too."""
+
+    name = "auto|cpu|cuda|cuda:N"
+
+    def get_metavar(self, param: Any, ctx: Any = None) -> str:
+        return self.name  # as written, not upper-cased
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> str:
+        from shards.jobs.device_names import check_device_name
+
+        try:
+            return check_device_name(value, "--device")
+        except InputError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+DEVICE_HELP = "auto (CUDA when present), cpu, cuda or cuda:N."
+
+
+def version_option(func: Callable) -> Callable:
+    """``--version``: the installed shardcache version, the same on every command."""
+    from shards import __version__
+
+    return click.version_option(__version__, "--version", message="%(prog)s (shardcache) %(version)s")(func)
+
+
+# The options ``s3_options`` adds, for a command's --help sections (one list, not one per command).
+S3_OPTION_NAMES = ("s3_endpoint_url", "s3_profile", "s3_unsigned", "s3_max_concurrency", "s3_read_ahead",
+                   "min_transfer_rate", "request_deadline")

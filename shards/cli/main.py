@@ -5,17 +5,18 @@ Human-readable text goes to stderr (silenced by ``--quiet``); one JSON line with
 
 from __future__ import annotations
 
+import difflib
 import sys
 
 import click
 
 from shards.cli.common import (
-    EXIT_FAILED, ByteSize, class_names, emit_json, handle_errors, quiet_option, s3_options)
+    EXIT_FAILED, S3_OPTION_NAMES, ByteSize, class_names, emit_json, handle_errors, quiet_option, s3_options,
+    version_option, workers_option)
 from shards.cli.sections import SectionedCommand
 from shards.check.inspect import batch_report, format_mixture, format_summary, mixture_report, save_grid, summarize
 from shards.check.verify import verify_dataset
 from shards.check.verify_core import DEFAULT_SAMPLES_PER_SHARD
-from shards.jobs.parallel import default_workers
 from shards.select.mixture import CLASS_MAPS, MixOptions, SourceSpec, Subset
 
 
@@ -41,33 +42,40 @@ class _Commands(click.Group):
         point = self._plugins().get(name)
         return None if point is None else point.load()
 
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple:
+        """click suggests among the group's own commands only; the registered ones (``shards index``) count too."""
+        name = args[0] if args else ""
+        if name and not name.startswith("-") and self.get_command(ctx, name) is None:
+            close = difflib.get_close_matches(name, self.list_commands(ctx), n=1)
+            ctx.fail(f"No such command {name!r}." + (f" Did you mean {close[0]!r}?" if close else ""))
+        return super().resolve_command(ctx, args)
+
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
+@version_option
 def main() -> None:
     """Verify, inspect and report on shardcache folders."""
 
 
 @main.command("verify", cls=SectionedCommand,
               sections={"Checks": ("full", "samples_per_shard", "workers", "source"),
-                        "Object storage": ("s3_endpoint_url", "s3_profile", "s3_unsigned", "s3_max_concurrency",
-                                           "s3_read_ahead", "min_transfer_rate", "request_deadline")})
+                        "Object storage": S3_OPTION_NAMES})
 @click.argument("folder", type=click.Path(path_type=str))
 @click.option("--full", is_flag=True, help="Decode every image, not a sample per shard.")
 @click.option("--samples-per-shard", type=int, default=DEFAULT_SAMPLES_PER_SHARD, show_default=True,
               help="Images decoded per shard without --full.")
-@click.option("--workers", type=int, default=None,
-              help="Processes checking shards side by side (default: the usable CPUs, at most 8; 1: this process).")
+@workers_option("Processes checking shards side by side")
 @click.option("--source", default=None,
               help="Where the shards are when not in FOLDER: the tars of an index made by shards index.")
 @s3_options
 @quiet_option
 @handle_errors
-def verify_command(folder: str, full: bool, samples_per_shard: int, workers: int | None, source: str | None,
+def verify_command(folder: str, full: bool, samples_per_shard: int, workers: int, source: str | None,
                    quiet: bool, s3) -> None:
     """Recompute checksums and counts and decode images; exit 1 naming the shard and sample on any problem.
     FOLDER may be s3://bucket/prefix (each shard is read in one streaming GET)."""
     report = verify_dataset(folder, full=full, samples_per_shard=samples_per_shard, storage_options=s3,
-                            workers=default_workers() if workers is None else workers, quiet=quiet, source=source)
+                            workers=max(1, workers), quiet=quiet, source=source)
     for problem in report.problems:
         click.echo(f"error: {problem}", err=True)
     if report.ok and not quiet:
@@ -83,8 +91,7 @@ def verify_command(folder: str, full: bool, samples_per_shard: int, workers: int
                                            "grid_count", "seed"),
                         "Mixture and subset": ("mix_sources", "classes", "where", "max_samples", "class_map",
                                                "epoch_size", "epochs", "exact_classes"),
-                        "Object storage": ("s3_endpoint_url", "s3_profile", "s3_unsigned", "s3_max_concurrency",
-                                           "s3_read_ahead", "min_transfer_rate", "request_deadline")})
+                        "Object storage": S3_OPTION_NAMES})
 @click.argument("folder", type=click.Path(path_type=str), required=False)
 @click.option("--batch", "show_batch", is_flag=True,
               help="Load one batch with the eval transform; print shape, dtype, value range, labels.")
@@ -210,15 +217,13 @@ def report_command(paths: tuple[str, ...], out: str | None, no_grid: bool, sourc
                                    "no_shuffle", "drop_last", "fresh_workers"),
                         "Node cache": ("cache", "cache_limit", "cache_eviction", "cache_prefetch", "cache_local"),
                         "Link and prices": ("request_ms", "mbps", "prices", "read_index"),
-                        "Object storage": ("s3_endpoint_url", "s3_profile", "s3_unsigned", "s3_max_concurrency",
-                                           "s3_read_ahead", "min_transfer_rate", "request_deadline")})
+                        "Object storage": S3_OPTION_NAMES})
 @click.argument("path", type=click.Path(path_type=str))
 @click.option("--epochs", type=click.IntRange(1, 10_000), required=True, help="Epochs to forecast.")
 @click.option("--world-size", type=click.IntRange(1, 1 << 16), default=1, show_default=True, help="Ranks.")
 @click.option("--nodes", type=click.IntRange(1, 1 << 16), default=1, show_default=True,
               help="Nodes (one node cache each); must divide --world-size.")
-@click.option("--workers", type=click.IntRange(0, 256), default=0, show_default=True,
-              help="DataLoader workers per rank (0: read in the training process).")
+@workers_option("DataLoader workers per rank of the run to forecast")
 @click.option("--batch-size", type=click.IntRange(1, None), required=True, help="Samples per batch per rank.")
 @click.option("--split", default="train", show_default=True)
 @click.option("--seed", type=click.IntRange(0, None), default=0, show_default=True, help="The run's --seed.")
@@ -297,25 +302,25 @@ def lineage_command(run_dir: str, epoch: int, step: int, rank: int | None, quiet
 def audit_command(run_dir: str, quiet: bool) -> None:
     """Check every resume a train-from-shards run folder records: the loader state each resume continued holds
     the keys of the last batches fed and of the next ones planned, compared again with the plan and the shards now
-    (docs/training.md, "Resume audit"). Prints one JSON line; exit 1 on any mismatch."""
+    (docs/training.md, "Resume audit"). Prints one JSON line; exit 1 on any mismatch or unreadable record."""
     from shards.check.audit import audit_run
 
     result = audit_run(run_dir)
     if not quiet:
         click.echo(f"{result['resumes']} resume(s), {result['audited']} audited, {result['mismatches']} "
-                   f"mismatch(es)", err=True)
+                   f"mismatch(es)" + (f", {result['unreadable']} unreadable record(s)" if result["unreadable"] else ""),
+                   err=True)
         for row in result["results"]:
-            if row["result"] in ("mismatch", "invalid"):
+            if row["result"] in ("mismatch", "invalid", "unreadable"):
                 click.echo(row["message"], err=True)
     emit_json(result)
-    if result["mismatches"]:
+    if result["mismatches"] or result["unreadable"]:
         sys.exit(EXIT_FAILED)
 
 
 @main.command("export-index", cls=SectionedCommand,
               sections={"Index": ("out", "split", "url_base", "overwrite"),
-                        "Object storage": ("s3_endpoint_url", "s3_profile", "s3_unsigned", "s3_max_concurrency",
-                                           "s3_read_ahead", "min_transfer_rate", "request_deadline")})
+                        "Object storage": S3_OPTION_NAMES})
 @click.argument("dataset", type=click.Path(path_type=str))
 @click.option("--out", type=click.Path(dir_okay=False, path_type=str), required=True,
               help="The index file to write (.json, on this machine).")

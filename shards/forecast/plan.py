@@ -42,6 +42,8 @@ FORECAST_FORMAT, FORECAST_VERSION = "shardcache.forecast", 1
 CACHE_COUNTS = ("hits", "misses", "bypasses", "evictions", "evictions_unneeded", "evictions_furthest",
                 "evictions_lru", "fetched_bytes", "served_bytes", "bypassed_bytes")
 DEFAULT_SHUFFLE_BUFFER = 512  # StreamConfig's
+MAX_READERS = 1 << 16  # readers (ranks x workers) played an epoch: a few seconds (``_check``)
+MAX_READER_EPOCHS = 1 << 18  # and over all epochs
 
 
 @dataclass(frozen=True)
@@ -214,6 +216,13 @@ def _check(epochs: int, world_size: int, workers: int, batch_size: int, nodes: i
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise InputError(f"{name} must be an integer of at least {low}, got {value!r}")
     check_nodes(nodes, world_size)
+    # Every reader (a rank's worker) is played on its own, about 50 us each even when it reads nothing: past these
+    # bounds the answer would take minutes (65,536 ranks of 256 workers: 16.7 million readers an epoch).
+    readers = world_size * max(workers, 1)
+    if readers > MAX_READERS or readers * epochs > MAX_READER_EPOCHS:
+        raise InputError(f"{world_size} ranks of {max(workers, 1)} reader(s) over {epochs} epoch(s) is more than "
+                         f"the forecast plays: at most {MAX_READERS:,} readers (ranks x workers) an epoch and "
+                         f"{MAX_READER_EPOCHS:,} over all epochs; forecast fewer ranks or epochs and scale")
 
 
 class _Model:

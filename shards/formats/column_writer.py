@@ -4,6 +4,11 @@ Writing streams: ``write_split_columns`` reads the rows twice (types and widths,
 of ``CHUNK_ROWS`` rows, so memory does not grow with the number of samples; every file goes to a temp name, is
 fsynced, and all of a split's files are renamed only once all are complete. ``manifest_order`` checks that the
 source index's rows come in column order before they are written.
+
+Metadata comes from samples' ``.json`` members, which anyone writing a source controls: each distinct field costs
+a file or two, so a split indexes at most ``MAX_FIELDS`` distinct fields (the first met) and at most
+``MAX_SAMPLE_FIELDS`` of any one sample (its first); the rest are dropped and counted in the split's entry
+(``dropped``: fields and values, a few names), never each listed.
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ INT64 = (-(1 << 63), (1 << 63) - 1)
 FLOAT_EXACT = 1 << 53  # ints beyond this lose digits in a float64 column, so mixed with floats they get none
 _RESERVED = ("key", "label", "class")  # the sample's own key and label win; class is classes[label]
 _KIND = {bool: "bool", int: "int", float: "float", str: "str"}
+MAX_FIELDS = 64  # distinct metadata fields a split indexes
+MAX_SAMPLE_FIELDS = 32  # metadata fields one sample contributes
+_DROPPED_NAMES = 8  # dropped fields named in the entry
+_COUNTED_DROPS = 10_000  # distinct dropped fields counted; past it, only their values are
 
 
 def _dtype_of(kinds: set[str], width: int) -> np.dtype | None:
@@ -67,6 +76,8 @@ class Survey:
 
     def __init__(self) -> None:
         self.count, self.key_width, self._fields = 0, 1, {}
+        self.dropped_values = 0  # values of fields past the caps
+        self.dropped_fields: set[str] = set()  # counted up to _COUNTED_DROPS names (memory stays bounded)
 
     def add(self, row: Mapping[str, Any]) -> None:
         key, label, fields = row.get("key"), row.get("label"), self._fields
@@ -80,8 +91,12 @@ class Survey:
         meta = row.get("meta") or {}
         if not isinstance(meta, dict):
             raise ManifestError(f"source-index row {self.count} (sample {key!r:.80}): meta is not an object")
-        for name, value in meta.items():
+        self.dropped_values += max(0, len(meta) - MAX_SAMPLE_FIELDS)
+        for name, value in capped_meta(meta).items():
             info = fields.get(name)
+            if info is None and (len(fields) >= MAX_FIELDS or name in self.dropped_fields):
+                self._drop(name)
+                continue
             if info is None:
                 info = fields[name] = _Field()
             kind = _KIND.get(type(value), "other")
@@ -97,10 +112,29 @@ class Survey:
             info.count += 1
         self.count += 1
 
+    def _drop(self, name: str) -> None:
+        self.dropped_values += 1
+        if len(self.dropped_fields) < _COUNTED_DROPS:
+            self.dropped_fields.add(name)
+
+    def dropped(self) -> dict[str, Any] | None:
+        """The split entry's record of what the caps dropped, None when nothing was."""
+        if not self.dropped_values:
+            return None
+        return {"fields": len(self.dropped_fields), "values": self.dropped_values,
+                "names": sorted(self.dropped_fields)[:_DROPPED_NAMES]}
+
     @property
     def fields(self) -> dict[str, _Field]:
         """The metadata fields that may get a column: the sample's own key and label win, class is derived."""
         return {name: info for name, info in self._fields.items() if name not in _RESERVED}
+
+
+def capped_meta(meta: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A sample's first ``MAX_SAMPLE_FIELDS`` metadata fields: what the survey counts and the columns hold."""
+    if len(meta) <= MAX_SAMPLE_FIELDS:
+        return meta
+    return dict(itertools.islice(meta.items(), MAX_SAMPLE_FIELDS))
 
 
 Values = Callable[[list, list], list]  # (a chunk of rows, their meta objects) -> the column's values
@@ -214,7 +248,7 @@ def write_split_columns(out: Path, split: str, rows: Callable[[], Iterable[Mappi
         written, stream = 0, iter(rows())
         while chunk := list(itertools.islice(stream, CHUNK_ROWS)):
             written += len(chunk)
-            metas = [row.get("meta") or {} for row in chunk]
+            metas = [capped_meta(row.get("meta") or {}) for row in chunk]
             for column in columns:
                 column.write(chunk, metas)
         if written != count:
@@ -234,7 +268,10 @@ def write_split_columns(out: Path, split: str, rows: Callable[[], Iterable[Mappi
 
     out_fields = {name: {**entry(values), "dtype": values.dtype.str, "present": None if mask is None else entry(mask)}
                   for name, (values, mask) in layout.items()}
-    return {"rows": count, "fields": out_fields, "unindexed": unindexed}
+    entry_out = {"rows": count, "fields": out_fields, "unindexed": unindexed}
+    if survey.dropped() is not None:
+        entry_out["dropped"] = survey.dropped()
+    return entry_out
 
 
 

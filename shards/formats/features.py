@@ -3,8 +3,10 @@
 ``.pt`` files hold ``{"features": Tensor[N, D], "labels": Tensor[N], "keys": list[str]}`` (plus
 ``"views": Tensor[N, K, D]`` when augmented views were cached, and ``"targets": float32 Tensor[N]`` for a
 regression table, whose labels are all-zero placeholders) and load with ``weights_only=True, mmap=True``, so nothing
-is unpickled and a large file is paged in lazily. ``.h5`` files hold datasets of the same names. Files written
-before an entry existed load with it as None.
+is unpickled and a large file is paged in lazily. ``.h5`` files hold datasets of the same names, except the keys:
+a text column without variable-length data (``key_bytes`` and ``key_ends``, ``shards.formats.h5columns``), in
+layout ``version`` ``H5_VERSION``; a file of another layout is refused, never read (0.x: no read-both). Files
+written before an optional entry (views, targets) existed load with it as None.
 """
 
 from __future__ import annotations
@@ -20,9 +22,13 @@ import torch
 from shards.atomic import atomic_output, sha256_file
 from shards.door.bounded_read import load_weights_only, open_regular_file, parser_guard
 from shards.errors import ChecksumError, CorruptDataError, InputError
+from shards.formats.h5columns import VERSION_ATTR, check_version, checked_dataset, read_text_column, write_text_column
 
 # The names and the task rule need no torch (``pack-shards`` imports them); they live in feature_names.
 from shards.formats.feature_names import FEATURE_SUFFIXES, target_task
+
+H5_VERSION = 2  # the .h5 layout: 1 held the keys as variable-length strings (a corrupt global heap hung the reader)
+CORRUPT_H5 = "corrupt feature shard"
 
 
 @dataclass(frozen=True)
@@ -67,13 +73,13 @@ def write_feature_shard(path: str | os.PathLike, shard: FeatureShard, storage: s
             import h5py
 
             with h5py.File(tmp, "w") as f:
+                f.attrs[VERSION_ATTR] = np.int64(H5_VERSION)
                 feats = shard.features.numpy()
                 rows = max(1, min(len(feats), 4096))
                 f.create_dataset("features", data=feats, chunks=(rows, feats.shape[1]) if len(feats) else None,
                                  track_times=False)
                 f.create_dataset("labels", data=shard.labels.to(torch.int64).numpy(), track_times=False)
-                f.create_dataset("keys", data=np.array(shard.keys, dtype=object),
-                                 dtype=h5py.string_dtype("utf-8"), track_times=False)
+                write_text_column(f, "key", shard.keys)
                 if shard.views is not None:
                     f.create_dataset("views", data=shard.views.numpy(), track_times=False)
                 if shard.targets is not None:
@@ -83,8 +89,9 @@ def write_feature_shard(path: str | os.PathLike, shard: FeatureShard, storage: s
     return path.stat().st_size, sha256_file(path)
 
 
-def load_feature_shard(path: str | os.PathLike, *, mmap: bool = True) -> FeatureShard:
-    """Load a feature shard without unpickling anything (``weights_only=True``)."""
+def load_feature_shard(path: str | os.PathLike, *, mmap: bool = True, samples: int | None = None) -> FeatureShard:
+    """Load a feature shard without unpickling anything (``weights_only=True``). ``samples``: the count its
+    manifest records, which an ``.h5`` file's datasets are checked against before they are read."""
     path = Path(path)
     where = str(path)
     if path.suffix == ".pt":
@@ -97,7 +104,7 @@ def load_feature_shard(path: str | os.PathLike, *, mmap: bool = True) -> Feature
         with open_regular_file(path, error=CorruptDataError) as handle:
             size = os.fstat(handle.fileno()).st_size
             with parser_guard(where, "unreadable feature shard"), h5py.File(handle, "r") as f:
-                return _from_h5(f, size)
+                return _from_h5(f, size, where, samples)
     raise InputError(f"unknown feature file suffix {path.suffix!r}", path=where)
 
 
@@ -107,9 +114,10 @@ def _as_dict(data: Any) -> dict:
     return data
 
 
-def load_feature_bytes(data: bytes, where: str) -> FeatureShard:
+def load_feature_bytes(data: bytes, where: str, *, samples: int | None = None) -> FeatureShard:
     """A feature shard from its bytes (fetched from object storage; checked by the caller), named ``where``: the
-    format comes from its suffix. Nothing is unpickled (``weights_only=True``)."""
+    format comes from its suffix. Nothing is unpickled (``weights_only=True``); ``samples`` as for
+    ``load_feature_shard``."""
     import io
 
     suffix = os.path.splitext(where)[1]
@@ -122,33 +130,27 @@ def load_feature_bytes(data: bytes, where: str) -> FeatureShard:
     import h5py
 
     with parser_guard(where, "unreadable feature shard"), h5py.File(io.BytesIO(data), "r") as f:
-        return _from_h5(f, len(data))
+        return _from_h5(f, len(data), where, samples)
 
 
 def _from_mapping(data: dict) -> FeatureShard:
     return FeatureShard(data["features"], data["labels"], list(data["keys"]), data.get("views"), data.get("targets"))
 
 
-def _from_h5(f: Any, file_bytes: int) -> FeatureShard:
-    """The datasets of an open ``h5py.File``; the optional ones (views, targets) as None when absent. Each is
-    checked before it is read: a dataset, uncompressed (as written here), and declaring no more bytes than the
-    file holds, so a forged shape never allocates more than the file's size."""
-    import h5py
-
-    for name in ("features", "labels", "keys", "views", "targets"):
-        dataset = f.get(name)
-        if dataset is None and name in ("views", "targets"):
-            continue
-        if not isinstance(dataset, h5py.Dataset):
-            raise TypeError(f"no dataset {name!r}")
-        if dataset.compression is not None or dataset.shape is None:
-            raise TypeError(f"dataset {name!r} is compressed or empty (feature shards are written plain)")
-        declared = int(np.prod(dataset.shape, dtype=np.float64)) * max(dataset.dtype.itemsize, 1)
-        if declared > file_bytes:
-            raise ValueError(f"dataset {name!r} declares {declared} bytes, more than the {file_bytes}-byte file")
-    optional = {name: torch.from_numpy(f[name][...]) if name in f else None for name in ("views", "targets")}
-    return FeatureShard(torch.from_numpy(f["features"][...]), torch.from_numpy(f["labels"][...]),
-                        [str(k) for k in f["keys"].asstr()[...]], **optional)
+def _from_h5(f: Any, file_bytes: int, where: str, samples: int | None) -> FeatureShard:
+    """The datasets of an open ``h5py.File`` of layout ``H5_VERSION``; the optional ones (views, targets) as None
+    when absent. Each is checked before it is read (``shards.formats.h5columns.checked_dataset``: a dataset, plain,
+    declaring no more bytes than the file holds), and the keys against the rows: the manifest's ``samples`` when
+    given, else the features' rows."""
+    check_version(f, H5_VERSION, where, "feature shard", "run precompute-features again")
+    checked = {name: checked_dataset(f, name, file_bytes, where, what=CORRUPT_H5)
+               for name in ("features", "labels", "views", "targets") if name in ("features", "labels") or name in f}
+    rows = samples if samples is not None else (checked["features"].shape or (0,))[0]
+    keys = read_text_column(f, "key", rows, file_bytes, where, what=CORRUPT_H5)
+    optional = {name: torch.from_numpy(checked[name][...]) if name in checked else None
+                for name in ("views", "targets")}
+    return FeatureShard(torch.from_numpy(checked["features"][...]), torch.from_numpy(checked["labels"][...]), keys,
+                        **optional)
 
 
 def verify_feature_file(path: str | os.PathLike, expected_bytes: int, expected_sha256: str) -> None:
@@ -168,8 +170,8 @@ def load_checked(where: Any, info: Any, *, checked: bool = False) -> FeatureShar
     if where.is_local:
         if not checked:
             verify_feature_file(where.path, info.bytes, info.sha256)
-        return load_feature_shard(where.path, mmap=True)
-    return load_feature_bytes(where.fetch_checked(info.bytes, info.sha256), where.text)
+        return load_feature_shard(where.path, mmap=True, samples=info.samples)
+    return load_feature_bytes(where.fetch_checked(info.bytes, info.sha256), where.text, samples=info.samples)
 
 
 @dataclass(frozen=True)

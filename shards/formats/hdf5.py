@@ -2,13 +2,16 @@
 
 Layout of one ``<split>-NNNNNN.h5`` file (plain h5py reads it)::
 
-    data     uint8[total_bytes]   every sample's encoded bytes, concatenated (chunked, contiguous reads)
-    offsets  int64[N + 1]         sample i is data[offsets[i]:offsets[i + 1]]
-    labels   int64[N]
-    keys     str[N]
-    exts     str[N]               "jpg", "png", ...
-    meta     str[N]               the sample's JSON metadata
-    attrs    classes (list of str), format = "shardcache.hdf5", version = 1
+    data                    uint8[total_bytes]  every sample's encoded bytes, concatenated (chunked, contiguous reads)
+    offsets                 int64[N + 1]        sample i is data[offsets[i]:offsets[i + 1]]
+    labels                  int64[N]
+    key_bytes, key_ends     text[N]             the keys
+    ext_bytes, ext_ends     text[N]             "jpg", "png", ...
+    meta_bytes, meta_ends   text[N]             the sample's JSON metadata
+    attrs    classes (list of str), format = "shardcache.hdf5", version = 2
+
+A text column is a uint8 blob and uint64 ends, with no variable-length data for the reader to follow
+(``shards.formats.h5columns``; version 1 held variable-length strings, and is refused, never read).
 
 One flat byte array with offsets (rather than a variable-length ``uint8`` dataset) reads a whole shard in one
 sequential ``read`` instead of one small HDF5 read per sample, and is just as easy to read without shardcache.
@@ -31,12 +34,15 @@ import numpy as np
 from shards.atomic import atomic_output, sha256_file
 from shards.door.bounded_read import open_regular_file, parser_guard
 from shards.errors import CorruptDataError
+from shards.formats.h5columns import VERSION_ATTR, check_version, read_text_column, write_text_column
 from shards.formats.sample import RawSample
 
 HDF5_FORMAT = "shardcache.hdf5"
+HDF5_VERSION = 2
 CHUNK_BYTES = 1 << 20
-COLUMNS = ("labels", "keys", "exts", "meta")  # one row per sample, beside ``offsets`` (one more) and ``data``
+TEXT_COLUMNS = ("key", "ext", "meta")  # one row per sample, beside ``labels``, ``offsets`` (one more) and ``data``
 UNREADABLE = "unreadable HDF5 shard"
+CORRUPT = "corrupt HDF5 shard"
 
 
 def _h5py():
@@ -79,18 +85,15 @@ class Hdf5ShardWriter:
             # track_times=False keeps the file byte-identical across runs.
             with h5py.File(tmp, "w", track_order=True) as f:
                 f.attrs["format"] = HDF5_FORMAT
-                f.attrs["version"] = 1
+                f.attrs[VERSION_ATTR] = HDF5_VERSION
                 f.attrs.create("classes", np.array(self.classes, dtype=object), dtype=text)
                 chunk = (max(1, min(CHUNK_BYTES, len(data))),)
                 f.create_dataset("data", data=data, chunks=chunk if len(data) else None, track_times=False)
                 f.create_dataset("offsets", data=offsets, track_times=False)
                 f.create_dataset("labels", data=np.array([r.label for r in rows], dtype=np.int64), track_times=False)
-                for name, values in (
-                    ("keys", [r.key for r in rows]),
-                    ("exts", [r.ext for r in rows]),
-                    ("meta", [r.meta.decode("utf-8") for r in rows]),
-                ):
-                    f.create_dataset(name, data=np.array(values, dtype=object), dtype=text, track_times=False)
+                write_text_column(f, "key", (r.key for r in rows))
+                write_text_column(f, "ext", (r.ext for r in rows))
+                write_text_column(f, "meta", (r.meta.decode("utf-8") for r in rows))
         self.sha256 = sha256_file(self.path)
         self.bytes = self.path.stat().st_size
         self._rows = []
@@ -122,9 +125,8 @@ def iter_hdf5_shard(path: str | os.PathLike | BinaryIO, start: int = 0, stop: in
             data_bytes = int(data.shape[0])
             unlocated = _unlocated(offsets, data_bytes)[start:stop]
             labels = columns["labels"][start:stop]
-            keys = columns["keys"].asstr()[start:stop]
-            exts = columns["exts"].asstr()[start:stop]
-            meta = columns["meta"].asstr()[start:stop]
+            keys, exts, meta = (read_text_column(f, name, n, file_bytes, where, start, stop, what=CORRUPT)
+                                for name in TEXT_COLUMNS)
             located = np.flatnonzero(~unlocated) + start
             base = int(offsets[located].min()) if len(located) else 0
             blob = data[base : int(offsets[located + 1].max())].tobytes() if len(located) else b""
@@ -138,8 +140,7 @@ def iter_hdf5_shard(path: str | os.PathLike | BinaryIO, start: int = 0, stop: in
                 raise error
             yield error
             continue
-        yield RawSample(str(keys[i]), blob[lo - base:hi - base], str(exts[i]), int(labels[i]),
-                        str(meta[i]).encode("utf-8"))
+        yield RawSample(keys[i], blob[lo - base:hi - base], exts[i], int(labels[i]), meta[i].encode("utf-8"))
 
 
 def _unlocated(offsets: np.ndarray, data_bytes: int) -> np.ndarray:
@@ -200,11 +201,12 @@ def _opened(path: str | os.PathLike | BinaryIO, where: str) -> Iterator[BinaryIO
 
 
 def _checked_columns(f: Any, file_bytes: int, where: str) -> dict[str, Any]:
-    """The shard's datasets by name, each checked before any is read: present and a dataset, 1-D, ``offsets`` and
-    ``labels`` integers, one row per sample in every per-sample column, and ``offsets`` and ``data`` no larger than
+    """The shard's datasets by name, each checked before any is read: the layout version, present and a dataset,
+    1-D, ``offsets`` and ``labels`` integers, one label per sample, and ``offsets`` and ``data`` no larger than
     the file could store uncompressed, as the writer stores them (so a declared shape never allocates more than
-    the file's size)."""
-    found = {name: f.get(name) for name in ("data", "offsets", *COLUMNS)}
+    the file's size). The text columns are checked as they are read (``read_text_column``)."""
+    check_version(f, HDF5_VERSION, where, "HDF5 shard", "pack it again")
+    found = {name: f.get(name) for name in ("data", "offsets", "labels")}
     missing = [name for name, dataset in found.items() if not isinstance(dataset, _h5py().Dataset)]
     problem = None
     if missing:
@@ -218,9 +220,8 @@ def _checked_columns(f: Any, file_bytes: int, where: str) -> dict[str, Any]:
         problem = f"offsets claim {found['offsets'].shape[0]} entries, more than the {file_bytes}-byte file holds"
     else:
         n = found["offsets"].shape[0] - 1
-        lengths = {name: found[name].shape for name in COLUMNS}
-        if any(shape != (n,) for shape in lengths.values()):
-            problem = f"{n} samples in offsets, but column shapes {lengths}"
+        if found["labels"].shape != (n,):
+            problem = f"{n} samples in offsets, but labels of shape {found['labels'].shape}"
     if problem is not None:
-        raise CorruptDataError(f"corrupt HDF5 shard: {problem}", path=where)
+        raise CorruptDataError(f"{CORRUPT}: {problem}", path=where)
     return found

@@ -78,8 +78,8 @@ class ImageDecoder:
     other callable (a torchvision pipeline draws from torch's global generator) runs with torch's CPU generator
     seeded to it inside ``torch.random.fork_rng``, so the caller's random state is the same afterwards. That
     generator is the process's: threads of one worker process take turns at it (``_GLOBAL_GENERATOR``), and the
-    thread run mode, whose threads share it with the training step, refuses such a transform
-    (``draws_from_global_generator``).
+    thread run mode, whose threads share it with the training step, refuses a transform that draws from it
+    (``draws_from_global_generator``); one its probe saw draw nothing runs there untouched (``draws_nothing``).
 
     Each call marks where it finished decoding and began transforming (``shards.procs.stage_times.mark_decoded``):
     the reader's stage timing splits the call there.
@@ -88,6 +88,10 @@ class ImageDecoder:
     def __init__(self, transform=None, *, draft_size: tuple[int, int] | None = None):
         self.transform = transform
         self.draft_size = draft_size
+        # Set by the loader's probe (``shards.loader.transform_probe``) when the transform drew from no global
+        # generator on the dataset's first samples: the training process then calls it as it is (threads run it
+        # beside the training step, whose generator it must not touch); a worker process still seeds it per sample.
+        self.draws_nothing = False
 
     def decode(self, data: bytes, ext: str = "") -> Image.Image:
         from shards.errors import CorruptDataError
@@ -105,11 +109,14 @@ class ImageDecoder:
         if self.transform is None:
             return image
         import torch
+        from torch.utils.data import get_worker_info
 
         from shards.image.transforms import PilTransform
 
         if isinstance(self.transform, PilTransform):
             return self.transform(image, seed)
+        if self.draws_nothing and get_worker_info() is None:
+            return self.transform(image)
         with _GLOBAL_GENERATOR, torch.random.fork_rng(devices=[]):
             # The CPU generator only: torch.manual_seed would also reseed CUDA, which fork_rng(devices=[]) leaves.
             torch.default_generator.manual_seed(seed)
@@ -117,10 +124,11 @@ class ImageDecoder:
 
     @property
     def draws_from_global_generator(self) -> bool:
-        """Whether the transform draws from torch's global generator (a callable that is not a preset's)."""
+        """Whether the transform may draw from torch's global generator (a callable that is not a preset's, unless
+        the loader's probe saw it draw nothing)."""
         from shards.image.transforms import PilTransform
 
-        return self.transform is not None and not isinstance(self.transform, PilTransform)
+        return self.transform is not None and not isinstance(self.transform, PilTransform) and not self.draws_nothing
 
 
 def jpeg_orientation(data: bytes) -> int:

@@ -31,6 +31,7 @@ from shards.lock import is_lock_file
 
 log = logging.getLogger("shardcache.overwrite")
 _NOT_PLAIN = re.compile(r"[/\\\x00-\x1f\x7f]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 SHOWN_NAMES = 3
 
 
@@ -54,9 +55,11 @@ def manifest_names(folder: Path, manifest_file: str, load: Callable[[Path], Any]
 
 
 def shown(names: Collection[str]) -> str:
-    """``a, b, c, ...``: the first few names, enough to find them, in one line."""
+    """``a, b, c, ...``: the first few names, enough to find them, in one line (a name's control characters are
+    shown escaped, as ``repr`` does: a name is untrusted text, a listed object key or a file a user made)."""
     ordered = sorted(names)
-    return ", ".join(ordered[:SHOWN_NAMES]) + (", ..." if len(ordered) > SHOWN_NAMES else "")
+    first = [_CONTROL.sub(lambda match: repr(match.group())[1:-1], name) for name in ordered[:SHOWN_NAMES]]
+    return ", ".join(first) + (", ..." if len(ordered) > SHOWN_NAMES else "")
 
 
 def refuse_clobber(folder: Path, owned: Collection[str], writes: Collection[str], *, writer: str) -> None:

@@ -27,11 +27,6 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def default_workers() -> int:
-    """One process per usable CPU, capped at 8: the default of a whole-dataset pass that reads data."""
-    return max(1, min(MAX_DEFAULT_WORKERS, usable_cpus()))
-
-
 def pool_context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
 

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from shards.errors import InputError
+from shards.loader.budget import MemoryBudget
 from shards.procs.stage_times import SharedStageTimes
 from shards.loader.resume_audit import ResumeAudit, check_state, resume_verdict, saved_with_audit
 from shards.loader.watchdog import StallPolicy, Watchdog, check_stack_dir
@@ -51,6 +52,11 @@ class Run(ABC):
     def choice(self) -> dict[str, Any] | None:
         """What a mode that chooses among others (``Auto``) tried and chose; None for a fixed mode."""
         return None
+
+    def ahead_within_budget(self, asked: int) -> int:
+        """Batches a consumer may prefetch beside this run (train's feature prefetch thread) within the loader's
+        memory budget, at most ``asked``; a run that fits its own queues to the budget leaves ``asked``."""
+        return asked
 
 
 class RunMode(ABC):
@@ -93,16 +99,23 @@ class Loader:
     ``stall``: stall and crash recovery (``shards.loader.watchdog``): worker processes are restarted, threads end
     the run with an error naming the sample and its stack; a mode with nothing beside the loop to watch refuses it
     (an ``InputError`` naming the mode), never ignores it. ``stage_times=False``: no stage seconds (they
-    stay at 0), for measuring what they cost. ``collate_fn``, ``pin_memory`` and ``dataloader_options`` go to the
-    DataLoader of a mode that makes one. ``resume_audit``: what a loaded state whose recorded batches disagree
+    stay at 0), for measuring what they cost. ``collate_fn`` and ``pin_memory`` apply in every mode that makes
+    batches from samples; ``worker_init_fn``, ``multiprocessing_context`` and ``generator`` go to the DataLoader of a
+    mode that makes one. ``resume_audit``: what a loaded state whose recorded batches disagree
     with the plan does (``shards.position.audit``): ``"refuse"`` (a ``ResumeAuditError``), ``"warn"`` (one
-    logged line) or ``"off"`` (no audit record is saved or checked)."""
+    logged line) or ``"off"`` (no audit record is saved or checked). ``memory``: the ``MemoryBudget`` a run mode
+    fits its prefetch depth to (``shards.loader.budget``; None: the depths the mode says)."""
 
     def __init__(self, dataset: Any, batch_size: int, mode: RunMode, *, drop_last: bool = False,
                  stall: StallPolicy | None = None, stage_times: bool = True, collate_fn: Callable | None = None,
-                 pin_memory: bool = False, resume_audit: str = "refuse", **dataloader_options: Any):
-        if batch_size < 1:
-            raise InputError(f"batch_size must be at least 1, got {batch_size}")
+                 pin_memory: bool = False, resume_audit: str = "refuse", worker_init_fn: Callable | None = None,
+                 multiprocessing_context: Any = None, generator: Any = None, memory: MemoryBudget | None = None):
+        if batch_size is None:
+            raise InputError("batch_size=None (DataLoader's unbatched samples) is not a loader here: iterate the "
+                             "dataset itself for one sample at a time, or give batch_size >= 1")
+        if isinstance(batch_size, bool) or not hasattr(batch_size, "__index__") or batch_size < 1:
+            raise InputError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        batch_size = batch_size.__index__()
         if not isinstance(mode, RunMode):
             raise InputError(f"mode must be a run mode (WorkerProcesses(n), Threads(n), InProcess() or Auto()), got "
                              f"{mode!r}")
@@ -112,8 +125,12 @@ class Loader:
         self.dataset = dataset
         self.batch_size = batch_size
         self.mode = mode
+        self.memory = memory  # bytes in flight at most (``shards.loader.budget``); None: as the mode's depths say
         self.drop_last = drop_last
-        self.collate_fn, self.pin_memory, self.dataloader_options = collate_fn, pin_memory, dataloader_options
+        self.collate_fn, self.pin_memory = collate_fn, pin_memory
+        # What the DataLoader of a mode that makes one takes besides (``make_loader`` checks them against the mode).
+        self.dataloader_options = {"worker_init_fn": worker_init_fn, "multiprocessing_context": multiprocessing_context,
+                                   "generator": generator}
         kind, split_batch = mode.layout(dataset, batch_size)
         self.cursor = Cursor(dataset, kind, batch_size=batch_size, num_workers=mode.workers, drop_last=drop_last,
                              split_batch=split_batch)
@@ -158,6 +175,11 @@ class Loader:
         """``Auto``'s trial (per candidate: batches timed, mean step and data-wait seconds) and the mode it chose
         (None until every candidate was tried); None in a fixed mode."""
         return self.run.choice()
+
+    def prefetch_within_budget(self, asked: int) -> int:
+        """How many batches a consumer may hold ahead of the step beside this loader (a prefetch thread), at most
+        ``asked``, within ``memory`` (``shards.loader.budget``)."""
+        return self.run.ahead_within_budget(asked)
 
     def close(self) -> None:
         """Stop what the loader runs beside the caller (worker processes) now, rather than when the garbage

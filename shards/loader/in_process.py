@@ -21,8 +21,10 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
+from torch.utils.data._utils.pin_memory import pin_memory as pin_nested
 
 from shards.loader.base import Loader, Run, RunMode
+from shards.loader.budget import feature_row_bytes, fit_depth, split_budget
 from shards.loader.feature_prefetch import WindowsAhead, joined
 from shards.procs.stage_times import READ
 from shards.loader.worker_processes import DataLoaderRun
@@ -73,6 +75,21 @@ class FeatureBatches(Run):
         self.loader = weakref.proxy(loader)
         self.dataset = loader.dataset
         self.store = loader.dataset.feature_store()
+        self.ahead_within_budget(0)  # a budget below one batch beside the windows is refused now, not at a batch
+
+    def ahead_within_budget(self, asked: int) -> int:
+        """Batches a consumer may prefetch beside the one handed out and the windows gathered ahead (the one
+        served and the next: ``BudgetParts.windows``), within the loader's budget; refused when not even the
+        one batch fits (the window is part of the order: it cannot shrink)."""
+        loader = self.loader
+        row = feature_row_bytes(self.dataset)
+        if loader.memory is None or row is None:
+            return asked
+        window = self.dataset.config.feature_window
+        windows = split_budget(loader.memory, windows=2 * window * row if window else 0).windows
+        # beside the queue: the batch the loop trains on and the one the prefetch thread holds while it is full
+        return min(asked, fit_depth(loader.memory, loader.batch_size * row, 1, max(1, asked), 2, loader.mode,
+                                    windows))
 
     def _batches(self, rows: int) -> int:
         size = self.loader.batch_size
@@ -95,12 +112,15 @@ class FeatureBatches(Run):
         began = clock() if clock else 0.0
         rows = self.epoch_rows(epoch, continued.left if continued is not None else None)
         window = self.dataset.config.feature_window
+        pin = self.loader.pin_memory and torch.cuda.is_available()  # asked for: make_loader's default is False here
         gather = self.store.rows
         ahead = WindowsAhead(lambda a, b: gather(rows[a:b]), len(rows), window) if window else None
         try:
             for batch in range(start, self._batches(len(rows))):
                 first, stop = batch * size, min((batch + 1) * size, len(rows))
                 out = tuple(joined(ahead.pieces(first, stop)) if ahead is not None else gather(rows[first:stop]))
+                if pin:
+                    out = tuple(pin_nested(list(out)))
                 if audit is not None:
                     audit.gathered(rows[first:stop])  # what the batch was gathered from (``resume_audit``)
                 cursor.handed = before + batch + 1

@@ -9,6 +9,7 @@ The run mode is one value: ``WorkerProcesses(n)`` (``shards.loader.worker_proces
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Sequence
 
 import torch
@@ -17,8 +18,12 @@ from shards.jobs.parallel import MAX_DEFAULT_WORKERS, usable_cpus
 from shards.errors import InputError
 from shards.loader.auto import Auto
 from shards.loader.base import Loader, RunMode
+from shards.loader.budget import MemoryBudget, resolve_budget
 from shards.loader.in_process import InProcess
 from shards.loader.threads import Threads
+from shards.loader.torch_keywords import (
+    check_process_options, refuse_unknown, with_queue_options, workers_of,
+)
 from shards.loader.watchdog import StallPolicy
 from shards.loader.worker_processes import WorkerProcesses
 from shards.stream.feature_stream import FeatureShardDataset
@@ -61,15 +66,27 @@ def workers_mode(workers: int, *, prefetch_factor: int = 4, persistent: bool = T
 def make_loader(dataset: Any, batch_size: int = 256, *, mode: RunMode | str | None = None,
                 stall: StallPolicy | None = None, drop_last: bool | None = None, collate_fn: Callable | None = None,
                 pin_memory: bool | None = None, stage_times: bool = True, resume_audit: str = "refuse",
-                **dataloader_options: Any) -> Loader:
+                num_workers: int | None = None, prefetch_factor: int | None = None,
+                persistent_workers: bool | None = None, worker_init_fn: Callable[[int], Any] | None = None,
+                multiprocessing_context: Any = None, generator: torch.Generator | None = None, timeout: float = 0,
+                memory: int | str | MemoryBudget | None = None, **unknown: Any) -> Loader:
     """Batches from a dataset of ``open_dataset``, with defaults that suit it.
 
     ``mode`` defaults to ``default_mode``: ``InProcess()`` for a feature dataset, ``WorkerProcesses(n)`` for
     images, with ``n`` the usable CPUs minus one (max 8); ``"auto"`` (``auto_mode``) tries ``Threads(n)``,
     ``WorkerProcesses(n)`` and threads inside processes over the first batches and keeps the lowest step time,
-    feeding exactly the batches of the default (``loader.mode_choice()`` says what it tried and chose). ``pin_memory`` defaults to whether CUDA is present,
-    ``drop_last`` to ``dataset.config.shuffle`` (training). ``stage_times=False`` turns off the per-stage seconds
-    (``stage_seconds()`` then stays at 0), for measuring what they cost.
+    feeding exactly the batches of the default (``loader.mode_choice()`` says what it tried and chose).
+    ``pin_memory`` defaults to whether CUDA is present (a feature table gathered in process: False, the copy would
+    be synchronous), ``drop_last`` to ``dataset.config.shuffle`` (training). ``stage_times=False`` turns off the
+    per-stage seconds (``stage_seconds()`` then stays at 0), for measuring what they cost.
+
+    DataLoader's keywords mean what they mean there (``shards.loader.torch_keywords``): ``num_workers=n`` is
+    ``mode=WorkerProcesses(n)`` (0: ``InProcess()``); ``prefetch_factor`` and ``persistent_workers`` set the
+    workers of that mode (or of the default); ``worker_init_fn`` runs in each worker process,
+    ``multiprocessing_context`` starts them, ``generator`` is what the DataLoader draws its workers' base seed from
+    (default: one seeded with ``dataset.config.seed``; modes without a DataLoader draw nothing). What a mode cannot
+    honour is refused in one line with the reason, as are ``shuffle``/``sampler`` (the order is
+    ``open_dataset(sampling=Sampling(...))``), ``timeout`` (``stall=``) and unknown keywords (with a did-you-mean).
 
     ``stall`` (``StallPolicy(timeout_s, max_restarts, stack_dir, on_event)``; None: off): no batch for
     ``timeout_s``, or a worker process gone, restarts the workers at the exact position
@@ -79,20 +96,56 @@ def make_loader(dataset: Any, batch_size: int = 256, *, mode: RunMode | str | No
     ``resume_audit`` (``"refuse"``, ``"warn"``, ``"off"``): every ``state_dict`` carries the keys of the last
     batches fed and of the next ones the plan gives; ``load_state_dict`` checks them, and the first batches fed
     after it, against the plan and refuses (or warns about) a state that disagrees (``shards.position.audit``).
+
+    ``memory`` (bytes, ``"512MiB"`` or a ``MemoryBudget``): the bytes this rank's loader holds in flight at most;
+    the mode's prefetch depth is fitted to it and a budget below one batch per worker is refused
+    (``shards.loader.budget``), and so are decode-ahead and, counted as the dataset's options make them, remote
+    read-ahead and feature windows (``split_budget``). Default: a quarter of the memory the job may still fill;
+    ranks sharing a node pass ``memory=default_budget(ranks=n)`` (train does, from its local world size).
     """
-    if mode is None:
-        mode = default_mode(dataset)
-    elif mode == "auto":
-        mode = auto_mode(dataset)
+    if unknown:  # the did-you-mean offers make_loader's own parameters, whatever they are by then
+        refuse_unknown(unknown, [name for name in inspect.signature(make_loader).parameters
+                                 if name not in ("dataset", "unknown")])
+    named = mode is not None and num_workers is None  # the caller chose the mode (and its worker options)
+    mode = resolve_mode(dataset, mode, num_workers)
+    mode = with_queue_options(mode, dataset, named=named, prefetch_factor=prefetch_factor,
+                              persistent_workers=persistent_workers)
+    check_process_options(mode, dataset, named=named, worker_init_fn=worker_init_fn,
+                          multiprocessing_context=multiprocessing_context, timeout=timeout, collate_fn=collate_fn)
     if drop_last is None:
         drop_last = dataset.config.shuffle
     if pin_memory is None:
-        pin_memory = torch.cuda.is_available()
-    # DataLoader draws its workers' base seed from this generator at every iter(); left to the global RNG it
-    # would shift the training loop's random numbers by one draw per epoch (and differently after a resume).
-    dataloader_options.setdefault("generator", torch.Generator().manual_seed(dataset.config.seed))
-    return Loader(dataset, batch_size, mode, drop_last=drop_last, stall=stall, stage_times=stage_times,
-                  collate_fn=collate_fn, pin_memory=pin_memory, resume_audit=resume_audit, **dataloader_options)
+        pin_memory = torch.cuda.is_available() and worth_pinning(dataset, mode)
+    if generator is None:
+        # DataLoader draws its workers' base seed from this generator at every iter(); left to the global RNG it
+        # would shift the training loop's random numbers by one draw per epoch (and differently after a resume).
+        generator = torch.Generator().manual_seed(dataset.config.seed)
+    return Loader(dataset, batch_size, mode, drop_last=drop_last, stall=stall,
+                  stage_times=stage_times, collate_fn=collate_fn, pin_memory=pin_memory, resume_audit=resume_audit,
+                  worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context, generator=generator,
+                  memory=resolve_budget(memory))
+
+
+def worth_pinning(dataset: Any, mode: RunMode) -> bool:
+    """Whether pinned batches are worth their copy: not for a feature table gathered in the loop's own thread
+    (``InProcess``), where the pin is one more synchronous copy before the one to the GPU. The default of
+    ``pin_memory``; an explicit ``pin_memory=True`` pins there too."""
+    return not (isinstance(mode, InProcess) and isinstance(dataset, FeatureShardDataset))
+
+
+def resolve_mode(dataset: Any, mode: RunMode | str | None, num_workers: int | None = None) -> RunMode:
+    """The run mode ``make_loader`` runs: ``num_workers``'s (``WorkerProcesses(n)``, 0 ``InProcess()``), the
+    dataset kind's default, ``auto_mode`` for ``"auto"``, or ``mode`` itself."""
+    if num_workers is not None:
+        return workers_of(num_workers, mode)
+    if mode is None:
+        return default_mode(dataset)
+    if isinstance(mode, str):
+        if mode != "auto":
+            raise InputError(f"mode={mode!r} is not a run mode: give 'auto', WorkerProcesses(n), Threads(n) or "
+                             "InProcess()")
+        return auto_mode(dataset)
+    return mode
 
 
 def pad_collate(batch: Sequence[tuple]) -> dict[str, Any]:

@@ -41,12 +41,14 @@ from shards.atomic import write_text_shared
 from shards.errors import CorruptDataError, InputError, ShardcacheError
 from shards.loader.base import Loader, Run, RunMode
 from shards.loader.batch_fill import BatchFill
+from shards.loader.transform_probe import global_draws
+from shards.loader.budget import batch_bytes, dataset_read_ahead, fit_depth, split_budget
 from shards.loader.watchdog import row_location
 from shards.position.resume import STREAM
 from shards.procs.stage_times import COLLATE
 from shards.procs.values import MAX_WORKERS
 from shards.procs.worker_status import WorkerStatus
-from shards.stream.decode_ahead import DecodeAhead, one_intraop_thread
+from shards.stream.decode_ahead import AHEAD_PER_THREAD, DecodeAhead, one_intraop_thread
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +89,11 @@ class Threads(RunMode):
         return ThreadRun(loader, self)
 
     def unsuited(self, dataset: Any) -> str | None:
-        if getattr(getattr(dataset, "decoder", None), "draws_from_global_generator", False):
-            return ("this transform draws from torch's global random generator, which loader threads share with the "
-                    "training step: give it as a preset name or TransformSpec, or use WorkerProcesses(n)")
-        return None
+        """A callable transform that draws from a global random generator (torch's, Python's, NumPy's) on the
+        dataset's first samples: it would race the training step's random numbers in threads, and threads cannot
+        seed it per sample. One that draws nothing (a deterministic eval ``Compose``) runs here
+        (``shards.loader.transform_probe``)."""
+        return global_draws(dataset)
 
 
 class _End:
@@ -112,10 +115,25 @@ class ThreadRun(Run):
         self.loader = weakref.proxy(loader)
         self.mode = mode
         self.status = WorkerStatus()  # what each thread decodes, for a stall's report
+        self.depth: int | None = None  # each thread's queue, fitted to the loader's memory budget at the first epoch
+        self.parts = None  # the budget divided (``shards.loader.budget.BudgetParts``), at the first epoch
         self._current: _Epoch | None = None
 
     def batches(self) -> Iterator[Any]:
         self.close()  # a new iteration: the last one's threads stop first
+        if self.depth is None:
+            loader, mode = self.loader, self.mode
+            batch = batch_bytes(loader.dataset, loader.batch_size, mode.workers) if loader.memory is not None else 0
+            reserved = 0
+            if loader.memory is not None:  # the decoders' pool: each worker's stream decodes ahead within its part
+                self.parts = split_budget(loader.memory, sample=batch // loader.batch_size, streams=mode.workers,
+                                          ahead=AHEAD_PER_THREAD * mode.decoders,
+                                          read_ahead=dataset_read_ahead(loader.dataset, 1),
+                                          need=(2 * mode.workers + 1) * batch)
+                reserved = self.parts.reserved
+            # in flight: each thread's queue and the batch it fills, and the one the loop holds
+            self.depth = fit_depth(loader.memory, batch, mode.workers, mode.prefetch, mode.workers + 1, mode,
+                                   reserved)
         epoch = self._current = _Epoch(self)
         cursor = self.loader.cursor
         try:
@@ -143,8 +161,9 @@ class _Epoch:
         self.rotation = resume.rotation if resume is not None else 0
         left = continued.left if continued is not None and resume is not None and resume.remainder else None
         self.stopping = threading.Event()
-        self.queues = [queue.Queue(maxsize=mode.prefetch) for _ in range(self.workers)]
-        self.pool = DecodeAhead(mode.decoders) if mode.decoders else None
+        self.queues = [queue.Queue(maxsize=run.depth or mode.prefetch) for _ in range(self.workers)]
+        ahead = run.parts.ahead if run.parts is not None and run.parts.ahead else None
+        self.pool = DecodeAhead(mode.decoders, ahead) if mode.decoders else None
         run.status.clear()
         epoch, quarantine = dataset.epoch, cursor.shared_quarantine.rows()
         self.threads = [threading.Thread(

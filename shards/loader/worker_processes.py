@@ -32,11 +32,15 @@ from torch.utils.data._utils.collate import default_collate
 from shards.errors import InputError
 from shards.lock import pid_alive
 from shards.loader.base import Loader, Run, RunMode
+from shards.loader.budget import BudgetParts, batch_bytes, dataset_read_ahead, fit_depth, split_budget
+from shards.loader.shm import (EXTRA_BATCHES, Handoff, PipedCollate, announce, plan_handoff, shm_free,
+                               unpipe)
 from shards.procs.stage_times import SharedStageTimes, TimedCollate
 from shards.procs.worker_status import WorkerStatus
 from shards.position.elastic import Continuation
 from shards.procs.values import MAX_WORKERS
 from shards.position.resume import STREAM, SharedQuarantine, SharedResume
+from shards.stream.decode_ahead import AHEAD_PER_THREAD, DecodeAhead
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,7 @@ class WorkerFeed(IterableDataset):
         self.quarantine = quarantine  # the cursor's: rows a restart or a loaded state kept out reach workers here
         self.status = status  # where workers publish the sample they decode (a watched loader's)
         self.decode_threads = decode_threads  # threads decoding inside each worker (``WorkerProcesses.threads``)
+        self.decode_ahead: int | None = None  # samples each worker's threads decode ahead (fitted to the budget)
         self.fed = fed  # the loader's ``FedRing``: each slot's key as read (``shards.position.audit``), or None
         self.resume = SharedResume()  # skips and rotation: reach persistent workers too
         self.left = None  # an epoch continued in another layout: its rows left (a new DataLoader carries them)
@@ -132,16 +137,22 @@ class WorkerFeed(IterableDataset):
         resume = self.resume.read(epoch, num_workers)
         worker = (physical + (resume.rotation if resume else 0)) % num_workers
         watch = self.status.slot(physical) if self.status is not None and info is not None else None
+        pool = None
+        if self.decode_threads > 1 and self.decode_ahead:  # decode-ahead within the budget: this worker's own pool
+            pool = DecodeAhead(self.decode_threads, self.decode_ahead)
         stream = self.dataset.worker_stream(
             epoch, worker, num_workers, split_batch=self.split_batch, skip=resume.skips[worker] if resume else 0,
             left=self.left if resume is not None and resume.remainder else None, stage_times=self.stage_times,
-            quarantine=self.quarantine.rows(), watch=watch, decode_threads=self.decode_threads, fed=self.fed)
-        if watch is None:
-            yield from stream
-            return
-        for output in stream:
-            watch.idle()  # decoded: a stall from here on is not this sample's
-            yield output
+            quarantine=self.quarantine.rows(), watch=watch, decode_threads=pool or self.decode_threads,
+            fed=self.fed)
+        try:
+            for output in stream:
+                if watch is not None:
+                    watch.idle()  # decoded: a stall from here on is not this sample's
+                yield output
+        finally:
+            if pool is not None:
+                pool.close()
 
 
 class DataLoaderRun(Run):
@@ -160,9 +171,11 @@ class DataLoaderRun(Run):
         self.feed = WorkerFeed(loader.dataset, loader.batch_size, times, loader.cursor.shared_quarantine,
                                status=watchdog.status if watchdog is not None else None, decode_threads=threads,
                                fed=loader.audit.ring if loader.audit is not None else None)
-        collate_fn = loader.collate_fn if loader.collate_fn is not None else default_collate
-        if times is not None:
-            collate_fn = TimedCollate(collate_fn, times)
+        self._collate_fn = loader.collate_fn if loader.collate_fn is not None else default_collate
+        self._times = times
+        self.workers, self.prefetch_factor, self.threads = workers, prefetch_factor, threads
+        self.parts: BudgetParts | None = None  # the loader's budget divided, at the first iteration
+        self.handoff: Handoff | None = None  # planned at the first iteration (shards.loader.shm)
         options = dict(loader.dataloader_options)
         if workers > 0:
             init = options.get("worker_init_fn")
@@ -170,14 +183,40 @@ class DataLoaderRun(Run):
                 init = watchdog.worker_init(init)
             options["worker_init_fn"] = OrphanGuard(init)
         self._dataloader_options = dict(
-            batch_size=loader.batch_size, num_workers=workers, drop_last=loader.drop_last, collate_fn=collate_fn,
+            batch_size=loader.batch_size, num_workers=workers, drop_last=loader.drop_last,
             pin_memory=loader.pin_memory, persistent_workers=persistent and workers > 0,
             prefetch_factor=prefetch_factor if workers > 0 else None, **options)
         self.dataloader = self._new_dataloader()
         self._iterators: weakref.WeakSet = weakref.WeakSet()  # this run's DataLoader iterators still alive
 
     def _new_dataloader(self) -> DataLoader:
-        return DataLoader(self.feed, **self._dataloader_options)
+        options = dict(self._dataloader_options)
+        collate_fn = self._collate_fn
+        if self.handoff is not None:
+            options["prefetch_factor"] = self.handoff.prefetch_factor
+            if self.handoff.piped:
+                collate_fn, options["pin_memory"] = PipedCollate(collate_fn), False  # ``unpipe`` pins
+        if self._times is not None:
+            collate_fn = TimedCollate(collate_fn, self._times)
+        return DataLoader(self.feed, collate_fn=collate_fn, **options)
+
+    def _plan_handoff(self) -> None:
+        """Fit the batches waiting to the loader's memory budget (``shards.loader.budget``) and to what
+        ``/dev/shm`` has free (``shards.loader.shm``), once, before the first workers start."""
+        loader = self.loader
+        size = batch_bytes(loader.dataset, loader.batch_size, self.workers)
+        reserved = 0
+        if loader.memory is not None:
+            self.parts = split_budget(loader.memory, sample=size // loader.batch_size, streams=self.workers,
+                                      ahead=AHEAD_PER_THREAD * self.threads if self.threads > 1 else 0,
+                                      read_ahead=dataset_read_ahead(loader.dataset, self.workers),
+                                      need=(self.workers + EXTRA_BATCHES) * size)
+            self.feed.decode_ahead, reserved = self.parts.ahead, self.parts.reserved
+        depth = fit_depth(loader.memory, size, self.workers, self.prefetch_factor, EXTRA_BATCHES, loader.mode,
+                          reserved)
+        self.handoff = plan_handoff(shm_free(), size, self.workers, depth)
+        announce(self.handoff)
+        self.dataloader = self._new_dataloader()
 
     def batches(self) -> Iterator[Any]:
         watchdog = self.loader.watchdog
@@ -190,11 +229,15 @@ class DataLoaderRun(Run):
 
     def start_iteration(self) -> Iterator[Any]:
         """The DataLoader's iterator over the current epoch, from the cursor's position."""
+        if self.handoff is None and self.workers > 0:
+            self._plan_handoff()
         continued = self.cursor.begin()
         self.feed.left = continued.left if continued is not None else None
         self.feed.resume.write(self.cursor.resume(continued))  # before the workers start their epoch
         iterator = iter(self.dataloader)
         self._iterators.add(iterator)
+        if self.handoff is not None and self.handoff.piped:
+            return _Unpiped(iterator, self.loader.pin_memory)
         return iterator
 
     def restart(self) -> None:
@@ -220,3 +263,23 @@ class DataLoaderRun(Run):
                 shutdown()
         self._iterators.clear()
         self.dataloader._iterator = None  # a persistent iterator: the next epoch starts fresh workers
+
+
+class _Unpiped:
+    """A DataLoader iterator whose batches came by pipe, as tensors again; the attributes the watchdog reads and
+    sets (``_get_data``, the worker status) are the DataLoader iterator's own."""
+
+    def __init__(self, iterator: Any, pin: bool):
+        self.__dict__["_iterator"], self.__dict__["_pin"] = iterator, pin
+
+    def __iter__(self) -> _Unpiped:
+        return self
+
+    def __next__(self) -> Any:
+        return unpipe(next(self._iterator), self._pin)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._iterator, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._iterator, name, value)

@@ -204,8 +204,10 @@ def refuse_foreign(objects: Mapping[str, int], spec: PublishSpec, url: str, *, o
     """``OutputExistsError`` for objects shardcache did not write, unless ``overwrite``; returns them."""
     foreign = foreign_objects(objects, spec)
     if foreign and not overwrite:
-        raise OutputExistsError(f"holds objects shardcache did not write ({', '.join(foreign[:3])}); choose another "
+        raise OutputExistsError(f"holds objects shardcache did not write ({shown(foreign)}); choose another "
                                 "prefix or pass --overwrite (which deletes only shardcache's own objects)", path=url)
+    if foreign:  # any key at all, one unusable as a file name too: left alone, named, the rest proceeds
+        log.info("%s: leaving %d object(s) shardcache did not write (%s)", url, len(foreign), shown(foreign))
     return foreign
 
 

@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from shards.errors import ShardcacheError
+from shards.feature_stats import FeatureStatsSummary, read_summary, std_histogram
 from shards.formats.feature_names import from_table
 from shards.manifest import DATASET_FILE, FeatureManifest
-from shards.report.html import (Markup, Section, count, join, key_values, note, num_cell, size, subsection, table,
-                                tag, tiles)
+from shards.report import svg
+from shards.report.html import (Markup, Section, count, figure, join, key_values, note, num_cell, pct, size,
+                                subsection, table, tag, tiles)
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,46 @@ def _freshness_note(state: Freshness) -> Markup:
     return note(Markup("Freshness unknown:") + tag("ul", items), "warn")
 
 
+def _stats_body(summary: FeatureStatsSummary) -> Markup:
+    """Tiles, the warnings precompute-features gave, and the per-dimension std: a histogram in decades when the
+    manifest lists it, else its quantiles."""
+    dead_tone = "warn" if summary.constant_dims else "good"
+    parts = [tiles([("samples counted", count(summary.samples), None),
+                    ("dead dims (constant)", f"{summary.constant_dims:,} / {summary.dims:,}", dead_tone),
+                    ("all-zero dims", count(summary.zero_dims), "warn" if summary.zero_dims else None),
+                    ("zeros stored", pct(summary.zero_share, 1), None),
+                    (f"underflow in {summary.dtype}", pct(summary.underflow_share, 2),
+                     "warn" if summary.warnings and summary.underflow_share > 0 else None),
+                    ("value range", f"{summary.value_min:.4g} .. {summary.value_max:.4g}", None)])]
+    parts += [note(f"precompute-features warned: {line}.", "warn") for line in summary.warnings]
+    if summary.shards < summary.shards_total:
+        parts.append(note(f"Counted over {summary.shards} of {summary.shards_total} feature shards (the others were "
+                          "written before statistics were kept).", "warn"))
+    if summary.std is not None:
+        bins = std_histogram(summary.std)
+        parts.append(figure(svg.columns([label for label, _ in bins], [("dimensions", [n for _, n in bins])],
+                                        lambda v: f"{v:,.0f}", title="per-dimension std", x_title="std (decade)",
+                                        integer=True, height=200),
+                            "Feature dimensions by their standard deviation across samples; dead dimensions "
+                            "(std 0) on the left."))
+    quantiles = [[name, num_cell(value, lambda v: f"{v:.4g}")] for name, value in summary.std_quantiles.items()]
+    parts.append(table(["per-dimension std", "value"], quantiles, sortable=False))
+    return join(parts)
+
+
+def _stats_part(folder: Path, manifest: FeatureManifest) -> Markup:
+    """The per-dimension statistics precompute-features kept (``shards.feature_stats``): what a degenerate cache
+    (all zero, dead dimensions, float16 underflow) looks like before anyone trains on it."""
+    try:
+        summary = read_summary(manifest.extra, str(folder / manifest.FILE))
+    except ShardcacheError as exc:
+        return subsection("Feature statistics", note(f"Unreadable: {exc}.", "warn"))
+    if summary is None:
+        return subsection("Feature statistics", note("Not recorded: this cache was written before precompute-features "
+                                                     "kept per-dimension statistics."))
+    return subsection("Feature statistics", _stats_body(summary))
+
+
 def features_section(folder: Path, manifest: FeatureManifest, anchor: str, state: Freshness, *,
                      links: Markup | None = None) -> Section:
     config = manifest.config
@@ -104,5 +146,6 @@ def features_section(folder: Path, manifest: FeatureManifest, anchor: str, state
              num_cell(sum(s.bytes for s in split.shards), size)] for name, split in manifest.splits.items()]
     parts = [overview, _freshness_note(state), links or "",
              subsection("Splits", table(["split", "samples", "feature shards", "bytes"], rows)),
+             _stats_part(folder, manifest),
              subsection("Backbone, transform and provenance", key_values(items))]
     return Section(anchor, "features", path=str(folder), title=folder.name or str(folder), body=join(parts))

@@ -4,7 +4,8 @@ Read from the files a run already writes, never from live training state, so the
 ``train-from-shards`` draws it at the end of an epoch or someone runs ``shards report`` on a finished run. Nothing
 here imports ``train`` (``shards`` depends on no other package): what a run folder holds is the run record's
 (``shards.runrecord``). Whether the data pipeline held an epoch back and what to change, or a rank held the others
-back, is the training loop's finding (``train.run.diagnose``), recorded in the epoch's row: the report shows it as
+back, and the verdicts the section opens with (chance-level accuracy, one class, loss at ln C), are the
+training loop's findings (``train.run.diagnose``), recorded in the epoch's row: the report shows it as
 recorded and applies no rule of its own. Checkpoints are described from their files' sizes and ``metrics.jsonl``,
 never opened: loading them would cost seconds per epoch, and unpickling is not allowed.
 """
@@ -98,6 +99,21 @@ def findings(row: Mapping[str, Any]) -> list[Markup]:
             if isinstance(row.get(name), str)]
 
 
+VERDICT_LEVELS = ("bad", "warn", "good")
+
+
+def verdict_part(row: Mapping[str, Any]) -> Markup:
+    """What a person should conclude, as the training loop recorded it for the last epoch (``EpochRow.verdicts``,
+    ``train.run.diagnose.verdicts``): the run section opens with it. A verdict of another shape is left out."""
+    recorded = row.get("verdicts")
+    shown = [v for v in recorded if isinstance(v, Mapping) and isinstance(v.get("text"), str)
+             and v.get("level") in VERDICT_LEVELS] if isinstance(recorded, list) else []
+    if not shown:
+        return Markup("")
+    epoch = row.get("epoch")
+    return subsection(f"Verdict (epoch {epoch})", join(note(v["text"] + ".", v["level"]) for v in shown))
+
+
 def numeric_history(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
     """Rows cut down to their finite numbers, for code that would choke on a string where a number belongs."""
     out = []
@@ -139,12 +155,21 @@ def _overview(run: RunFiles, history: Sequence[Mapping[str, float]]) -> Markup:
              ("epochs", f"{len(history)}" + (f" / {planned:.0f}" if planned else ""), None),
              ("val loss", fixed(last.get("val_loss")), None),
              ("samples/s", count(last.get("samples_per_s")), None),
-             ("data wait", pct(wait, 1), "warn" if run.rows[-1].get("wait_advice") else None)]
+             _wait_tile(wait, last.get("epoch_time_s"), bool(run.rows[-1].get("wait_advice")))]
     if "val_top5" in last:
         items.insert(2, ("val top-5", pct(last.get("val_top5")), None))
     if any("cache_hit_rate" in row for row in run.rows):
         items.append(("cache hit rate", pct(last.get("cache_hit_rate"), 1), None))
     return tiles(items)
+
+
+def _wait_tile(share: float | None, epoch_s: float | None, starving: bool) -> tuple[str, str, str | None]:
+    """The data-wait tile: marked when the loop found the pipeline held the epoch back; the wait of an epoch too
+    short to judge is shown with its length, so a 53% of 10 ms reads as what it is."""
+    value = pct(share, 1)
+    if share is not None and epoch_s is not None and not starving and share * epoch_s < 1.0:
+        value += f" of {seconds(epoch_s)}"
+    return ("data wait", value, "warn" if starving else None)
 
 
 def _curves(history: Sequence[Mapping[str, float]]) -> Markup:
@@ -303,7 +328,7 @@ def run_section(run: RunFiles, anchor: str, *, classes: Sequence[str] | None = N
                 links: Markup | None = None) -> Section:
     """``classes``: the class list of the run's data manifest, when it could be read (names the matrix)."""
     history = numeric_history(run.rows)
-    parts = [_overview(run, history), links or ""]
+    parts = [verdict_part(run.rows[-1]) if run.rows else "", _overview(run, history), links or ""]
     parts += [note(problem, "warn") for problem in run.problems]
     if history:
         parts += findings(run.rows[-1])

@@ -112,6 +112,7 @@ def read_keys(keys: Any) -> KeySet | None:
 
 
 KEY_BLOCK = 1 << 20  # bytes of a key list parsed at a time: the text, lines and bytes of one block are transient
+MAX_KEY_LINE_BYTES = 1 << 16  # a key list's line: keys are short (pack-shards' longest is 77 characters)
 
 
 class KeySet:
@@ -135,7 +136,7 @@ class KeySet:
     def read(cls, path: str | os.PathLike) -> KeySet:
         """The keys of a file, one per line, parsed a block of ``KEY_BLOCK`` bytes at a time. A regular file of at
         most ``MAX_FILE_BYTES`` only: a FIFO or ``/dev/zero`` here would hang or fill memory."""
-        chunks, rest, offset, total = [], b"", 0, 0  # offset: of ``rest`` in the file, for the error's byte
+        chunks, rest, offset, total, lines = [], b"", 0, 0, 0  # offset: of ``rest`` in the file, for the errors
         with open_regular_file(path) as handle:
             size = os.fstat(handle.fileno()).st_size
             if size > MAX_FILE_BYTES:  # refused unread, as ``read_regular_file`` refuses a file to read whole
@@ -150,7 +151,14 @@ class KeySet:
                 if total == len(block) and block.startswith(codecs.BOM_UTF8):  # Excel's "UTF-8" starts with one
                     block, offset = block[3:], 3
                 data = rest + block
-                cut = data.rfind(b"\n") + 1 if block else len(data)  # a line, or a character, may straddle blocks
+                # a line, or a character, may straddle blocks; ``rest`` stays under a line's bound, so each byte is
+                # scanned a bounded number of times (a file with no newline is not re-scanned per block)
+                cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1 if block else len(data)
+                lines += data.count(b"\n", 0, cut) if b"\n" in data else data.count(b"\r", 0, cut)
+                if len(data) - cut > MAX_KEY_LINE_BYTES:
+                    raise InputError(f"line {lines + 1} (from byte {offset + cut}) is longer than "
+                                     f"{human_bytes(MAX_KEY_LINE_BYTES)}: not a key list (one key per line)",
+                                     path=str(path))
                 try:
                     text = data[:cut].decode("utf-8")
                 except UnicodeDecodeError as exc:

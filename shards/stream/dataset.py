@@ -113,6 +113,9 @@ class ShardDataset(IterableDataset):
         self.sizes = epoch_sizes(split.samples, config.world_size, config.drop_last)
         self._first_rows = shard_offsets(split.shard_sizes).tolist()  # each shard's first global row: cache keys
         self.num_classes = num_classes if num_classes is not None else len(split.class_counts)
+        # The class names, label = index, as torchvision's ImageFolder has them: ``open_dataset`` sets them from the
+        # manifest (a mixture's combined list; empty for a regression table); None for a dataset made without one.
+        self.classes: list[str] | None = None
         self._state = SharedEpochState()
         self._stage_times = SharedStageTimes()
         # Iterated on its own, the dataset is its own loader of one worker and batches of one sample.
@@ -158,6 +161,11 @@ class ShardDataset(IterableDataset):
     @property
     def dropped(self) -> int:
         return self.sizes.dropped
+
+    @property
+    def class_to_idx(self) -> dict[str, int] | None:
+        """Class name -> label, as torchvision's ``ImageFolder.class_to_idx`` (None where ``classes`` is)."""
+        return None if self.classes is None else {name: i for i, name in enumerate(self.classes)}
 
     def stage_seconds(self) -> dict[str, float]:
         """Busy seconds per worker stage (``read``, ``decode``, ``transform``, ``collate``) of this dataset's own
@@ -423,6 +431,10 @@ class ShardDataset(IterableDataset):
             if count < piece.size:
                 raise CorruptDataError(f"shard ended after sample {piece.start + count}, the manifest says "
                                        f"{self.split_info.shards[piece.shard].samples}", path=where)
+        except GeneratorExit:
+            # The epoch was left early: this generator is closed, perhaps at interpreter exit, when the module's
+            # globals below (``CorruptDataError``) may already be None, which ``except`` would refuse to match.
+            raise
         except CorruptDataError as exc:
             if self.config.on_error == "raise":
                 raise

@@ -75,7 +75,7 @@ class FeatureShardDataset(ShardDataset):
         lease = self._cached_copy(index)
         if lease is not None:  # checked against the manifest's sha256 when fetched; read whole, then released
             with lease:
-                loaded = load_feature_shard(str(lease.path), mmap=False)
+                loaded = load_feature_shard(str(lease.path), mmap=False, samples=info.samples)
         else:  # a local file mmap'ed, else fetched whole; size and sha256 checked first (once per process)
             loaded = load_checked(where, info, checked=index in self._verified)
         if index not in self._verified:

@@ -243,8 +243,17 @@ def _per_shard(sources: Sequence[LoadedSource], runs: Sequence[Sequence[Any]],
 def _build(manifest: Manifest, split_info: Any, locations: list[str], config: StreamConfig, *, transform: Any,
            decode: Decode, remote: Remote, origins: Sequence[str], caches: _Caches,
            shard_storages: Sequence[str] | None = None, index_roots: Sequence[Any] | None = None) -> ShardDataset:
-    """The streaming dataset of one (possibly combined) split; ``origins``: where its http(s) reads may be
-    redirected (``request_origins``)."""
+    """The streaming dataset of one (possibly combined) split, with the manifest's class names; ``origins``: where
+    its http(s) reads may be redirected (``request_origins``)."""
+    dataset = _dataset(manifest, split_info, locations, config, transform=transform, decode=decode, remote=remote,
+                       origins=origins, caches=caches, shard_storages=shard_storages, index_roots=index_roots)
+    dataset.classes = list(manifest.classes)
+    return dataset
+
+
+def _dataset(manifest: Manifest, split_info: Any, locations: list[str], config: StreamConfig, *, transform: Any,
+             decode: Decode, remote: Remote, origins: Sequence[str], caches: _Caches,
+             shard_storages: Sequence[str] | None = None, index_roots: Sequence[Any] | None = None) -> ShardDataset:
     split, shard_cache = config.split, caches.shards
     if isinstance(manifest, FeatureManifest):
         if transform is not None or decode.image_only or caches.memory_limit is not None \

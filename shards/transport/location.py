@@ -38,6 +38,7 @@ from typing import Any, BinaryIO, ContextManager, Iterable, Iterator
 from shards.door.bounded_read import (JSONError, not_regular_reason, open_regular_file, parse_json, read_capped,
                                  read_regular_file)
 from shards.errors import ChecksumError, CorruptDataError, InputError, ManifestError, MissingInputError
+from shards.errors import redact
 from shards.door.locations import shard_location
 
 CHUNK = 8 << 20  # bytes per read when a whole object streams through (fetching, copying)
@@ -58,10 +59,10 @@ class Location:
         self.origins = tuple(origins)
 
     def __str__(self) -> str:
-        return self.text
+        return redact(self.text)  # how a location is shown: never its URL's credentials
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.text!r})"
+        return f"{type(self).__name__}({redact(self.text)!r})"
 
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and other.text == self.text  # type: ignore[attr-defined]
@@ -93,8 +94,9 @@ class Location:
         return self._at(self.text.rstrip("/").rsplit("/", 1)[0])
 
     def record(self) -> str:
-        """How a configuration records this location (a local path made absolute, a URL as it is)."""
-        return self.text
+        """How a configuration records this location (a local path made absolute, a URL as it is but for its
+        credentials, which a record never holds)."""
+        return redact(self.text)
 
     # -- checks before reading ------------------------------------------------------------------------------------
     def check_image_shard(self, storage: Any) -> None:

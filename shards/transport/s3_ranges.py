@@ -203,7 +203,10 @@ def head_object(url: str, options: S3Options | None = None) -> tuple[int, dict[s
 
 def list_objects(url: str, options: S3Options | None = None) -> Iterator[tuple[str, int, str, str]]:
     """Every object under the prefix ``url`` names (``s3://bucket/prefix``: the keys under ``prefix/``), as
-    ``(key relative to the prefix, size, ETag, Last-Modified)``, a page of the listing at a time (each retried)."""
+    ``(key relative to the prefix, size, ETag, Last-Modified)``, a page of the listing at a time (each retried).
+    Keys come as listed (botocore asks for them url-encoded, so a control character survives the XML), unchecked:
+    a caller that names files by them skips the ones its rule refuses, one object at a time
+    (``preprocess.adopt.sources``), never the whole prefix."""
     options = options if options is not None else S3Options()
     bucket, prefix = s3.parse_s3_url(url)
     start = prefix.rstrip("/") + "/" if prefix.strip("/") else ""

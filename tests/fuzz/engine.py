@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.fuzz import targets, targets_state  # noqa: F401 - they register the targets
+from tests.fuzz import targets, targets_adopt, targets_state  # noqa: F401 - they register the targets
 from tests.fuzz.registry import TARGETS, Target
 from tests.fuzz.sandbox import Outcome, run_bounded
 from tests.fuzz.seeds import Seeds

@@ -188,29 +188,48 @@ def _h5_dataset(f: Any, name: str, draw: Draw, good: Any) -> None:
                                         h5py.SoftLink(f"/{name}"))))
 
 
-def h5_file(draw: Draw, datasets: dict[str, Any]) -> bytes:
-    """An HDF5 file of ``datasets``, each written right or wrong (see ``_h5_dataset``)."""
+def _h5_version(f: Any, draw: Draw, good: Any) -> None:
+    """The layout ``version`` attribute: mostly right (so the datasets behind it are reached), else missing, another
+    number, or a variable-length string (whose value a reader must never read)."""
+    import h5py
+
+    kind = draw(st.sampled_from(("good", "good", "good", "missing", "other", "string")), label="h5-version")
+    if kind == "good":
+        f.attrs["version"] = good
+    elif kind == "other":
+        f.attrs["version"] = draw(st.sampled_from((1, 3, -1, 2 ** 40)))
+    elif kind == "string":
+        f.attrs.create("version", "2", dtype=h5py.string_dtype())
+
+
+def h5_file(draw: Draw, datasets: dict[str, Any], version: Any = None) -> bytes:
+    """An HDF5 file of ``datasets``, each written right or wrong (see ``_h5_dataset``), with the seed's layout
+    ``version`` (when it had one) written right or wrong."""
     import h5py
 
     buffer = io.BytesIO()
     with h5py.File(buffer, "w") as f:
+        if version is not None:
+            _h5_version(f, draw, version)
         for name, good in datasets.items():
             _h5_dataset(f, name, draw, good)
+        if draw(st.booleans(), label="h5-old-keys"):  # the old layout's variable-length keys beside the new
+            f.create_dataset("keys", data=np.array(["k"] * 3, dtype=object), dtype=h5py.string_dtype())
     return buffer.getvalue()
 
 
-def read_h5(data: bytes) -> dict[str, Any]:
-    """The datasets of a valid seed file, as arrays (strings as Python bytes arrays)."""
+def read_h5(data: bytes) -> tuple[dict[str, Any], Any]:
+    """The datasets of a valid seed file, as arrays (strings as Python bytes arrays), and its layout version."""
     import h5py
 
     with h5py.File(io.BytesIO(data), "r") as f:
-        return {name: f[name][...] for name in f}
+        return {name: f[name][...] for name in f}, f.attrs.get("version")
 
 
 def mutate_h5(draw: Draw, seed: bytes) -> bytes:
     """The seed's datasets rewritten (some wrong) by h5py, or its bytes edited blind."""
     if draw(st.booleans(), label="h5-structured"):
-        return h5_file(draw, read_h5(seed))
+        return h5_file(draw, *read_h5(seed))
     return mutate_bytes(draw, seed, hot=4096)
 
 

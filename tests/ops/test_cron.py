@@ -29,7 +29,7 @@ def _nightly(paths: dict[str, Path], *extra: str) -> subprocess.CompletedProcess
     argv = ["bash", str(NIGHTLY), "--venv", str(VENV), "--source", str(paths["src"]),
             "--data-dir", str(paths["data"]), "--feat-dir", str(paths["feat"]), "--runs-dir", str(paths["runs"]),
             "--log-dir", str(paths["logs"]), "--backbone", "resnet18", "--weights", "none",
-            "--pack-args", "--max-samples 4 --val-fraction 0.25 --seed 3",
+            "--pack-args", "--shard-samples 4 --val-fraction 0.25 --seed 3",
             "--features-args", "--resize 32 --crop 32 --batch-size 8 --workers 0 --device cpu",
             "--train-args", "--head linear --epochs 1 --batch-size 4 --workers 0 --device cpu", *extra]
     return subprocess.run(argv, capture_output=True, text=True, timeout=240)

@@ -94,7 +94,9 @@ def test_quick_cpu_run_prints_every_step_without_optional_packages(tmp_path):
     g2 = steps["G2"]
     assert g2["cpu_decoder"] == "pil" and g2["jpeg_backend"] == "torchvision"
     assert rate(g2["cpu_fast_images_per_s"]) and rate(g2["device_decode_resize_images_per_s"])
-    assert g2["device_vs_cpu_mean_abs_gray_levels"] < 1.0  # the two paths make the same model input
+    assert rate(g2["device_decode_resize_per_image_images_per_s"]) and g2["device_resize_vs_decode"] > 0
+    # The batched roi_align resize against the CPU fast path's antialiased one: within 2 grey levels (issue 45).
+    assert g2["device_vs_cpu_mean_abs_gray_levels"] < 2.0
 
     g3 = steps["G3"]
     for decode in ("fast", "device", "shared"):

@@ -72,7 +72,7 @@ def test_what_is_refused(monkeypatch, env, options, message):
 
 def test_an_indexed_job_packs_its_part_and_the_merge_finishes(tmp_path):
     write_image_folder(tmp_path / "src", ["a", "b"], 4, size=(16, 16))
-    args = [tmp_path / "src", "--out", tmp_path / "out", "--max-samples", "2", "-q"]
+    args = [tmp_path / "src", "--out", tmp_path / "out", "--shard-samples", "2", "-q"]
     first = pack(args, env={"JOB_COMPLETION_INDEX": "1", "SHARDCACHE_NUM_TASKS": "2"})
     assert first.exit_code == 0, first.output
     summary = json.loads(first.stdout)

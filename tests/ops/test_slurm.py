@@ -32,7 +32,7 @@ def _paths(tmp_path: Path) -> dict[str, Path]:
 def _pack_options(paths: dict[str, Path], *, max_samples: int, tasks: int) -> list[str]:
     return ["--source", str(paths["src"]), "--data-dir", str(paths["data"]), "--log-dir", str(paths["logs"]),
             "--pack-tasks", str(tasks), "--job-name", f"sc-{uuid.uuid4().hex[:6]}",
-            "--pack-args", f"--max-samples {max_samples} --val-fraction 0.25 --seed 1"]
+            "--pack-args", f"--shard-samples {max_samples} --val-fraction 0.25 --seed 1"]
 
 
 def test_pipeline_packs_featurises_and_trains(tmp_path):

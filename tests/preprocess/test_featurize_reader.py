@@ -47,7 +47,7 @@ def test_assembly_featurises_whole_chunks_from_each_shards_start_whatever_the_ar
 
     jobs = _jobs(sizes)
     assembly = FeatureAssembly(jobs, batch_size, featurise)
-    done = {job.index: shard for job, shard in assembly.empty_shards()}
+    done = {job.index: parts.shard() for job, parts in assembly.empty_shards()}
     assert list(done) == [2] and len(done[2]) == 0
     total = sum(sizes)
     cut = random.Random(seed).sample(range(1, total), 4)  # loader batches of any length, in any order
@@ -56,9 +56,9 @@ def test_assembly_featurises_whole_chunks_from_each_shards_start_whatever_the_ar
     random.Random(seed).shuffle(batches)
     first = [0, 5, 8, 8, 17]
     for rows in batches:
-        for job, shard in assembly.add(_batch(rows)):
+        for job, parts in assembly.add(_batch(rows)):
             assert job.index not in done
-            done[job.index] = shard
+            done[job.index] = parts.shard()
             assert sum(len(r) for j, r in calls if j == job.index) == sizes[job.index]  # not before its last row
     assert sorted(done) == list(range(len(sizes)))
     for index, shard in done.items():

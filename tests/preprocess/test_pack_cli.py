@@ -20,7 +20,7 @@ def error_lines(result):
 def test_help_lists_the_options():
     result = run(["--help"])
     assert result.exit_code == 0
-    for option in ("--storage", "--max-samples", "--max-bytes", "--val-fraction", "--verify", "--resize-max-side",
+    for option in ("--storage", "--shard-samples", "--max-bytes", "--val-fraction", "--verify", "--resize-max-side",
                    "--task-index", "--workers", "--overwrite", "--merge", "--quiet", "--strict"):
         assert option in result.output
 
@@ -28,7 +28,7 @@ def test_help_lists_the_options():
 def test_summary_is_one_json_line_on_stdout(tmp_path):
     write_image_folder(tmp_path / "src", ["a", "b"], 3, size=(24, 16))
     (tmp_path / "src" / "a" / "zero.png").write_bytes(b"")
-    result = run([tmp_path / "src", "--out", tmp_path / "out", "--max-samples", "4", "--max-bytes", "1M"])
+    result = run([tmp_path / "src", "--out", tmp_path / "out", "--shard-samples", "4", "--max-bytes", "1M"])
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.splitlines()
     assert len(lines) == 1
@@ -124,7 +124,7 @@ def test_strict_exits_1_naming_the_file(tmp_path):
 
 def test_slurm_array_variables_pick_the_task_and_merge_finishes(tmp_path):
     write_image_folder(tmp_path / "src", ["a", "b"], 4, size=(16, 16))
-    args = [tmp_path / "src", "--out", tmp_path / "out", "--max-samples", "2", "-q"]
+    args = [tmp_path / "src", "--out", tmp_path / "out", "--shard-samples", "2", "-q"]
     first = run(args, env={"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2"})
     summary = json.loads(first.stdout)
     assert (summary["task_index"], summary["num_tasks"], summary["complete"], summary["shards"]) == (1, 2, False, 2)

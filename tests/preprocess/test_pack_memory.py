@@ -142,7 +142,7 @@ def test_the_read_after_a_hung_read_gets_a_new_reader_thread(tmp_path, monkeypat
     good.write_bytes(class_image(0, 0))
     real = validate_module._read_regular
     monkeypatch.setattr(validate_module, "_read_regular",
-                        lambda path: time.sleep(3) or b"" if path.endswith("hung.jpg") else real(path))
+                        lambda path, *limit: time.sleep(3) or b"" if path.endswith("hung.jpg") else real(path, *limit))
     with pytest.raises(InvalidImage, match="within 0.2 s"):
         read_file(str(tmp_path / "hung.jpg"), timeout_s=0.2)
     assert read_file(str(good), timeout_s=1) == good.read_bytes()  # not queued behind the hung read
@@ -157,7 +157,7 @@ def test_a_hung_file_in_a_read_ahead_is_skipped_and_the_files_after_it_are_read(
         paths[-1].write_bytes(bytes([i]) * (i + 1))
     real = validate_module._read_regular
     monkeypatch.setattr(validate_module, "_read_regular",
-                        lambda path: time.sleep(3) or b"" if path.endswith("05.jpg") else real(path))
+                        lambda path, *limit: time.sleep(3) or b"" if path.endswith("05.jpg") else real(path, *limit))
     got = []
     with read_ahead([str(p) for p in paths]):
         for path in paths:
@@ -184,7 +184,7 @@ def test_a_sigkilled_two_worker_pack_reruns_to_the_same_bytes(tmp_path):
         for i in range(300):
             (src / f"k{c}" / f"{i:04d}.jpg").write_bytes(class_image(c, i % 7, size=(16, 12)))
     cli = "from preprocess.pack.cli import pack_shards_command; pack_shards_command()"
-    command = [sys.executable, "-c", cli, str(src), "--max-samples", "10", "--workers", "2", "--verify", "header",
+    command = [sys.executable, "-c", cli, str(src), "--shard-samples", "10", "--workers", "2", "--verify", "header",
                "--quiet", "--out"]
     subprocess.run(command + [str(tmp_path / "ref")], check=True, capture_output=True)
     out = tmp_path / "out"

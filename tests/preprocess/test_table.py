@@ -343,8 +343,8 @@ def test_task_option_overrides_the_inference(toy_csv: Path, tmp_path: Path):
 
 
 def test_same_csv_and_seed_give_identical_bytes(toy_csv: Path, tmp_path: Path):
-    pack(toy_csv, tmp_path / "a", "--target", "label", "--max-samples", "10")
-    pack(toy_csv, tmp_path / "b", "--target", "label", "--max-samples", "10")
+    pack(toy_csv, tmp_path / "a", "--target", "label", "--shard-samples", "10")
+    pack(toy_csv, tmp_path / "b", "--target", "label", "--shard-samples", "10")
     names = sorted(p.name for p in (tmp_path / "a").iterdir() if p.suffix == ".pt")
     assert names == ["train-000000.pt", "train-000001.pt", "train-000002.pt", "train-000003.pt", "val-000000.pt"]
     for name in names:
@@ -354,12 +354,12 @@ def test_same_csv_and_seed_give_identical_bytes(toy_csv: Path, tmp_path: Path):
         manifest.pop("created")
     assert manifests[0] == manifests[1]
     before = (tmp_path / "a" / "features.json").read_bytes()
-    assert pack(toy_csv, tmp_path / "a", "--target", "label", "--max-samples", "10")["unchanged"] is True
+    assert pack(toy_csv, tmp_path / "a", "--target", "label", "--shard-samples", "10")["unchanged"] is True
     assert (tmp_path / "a" / "features.json").read_bytes() == before
 
 
 def test_shards_are_cut_at_max_samples(toy_csv: Path, tmp_path: Path):
-    pack(toy_csv, tmp_path / "feat", "--target", "label", "--max-samples", "10")
+    pack(toy_csv, tmp_path / "feat", "--target", "label", "--shard-samples", "10")
     manifest = load_feature_manifest(tmp_path / "feat")
     assert [s.samples for s in manifest.splits["train"].shards] == [10, 10, 10, 2]
     assert len(load_feature_shard(tmp_path / "feat" / "train-000003.pt")) == 2

@@ -260,7 +260,8 @@ def test_train_from_shards_dry_run_reads_s3(bucket, tmp_path):
     manifest["splits"]["val"] = manifest["splits"]["train"]
     (local / "features.json").write_text(json.dumps(manifest))
     url = bucket.upload(local, "features")
-    for data in (url, bucket.upload(packed(tmp_path / "data"), "data")):
+    images = bucket.upload(packed(tmp_path / "data"), "data")
+    for data, extra in ((url, []), (images, ["--image-size", "32"])):  # --image-size applies to images only
         result = CliRunner().invoke(train_command, [data, "--out", str(tmp_path / "run"), "--dry-run",
-                                                    "--batch-size", "4", "--workers", "0", "--image-size", "32"])
+                                                    "--batch-size", "4", "--workers", "0", *extra])
         assert result.exit_code == 0, result.output

@@ -117,7 +117,7 @@ def test_pack_shards_to_s3_uploads_in_parts_above_the_patched_threshold(bucket, 
     src = write_image_folder(tmp_path / "src", ["a", "b"], per_class=6)
     monkeypatch.setattr(s3_upload, "MULTIPART_THRESHOLD", 4096)
     result = CliRunner().invoke(pack_shards_command, [str(src), "--out", bucket.url("ds"), "--stage-dir",
-                                                     str(tmp_path / "stage"), "--max-samples", "5", "--quiet"])
+                                                     str(tmp_path / "stage"), "--shard-samples", "5", "--quiet"])
     assert result.exit_code == 0, result.output
     manifest = json.loads(body(bucket, f"ds/{DATASET_FILE}"))
     named = [shard["path"] for split in manifest["splits"].values() for shard in split["shards"]]

@@ -39,7 +39,7 @@ def uploads(monkeypatch):
 
 def _pack(src: Path, url: str, stage: Path, *extra: str):
     return CliRunner().invoke(pack_shards_command, [str(src), "--out", url, "--stage-dir", str(stage),
-                                                   "--max-samples", "5", "--quiet", *extra])
+                                                   "--shard-samples", "5", "--quiet", *extra])
 
 
 def _objects(bucket) -> dict[str, bytes]:

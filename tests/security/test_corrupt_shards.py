@@ -206,14 +206,14 @@ def test_hdf5_with_garbage_bytes_names_the_shard(tmp_path):
         list(shards.open_dataset(tmp_path, sampling=shards.Sampling(shuffle=False)))
 
 
-@pytest.mark.parametrize("forgery", ["keys-not-strings", "offsets-decreasing", "labels-short", "data-bomb"])
+@pytest.mark.parametrize("forgery", ["keys-not-text", "offsets-decreasing", "labels-short", "data-bomb"])
 def test_forged_hdf5_layout_names_the_shard(tmp_path, forgery):
     write_labelled_shards(tmp_path, [[0, 1, 2]], storage="hdf5")
     path = tmp_path / "train-000000.h5"
     with h5py.File(path, "r+") as f:
-        if forgery == "keys-not-strings":
-            del f["keys"]
-            f["keys"] = np.arange(3)
+        if forgery == "keys-not-text":
+            del f["key_ends"]
+            f["key_ends"] = np.arange(3.0)
         elif forgery == "offsets-decreasing":
             f["offsets"][2] = 1
         elif forgery == "labels-short":

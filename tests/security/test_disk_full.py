@@ -248,7 +248,7 @@ def test_pack_shards_on_a_full_disk_stops_in_one_line_and_a_rerun_finishes(small
     real disk; the simulated one lives in this process only, so there its shards are packed here)."""
     workers = workers if small_disk.real else 1
     clean = tmp_path / "clean"
-    args = ["--max-samples", "8", "--val-fraction", "0.25", "--quiet", "--workers", str(workers), "--storage",
+    args = ["--shard-samples", "8", "--val-fraction", "0.25", "--quiet", "--workers", str(workers), "--storage",
             storage]
     assert CliRunner().invoke(pack_shards_command, [str(source), "--out", str(clean), *args]).exit_code == 0
     disk = small_disk(size)
@@ -267,7 +267,7 @@ def test_pack_shards_on_a_full_disk_stops_in_one_line_and_a_rerun_finishes(small
 @pytest.fixture(scope="module")
 def dataset(source: Path, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("data") / "data"
-    result = CliRunner().invoke(pack_shards_command, [str(source), "--out", str(out), "--max-samples", "12",
+    result = CliRunner().invoke(pack_shards_command, [str(source), "--out", str(out), "--shard-samples", "12",
                                                       "--quiet"])
     assert result.exit_code == 0, result.output
     return out

@@ -27,7 +27,7 @@ import pytest
 from click.testing import CliRunner
 
 import shards
-from preprocess.pack.append import read_index
+from preprocess.pack.source_diff import read_index
 from preprocess.pack.packer import PackConfig, pack_shards
 from shards.check.verify import verify_dataset
 from shards.cli.main import main as shards_cli

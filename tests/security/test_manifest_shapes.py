@@ -476,7 +476,7 @@ def test_pack_summary_counts_the_shards_the_manifest_holds(src: Path, tmp_path: 
     for i in range(2):  # sorted first, unshuffled: together they are the whole first shard
         (src / "ant" / f"a_broken_{i}.jpg").write_bytes(b"not an image")
     out = tmp_path / "out"
-    args = [str(src), "--out", str(out), "--max-samples", "2", "--no-shuffle", "--quiet"]
+    args = [str(src), "--out", str(out), "--shard-samples", "2", "--no-shuffle", "--quiet"]
     result = CliRunner().invoke(pack_shards_command, args)
     assert result.exit_code == 0, result.output
     first = json.loads(result.stdout)

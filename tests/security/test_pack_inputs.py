@@ -48,7 +48,7 @@ def fifo_tree(tmp_path):
 
 
 @pytest.mark.parametrize("options", [[], ["--verify", "header"],
-                                     pytest.param(["--workers", "2", "--max-samples", "2"], marks=pytest.mark.slow)])
+                                     pytest.param(["--workers", "2", "--shard-samples", "2"], marks=pytest.mark.slow)])
 @pytest.mark.slow
 def test_fifo_named_like_an_image_is_skipped_not_read(fifo_tree, tmp_path, options):
     out = tmp_path / "out"
@@ -93,7 +93,7 @@ def test_a_file_that_cannot_be_read_in_time_is_skipped(tmp_path, monkeypatch):
 
     slow = tmp_path / "on-a-hung-mount.jpg"
     slow.write_bytes(class_image(0, 0))
-    monkeypatch.setattr(validate_module, "_read_regular", lambda path: time.sleep(5) or b"")
+    monkeypatch.setattr(validate_module, "_read_regular", lambda path, limit: time.sleep(5) or b"")
     started = time.monotonic()
     with pytest.raises(InvalidImage, match="within 0.2 s"):
         read_file(str(slow), timeout_s=0.2)

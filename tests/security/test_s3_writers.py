@@ -60,7 +60,7 @@ def src(tmp_path) -> Path:
 
 def _pack(src: Path, url: str, stage: Path, *extra: str):
     return CliRunner().invoke(pack_shards_command, [str(src), "--out", url, "--stage-dir", str(stage),
-                                                   "--max-samples", "5", "--quiet", *extra])
+                                                   "--shard-samples", "5", "--quiet", *extra])
 
 
 def error_lines(text: str) -> list[str]:
@@ -92,7 +92,7 @@ def test_two_pack_shards_racing_to_one_prefix_one_publishes_the_other_exits_2_na
     url, gate = bucket.url("ds"), tmp_path / "gate"
     sources = [write_image_folder(tmp_path / f"src{i}", ["a", "b"], per_class=5 + 3 * i) for i in range(2)]
     runs = [subprocess.Popen([sys.executable, "-c", GATED_PACK.format(root=str(ROOT), gate=str(gate)), str(source),
-                              "--out", url, "--stage-dir", str(tmp_path / f"stage{i}"), "--max-samples", "3",
+                              "--out", url, "--stage-dir", str(tmp_path / f"stage{i}"), "--shard-samples", "3",
                               "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for i, source in enumerate(sources)]
     deadline = time.monotonic() + TIMEOUT_S

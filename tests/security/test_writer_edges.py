@@ -69,14 +69,14 @@ def test_train_out_url_is_one_line_naming_the_fix(tmp_path, monkeypatch, url):
 # -- 2. --overwrite removes only what the replaced output names ---------------------------------------------------
 def test_pack_overwrite_keeps_a_users_shard_lookalikes(src, tmp_path):
     out = tmp_path / "out"
-    assert pack(src, out, "--max-samples", "2").exit_code == 0
+    assert pack(src, out, "--shard-samples", "2").exit_code == 0
     old_shards = {p.name for p in out.glob("train-*.tar")}
     assert old_shards == {"train-000000.tar", "train-000001.tar", "train-000002.tar"}
     mine = {"train-000099.tar": b"my own tar", "train-000099.tar.idx": b"its index",
             "source-index-0042.jsonl": b"{}\n", "dataset.json.bak": b"a copy", "x.tar.node1.1.0badc0de.tmp": b"x"}
     for name, data in mine.items():
         (out / name).write_bytes(data)
-    result = pack(src, out, "--max-samples", "6", "--overwrite")
+    result = pack(src, out, "--shard-samples", "6", "--overwrite")
     assert result.exit_code == 0, result.output
     assert {p.name for p in out.glob("train-*.tar")} == {"train-000000.tar", "train-000099.tar"}  # 1, 2 removed
     assert all((out / name).read_bytes() == data for name, data in mine.items())
@@ -105,7 +105,7 @@ def test_pack_overwrite_never_follows_names_out_of_the_folder(src, tmp_path):
     plan = json.loads((out / ".pack" / "plan.json").read_text())
     plan["shards"] += [{"name": "../victim.tar", "split": "train"}, {"name": "sub/train-000000.tar", "split": "train"}]
     (out / ".pack" / "plan.json").write_text(json.dumps(plan))
-    assert pack(src, out, "--max-samples", "2", "--overwrite").exit_code == 0
+    assert pack(src, out, "--shard-samples", "2", "--overwrite").exit_code == 0
     assert victim.read_bytes() == b"outside OUT" and (out / "sub" / "train-000000.tar").is_file()
 
 
@@ -214,14 +214,14 @@ def test_table_keeps_a_users_shard_lookalike_without_and_with_overwrite(table_cs
     assert {p.name for p in out.glob("*.pt")} == {"train-000000.pt", "val-000000.pt", "train-000007.pt"}
     # Replacing our own output removes what its features.json names, and the lookalike still stays.
     (out / "notes.txt").write_text("mine")
-    assert pack_table(table_csv, out, "--max-samples", "10", "--overwrite").exit_code == 0
+    assert pack_table(table_csv, out, "--shard-samples", "10", "--overwrite").exit_code == 0
     assert {p.name for p in out.glob("*.pt")} == {"train-000000.pt", "train-000001.pt", "train-000002.pt",
                                                   "train-000003.pt", "val-000000.pt", "train-000007.pt"}
     assert (out / "train-000007.pt").read_bytes() == b"my own features" and (out / "notes.txt").read_text() == "mine"
     # A run that would write train-000007.pt itself is refused, even with --overwrite: nothing there names it.
     for options in ((), ("--overwrite",)):
         before = listing(out)
-        line = one_error_line(pack_table(table_csv, out, "--max-samples", "4", *options))
+        line = one_error_line(pack_table(table_csv, out, "--shard-samples", "4", *options))
         assert listing(out) == before
     assert "train-000007.pt" in line and "move them away" in line
 
@@ -252,7 +252,7 @@ def test_table_resumes_its_own_killed_run_and_overwrites_only_its_files(table_cs
     assert "--overwrite" in one_error_line(pack_table(table_csv, out, "--seed", "3"))
     assert listing(out) == before
     # ... the same config resumes it ...
-    assert pack_table(table_csv, out, "--max-samples", "10").exit_code == 0
+    assert pack_table(table_csv, out, "--shard-samples", "10").exit_code == 0
     assert json.loads((out / "features.json").read_text())["config"]["max_samples"] == 10
     # ... and --overwrite removes what the records and features.json name, never the lookalike.
     assert pack_table(table_csv, out, "--seed", "3", "--overwrite").exit_code == 0
@@ -270,7 +270,7 @@ def objects(bucket, folder: str) -> dict[str, bytes]:  # noqa: F811
 @pytest.mark.s3
 @pytest.mark.slow
 def test_s3_overwrite_deletes_only_what_the_old_manifest_names(src, bucket, tmp_path):  # noqa: F811
-    assert pack(src, bucket.url("ds"), "--stage-dir", tmp_path / "stage", "--max-samples", "2").exit_code == 0
+    assert pack(src, bucket.url("ds"), "--stage-dir", tmp_path / "stage", "--shard-samples", "2").exit_code == 0
     old = json.loads(objects(bucket, "ds")["dataset.json"])
     assert [s["path"] for s in old["splits"]["train"]["shards"]] == ["train-000000.tar", "train-000001.tar",
                                                                     "train-000002.tar"]
@@ -278,7 +278,7 @@ def test_s3_overwrite_deletes_only_what_the_old_manifest_names(src, bucket, tmp_
             "source-index-0042.jsonl": b"{}\n"}
     for name, data in mine.items():
         bucket.put(f"ds/{name}", data)
-    result = pack(src, bucket.url("ds"), "--stage-dir", tmp_path / "stage2", "--max-samples", "6", "--overwrite")
+    result = pack(src, bucket.url("ds"), "--stage-dir", tmp_path / "stage2", "--shard-samples", "6", "--overwrite")
     assert result.exit_code == 0, result.output
     after = objects(bucket, "ds")
     assert not {"train-000001.tar", "train-000002.tar", "train-000001.tar.idx"} & set(after)  # the old dataset's

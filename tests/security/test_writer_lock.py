@@ -77,7 +77,7 @@ def test_pack_append_and_overwrite_are_refused_while_an_append_holds_the_folder(
         write_image_folder(src, ["cat"], 8, size=(24, 16))  # something new, so append and overwrite have work
     before = listing(out)
     with output_lock(out, ".pack/lock", what="pack-shards --append"):  # what an append holds
-        code, stderr = finish(pack_cli(src, "--out", out, "--quiet", "--max-samples", "5", *extra))
+        code, stderr = finish(pack_cli(src, "--out", out, "--quiet", "--shard-samples", "5", *extra))
     assert_refused(code, stderr, out)
     assert listing(out) == before
 
@@ -97,7 +97,7 @@ def test_merge_and_append_refuse_while_a_task_is_packing(src, tmp_path):
 @pytest.mark.slow
 def test_two_concurrent_packs_never_crash_and_leave_one_good_dataset(src, tmp_path):
     out = tmp_path / "out"
-    runs = [pack_cli(src, "--out", out, "--quiet", "--max-samples", "2") for _ in range(2)]
+    runs = [pack_cli(src, "--out", out, "--quiet", "--shard-samples", "2") for _ in range(2)]
     results = [finish(run) for run in runs]
     assert {code for code, _ in results} <= {0, 2} and 0 in {code for code, _ in results}
     for code, stderr in results:
@@ -114,7 +114,7 @@ def test_two_concurrent_packs_never_crash_and_leave_one_good_dataset(src, tmp_pa
 @pytest.mark.slow
 def test_task_array_processes_still_pack_one_folder_together(src, tmp_path):
     out = tmp_path / "out"
-    tasks = [pack_cli(src, "--out", out, "--quiet", "--max-samples", "2", "--task-index", i, "--num-tasks", 3)
+    tasks = [pack_cli(src, "--out", out, "--quiet", "--shard-samples", "2", "--task-index", i, "--num-tasks", 3)
              for i in range(3)]
     results = [finish(task) for task in tasks]
     assert [code for code, _ in results] == [0, 0, 0], [stderr for _, stderr in results]

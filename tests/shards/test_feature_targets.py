@@ -12,8 +12,10 @@ import torch
 
 import shards
 from shards.errors import CorruptDataError, InputError
-from shards.formats.features import (FeatureShard, FeatureSpec, feature_shard_name, feature_shard_problems,
-                                     load_feature_bytes, load_feature_shard, target_task, write_feature_shard)
+from shards.formats.features import (H5_VERSION, FeatureShard, FeatureSpec, feature_shard_name,
+                                     feature_shard_problems, load_feature_bytes, load_feature_shard, target_task,
+                                     write_feature_shard)
+from shards.formats.h5columns import write_text_column
 from shards.manifest import FeatureManifest, ShardInfo, SplitInfo
 from shards.loader.in_process import InProcess
 
@@ -62,10 +64,11 @@ def test_files_written_without_targets_still_load(tmp_path: Path):
     payload = {"features": torch.zeros(3, 2), "labels": torch.tensor([0, 1, 0]), "keys": ["a", "b", "c"]}
     with open(tmp_path / "old.pt", "wb") as handle:
         torch.save(payload, handle)
-    with h5py.File(tmp_path / "old.h5", "w") as f:
+    with h5py.File(tmp_path / "old.h5", "w") as f:  # the current layout, without the optional entries
+        f.attrs["version"] = H5_VERSION
         f.create_dataset("features", data=np.zeros((3, 2), np.float32))
         f.create_dataset("labels", data=np.array([0, 1, 0]))
-        f.create_dataset("keys", data=np.array(["a", "b", "c"], dtype=object), dtype=h5py.string_dtype("utf-8"))
+        write_text_column(f, "key", ["a", "b", "c"])
     for path in (tmp_path / "old.pt", tmp_path / "old.h5"):
         for loaded in (load_feature_shard(path), load_feature_bytes(path.read_bytes(), str(path))):
             assert loaded.targets is None and loaded.views is None and loaded.keys == ["a", "b", "c"]

@@ -15,10 +15,10 @@ from shards.cli.main import main as shards_main
 from train.cli import train_command
 
 TITLES = {
-    "train-from-shards": ("Data", "Model", "Optimisation", "Loader", "Cache and storage", "Run"),
-    "pack-shards": ("Source", "Validation", "Output and shards", "Tables (--table)", "Parallel jobs",
+    "train-from-shards": ("Examples", "Most used", "Data", "Model", "Optimisation", "Loader", "Cache and storage", "Run"),
+    "pack-shards": ("Examples", "Most used", "Source", "Validation", "Output and shards", "Tables (--table)", "Parallel jobs",
                     "Object storage", "Run"),
-    "precompute-features": ("Input", "Backbone", "Transform and views", "Output", "Loader", "Parallel jobs",
+    "precompute-features": ("Examples", "Most used", "Input", "Backbone", "Transform and views", "Output", "Loader", "Parallel jobs",
                             "Object storage", "Run"),
     "shards verify": ("Checks", "Object storage", "Run"),
     "shards inspect": ("Batch and grid", "Mixture and subset", "Object storage", "Run"),
@@ -82,13 +82,14 @@ def test_every_option_is_under_exactly_one_title(name):
 
 def test_options_go_where_a_user_looks_for_them():
     train = sections_of(help_text("train-from-shards"))
-    assert {"--lr"} in train["Optimisation"] and {"--workers"} in train["Loader"]
+    assert {"--lr"} in train["Most used"] and {"--workers"} in train["Most used"]  # first, whatever their group
+    assert {"--momentum"} in train["Optimisation"] and {"--run-mode"} in train["Loader"]
     assert {"--cache-dir"} in train["Cache and storage"] and {"--s3-profile"} in train["Cache and storage"]
     assert {"--quiet", "-q"} in train["Run"]
     pack = sections_of(help_text("pack-shards"))
     assert {"--verify"} in pack["Validation"] and {"--target"} in pack["Tables (--table)"]
     features = sections_of(help_text("precompute-features"))
-    assert {"--crop"} in features["Transform and views"] and {"--backbone"} in features["Backbone"]
+    assert {"--crop"} in features["Transform and views"] and {"--amp"} in features["Backbone"]
 
 
 def test_every_long_shards_subcommand_prints_sections():

@@ -16,6 +16,7 @@ import torchvision
 from torch import nn
 
 from shards.errors import InputError, MissingInputError
+from shards.suggest import did_you_mean
 from shards.formats.weights import read_state_dict
 from train.model.standardize import FeatureScale, StandardizedHead
 
@@ -48,7 +49,9 @@ def check_image_model(name: str, weights: str | os.PathLike | None = None) -> No
     """Fail on a bad model name or weights path before any data is read or process started."""
     names = image_model_names()
     if name not in names:
-        raise InputError(f"unknown model {name!r}; torchvision classification models are: {', '.join(names)}")
+        raise InputError(f"unknown model {name!r}" + did_you_mean(
+            name, names, more="; torchvision classification models include resnet18, resnet50, efficientnet_b0, "
+                              "vit_b_16, ..."))
     if weights is not None and not Path(weights).is_file():
         raise MissingInputError("weights file not found", path=str(weights))
 

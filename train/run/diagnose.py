@@ -28,11 +28,27 @@ A **warning** when the same rank is the data straggler, waits more than ``WARN_R
 others, and waits at least ``WARN_EXCESS_S`` longer than they do in each of ``WARN_EPOCHS`` consecutive epochs: a
 ratio alone would warn about milliseconds on short epochs. One process has no stragglers.
 
+**What a person should conclude from the epoch** (``verdicts``, recorded as ``EpochRow.verdicts``; the run report
+opens with them). Each is ``{"rule", "level", "text"}``, level ``bad``, ``warn`` or ``good``:
+
+- ``accuracy``: val top-1 at chance, the share a model that ignores its input gets by always answering the most
+  common val class, within ``CHANCE_SIGMAS`` standard errors over the val images (so a tiny val split does not
+  call a lucky guess learning); else how far above it.
+- ``one_class``: at least ``ONE_CLASS_SHARE`` of the val images predicted as one class (read from the confusion
+  matrix, recorded up to 64 classes): a collapsed model, usually a learning rate too high.
+- ``loss_at_chance``: train and val loss within ``LOSS_AT_CHANCE_TOLERANCE`` of ln C, the cross-entropy of a
+  uniform guess (class weights and label smoothing leave it there): the outputs do not depend on the input.
+  A loss that is not finite is ``diverged``.
+- ``data``: the pipeline is the bottleneck (``starving``), and how much faster an epoch that never waited would be;
+  or it is not. No verdict on an epoch shorter than ``WAIT_WARNING_SECONDS``: its wait is start-up no setting
+  removes, and "53% waiting" of 10 ms concludes nothing.
+
 Pure functions of numbers and flags (no tensors, no files), so they are tested on numbers alone.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -256,3 +272,101 @@ def run_straggler_warning(rows: Sequence[Mapping[str, Any]]) -> str | None:
     history, this epoch's row last), or None."""
     straggler = sustained_straggler([Straggler.of_row(row) for row in rows])
     return None if straggler is None else straggler_warning(straggler)
+
+
+CHANCE_SIGMAS = 3.0  # standard errors over the val images: 61 images at 25% chance allow up to 42%
+ONE_CLASS_SHARE = 0.95
+LOSS_AT_CHANCE_TOLERANCE = 0.02  # of ln C
+
+
+def _verdict(rule: str, level: str, text: str) -> dict[str, str]:
+    return {"rule": rule, "level": level, "text": text}
+
+
+def _confusion(fields: Mapping[str, Any]) -> list[list[float]] | None:
+    matrix = fields.get("val_confusion")
+    if not isinstance(matrix, list) or not matrix or any(not isinstance(r, list) or len(r) != len(matrix)
+                                                         for r in matrix):
+        return None
+    return matrix
+
+
+def accuracy_verdict(top1: float, samples: int, classes: int, majority_share: float | None = None) -> dict[str, str]:
+    """Val top-1 against chance: ``majority_share`` (the most common val class's share), else 1/C."""
+    chance = max(majority_share or 0.0, 1.0 / classes)
+    margin = CHANCE_SIGMAS * math.sqrt(chance * (1 - chance) / max(samples, 1))
+    if top1 <= chance + margin:
+        return _verdict("accuracy", "bad", (
+            f"val top-1 {top1:.1%} is at chance level ({chance:.1%} by always answering the most common class, within "
+            f"{CHANCE_SIGMAS:g} standard errors over {samples:,} val images): the model learnt nothing that carries to "
+            "val; check that labels match the inputs (shards inspect), the learning rate, and the features (shards "
+            "report FEATURES_DIR)"))
+    return _verdict("accuracy", "good", f"val top-1 {top1:.1%} is above chance ({chance:.1%}): the model learns")
+
+
+def one_class_verdict(matrix: Sequence[Sequence[float]], names: Sequence[str] | None, lr: float | None
+                      ) -> dict[str, str] | None:
+    """A model that answers one class for (nearly) every val image; None otherwise."""
+    predicted = [sum(row[j] for row in matrix) for j in range(len(matrix))]
+    total = sum(predicted)
+    top = max(range(len(predicted)), key=lambda j: predicted[j])
+    if len(matrix) < 2 or total <= 0 or predicted[top] < ONE_CLASS_SHARE * total:
+        return None
+    name = names[top] if names is not None and len(names) == len(matrix) else f"class {top}"
+    now = "" if lr is None else f", set to {lr:.3g}"
+    return _verdict("one_class", "bad", (
+        f"the model predicts {name!r} for {predicted[top]:,.0f} of {total:,.0f} val images ({predicted[top] / total:.0%}): "
+        f"it has collapsed to one class; usually the learning rate is too high (lower --lr{now}) or the classes "
+        "are very unbalanced (--balanced, --class-weights)"))
+
+
+def loss_verdict(train_loss: float | None, val_loss: float | None, classes: int) -> dict[str, str] | None:
+    """A loss that is not finite, or train and val loss both at ln C; None otherwise."""
+    losses = [loss for loss in (train_loss, val_loss) if loss is not None]
+    if any(not math.isfinite(loss) for loss in losses):
+        return _verdict("diverged", "bad", "the loss is not finite: training diverged; lower --lr, or --amp off")
+    if classes < 2:
+        return None
+    chance = math.log(classes)
+    if len(losses) < 2 or any(abs(loss - chance) > LOSS_AT_CHANCE_TOLERANCE * chance for loss in losses):
+        return None
+    return _verdict("loss_at_chance", "bad", (
+        f"train loss {losses[0]:.4f} and val loss {losses[1]:.4f} sit at ln {classes} = {chance:.4f}, the loss of a "
+        "uniform guess: the outputs do not depend on the input (degenerate inputs, labels unrelated to them, or a "
+        "learning rate too small to move)"))
+
+
+def data_verdict(share: float | None, epoch_s: float | None) -> dict[str, str] | None:
+    """Whether the input pipeline held the epoch back, and by how much; None for an epoch too short to say."""
+    if share is None or epoch_s is None or epoch_s < WAIT_WARNING_SECONDS:
+        return None
+    wait_s = share * epoch_s
+    if starving(share, wait_s):
+        speedup = epoch_s / max(epoch_s - wait_s, 1e-9)
+        return _verdict("data", "bad", (
+            f"the data pipeline is the bottleneck: the loop waited {wait_s:.1f} s of the {epoch_s:.1f} s epoch "
+            f"({share:.0%}); a pipeline that kept up would make the epoch up to {speedup:.1f}x faster"))
+    return _verdict("data", "good", (
+        f"the data pipeline is not the bottleneck: the loop waited {wait_s:.1f} s of the {epoch_s:.1f} s epoch "
+        f"({share:.0%}); the model's compute sets the pace"))
+
+
+def verdicts(fields: Mapping[str, Any], classes: int, *, lr: float | None = None) -> list[dict[str, str]]:
+    """What the epoch row ``fields`` lets a person conclude, worst first (``classes``: 0 for regression; ``lr``:
+    the configured learning rate, which the advice names; the row's own is where a schedule has taken it)."""
+    found = []
+    matrix = _confusion(fields)
+    if classes >= 2 and isinstance(fields.get("val_top1"), (int, float)) and fields.get("val_samples"):
+        majority = None
+        if matrix is not None and len(matrix) == classes:
+            true_counts = [sum(row) for row in matrix]
+            majority = max(true_counts) / sum(true_counts) if sum(true_counts) else None
+        found.append(accuracy_verdict(fields["val_top1"], fields["val_samples"], classes, majority))
+    if classes >= 2 and matrix is not None:
+        per_class = fields.get("val_per_class_accuracy")
+        names = list(per_class) if isinstance(per_class, Mapping) else None
+        found.append(one_class_verdict(matrix, names, lr))
+    found.append(loss_verdict(fields.get("train_loss"), fields.get("val_loss"), classes))
+    found.append(data_verdict(fields.get("data_wait_share"), fields.get("epoch_time_s")))
+    order = {"bad": 0, "warn": 1, "good": 2}
+    return sorted((v for v in found if v is not None), key=lambda v: order[v["level"]])

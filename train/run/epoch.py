@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shards.jobs.progress import progress
+from shards.image.side_stream import SideStreamCopy
 from train.run.diagnose import WAIT_WARNING_SHARE, dominant_worker_stage
 from train.run.meter import DataWaitMeter
 from train.model.metrics import ClassificationTally
@@ -128,6 +129,7 @@ def run_train_epoch(ctx: StepContext, loader: Any, state: TrainState, *, total_e
     bar = progress(total=len(loader), initial=state.batch_in_epoch, desc=f"epoch {state.epoch + 1}/{total_epochs}",
                    unit="batch", quiet=quiet)
     sums = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # loss_sum, correct
+    side = SideStreamCopy(ctx.device)  # batch n+1's copy and normalisation beside step n (shards.image.side_stream)
     last_postfix = time.perf_counter()
     stopped = False
 
@@ -143,7 +145,9 @@ def run_train_epoch(ctx: StepContext, loader: Any, state: TrainState, *, total_e
                 line, on_first_batch = on_first_batch(meter), None
                 if line and not quiet:
                     bar.write(line, file=sys.stderr)
-            inputs, labels = to_device(batch, ctx.device, ctx.normalize, meter)
+            with side.copying():
+                inputs, labels = to_device(batch, ctx.device, ctx.normalize, meter)
+            side.hand_over(inputs, labels)
             loss, correct = train_step(ctx, inputs, labels)
             count = int(labels.shape[0])
             sums += torch.stack([loss.double() * count, correct.double()])

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shards.runrecord import METRICS_FILE, MODEL_FILE, EpochRow, RunRecord, write_rows
+from shards.jobs.preemption import StopRequest
+from shards.runrecord import LAST_FILE, METRICS_FILE, MODEL_FILE, EpochRow, RunRecord, write_rows
 from train.config import TrainConfig
 from train.data import RunData, build_data, describe_batch, prepare_manifest
 from train.distributed import DistContext, setup_distributed, wrap_model
@@ -31,6 +32,7 @@ from train.run.checkpoint import Checkpoints, load_checkpoint, save_checkpoint
 from train.run.epoch import StepContext, TrainState, run_train_epoch
 from train.run.first_batch import describe, first_batch_record
 from train.run.lineage import DataWatch
+from train.run.preempt import StopVote, preempted
 from train.run.plot import Views
 from train.run.rows import EpochRows
 from train.run.task import make_task
@@ -38,12 +40,13 @@ from train.run.task import make_task
 log = logging.getLogger("shardcache.train")
 
 
-def train(cfg: TrainConfig, *, started: float | None = None) -> dict[str, Any]:
+def train(cfg: TrainConfig, *, started: float | None = None, stop: StopRequest | None = None) -> dict[str, Any]:
     """Train as ``cfg`` says; return the summary (last and best val top-1, or val R², MSE and MAE for regression;
     throughput, data-wait share, run dir).
 
     ``started``: the ``time.perf_counter()`` the time to first batch counts from (``train.run.first_batch``; the CLI
-    passes its entry), else this call."""
+    passes its entry), else this call. ``stop``: the CLI's stop signals (``shards.jobs.preemption``); once it is
+    set, the run saves its exact position in ``last.pt`` after the step in flight and raises ``Preempted``."""
     started = time.perf_counter() if started is None else started
     manifest = prepare_manifest(cfg)
     if manifest.kind == "images":
@@ -63,9 +66,9 @@ def train(cfg: TrainConfig, *, started: float | None = None) -> dict[str, Any]:
         ctx.barrier()  # every rank has judged the folder before rank 0 writes into it
         if ctx.is_main:
             rd.start_run(plan, cfg, mixture=data.mixture_record(cfg), scale=None if scale is None else scale.to_dict(),
-                         record=RunRecord(data.train_call, cfg.optim.epochs))
+                         record=RunRecord(data.train_call, cfg.optim.epochs, data.memory_budget))
         ctx.barrier()
-        return Run(cfg, ctx, data, plan, started, scale).fit()
+        return Run(cfg, ctx, data, plan, started, scale, stop).fit()
     finally:
         if data is not None:
             data.close()
@@ -102,6 +105,7 @@ class Run:
     plan: rd.RunPlan
     started: float  # the perf_counter the time to first batch counts from
     scale: FeatureScale | None = None  # the train split's feature mean and std, when standardising
+    stop: StopRequest | None = None  # set by a stop signal (train.run.preempt)
 
     def __post_init__(self) -> None:
         cfg, device = self.cfg, self.ctx.device
@@ -122,11 +126,14 @@ class Run:
         if self.plan.resume_from is not None:
             self.resumed_loader = self.checkpoints.restore(load_checkpoint(self.plan.resume_from))
         self.ddp_model = wrap_model(self.model, self.ctx)
+        self.vote = StopVote(self.stop, self.ctx)  # every rank, in the same order: it may make a process group
+        self.saved_at: int | None = None  # the step of the last mid-epoch last.pt
 
     def batches(self, loader: Any) -> Any:
         """Feature batches come from a background thread; loaders with workers already prefetch."""
         if self.data.kind == "features" and self.data.workers == 0 and self.cfg.loader.prefetch > 0:
-            return ThreadPrefetcher(loader, depth=self.cfg.loader.prefetch, pin_memory=self.ctx.device.type == "cuda")
+            depth = loader.prefetch_within_budget(self.cfg.loader.prefetch)  # beside the loader's own flight
+            return ThreadPrefetcher(loader, depth=depth, pin_memory=self.ctx.device.type == "cuda")
         return loader
 
     def fit(self) -> dict[str, Any]:
@@ -142,29 +149,50 @@ class Run:
         self.watch.watch_loaders()
         recorder = self.watch.recorder()
         train_loader = self.data.train_loader
-        while self.state.epoch < cfg.optim.epochs:
-            if self.state.batch_in_epoch == 0:
-                train_loader.set_epoch(self.state.epoch)
-            batches = self.batches(train_loader)
-            meter, stopped = run_train_epoch(
-                step_ctx, batches if recorder is None else recorder.record(batches, self.state), self.state,
-                total_epochs=cfg.optim.epochs, quiet=cfg.run.quiet or not self.ctx.is_main, after_step=self.after_step,
-                checkpoint_due=lambda step: bool(cfg.run.checkpoint_every) and step % cfg.run.checkpoint_every == 0,
-                worker_stages=train_loader.stage_seconds, on_first_batch=self.first_batch if first else None)
-            first = False
-            if stopped:
-                return self.summary(row, stopped=True)
-            row = self.end_epoch(meter)
+        try:
+            while self.state.epoch < cfg.optim.epochs:
+                if self.state.batch_in_epoch == 0:
+                    train_loader.set_epoch(self.state.epoch)
+                batches = self.batches(train_loader)
+                meter, stopped = run_train_epoch(
+                    step_ctx, batches if recorder is None else recorder.record(batches, self.state), self.state,
+                    total_epochs=cfg.optim.epochs, quiet=cfg.run.quiet or not self.ctx.is_main,
+                    after_step=self.after_step,
+                    checkpoint_due=lambda step: bool(cfg.run.checkpoint_every) and step % cfg.run.checkpoint_every == 0,
+                    worker_stages=train_loader.stage_seconds, on_first_batch=self.first_batch if first else None)
+                first = False
+                if stopped and self.vote.decided:
+                    self.save_and_stop(mid_epoch=True)
+                if stopped:
+                    return self.summary(row, stopped=True)
+                row = self.end_epoch(meter)
+                if self.state.epoch < cfg.optim.epochs and self.vote.agree():
+                    self.save_and_stop(mid_epoch=False)  # the epoch's last.pt is written: the next starts fresh
+        finally:
+            self.vote.close()
         self.finish()
         return self.summary(row, stopped=False)
 
     def after_step(self) -> bool:
-        """A mid-epoch ``last.pt`` when one is due; True to stop (``stop_after_steps``)."""
+        """A mid-epoch ``last.pt`` when one is due; True to stop (``stop_after_steps``, or a stop signal the ranks
+        agreed on, unless the epoch has no batch left: then it stops after the epoch's end)."""
         cfg = self.cfg
-        if cfg.run.checkpoint_every and self.state.step % cfg.run.checkpoint_every == 0 \
-                and self.state.batch_in_epoch < len(self.data.train_loader):
+        in_epoch = self.state.batch_in_epoch < len(self.data.train_loader)
+        if cfg.run.checkpoint_every and self.state.step % cfg.run.checkpoint_every == 0 and in_epoch:
             self.checkpoints.save_last(mid_epoch=True)
+            self.saved_at = self.state.step
+        if self.vote.poll() and in_epoch:
+            return True
         return cfg.run.stop_after_steps is not None and self.state.step >= cfg.run.stop_after_steps
+
+    def save_and_stop(self, *, mid_epoch: bool) -> None:
+        """After a stop signal: the exact position in ``last.pt`` (unless this step's is written), then
+        ``Preempted``, on every rank once rank 0 has saved."""
+        if mid_epoch and self.saved_at != self.state.step:
+            self.checkpoints.save_last(mid_epoch=True)
+        self.ctx.barrier()
+        raise preempted(self.vote, self.state, len(self.data.train_loader), self.ctx.world_size,
+                        str(self.plan.path(LAST_FILE)), self.ctx.is_main)
 
     def first_batch(self, meter: Any) -> str:
         """Record this start's (or resume's) time to first batch, kept for the epoch's row; the line the progress

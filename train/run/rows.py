@@ -118,7 +118,9 @@ class EpochRows:
         advice = diagnose.wait_advice(share, share * seconds, data_kind=self.data.kind, workers=self.data.workers,
                                       stages=fields.get("stage_seconds"), decode=self.cfg.loader.decode,
                                       network_reads=self.network_reads)
-        return {"wait_advice": advice, "straggler_warning": diagnose.run_straggler_warning([*history, fields])}
+        classes = len(self.data.classes) if self.data.task == "classification" else 0
+        return {"wait_advice": advice, "straggler_warning": diagnose.run_straggler_warning([*history, fields]),
+                "verdicts": diagnose.verdicts(fields, classes, lr=self.cfg.optim.lr)}
 
     def cache_fields(self) -> dict[str, Any]:
         """This epoch's node-cache counters over all ranks: ``cache_hit_rate`` (shards served from a node's cache
@@ -162,3 +164,6 @@ class EpochRows:
                      human_bytes(row.cache["ideal_bytes"]), human_bytes(row.cache["served_bytes"]))
         if row.wait_advice:
             log.warning(row.wait_advice)
+        for verdict in row.verdicts or ():
+            if verdict["level"] == "bad" and verdict["rule"] != "data":  # the data verdict is wait_advice's line
+                log.warning("epoch %d: %s", row.epoch, verdict["text"])

@@ -48,12 +48,12 @@ def scan_split_trees(source: str, request: ScanRequest) -> KindScan:
     root = Path(source).absolute()
     subdirs = {p.name for p in _visible_dirs(root)}
     per_split = {split: _class_dirs(root / split) for split in SPLIT_DIRS if split in subdirs}
-    return _folder_samples(root, per_split, request.allow_empty_classes)
+    return _folder_samples(root, per_split, request)
 
 
 def scan_tree(source: str, request: ScanRequest) -> KindScan:
     root = Path(source).absolute()
-    return _folder_samples(root, {None: _class_dirs(root)}, request.allow_empty_classes)
+    return _folder_samples(root, {None: _class_dirs(root)}, request)
 
 
 def _image_files(class_dir: str, class_rel: str) -> list[str]:
@@ -78,7 +78,7 @@ def _class_dirs(root: Path) -> list[str]:
     return class_dirs
 
 
-def _folder_samples(root: Path, per_split: dict[str | None, list[str]], allow_empty: bool) -> KindScan:
+def _folder_samples(root: Path, per_split: dict[str | None, list[str]], request: ScanRequest) -> KindScan:
     """Every class folder of every split, stat'ed into columns in relative-path order. The files of one class
     folder are a contiguous run of that order (every path in it starts with the folder's path and a slash), so
     sorting the folders by that prefix and each folder's files gives the sorted whole without holding it."""
@@ -90,11 +90,11 @@ def _folder_samples(root: Path, per_split: dict[str | None, list[str]], allow_em
     skipped: list[SkippedSource] = []
     for class_rel, split, name in sorted(folders, key=lambda f: f[0] + "/"):
         rel_paths = _image_files(os.path.join(str(root), class_rel), class_rel)
-        if not rel_paths and not allow_empty:
+        if not rel_paths and not request.allow_empty_classes:
             raise InputError("class folder holds no images (pass --allow-empty-classes to keep it)",
                              path=str(root / class_rel))
         for rel_path in rel_paths:
-            add_file(builder, skipped, rel_path, class_to_idx[name], split)
+            add_file(builder, skipped, rel_path, class_to_idx[name], split, request.max_bytes)
     scan = found(str(root), classes, builder.build(), skipped)
     if not len(scan.samples):
         raise InputError("holds no image files" + (f" ({len(scan.skipped)} skipped: {scan.skipped[0].reason})"

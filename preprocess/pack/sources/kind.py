@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, NamedTuple
 
 from preprocess.pack.sources.columns import SamplesBuilder, SourceSamples
-from preprocess.pack.sources.members import DEFAULT_MAX_BYTES, MemberSpec, SourceFields
+from preprocess.pack.sources.members import DEFAULT_MAX_BYTES, MemberSpec, SourceFields, too_large
 from shards.door.bounded_read import not_regular_reason
 from shards.errors import InputError
 
@@ -111,10 +111,14 @@ def stat_file(abs_path: str, rel_path: str) -> os.stat_result | SkippedSource:
 
 
 def add_file(builder: SamplesBuilder, skipped: list[SkippedSource], rel_path: str, label: int,
-             split: str | None) -> None:
-    """One file of a tree or list: a sample if it is a regular file, else a skipped file with its reason."""
+             split: str | None, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    """One file of a tree or list: a sample if it is a regular file of at most ``max_bytes`` (``--max-bytes``: the
+    packer holds a file whole, so a larger one, a sparse 3 GiB file, is skipped by its size, unread), else a
+    skipped file with its reason."""
     info = stat_file(os.path.join(builder.base, rel_path), rel_path)
     if isinstance(info, SkippedSource):
         skipped.append(info)
+    elif info.st_size > max_bytes:
+        skipped.append(SkippedSource(rel_path, too_large(info.st_size, max_bytes)))
     else:
         builder.add(rel_path, label, split, info.st_size, info.st_mtime_ns)

@@ -42,11 +42,11 @@ def is_jsonl_list(source: str) -> bool:
 
 
 def scan_csv_list(source: str, request: ScanRequest) -> KindScan:
-    return _scan_list(Path(source), _csv_rows)
+    return _scan_list(Path(source), _csv_rows, request.max_bytes)
 
 
 def scan_jsonl_list(source: str, request: ScanRequest) -> KindScan:
-    return _scan_list(Path(source), _jsonl_rows)
+    return _scan_list(Path(source), _jsonl_rows, request.max_bytes)
 
 
 def _csv_rows(path: Path) -> Rows:
@@ -91,7 +91,7 @@ def _check_columns(columns: list[str], path: Path, line_num: int) -> None:
             raise InputError(f"line {line_num}: missing column {required!r}", path=str(path))
 
 
-def _scan_list(path: Path, read_rows: Callable[[Path], Rows]) -> KindScan:
+def _scan_list(path: Path, read_rows: Callable[[Path], Rows], max_bytes: int) -> KindScan:
     base = path.parent.resolve()
     builder = SamplesBuilder(str(base))
     skipped: list[SkippedSource] = []
@@ -116,7 +116,7 @@ def _scan_list(path: Path, read_rows: Callable[[Path], Rows]) -> KindScan:
                              path=str(path))
         seen[rel_path] = line_num
         with_split.add(split is not None)
-        add_file(builder, skipped, rel_path, labels.setdefault(row["label"], len(labels)), split)
+        add_file(builder, skipped, rel_path, labels.setdefault(row["label"], len(labels)), split, max_bytes)
     if not seen:
         raise InputError("lists no files", path=str(path))
     if len(with_split) > 1:

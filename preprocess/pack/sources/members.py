@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple
 
 from shards.errors import InputError
+from shards.units import human_bytes
 
 MEMBER_MARK = "#"
 # Fields every packed sample's ``<key>.json`` holds (``preprocess.pack.validate.sample_meta``): a source column or
@@ -28,6 +29,12 @@ RESERVED_META = ("path", "class", "width", "height", "mode", "format")
 # The most one read of a container may decode (a Parquet row group, an Arrow record batch) unless the scan is given
 # ``--max-bytes``: the option's default, the bytes of a shard, which the packer holds anyway.
 DEFAULT_MAX_BYTES = 256 << 20
+
+
+def too_large(size: int, max_bytes: int) -> str:
+    """The skip reason of a sample (a file, a tar sample's members) larger than ``--max-bytes``: judged by the size
+    its file system or header declares, before any byte is read, since the packer would hold it whole."""
+    return f"too large: {human_bytes(size)}, more than --max-bytes ({human_bytes(max_bytes)})"
 
 
 def member_path(container_rel: str, place: int | str) -> str:

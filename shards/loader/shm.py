@@ -1,0 +1,139 @@
+"""How worker processes hand batches to the training process so that ``/dev/shm`` cannot fill.
+
+A DataLoader worker collates each batch straight into a shared-memory file (``/dev/shm``) and the main process maps
+it; up to ``workers x prefetch_factor`` batches wait there, plus the one the loop holds and the one being pinned.
+A container's ``/dev/shm`` is 64 MB unless the run asks for more (Docker's default), and when those batches
+outgrow it a worker dies with torch's ``RuntimeError: unable to allocate shared memory(shm)`` in the middle of
+an epoch (``set_sharing_strategy('file_system')`` does not help: its files live in ``/dev/shm`` too).
+
+So the worker-process run measures the space ``/dev/shm`` has free when it starts (``shm_free``) and the bytes
+of a batch (``shards.loader.budget.batch_bytes``), and ``plan_handoff``
+picks the deepest prefetch whose batches fit in a share of that space. When not even one batch per worker fits,
+the workers send their batches through the result queue's pipe instead (``PipedCollate`` turns a batch's tensors
+into plain byte arrays that pickle in-band, never into shared memory; ``unpipe`` makes them tensors again in the
+main process): slower, but the epoch completes. Either fallback is said in one logged line. The hand-off changes
+no sample and no order: only how many batches wait and which way they travel (docs/streaming.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch.utils.data._utils.collate import collate, default_collate, default_collate_fn_map
+from torch.utils.data._utils.pin_memory import pin_memory as pin_nested
+
+from shards.units import human_bytes
+
+log = logging.getLogger(__name__)
+
+SHM_PATH = "/dev/shm"
+# Of the space free at start, what the loader's batches may take: other processes (and the rank beside this one)
+# use /dev/shm too, and a batch's size varies a little with its samples.
+SHM_SHARE = 0.75
+# Batches in shared memory beyond the prefetched ones: the one the loop holds, and the one being pinned.
+EXTRA_BATCHES = 2
+
+
+def shm_free(path: str | os.PathLike = SHM_PATH) -> int | None:
+    """Bytes free in ``path`` (``/dev/shm``) now, for an unprivileged writer; None where it cannot be measured."""
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """How batches leave the workers: ``prefetch_factor`` batches each ahead; ``piped``: through the result
+    queue's pipe instead of shared memory; ``note``: the one line that says why, when it differs from asked."""
+
+    prefetch_factor: int
+    piped: bool = False
+    note: str | None = None
+
+
+def plan_handoff(free: int | None, batch: int, workers: int, prefetch_factor: int) -> Handoff:
+    """The deepest prefetch (at most ``prefetch_factor``) whose ``workers x prefetch + EXTRA_BATCHES`` batches of
+    ``batch`` bytes fit in ``SHM_SHARE`` of ``free``; the pipe, one batch ahead per worker, when none does."""
+    if free is None or batch <= 0:
+        return Handoff(prefetch_factor)
+    room = int(free * SHM_SHARE)
+    depth = min(prefetch_factor, (room // batch - EXTRA_BATCHES) // workers)
+    if depth >= prefetch_factor:
+        return Handoff(prefetch_factor)
+    said = (f"{SHM_PATH} has {human_bytes(free)} free and a batch takes about {human_bytes(batch)}, so {workers} "
+            f"worker processes x prefetch_factor {prefetch_factor} would not fit")
+    if depth >= 1:
+        return Handoff(depth, note=f"{said}: each worker prepares {depth} batch(es) ahead instead")
+    return Handoff(1, piped=True, note=(
+        f"{said}: batches come from the workers through a pipe instead of shared memory, one ahead each (slower; "
+        f"a larger {SHM_PATH}, e.g. docker --shm-size, restores the default)"))
+
+
+@dataclass(frozen=True)
+class Piped:
+    """A tensor's bytes as a numpy array, which pickles in-band through the worker's result pipe (a tensor would
+    be moved to shared memory); ``dtype`` and ``shape`` make it the same tensor again."""
+
+    data: np.ndarray
+    dtype: str
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> Piped:
+        flat = tensor.detach().contiguous().reshape(-1)
+        return cls(flat.view(torch.uint8).numpy(), str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+
+    def tensor(self) -> torch.Tensor:
+        return torch.from_numpy(self.data).view(getattr(torch, self.dtype)).reshape(self.shape)
+
+
+def _plain_stack(batch: Any, *, collate_fn_map: Any = None) -> torch.Tensor:
+    return torch.stack(batch, 0)  # no ``out=`` in shared memory, which default_collate allocates in a worker
+
+
+_PLAIN_MAP = {**default_collate_fn_map, torch.Tensor: _plain_stack}
+
+
+def _nested(value: Any, leaf: Callable[[Any], Any], kind: type) -> Any:
+    if isinstance(value, kind):
+        return leaf(value)
+    if isinstance(value, dict):
+        return type(value)((key, _nested(item, leaf, kind)) for key, item in value.items())
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_nested(item, leaf, kind) for item in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_nested(item, leaf, kind) for item in value)
+    return value
+
+
+class PipedCollate:
+    """A worker's collate whose batch travels by pipe: ``collate_fn`` (torch's default stacks without shared
+    memory), then every tensor of the batch as a ``Piped``."""
+
+    def __init__(self, collate_fn: Callable[[list], Any]):
+        self.collate_fn = collate_fn
+
+    def __call__(self, samples: list) -> Any:
+        if self.collate_fn is default_collate:
+            batch = collate(samples, collate_fn_map=_PLAIN_MAP)
+        else:
+            batch = self.collate_fn(samples)
+        return _nested(batch, Piped.of, torch.Tensor)
+
+
+def unpipe(batch: Any, pin: bool) -> Any:
+    """A piped batch's tensors again (in page-locked memory when ``pin``: its DataLoader does not pin it)."""
+    batch = _nested(batch, Piped.tensor, Piped)
+    return pin_nested(batch) if pin else batch
+
+
+def announce(handoff: Handoff) -> None:
+    if handoff.note is not None:
+        log.warning("%s", handoff.note)
