@@ -67,7 +67,8 @@ def preflight(staged: StagedOutput, spec: PublishSpec) -> None:
     no other writer holds a live lease on it (unless break_lease)."""
     bucket, prefix = check_out_url(staged.url)
     client = make_client(staged.options)
-    refuse_foreign(list_prefix(client, bucket, prefix), spec, staged.url, overwrite=staged.overwrite)
+    refuse_foreign(list_prefix(f"s3://{bucket}/{prefix}", staged.options), spec, staged.url,
+                   overwrite=staged.overwrite)
     refuse_if_held(read_lease(client, staged.url), staged.url, break_lease=staged.break_lease)
 
 

@@ -120,6 +120,11 @@ class EpochRow:
     # The train loader's run mode: {"mode": ...}; with Auto also its "trial" (per candidate: mode, batches timed,
     # mean step_s and wait_s) and the mode "chosen" (None until every candidate was tried).
     run_mode: dict | None = None
+    # Rank 0's loader memory in flight over the epoch (train.run.meter.MemoryTrace): its process tree's PSS plus
+    # /dev/shm ("bytes", "start_bytes", "peak_flight_bytes") and the training process's own PSS ("main_bytes"),
+    # sampled at "t_s" seconds with each interval's "wait_share", and the "budget_bytes" it was held to. Absent
+    # where the kernel gives no PSS.
+    memory: dict | None = None
     probe: dict | None = None  # --head logreg's fit
     # The storage forecast of this epoch's train reads (``shards.forecast.run.epoch_forecast``, made once as the run
     # started: requests, bytes, cache counters, first_batch_s, cost) and what the run measured of the same reads,
@@ -203,7 +208,8 @@ OPEN_FIELDS = ("path", "sources", "split", "transform", "seed", "return_keys", "
                "distributed", "mix")
 SOURCE_FIELDS = ("path", "weight", "repeat", "choose", "subset", "source")
 SUBSET_FIELDS = ("classes", "keys", "where", "max_samples")
-LOADER_FIELDS = ("batch_size", "drop_last", "workers")
+# ``mode``: the run mode's JSON form (``RunMode.to_json``); ``workers``: the bare worker count of older records.
+LOADER_FIELDS = ("batch_size", "drop_last", "mode", "workers")
 
 
 def _plain(value: Any) -> Any:
@@ -228,6 +234,19 @@ def _subset(subset: Any) -> dict[str, Any] | None:
 
 
 @dataclass(frozen=True)
+class LoaderCall:
+    """The train loader's ``make_loader`` arguments that decide what a step is fed, as ``DataCall.of`` records
+    them (``mode``: the loader's run mode, recorded in its JSON form)."""
+
+    batch_size: int
+    drop_last: bool
+    mode: Any
+
+    def to_json(self) -> dict[str, Any]:
+        return {"batch_size": self.batch_size, "drop_last": self.drop_last, "mode": self.mode.to_json()}
+
+
+@dataclass(frozen=True)
 class DataCall:
     """The train split's ``open_dataset(**open_dataset)`` and ``make_loader(**make_loader)`` as a run made them,
     in plain values. Steering that does not change which samples a step is fed (caches, stall recovery, pinned
@@ -239,8 +258,9 @@ class DataCall:
 
     @classmethod
     def of(cls, path: Any, split: str, *, transform: Any, seed: int, return_keys: bool, sampling: Any, decode: Any,
-           remote: Any, distributed: Any, mix: Any, batch_size: int, drop_last: bool, workers: int) -> "DataCall":
-        """The record of a call with these arguments (``path``: a folder, or the mixture's ``SourceSpec``s)."""
+           remote: Any, distributed: Any, mix: Any, loader: LoaderCall) -> "DataCall":
+        """The record of a call with these arguments (``path``: a folder, or the mixture's ``SourceSpec``s;
+        ``loader``: the ``make_loader`` arguments)."""
         sources = None
         if not isinstance(path, (str, os.PathLike)):
             sources = [{"path": s.path, "weight": s.weight, "repeat": s.repeat, "choose": s.choose,
@@ -254,7 +274,14 @@ class DataCall:
                 "distributed": {"world_size": distributed.world_size, "nodes": distributed.nodes,
                                 "rotate_every": distributed.rotate_every},
                 "mix": _plain(mix)}
-        return cls(call, {"batch_size": batch_size, "drop_last": drop_last, "workers": workers})
+        return cls(call, loader.to_json())
+
+    @property
+    def run_mode(self) -> Any:
+        """What ``RunMode.parse`` reads the recorded mode from: its JSON form, or an older record's worker
+        count (``WorkerProcesses(n)``, 0 ``InProcess()``, as ``--workers`` meant it)."""
+        loader = self.make_loader
+        return loader["mode"] if "mode" in loader else loader["workers"]
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -290,8 +317,14 @@ class DataCall:
         as_int(get(loader, "batch_size", "data.make_loader", where=where), "data.make_loader.batch_size", lo=1,
                where=where)
         as_bool(get(loader, "drop_last", "data.make_loader", where=where), "data.make_loader.drop_last", where=where)
-        as_int(get(loader, "workers", "data.make_loader", where=where), "data.make_loader.workers", hi=MAX_WORLD,
-               where=where)
+        if ("mode" in loader) == ("workers" in loader):
+            raise ManifestError("data.make_loader names neither a run mode nor a worker count, or both", path=where)
+        if "mode" in loader:
+            mode = as_object(loader["mode"], "data.make_loader.mode", where=where)
+            as_str(get(mode, "kind", "data.make_loader.mode", where=where), "data.make_loader.mode.kind",
+                   where=where)
+        else:
+            as_int(loader["workers"], "data.make_loader.workers", hi=MAX_WORLD, where=where)
         return cls(call, loader)
 
 

@@ -6,6 +6,17 @@ import pytest
 # Make ``tests.helpers`` importable however pytest is invoked.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.quick_limit import QuickLimit, add_option, is_quick_loop  # noqa: E402  (needs the path above)
+
+
+def pytest_addoption(parser):
+    add_option(parser)
+
+
+def pytest_configure(config):
+    # The quick loop's half-second rule (tests/quick_limit.py): -m "not slow" fails on a test over the limit.
+    QuickLimit.configure(config)
+
 
 # The quick loop (``scripts/test -m "not slow"``, under a minute on 2 cores) leaves out whatever trains, starts a
 # server or runs the job scripts: those tests are marked here by what they use, not one by one, so a new test in
@@ -24,6 +35,24 @@ def pytest_collection_modifyitems(config, items):
             continue
         if folder in SLOW_FOLDERS or SLOW_FIXTURES.keys() & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+# Imported once per process before the quick loop's first test, so that its cost lands in a session fixture's setup
+# and not in the call phase of whichever test happens to import them first (tests/quick_limit.py times calls only).
+QUICK_LOOP_IMPORTS = ("torchvision.transforms.functional", "torchvision.transforms.v2.functional",
+                      "torchvision.models", "matplotlib.figure", "matplotlib.backends.backend_agg")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def quick_loop_imports(request):
+    import importlib
+
+    if is_quick_loop(request.config.getoption("markexpr", None)):
+        for name in QUICK_LOOP_IMPORTS:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass  # an extra that is not installed: the tests that need it skip
 
 
 @pytest.fixture(autouse=True, scope="session")

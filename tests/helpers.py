@@ -14,7 +14,8 @@ from typing import Iterator, Sequence
 
 from PIL import Image
 
-from shards.manifest import DatasetManifest, ShardInfo, SourceInfo, SplitInfo
+from shards.manifest import DatasetManifest, ShardInfo, SplitInfo
+from shards.provenance import SourceInfo
 from shards.formats.sample import RawSample
 from shards.transport.storage import get_storage, shard_name
 

@@ -109,8 +109,14 @@ def cycles(graph: dict[str, dict[str, set[str]]]) -> list[list[str]]:
     return found
 
 
-def test_no_folder_level_import_runs_back_up():
-    graph = folder_graph()
+@pytest.fixture(scope="module")
+def graph() -> dict[str, dict[str, set[str]]]:
+    """The import graph, built in setup: the parse is shared by the tests below, not the cost of whichever runs
+    first (the quick loop times calls, tests/quick_limit.py)."""
+    return folder_graph()
+
+
+def test_no_folder_level_import_runs_back_up(graph):
     problems = []
     for component in cycles(graph):
         edges = [f"{a} -> {b} ({', '.join(sorted(graph[a][b]))})" for a in component for b in component
@@ -121,16 +127,14 @@ def test_no_folder_level_import_runs_back_up():
 
 @pytest.mark.parametrize("package, forbidden", [("shards", ("train", "preprocess")), ("preprocess", ("train",)),
                                                 ("train", ("preprocess",))])
-def test_packages_import_only_downwards(package, forbidden):
-    graph = folder_graph()
+def test_packages_import_only_downwards(graph, package, forbidden):
     wrong = sorted(f"{source} -> {target} ({', '.join(sorted(files))})" for source, targets in graph.items()
                    if source.split(".")[0] == package for target, files in targets.items()
                    if target.split(".")[0] in forbidden)
     assert not wrong, "\n".join(wrong)
 
 
-def test_the_cycle_check_sees_a_planted_back_edge():
-    graph = folder_graph()
+def test_the_cycle_check_sees_a_planted_back_edge(graph):
     planted = {k: dict(v) for k, v in graph.items()}
     planted.setdefault("shards.errors", {})["shards.stream"] = {"planted.py"}
     assert any("shards.errors" in c and "shards.stream" in c for c in cycles(planted))

@@ -60,7 +60,8 @@ def train_config(path: str | os.PathLike | None = None, *, out: str | os.PathLik
                          class_map=class_map, subset=subset if any(v is not None for v in subset.values()) else None,
                          epoch_size=epoch_size, train_split=train_split, val_split=val_split,
                          exclude_keys=os.path.abspath(exclude_keys) if exclude_keys else None,
-                         source=os.path.abspath(source) if source and locate(source).is_local else source),
+                         source=(os.path.abspath(source) if source and locate(source).local_path() is not None
+                                 else source)),
         model=ModelOptions(task=task, head=head, standardize=standardize, logreg_c=logreg_c, hidden_dim=hidden_dim,
                            dropout=dropout, name=model, weights=weights),
         optim=OptimOptions(epochs=epochs, batch_size=batch_size, optimizer=optimizer, lr=lr, momentum=momentum,

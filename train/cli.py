@@ -12,9 +12,9 @@ from typing import Any
 
 import click
 
-from shards.cli.common import (DEVICE_HELP, S3_OPTION_NAMES, WORKERS_RULE, ByteSize, DeviceName, class_names,
-                               cache_options, emit_json, handle_errors, memory_budget_option, quiet_option, s3_options,
-                               version_option)
+from shards.cli.common import (S3_OPTION_NAMES, WORKERS_RULE, ByteSize, cache_options, class_names, device_option,
+                               emit_json, handle_errors, memory_budget_option, overwrite_option, quiet_option,
+                               s3_options, seed_option, shard_source_option, version_option)
 from shards.cli.sections import SectionedCommand
 from shards.jobs.preemption import stop_signals
 from shards.stream.options import STREAM_DECODES
@@ -74,9 +74,7 @@ class WorkerCount(click.ParamType):
               help="A filter on each sample's metadata, e.g. \"width >= 256 and mode == 'RGB'\".")
 @click.option("--max-samples", "subset_max", type=int, default=None,
               help="At most this many samples of each source (after the other filters, in manifest order).")
-@click.option("--source", default=None, metavar="PATH",
-              help="Where the shards are when not beside dataset.json: the tars of an index made by shards index "
-                   "(a folder, s3:// or https:// prefix).")
+@shard_source_option()
 @click.option("--exclude-keys", type=click.Path(dir_okay=False, exists=True), default=None,
               help="A file of sample keys, one per line, left out of training (the rest keep their order); may be "
                    "added or extended with --resume: the rest of the interrupted epoch drops them too.")
@@ -119,7 +117,7 @@ class WorkerCount(click.ParamType):
 @click.option("--label-smoothing", type=float, default=0.0)
 @click.option("--class-weighted-loss", is_flag=True, help="Weight the loss by inverse class frequency.")
 @click.option("--balanced-sampler", is_flag=True, help="Sample classes evenly (seeded) instead of weighting the loss.")
-@click.option("--seed", type=int, default=0)
+@seed_option("the data order, the augmentations and the model's initialisation")
 @click.option("--workers", type=WorkerCount(), default=None,
               help="Loader workers (processes or threads: one plan, one resume layout), or 'auto' (= --run-mode "
                    f"auto). Default: for image shards {WORKERS_RULE}; for feature folders in this process "
@@ -144,14 +142,13 @@ class WorkerCount(click.ParamType):
                    "plan, and the first batches fed after it: refuse a mismatch (one line naming the batch and key), "
                    "warn, or off.")
 @click.option("--amp", is_flag=True, help="Mixed precision (float16 autocast + GradScaler); CUDA only.")
-@click.option("--device", type=DeviceName(), default="auto",
-              help=f"{DEVICE_HELP} Under torchrun, cuda is each process's local-rank GPU.")
+@device_option("Under torchrun, cuda is each process's local-rank GPU.")
 @click.option("--train-split", default="train")
 @click.option("--val-split", default="val", help="Split to validate on every epoch.")
 @click.option("--checkpoint-every", type=int, default=0, help="Also write last.pt every N steps (0: epoch ends only).")
 @click.option("--resume", is_flag=True, help="Continue the run in --out exactly from last.pt (start if there is none).")
 @click.option("--dry-run", is_flag=True, help="Print one batch's shape, dtype, value range and labels, then exit.")
-@click.option("--overwrite", is_flag=True, help="Replace a different run in --out.")
+@overwrite_option("a different run in --out")
 @click.option("--no-report", is_flag=True, help="Do not write report.html into the run folder.")
 @click.option("--cache-images", is_flag=True,
               help="Image shards, fast pipeline: keep decoded images in memory after the first epoch (train views "

@@ -19,21 +19,23 @@ import shards
 from shards.check.freshness import check_features_fresh
 from shards.cache.node_index import STAT_NAMES
 from shards.errors import InputError, ManifestError
-from shards.loader.loader import auto_mode, default_mode, default_num_workers, workers_mode, worth_pinning
+from shards.loader.loader import resolve_mode, worth_pinning
 from shards.loader.watchdog import StallPolicy
 from shards.transport.location import locate
 from shards.transport.manifest_io import load_manifest_at
 from shards.manifest import DATASET_FILE, FEATURES_FILE, DatasetManifest, FeatureManifest
-from shards.runrecord import DataCall
+from shards.runrecord import DataCall, LoaderCall
 from shards.image.transforms import TransformSpec
 from shards.select.columns import open_columns
-from shards.select.mixture import MixOptions, SourceSpec, Subset, read_keys, unweighted
+from shards.select.key_set import read_keys
+from shards.select.mixture import MixOptions, SourceSpec, Subset, unweighted
 from shards.stream.options import Decode, Distributed, MemoryCache, Remote, Sampling
 from shards.select.selection import combined_classes, excluded_rows
 from shards.units import human_bytes
 from train.applies import check_options_apply
 from train.config import TrainConfig
 from train.model.regression import manifest_task, resolve_task
+from train.model.models import uses_channels_last
 from train.distributed import DistContext
 from train.memory import loader_budget
 
@@ -203,9 +205,9 @@ def build_data(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest, ct
     workers = int(getattr(train_loader, "num_workers", cfg.loader.workers or 0))
     normalize = None
     if kind == "images" and cfg.loader.decode == "fast":
-        normalize = val_set.normalizer(channels_last=ctx.device.type == "cuda").to(ctx.device)
+        normalize = val_set.normalizer(channels_last=uses_channels_last(ctx.device.type, kind)).to(ctx.device)
     train_call = DataCall.of(specs or cfg.data.path, cfg.data.train_split, **train_args,
-                             batch_size=cfg.optim.batch_size, drop_last=True, workers=workers)
+                             loader=LoaderCall(cfg.optim.batch_size, drop_last=True, mode=train_loader.mode))
     return RunData(kind, manifest, train_loader, val_loader, workers, eval_spec, normalize, open_s, train_call,
                    budget.record)
 
@@ -265,16 +267,11 @@ def affinity_nodes(cfg: TrainConfig, manifest: DatasetManifest | FeatureManifest
 
 
 def loader_mode(dataset: Any, cfg: TrainConfig) -> Any:
-    """The run mode ``cfg.loader`` names over ``dataset`` (``shards.loader.loader``): the library's default without
-    settings; ``auto``: ``Auto(workers)`` (feature rows: in process, nothing to try); otherwise the workers as
-    processes or threads, ``worker_threads`` decoding inside each process (or shared by the threads)."""
-    options = cfg.loader
-    if options.run_mode == "auto":
-        return auto_mode(dataset, options.workers)
-    if options.workers is None and options.run_mode == "processes" and options.worker_threads == 1:
-        return default_mode(dataset)
-    workers = default_num_workers() if options.workers is None else options.workers
-    return workers_mode(workers, run=options.run_mode, threads=options.worker_threads)
+    """The run mode ``cfg.loader`` names over ``dataset``, through the one parse (``LoaderOptions.mode_text``,
+    ``shards.loader.loader.resolve_mode``): the library's default without settings; ``auto``: ``Auto(workers)``
+    (feature rows: in process, nothing to try); otherwise the workers as processes or threads, ``worker_threads``
+    decoding beside them."""
+    return resolve_mode(dataset, cfg.loader.mode_text())
 
 
 def _loader(dataset: Any, cfg: TrainConfig, ctx: DistContext, *, drop_last: bool, memory: Any = None) -> Any:

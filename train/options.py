@@ -182,6 +182,19 @@ class LoaderOptions:
             raise InputError(f"loader.stall_timeout={self.stall_timeout!r} must be >= 0 seconds (0: no stall "
                              "recovery)")
 
+    def mode_text(self) -> str | None:
+        """``workers``, ``run_mode`` and ``worker_threads`` (the CLI's three options, as config.json records them)
+        as the run mode's one text form, which ``RunMode.parse`` reads (``shards.loader.loader``); None: the
+        library's default for the dataset. ``worker_threads`` 1 is no decode threads beside the workers."""
+        if self.run_mode == "auto":
+            return "auto" if self.workers is None else f"auto:{self.workers}"
+        if self.workers is None and self.run_mode == "processes" and self.worker_threads == 1:
+            return None
+        if self.workers == 0:
+            return "in-process"
+        text = self.run_mode if self.workers is None else f"{self.run_mode}:{self.workers}"
+        return text + (f",decoders={self.worker_threads}" if self.worker_threads > 1 else "")
+
 
 @dataclass(frozen=True)
 class CacheOptions:

@@ -11,7 +11,7 @@ import click
 
 from preprocess.adopt.index import index_tars
 from preprocess.pack.sources.members import DEFAULT_MAX_BYTES
-from shards.cli.common import ByteSize, emit_json, handle_errors, quiet_option, s3_options
+from shards.cli.common import S3_OPTION_NAMES, ByteSize, emit_json, handle_errors, quiet_option, s3_options, seed_option
 from shards.cli.sections import SectionedCommand
 
 
@@ -23,8 +23,7 @@ def _names(text: str | None) -> tuple[str, ...]:
                sections={"Labels": ("label_member", "label_field"),
                          "Splits": ("val_fraction", "seed", "train_shards", "val_shards"),
                          "Output": ("out", "max_bytes"),
-                         "Object storage": ("s3_endpoint_url", "s3_profile", "s3_unsigned", "s3_max_concurrency",
-                                            "s3_read_ahead", "min_transfer_rate", "request_deadline")})
+                         "Object storage": S3_OPTION_NAMES})
 @click.argument("source", type=str)
 @click.option("--out", required=True, type=click.Path(path_type=str),
               help="The index folder: everything shardcache writes goes here; the tars are only read.")
@@ -32,7 +31,7 @@ def _names(text: str | None) -> tuple[str, ...]:
 @click.option("--label-field", default=None, help="The field of each sample's .json member holding its label.")
 @click.option("--val-fraction", type=float, default=0.0, show_default=True,
               help="Fraction of the tars drawn into the val split (by tar, from --seed; stable as tars are added).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the --val-fraction draw.")
+@seed_option("the --val-fraction draw")
 @click.option("--train-shards", default=None, help="Comma-separated tar names (relative to the source) for train.")
 @click.option("--val-shards", default=None, help="Comma-separated tar names (relative to the source) for val.")
 @click.option("--max-bytes", type=ByteSize(), default=DEFAULT_MAX_BYTES, show_default=True,

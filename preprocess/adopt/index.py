@@ -46,9 +46,10 @@ from typing import Any, Iterator, Mapping
 
 from preprocess.adopt.folders import owned_folder
 from preprocess.adopt.scan import ScannedTar, scan_tar
-from preprocess.adopt.sources import SourceTar, is_remote_source, same_bytes, source_tars, stage
+from preprocess.adopt.sources import same_bytes, source_tars, stage
 from preprocess.adopt.splits import SplitRule
-from preprocess.pack.parts import column_file_names, index_file_rows, write_columns
+from preprocess.pack.merge import index_file_rows, write_columns
+from preprocess.pack.parts import column_file_names
 from preprocess.pack.sources.members import DEFAULT_MAX_BYTES, SourceFields
 from preprocess.pack.sources.tars import Skips
 from shards.atomic import atomic_output, sha256_file, write_bytes_atomic
@@ -58,8 +59,10 @@ from shards.formats.adopted import IndexedRow, rows_bytes, rows_name
 from shards.formats.column_writer import MAX_SAMPLE_FIELDS
 from shards.formats.columns import COLUMNS_KEY, FOLDER
 from shards.lock import output_lock
-from shards.manifest import (DATASET_FILE, DatasetManifest, ShardInfo, SkippedFile, SourceInfo, SplitInfo,
-                             load_dataset_manifest)
+from shards.manifest import DATASET_FILE, DatasetManifest, ShardInfo, SplitInfo, load_dataset_manifest
+from shards.provenance import SkippedFile, SourceInfo
+from shards.transport.listing import Listed
+from shards.transport.location import locate
 
 log = logging.getLogger("shardcache.adopt")
 
@@ -118,9 +121,10 @@ def index_tars(source: str, out: str, *, label_member: str | None = None, label_
     fields = SourceFields(label_member=label_member, label_field=label_field)
     rule = SplitRule(val_fraction, seed, tuple(train_shards), tuple(val_shards))
     base, tars, outside = source_tars(source, storage_options=storage_options)
+    folder = locate(base).local_path()  # a source on this machine: the index is never written inside it
     out_path = Path(out).absolute()
-    if not is_remote_source(source) and (out_path.resolve() == Path(base).resolve()
-                                         or Path(base).resolve() in out_path.resolve().parents):
+    if folder is not None and (out_path.resolve() == folder.resolve()
+                               or folder.resolve() in out_path.resolve().parents):
         raise InputError(f"is inside the source folder {base}: the index is written elsewhere, the source is "
                          "never written", path=str(out))
     options = {"adopted": True, "label_member": label_member, "label_field": label_field, "max_bytes": max_bytes,
@@ -142,7 +146,7 @@ def index_tars(source: str, out: str, *, label_member: str | None = None, label_
         for tar in fresh:
             name = hashlib.sha256(tar.rel.encode()).hexdigest()[:24]
             part = state / f"{name}.jsonl"
-            if tar.location.is_local:
+            if tar.location.local_path() is not None:
                 scanned.append(scan_tar(tar, fields, first_tar, max_bytes, part, skips))
             else:
                 copy = state / f"{name}.tar"
@@ -202,7 +206,7 @@ def _version(entry: Mapping[str, Any], what: str, where: str) -> dict[str, Any]:
             for name in ("etag", "last_modified")}
 
 
-def _check_seen(previous: _Previous, tars: list[SourceTar]) -> list[SourceTar]:
+def _check_seen(previous: _Previous, tars: list[Listed]) -> list[Listed]:
     """The tars not indexed yet; a tar indexed before must hold the same bytes (size, then sha256: a version can
     be restored after a same-size change), else ``ChecksumError`` naming it; one gone is refused the same way."""
     names = {tar.rel for tar in tars}

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from preprocess.adopt.sources import SourceTar, local_version
+from preprocess.adopt.sources import local_version
 from preprocess.pack.sources.members import SourceFields, member_path
 from preprocess.pack.sources.tars import Skips, judged_samples
 from shards.atomic import atomic_output
@@ -33,6 +33,7 @@ from shards.formats.adopted import read_row
 from shards.formats.column_writer import MAX_SAMPLE_FIELDS
 from shards.formats.tarheader import READ_BUFFER, ByteSource
 from shards.formats.tarseek import open_tar
+from shards.transport.listing import Listed
 
 RESERVED = ("key", "label", "class")  # the column index's own fields
 
@@ -80,7 +81,7 @@ def scalar_meta(raw: bytes | None) -> tuple[dict[str, Any], int]:
     return dict(scalars[:MAX_SAMPLE_FIELDS]), max(0, len(scalars) - MAX_SAMPLE_FIELDS)
 
 
-def scan_tar(tar: SourceTar, fields: SourceFields, first_tar: dict[str, str], max_bytes: int, part: Path,
+def scan_tar(tar: Listed, fields: SourceFields, first_tar: dict[str, str], max_bytes: int, part: Path,
              skips: Skips, *, staged: tuple[Path, int, str] | None = None) -> ScannedTar:
     """Index ``tar`` into the part file ``part``: the local tar itself, or (``staged``: its copy's path, size and
     sha256) a remote tar's staged copy; ``first_tar`` (key -> tar) gains the keys accepted here, ``skips`` the

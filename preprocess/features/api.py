@@ -27,8 +27,10 @@ def precompute_features(data_dir: str | os.PathLike, out: str | os.PathLike, *, 
     hub cache. ``workers=None`` is the shared default (``shards.cli.common.default_workers``; 0: in this process).
     ``options``: the other fields of ``preprocess.features.featurize.FeatureConfig`` (``seed``, ``resize``,
     ``crop``, ``mean``, ``std``, ``interpolation``, ``views``, ``augment``, ``storage``, ``amp``, ``decode``,
-    ``device_share``, ``splits``, ``task_index``, ``num_tasks``, ``overwrite``, ``quiet``, ``storage_options``,
-    ``cache``, ``shard_source``); an unknown one is a ``TypeError`` naming it."""
+    ``device_share``, ``decode_check``, ``splits``, ``task_index``, ``num_tasks``, ``overwrite``, ``quiet``,
+    ``storage_options``, ``cache``, ``shard_source``); an unknown one is a ``TypeError`` naming it.
+    ``decode_check=N`` (``--decode-check N``): with ``decode="device"``, 1 in N images decoded again on the CPU and
+    compared (0: no check)."""
     from preprocess.features.featurize import FeatureConfig, run_precompute
     from preprocess.features.state import features_spec
     from shards.cli.common import default_workers

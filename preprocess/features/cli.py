@@ -5,6 +5,7 @@ torch and torchvision are imported inside the command body only, so ``--help`` a
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -12,9 +13,9 @@ from shards.image.options import INTERPOLATIONS
 from preprocess.features.vocabulary import AMP_NAMES, DTYPE_NAMES
 from preprocess.features.api import precompute_features
 from shards.atomic import on_disk_full
-from shards.cli.common import (DEVICE_HELP, S3_OPTION_NAMES, DeviceName, cache_options, emit_json, handle_errors,
-                               memory_budget_option, quiet_option, s3_options, task_options, version_option,
-                               workers_option)
+from shards.cli.common import (S3_OPTION_NAMES, cache_options, device_option, emit_json, handle_errors,
+                               memory_budget_option, overwrite_option, quiet_option, s3_options, seed_option,
+                               shard_source_option, staging_options, task_options, version_option, workers_option)
 from shards.cli.sections import SectionedCommand
 from shards.transport.s3 import S3Options
 from shards.errors import InputError
@@ -34,6 +35,30 @@ def _triple(name: str, value: str | None) -> tuple[float, ...] | None:
     return numbers
 
 
+class DecodeCheckEvery(click.ParamType):
+    """``--decode-check``: check 1 in N device-decoded images (an integer N >= 1), or none (``0`` or ``off``).
+    One spelling, the count, as ``FeatureConfig.decode_check`` records it."""
+
+    name = "N|off"
+
+    def get_metavar(self, param: Any, ctx: Any = None) -> str:
+        return self.name  # as written, not upper-cased
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        if isinstance(value, int):
+            every = value
+        elif str(value).strip().lower() == "off":
+            return 0
+        else:
+            try:
+                every = int(str(value).strip())
+            except ValueError:
+                self.fail(f"{value!r}: expected a whole number N (1 in N images checked) or off", param, ctx)
+        if every < 0:
+            self.fail(f"{value!r}: expected N >= 1 (1 in N images checked), or 0 / off for no check", param, ctx)
+        return every
+
+
 @click.command(cls=SectionedCommand, context_settings={"help_option_names": ["-h", "--help"]},
                sections={"Input": ("splits", "shard_source", "cache_dir", "cache_limit", "cache_eviction",
                                    "cache_prefetch", "cache_fallback", "cache_local"),
@@ -41,7 +66,7 @@ def _triple(name: str, value: str | None) -> tuple[float, ...] | None:
                          "Transform and views": ("resize", "crop", "mean", "std", "interpolation", "views",
                                                  "augment"),
                          "Output": ("out_dir", "storage", "overwrite", "merge_dir"),
-                         "Loader": ("decode", "device_share", "batch_size", "workers", "memory_budget"),
+                         "Loader": ("decode", "device_share", "decode_check", "batch_size", "workers", "memory_budget"),
                          "Parallel jobs": ("task_index", "num_tasks"),
                          "Object storage": ("stage_dir", "break_lease", *S3_OPTION_NAMES)},
                common=("out_dir", "backbone", "weights", "device", "batch_size", "workers", "dtype", "quiet"),
@@ -54,7 +79,7 @@ def _triple(name: str, value: str | None) -> tuple[float, ...] | None:
 @click.option("--backbone", default="resnet50", show_default=True, help="torchvision classification model name.")
 @click.option("--weights", help="'none' (random init from --seed), a local .pt/.pth/.safetensors state dict, or a "
                                 "torchvision weights name (IMAGENET1K_V2) already in the torch hub cache. Required.")
-@click.option("--seed", default=0, show_default=True, help="Seed of a random init and of augmented views.")
+@seed_option("a random init and of augmented views")
 @click.option("--resize", type=int, help="Shorter side before the centre crop. Default: the weights' preset, or 256.")
 @click.option("--crop", type=int, help="Centre crop size. Default: the weights' preset, or 224.")
 @click.option("--mean", help="Normalisation mean, three comma-separated values. Default: the weights' preset.")
@@ -64,33 +89,30 @@ def _triple(name: str, value: str | None) -> tuple[float, ...] | None:
 @click.option("--augment", is_flag=True, help="Store --views seeded RandomResizedCrop+flip views as 'views' [N,K,D].")
 @click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float16", show_default=True)
 @click.option("--format", "storage", type=click.Choice(sorted(FEATURE_SUFFIXES)), default="pt", show_default=True)
-@click.option("--device", type=DeviceName(), default="auto", show_default=True, help=DEVICE_HELP)
+@device_option()
 @click.option("--amp", type=click.Choice([*AMP_NAMES, "auto"]), default="auto", show_default=True,
               help="Autocast dtype; auto is bf16 on CUDA and off on CPU.")
 @click.option("--decode", type=click.Choice(DECODES), default="fast", show_default=True,
               help="fast: DCT-scaled decode + one crop-then-resize in workers (default); standard: PIL + "
                    "torchvision ops, the exact reference; device: batched decode_jpeg + resize/crop on the model's "
-                   "device.")
+                   "device; auto: the device and the workers split the decoding by measured costs, re-measured as "
+                   "the run goes (p99-aware); without an accelerator, the workers' fast path.")
 @click.option("--device-share", type=click.FloatRange(0.0, 1.0), default=1.0, show_default=True,
               help="With --decode device: the share of images decoded on the device; workers decode the rest with "
                    "the fast path, so both feed the model. Which images go where follows from their keys, so the "
                    "same share gives the same features (the share is part of the config).")
+@click.option("--decode-check", type=DecodeCheckEvery(), default=256, show_default=True,
+              help="With --decode device: decode 1 in N images again on the CPU (chosen by key and --seed) and "
+                   "compare; a difference over 2 grey levels turns device decoding off for the rest of the run and "
+                   "is kept in the summary. 0 or off: no check.")
 @click.option("--batch-size", default=64, show_default=True)
 @workers_option("DataLoader worker processes (decode + transform)")
 @click.option("--split", "splits", multiple=True, help="Only these splits (repeatable). Default: all.")
-@click.option("--source", "shard_source", default=None, metavar="PATH",
-              help="Where the shards are when not beside dataset.json: the tars of an index made by shards index "
-                   "(a folder, s3:// or https:// prefix).")
-@click.option("--overwrite", is_flag=True, help="Replace a feature folder computed with a different config.")
+@shard_source_option(name="shard_source")
+@overwrite_option("a feature folder computed with a different config")
 @click.option("--merge", "merge_dir", type=click.Path(path_type=Path),
               help="Only write FEAT_DIR/features.json from finished parts (after a task array).")
-@click.option("--stage-dir", type=click.Path(path_type=str), default=None,
-              help="With --out s3://...: the local folder features are computed in before upload (default: "
-                   "$SHARDCACHE_STAGE_DIR or ~/.cache/shardcache/stage, one folder per URL; required with "
-                   "--num-tasks > 1, on a shared file system).")
-@click.option("--break-lease", is_flag=True,
-              help="With --out s3://...: take over the prefix's writer lease even while another run holds it "
-                   "(a lease left by a killed run expires by itself 10 minutes after its last renewal).")
+@staging_options("features are computed in")
 @memory_budget_option
 @task_options
 @s3_options
@@ -101,7 +123,8 @@ def _triple(name: str, value: str | None) -> tuple[float, ...] | None:
 def precompute_features_command(data_dir: str | None, out_dir: Path | None, backbone: str, weights: str | None,
                                 seed: int, resize: int | None, crop: int | None, mean: str | None, std: str | None,
                                 interpolation: str | None, views: int, augment: bool, dtype: str, storage: str,
-                                device: str, amp: str, decode: str, device_share: float, batch_size: int,
+                                device: str, amp: str, decode: str, device_share: float, decode_check: int,
+                                batch_size: int,
                                 workers: int, memory_budget: int | None,
                                 splits: tuple[str, ...], shard_source: str | None, overwrite: bool,
                                 merge_dir: Path | None,
@@ -132,5 +155,6 @@ def precompute_features_command(data_dir: str | None, out_dir: Path | None, back
         dtype=dtype, stage_dir=stage_dir, break_lease=break_lease, seed=seed, resize=resize, crop=crop,
         mean=_triple("mean", mean), std=_triple("std", std), interpolation=interpolation, views=views,
         augment=augment, storage=storage, amp=amp, decode=decode, device_share=device_share,
+        decode_check=decode_check,
         splits=tuple(splits) or None, task_index=task_index, num_tasks=num_tasks, overwrite=overwrite, quiet=quiet,
         storage_options=s3, cache=cache, shard_source=shard_source, memory_budget=memory_budget))

@@ -31,6 +31,7 @@ import torch
 
 from preprocess.features.assembly import FeatureAssembly, ShardParts
 from preprocess.features.backbones import Backbone
+from preprocess.features.decode_share import SplitMeter, live_split
 from preprocess.features.feature_stats import FeatureStats, check_shard
 from preprocess.features.loader import FeatureDecoder, ShardJob, ShardReader
 from preprocess.features.state import feature_path, write_shard_record
@@ -184,6 +185,14 @@ def _tensor_bytes(shard: FeatureShard) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def _decoder(cfg: "FeatureConfig", spec: TransformSpec, augment: AugmentSpec | None,
+             meter: SplitMeter | None) -> FeatureDecoder:
+    """``--decode``'s per-sample step; under ``auto`` the device path, its share read live from ``meter``."""
+    if meter is None:
+        return FeatureDecoder(spec, augment, cfg.decode, cfg.device_share)
+    return FeatureDecoder(spec, augment, "device", live_share=meter.live)
+
+
 def featurize_jobs(cfg: "FeatureConfig", jobs: list[ShardJob], reader: ShardReader, extractor: FeatureExtractor,
                    spec: TransformSpec, augment: AugmentSpec | None, digest: str, stop: StopRequest) -> RunStats:
     """Features of every job's shard, each checked (``reader.check_bytes``) and written on the writer thread while
@@ -195,14 +204,19 @@ def featurize_jobs(cfg: "FeatureConfig", jobs: list[ShardJob], reader: ShardRead
     side = SideStreamCopy(extractor.device)  # prepare on a side stream, beside the forward before it
     shard_stats: dict[int, FeatureStats] = {}  # job index -> its rows' statistics, until its shard is written
 
+    meter = live_split(cfg.decode, cfg.workers, extractor.device)  # --decode auto: the measured split, else None
+    timed = (lambda name: contextlib.nullcontext()) if meter is None else meter.span
     def featurise(job: ShardJob, pieces: list[dict[str, Any]]) -> tuple[HostCopy, HostCopy | None]:
         with stats.timing("prepare"):
-            with side.copying():
+            with side.copying(), timed("decode"):
                 images, views = _model_inputs(job, pieces, spec, augment, checked)
             side.hand_over(*(t for t in (images, views) if t is not None))
         with stats.timing("forward"):
             rows = shard_stats.setdefault(job.index, FeatureStats(extractor.dim, extractor.device))
-            features = HostCopy.of(extractor.forward(images, rows))
+            with timed("forward"):
+                features = HostCopy.of(extractor.forward(images, rows))
+            if meter is not None:
+                meter.chunk_done(pieces)
             if views is None:
                 return features, None
             flat = extractor.forward(views.flatten(0, 1))
@@ -217,7 +231,7 @@ def featurize_jobs(cfg: "FeatureConfig", jobs: list[ShardJob], reader: ShardRead
             check_shard(rows, str(feature_path(cfg.out_dir, job, cfg.storage)))  # NaN/inf: refused before written
             _write_job(cfg, job, shard, digest, rows)
 
-    loader = reader.loader(jobs, FeatureDecoder(spec, augment, cfg.decode, cfg.device_share), batch_size=cfg.batch_size,
+    loader = reader.loader(jobs, _decoder(cfg, spec, augment, meter), batch_size=cfg.batch_size,
                            workers=cfg.workers, pin_memory=extractor.device.type == "cuda")
     assembly = FeatureAssembly(jobs, cfg.batch_size, featurise)
     unwritten: list[Future] = []
@@ -254,8 +268,10 @@ def featurize_jobs(cfg: "FeatureConfig", jobs: list[ShardJob], reader: ShardRead
     stats.wait_s = stats.stages["wait"]
     if stop:
         raise _preempted(cfg, stop, jobs, stats)
-    if cfg.decode == "device":
+    if cfg.decode in ("device", "auto"):
         stats.extra["decode_check"] = checked.record()
+    if meter is not None:
+        stats.extra["decode_share"] = meter.controller.record()
     return stats
 
 

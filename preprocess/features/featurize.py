@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from preprocess.features.backbones import Backbone, build_backbone
+from preprocess.features.decode_share import resolve_auto
 from preprocess.features.consumer import AMP_MODES, DTYPES, FeatureExtractor, RunStats, featurize_jobs
 from preprocess.features.loader import ShardJob, ShardReader, shard_jobs
 from preprocess.features.state import (CONFIG_RECORD, STATE_DIR, assemble_manifest, check_output, config_hash, feature_path,
@@ -122,10 +123,9 @@ class FeatureConfig:
                              f"it needs decode 'device' (not {self.decode!r}) and no --augment")
         if self.num_tasks < 1 or not 0 <= self.task_index < self.num_tasks:
             raise InputError(f"task index {self.task_index} is not in [0, {self.num_tasks})")
-        if self.source.is_local and self.source.path.resolve() == self.out_dir.resolve():
+        if _is_folder(self.source, self.out_dir):
             raise InputError("--out must differ from the dataset folder", path=str(self.out_dir))
-        if self.shards_at is not None and self.shards_at.is_local \
-                and self.shards_at.path.resolve() == self.out_dir.resolve():
+        if self.shards_at is not None and _is_folder(self.shards_at, self.out_dir):
             raise InputError("--out must differ from the --source folder", path=str(self.out_dir))
 
 
@@ -148,7 +148,14 @@ def resolve_transform(cfg: FeatureConfig, backbone: Backbone) -> TransformSpec:
 def _recorded(source: Location) -> str:
     """``dataset_dir`` as this folder records it: a local folder resolved (symlinks followed, as every run has
     recorded it: a rerun must find the same), any other location as given, without a trailing ``/``."""
-    return str(source.path.resolve()) if source.is_local else source.record().rstrip("/")
+    path = source.local_path()
+    return str(path.resolve()) if path is not None else source.record().rstrip("/")
+
+
+def _is_folder(where: Location, folder: Path) -> bool:
+    """Whether ``where`` is ``folder`` on this machine (symlinks followed)."""
+    path = where.local_path()
+    return path is not None and path.resolve() == folder.resolve()
 
 
 def _run_record(cfg: FeatureConfig, backbone: Backbone, spec: TransformSpec, device: torch.device,
@@ -156,10 +163,12 @@ def _run_record(cfg: FeatureConfig, backbone: Backbone, spec: TransformSpec, dev
     amp = ("bf16" if device.type == "cuda" else "off") if cfg.amp == "auto" else cfg.amp
     # The record names the decoder that made the pixels, not the option: on the device, nvjpeg's differ from libjpeg's.
     decoder = {"fast": "fast", "standard": "pil"}.get(cfg.decode, f"decode_jpeg:{device.type}")
-    if cfg.decode == "device" and device.type != "cpu":  # resized there by one roi_align per batch (batch_crops)
+    if cfg.decode in ("device", "auto") and device.type != "cpu":  # resized there by one roi_align per batch
         decoder += "+batch-crop"
     if cfg.device_share < 1.0:  # which images the device decodes is a function of the share: part of the numbers
         decoder += f"@{cfg.device_share:g}+fast"
+    if cfg.decode == "auto":  # the share follows measured costs: the summary's decode_share keeps the shares taken
+        decoder += "@auto+fast"
     augment = AugmentSpec(cfg.views, seed=cfg.seed) if cfg.augment else None
     config = {
         "backbone": backbone.name,
@@ -205,6 +214,7 @@ def run_precompute(cfg: FeatureConfig,
     backbone = build_backbone(cfg.backbone, cfg.weights, seed=cfg.seed)
     spec = resolve_transform(cfg, backbone)
     device = resolve_device(cfg.device)
+    cfg = resolve_auto(cfg, device)  # --decode auto: which side decodes, now the device is known
     jobs = shard_jobs(dataset, cfg.source, cfg.splits, cfg.shards_at)
     mine = [job for job in jobs if job.index % cfg.num_tasks == cfg.task_index]
     memory = resolve_budget(cfg.memory_budget)

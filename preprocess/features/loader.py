@@ -22,7 +22,8 @@ The reader checks no sha256 on a slice of an ``s3://`` shard, nor on a local sli
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -103,15 +104,22 @@ class FeatureDecoder:
     augment: AugmentSpec | None
     decode: str
     device_share: float = 1.0
+    # ``--decode auto`` on an accelerator: a shared double (``multiprocessing.RawValue``) the consumer sets as it
+    # measures (``preprocess.features.decode_share``), read per sample in place of ``device_share``; each image the
+    # workers decode then carries ``cpu_s``, the worker's CPU seconds for it.
+    live_share: Any = field(default=None, compare=False)
 
     def __call__(self, sample: RawSample, seed: int = 0) -> dict[str, Any]:
         if self.decode != "device":
             return self._decoded(sample, fast=self.decode == "fast")
-        if decodes_on_device(sample.key, self.device_share):
+        live = self.live_share is not None
+        if decodes_on_device(sample.key, self.live_share.value if live else self.device_share):
             jpeg = sample.ext.lower() in ("jpg", "jpeg")
             return {"image": None, "data": sample.data, "ext": sample.ext,
-                    "orientation": exif_orientation(sample.data) if jpeg else 1}
-        return {**self._decoded(sample, fast=True), "data": None, "ext": sample.ext, "orientation": 1}
+                    "orientation": exif_orientation(sample.data) if jpeg else 1, **({"cpu_s": None} if live else {})}
+        began = time.thread_time()
+        inputs = {**self._decoded(sample, fast=True), "data": None, "ext": sample.ext, "orientation": 1}
+        return {**inputs, "cpu_s": time.thread_time() - began} if live else inputs
 
     def _decoded(self, sample: RawSample, *, fast: bool) -> dict[str, Any]:
         try:

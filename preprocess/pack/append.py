@@ -26,7 +26,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from preprocess.pack.sources.members import MemberSpec, SourceFields
 from preprocess.pack.packer import PackConfig, ShardJob, PackMeter, run_jobs, check_strict, log_skipped, pack
-from preprocess.pack.parts import PLAN_FILE, STATE_DIR, column_file_names, write_columns
+from preprocess.pack.merge import write_columns
+from preprocess.pack.parts import PLAN_FILE, STATE_DIR, column_file_names
 from preprocess.pack.plan import PlannedShard, assign_splits, cut_shards, split_order_key
 from preprocess.pack.sources.columns import SourceSample
 from preprocess.pack.sources.scan import SourceScan, scan_source
@@ -34,8 +35,8 @@ from preprocess.pack.source_diff import SourceDiff, diff_source, read_index
 from shards.atomic import sha256_file, write_bytes_atomic
 from shards.door.bounded_read import read_json_file
 from shards.errors import InputError
-from shards.manifest import (DATASET_FILE, DatasetManifest, ShardInfo, SkippedFile, SourceInfo, SplitInfo,
-                             load_dataset_manifest, utc_now)
+from shards.manifest import DATASET_FILE, DatasetManifest, ShardInfo, SplitInfo, load_dataset_manifest, utc_now
+from shards.provenance import SkippedFile, SourceInfo
 from shards.formats.columns import COLUMNS_KEY
 from shards.transport.storage import get_storage, shard_name
 from shards.formats.tarindex import index_name

@@ -10,13 +10,15 @@ import click
 
 from preprocess.pack.api import pack_shards
 from preprocess.pack.sources.members import SourceFields
-from preprocess.pack.parts import STATE_DIR, merge_parts, read_plan_doc
+from preprocess.pack.merge import merge_parts
+from preprocess.pack.parts import STATE_DIR, read_plan_doc
 from preprocess.pack.table.pack import pack_table
 from preprocess.pack.table.config import ENCODINGS, IMPUTE_STATISTICS, TASKS, TableConfig
 from shards.atomic import check_local_output, on_disk_full
 from shards.lock import claim_output
-from shards.cli.common import (S3_OPTION_NAMES, ByteSize, emit_json, handle_errors, quiet_option, s3_options,
-                               task_options, version_option, workers_option)
+from shards.cli.common import (S3_OPTION_NAMES, ByteSize, emit_json, handle_errors, overwrite_option, quiet_option,
+                               s3_options, seed_option, staging_options, task_options, version_option,
+                               workers_option)
 from shards.cli.sections import SectionedCommand
 from shards.image.decode import DEFAULT_MAX_PIXELS
 from shards.errors import InputError
@@ -43,7 +45,7 @@ from shards.transport.storage import STORAGES
 @click.option("--max-bytes", type=ByteSize(), default="256M", show_default=True, help="Bytes per shard at most.")
 @click.option("--val-fraction", type=float, default=0.0, show_default=True,
               help="Carve a stratified val split from train when the source has none.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the val split and the shuffle.")
+@seed_option("the val split and the shuffle")
 @click.option("--no-shuffle", is_flag=True, help="Keep source order instead of mixing samples across shards.")
 @click.option("--verify", type=click.Choice(["header", "full"]), default="full", show_default=True,
               help="header: parse headers only (fast); full: decode every image (finds truncated data).")
@@ -55,7 +57,7 @@ from shards.transport.storage import STORAGES
                                             "instead of skipping.")
 @click.option("--allow-empty-classes", is_flag=True, help="Keep class folders that hold no images.")
 @workers_option("Processes packing shards in parallel")
-@click.option("--overwrite", is_flag=True, help="Replace a different dataset already in --out.")
+@overwrite_option("a different dataset already in --out")
 @click.option("--append", "append_new", is_flag=True,
               help="Pack only source files not yet in OUT (known by relative path, size and mtime) into new shards, "
                    "with the packing options recorded in OUT/dataset.json; packed shards are never rewritten.")
@@ -64,13 +66,7 @@ from shards.transport.storage import STORAGES
                    "copied without them into new shards; changed files are packed again).")
 @click.option("--merge", "merge_dir", type=click.Path(path_type=str), default=None,
               help="Only merge the part manifests in this folder into dataset.json (after a task array).")
-@click.option("--stage-dir", type=click.Path(path_type=str), default=None,
-              help="With --out s3://...: the local folder the shards are packed in before upload (default: "
-                   "$SHARDCACHE_STAGE_DIR or ~/.cache/shardcache/stage, one folder per URL; required with "
-                   "--num-tasks > 1, on a shared file system).")
-@click.option("--break-lease", is_flag=True,
-              help="With --out s3://...: take over the prefix's writer lease even while another run holds it "
-                   "(a lease left by a killed run expires by itself 10 minutes after its last renewal).")
+@staging_options("the shards are packed in")
 @click.option("--image-column", default=None,
               help="Parquet/Arrow source: the column of image cells, binary or {bytes, path} structs (default: image).")
 @click.option("--label-column", default=None,

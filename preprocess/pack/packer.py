@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
-from preprocess.pack.parts import (STATE_DIR, check_output, load_part, merge_parts, missing_parts, part_path,
-                                   prepare_output, read_plan_doc, shard_files, write_part)
+from preprocess.pack.merge import merge_parts
+from preprocess.pack.parts import (STATE_DIR, check_output, load_part, missing_parts, part_path, prepare_output,
+                                   read_plan_doc, shard_files, write_part)
 from preprocess.pack.sources.members import DEFAULT_MAX_BYTES, MemberBytes, MemberSpec, SourceFields
 from preprocess.pack.sources.registry import fetch_members
 from preprocess.pack.plan import PackPlan, PlannedShard, make_plan

@@ -53,7 +53,8 @@ import shards  # noqa: E402
 from shards.formats.features import (  # noqa: E402
     FeatureShard, feature_shard_name, load_feature_shard, write_feature_shard,
 )
-from shards.manifest import DatasetManifest, FeatureManifest, ShardInfo, SourceInfo, SplitInfo  # noqa: E402
+from shards.manifest import DatasetManifest, FeatureManifest, ShardInfo, SplitInfo  # noqa: E402
+from shards.provenance import SourceInfo  # noqa: E402
 from shards.formats.sample import RawSample  # noqa: E402
 from shards.formats.tar import TarShardWriter  # noqa: E402
 

@@ -65,7 +65,7 @@ def modes(workers: int) -> dict[str, Any]:
     from shards.loader.worker_processes import WorkerProcesses
 
     return {"processes": WorkerProcesses(workers, persistent=True), "threads": Threads(workers),
-            "mtp": WorkerProcesses(max(1, workers // 2), persistent=True, threads=2)}
+            "mtp": WorkerProcesses(max(1, workers // 2), persistent=True, decoders=2)}
 
 
 def null_backbone_stages(folder: Path, out: Path, batch_size: int, workers: int) -> dict[str, Any]:

@@ -294,9 +294,13 @@ def _precompute(s: Settings, decode: str, device_share: float = 1.0) -> dict:
     folder = s.features(decode if device_share == 1.0 else "shared")
     cfg = FeatureConfig(s.dataset, folder, backbone=s.backbone, weights="none", resize=s.resize, crop=s.crop,
                         batch_size=s.batch, workers=s.workers, device=s.device_name, decode=decode,
-                        device_share=device_share, overwrite=True, quiet=True)
+                        device_share=device_share, overwrite=True, quiet=True,
+                        # a random-init small backbone's features underflow float16 to all zeros, which the
+                        # degenerate-feature check refuses; the quick run checks the plumbing, not the storage type
+                        **({"dtype": "float32"} if s.quick else {}))
     summary = run_precompute(cfg)[1]
-    return {key: summary[key] for key in ("images", "seconds", "images_per_s", "data_wait_share", "decode")}
+    kept = ("images", "seconds", "images_per_s", "data_wait_share", "decode", "decode_share")  # the last: auto's
+    return {key: summary[key] for key in kept if key in summary}
 
 
 def _forward_rate(results: dict, model: str) -> float | None:
@@ -323,7 +327,7 @@ def step_g3(s: Settings, results: dict) -> dict:
     forward = _forward_rate(results, s.backbone)
     out: dict = {"backbone": s.backbone, "batch": s.batch, "workers": s.workers,
                  "g1_images_per_s": forward}
-    for decode in ("fast", "device", "shared"):
+    for decode in ("fast", "device", "shared", "auto"):  # auto: the share measured and re-measured by the run
         if decode == "shared":
             # The quick run's rates are a busy CPU's: a fixed half only proves the path.
             share = 0.5 if s.quick else device_share(out["fast"]["images_per_s"], out["device"]["images_per_s"],

@@ -68,7 +68,8 @@ import shards  # noqa: E402
 from shards.image import fast  # noqa: E402
 from shards.image.decode import decode_image  # noqa: E402
 from shards.image.fast import FastDecoder  # noqa: E402
-from shards.manifest import DatasetManifest, ShardInfo, SourceInfo, SplitInfo  # noqa: E402
+from shards.manifest import DatasetManifest, ShardInfo, SplitInfo  # noqa: E402
+from shards.provenance import SourceInfo  # noqa: E402
 from shards.jobs.progress import setup_logging  # noqa: E402
 from shards.formats.sample import RawSample  # noqa: E402
 from shards.transport.storage import get_storage, shard_name  # noqa: E402

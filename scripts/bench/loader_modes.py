@@ -22,7 +22,7 @@ files and over the tars. SPDL and its FFmpeg are not project dependencies: ``scr
 into ``.bench-peers/``; without them the SPDL passes are reported absent and left out of the ratios.
 
 shardcache: the fast path (uint8 out, normalised by the consumer: ``_uint8`` passes leave that to a GPU, ``_norm``
-do it on this CPU) in each run mode, ``WorkerProcesses(2)``, ``Threads(2)``, ``WorkerProcesses(1, threads=2)`` and
+do it on this CPU) in each run mode, ``WorkerProcesses(2)``, ``Threads(2)``, ``WorkerProcesses(1, decoders=2)`` and
 ``Auto(2)``; the standard path (PIL + torchvision, floats from the workers) in processes and threads.
 
 Ratios are taken within each round, so machine noise hits both sides of one ratio: the fast path's best mode against
@@ -207,7 +207,7 @@ def run_pass(name: str, workdir: Path, workers: int, batch_size: int, count: int
         return measure(spdl_epochs(tars if on_tars else files, on_tars, workers, batch_size), tars if on_tars
                        else files, count)
     modes = {"processes": WorkerProcesses(workers, persistent=False), "threads": Threads(workers),
-             "mtp": WorkerProcesses(max(1, workers // 2), persistent=False, threads=2), "auto": Auto(workers)}
+             "mtp": WorkerProcesses(max(1, workers // 2), persistent=False, decoders=2), "auto": Auto(workers)}
     pipeline, mode, consumer = (name.split("_") + ["uint8"])[:3]
     if pipeline == "fast":
         dataset = shards.open_dataset(workdir / "tar", transform=bench.SPEC, decode=shards.Decode("fast"), seed=0)

@@ -3,12 +3,13 @@
     .venv/bin/python scripts/bench/memory.py [--quick] [--json OUT]
 
 Per mode (``processes``: ``WorkerProcesses(2)``; ``threads``: ``Threads(2)``; ``mtp``: ``WorkerProcesses(2,
-threads=2)``; ``features``: in process with a feature window and train's prefetch thread) four passes: a
+decoders=2)``; ``features``: in process with a feature window and train's prefetch thread) four passes: a
 minimal-flight baseline (batch size 1, the smallest budget), the epoch without a budget (a budget far above
 anything it holds), with a third of the flight that one measured (at least the smallest that works), and with
 the smallest that works (from the one-line refusal of a 1-byte budget). Memory is the process tree's PSS
-(``loader_modes.tree_pss_kb``) plus what ``/dev/shm`` holds (batches waiting there are mapped by no
-process), sampled every 50 ms; a pass's flight is its peak over the baseline's peak. The
+plus what ``/dev/shm`` holds (batches waiting there are mapped by no process), sampled every 50 ms, measured as a
+training run's ``metrics.jsonl`` measures it (``shards.procs.memory.tree_memory_bytes``); a pass's flight is its
+peak over the baseline's peak. The
 consumer sleeps a simulated step per batch, so queues fill as they do beside a training step. Goals (issue 46):
 flight <= 1.05 x budget + 32 MB in every mode, speed >= 0.8x the unbudgeted epoch at a third. Results go to
 docs/benchmarks.md ("Memory budget").
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
@@ -30,17 +30,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts" / "bench")]
 
-from loader_modes import tree_pss_kb  # noqa: E402
+from shards.procs.memory import tree_memory_bytes  # noqa: E402
 
 MIB = 1 << 20
 MODES = ("processes", "threads", "mtp", "features")
 UNBUDGETED = 64 << 30  # far above what any pass holds: the depths asked
-
-
-def shm_used_kb() -> int:
-    """What ``/dev/shm`` holds: worker processes' batches wait there unmapped, where no process's PSS counts them."""
-    stat = os.statvfs("/dev/shm")
-    return (stat.f_blocks - stat.f_bfree) * stat.f_frsize // 1024
 
 
 def make_data(root: Path, quick: bool) -> None:
@@ -65,7 +59,7 @@ def open_pass(data: Path, mode: str, batch: int, memory: int):
         return shards.make_loader(dataset, batch * 4, mode=InProcess(), memory=memory)
     dataset = shards.open_dataset(data / "images", "train", transform=shards.TransformSpec(preset="train", size=224))
     run = {"processes": WorkerProcesses(2, persistent=False), "threads": Threads(2, prefetch=4),
-           "mtp": WorkerProcesses(2, persistent=False, threads=2)}[mode]
+           "mtp": WorkerProcesses(2, persistent=False, decoders=2)}[mode]
     return shards.make_loader(dataset, batch, mode=run, memory=memory, pin_memory=False)
 
 
@@ -78,7 +72,7 @@ def one_pass(data: Path, mode: str, batch: int, memory: int, step_s: float) -> d
 
     def sample() -> None:
         while not stop.is_set():
-            peak[0] = max(peak[0], tree_pss_kb(os.getpid()) + shm_used_kb())
+            peak[0] = max(peak[0], (tree_memory_bytes() or 0) // 1024)
             stop.wait(0.05)
 
     try:

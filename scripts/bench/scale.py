@@ -330,7 +330,8 @@ PLAN_LAYOUTS = (("1 rank x 8 workers", ["--workers", "8"]),
 def synthetic_manifest(folder: Path, samples: int, shards: int) -> Path:
     """A ``dataset.json`` of ``samples`` samples in ``shards`` tar shards of ``PLAN_SHARD_BYTES`` (no shard is
     written: the forecast needs only the manifest)."""
-    from shards.manifest import DatasetManifest, ShardInfo, SourceInfo, SplitInfo
+    from shards.manifest import DatasetManifest, ShardInfo, SplitInfo
+    from shards.provenance import SourceInfo
 
     folder.mkdir(parents=True, exist_ok=True)
     sizes = [samples * (i + 1) // shards - samples * i // shards for i in range(shards)]

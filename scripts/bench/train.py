@@ -36,7 +36,8 @@ from PIL import Image
 
 from shards.formats.features import FeatureShard, feature_shard_name, write_feature_shard
 from shards.transport.manifest_io import dataset_sha256_at
-from shards.manifest import DatasetManifest, FeatureManifest, ShardInfo, SourceInfo, SplitInfo
+from shards.manifest import DatasetManifest, FeatureManifest, ShardInfo, SplitInfo
+from shards.provenance import SourceInfo
 from shards.jobs.progress import setup_logging
 from shards.formats.sample import RawSample
 from shards.transport.storage import get_storage, shard_name

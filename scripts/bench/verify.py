@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 from shards.check.verify import verify_dataset  # noqa: E402
 from shards.formats.sample import RawSample  # noqa: E402
 from shards.transport.storage import get_storage, shard_name  # noqa: E402
-from shards.manifest import DatasetManifest, ShardInfo, SourceInfo, SplitInfo  # noqa: E402
+from shards.manifest import DatasetManifest, ShardInfo, SplitInfo  # noqa: E402
+from shards.provenance import SourceInfo  # noqa: E402
 from shards.jobs.parallel import usable_cpus  # noqa: E402
 
 CLASSES = tuple(f"class_{i:02d}" for i in range(10))

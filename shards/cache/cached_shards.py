@@ -133,7 +133,7 @@ class CachedShards:
     def cached(self, location: str) -> bool:
         """Whether reads of ``location`` go through the cache."""
         where = self._where(location)
-        if not where.is_local:
+        if where.local_path() is None:
             return where.addressable
         if self.request.local is not None:
             return self.request.local

@@ -34,8 +34,9 @@ costs one read of the copy, which also warms the page cache for the reads that f
 --verify-cost``); ``NodeCache.verify_all`` rehashes every entry at once (a health check, or after a node crash).
 
 Leftover temp files and reservations of killed processes are removed when a cache opens; lock and lease files stay
-(removing a lock file someone waits on would let two holders in). This module fetches, checks and leases copies;
-the room, eviction and leftovers are ``shards.cache.node_index``'s.
+(removing a lock file someone waits on would let two holders in). This module fetches and leases copies;
+``shards.cache.node_copies`` checks and writes a copy, ``shards.cache.node_index`` keeps the room, eviction and
+leftovers.
 
 The folder may be shared with other jobs and users, so anything in it may have been planted
 (``shards.cache.node_locks``): a lease or fetch lock that cannot be taken, an entry folder that is a link, a copy or
@@ -50,8 +51,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
-import io
 import logging
 import os
 import re
@@ -61,27 +60,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from shards.atomic import unique_tmp_path, write_json_atomic
-from shards.door.bounded_read import open_regular_file
-# The folder's layout, locks, room and counters live in node_index.
+# The folder's layout, locks, room and counters live in node_index; a copy's checks and writing in node_copies.
 from shards.cache.eviction import NEEDED_LATER, RESERVED
+from shards.cache.node_copies import COPY_BAD, COPY_CORRUPT, COPY_OK, DISK_FULL, NOT_A_FOLDER, UNUSABLE, Copies
 from shards.cache.node_index import ENTRY_PATTERN, LAYOUT, CacheIndex, CacheStats, stamp_path
-from shards.cache.node_locks import SHA256_PATTERN, locked, open_locked, read_cache_json, unlink, warn_once
+from shards.cache.node_locks import SHA256_PATTERN, locked, open_locked, warn_once
 from shards.cache.plan_view import PLANS
-from shards.errors import ChecksumError, InputError, ShardcacheError
-from shards.door.shape import as_int, as_object, as_str
+from shards.errors import InputError, ShardcacheError
 from shards.units import human_bytes, parse_size
 
 log = logging.getLogger("shardcache.cache")
 
 _SUFFIX = re.compile(r"^\.[a-z0-9]{1,8}$")
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _DISK_FULL_FALLBACK = "disk-full"
-_UNUSABLE = "unusable"  # a planted lock, folder or file stands in the way: read the source (warned once)
-_NOT_A_FOLDER = "not a folder of the node cache (a link or a file); reading around it"
-MAX_STAMP_BYTES = 4096  # a stamp is four fields, under 200 bytes
 _NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP)
-_OK, _MISSING, _BAD, _CORRUPT = "ok", "missing", "bad", "corrupt"
 NEXT_USE, LRU = "next-use", "lru"
 EVICTION_RULES = (NEXT_USE, LRU)
 # Two 128 MiB shards, or one past the next of ImageNet-size tar shards: enough to keep a link busy across a shard
@@ -155,35 +147,6 @@ class Lease:
             self.release()
 
 
-class _HashingWriter(io.RawIOBase):
-    """The file object handed to ``fetch``: counts and hashes the bytes on their way to disk, so the copy is
-    verified without reading it back, and stops a source that sends more than the manifest says."""
-
-    def __init__(self, handle: BinaryIO, expected_size: int, source: str):
-        super().__init__()
-        self._handle, self._expected, self._source = handle, expected_size, source
-        self.size = 0
-        self._digest = hashlib.sha256()
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        if self.size + view.nbytes > self._expected:
-            raise ChecksumError(f"the source sent more than the manifest's {self._expected} bytes", path=self._source)
-        self._digest.update(view)
-        self._handle.write(view)
-        self.size += view.nbytes
-        return view.nbytes
-
-    def tell(self) -> int:
-        return self.size
-
-    def hexdigest(self) -> str:
-        return self._digest.hexdigest()
-
-
 def _check_key(sha256: str, suffix: str) -> None:
     if not isinstance(sha256, str) or not SHA256_PATTERN.match(sha256):
         raise InputError(f"a cache key is a sha256 of 64 lowercase hex digits, got {sha256!r}")
@@ -205,8 +168,8 @@ def check_limit(settings: Any, largest_shard_bytes: int, where: str) -> None:
 class NodeCache:
     """The node's shard cache (see the module docstring). Cheap to open; pickles to DataLoader workers.
 
-    Fetching, checking and leasing copies happen here; the folder's room, eviction and leftovers are kept by a
-    ``CacheIndex`` (``shards.cache.node_index``)."""
+    Fetching and leasing copies happen here; a ``Copies`` (``shards.cache.node_copies``) checks and writes a copy,
+    a ``CacheIndex`` (``shards.cache.node_index``) keeps the folder's room, eviction and leftovers."""
 
     def __init__(self, settings: ShardCache, stats: CacheStats | None = None):
         if settings.dir is None:
@@ -215,6 +178,7 @@ class NodeCache:
         self.stats = stats if stats is not None else CacheStats()
         self.root = Path(settings.dir) / LAYOUT
         self._index = CacheIndex(self.root, settings.limit, self.stats, by_next_use=settings.eviction == NEXT_USE)
+        self._copies = Copies(self._index)
         self._warned_full = False
         try:
             Path(settings.dir).mkdir(parents=True, exist_ok=True)
@@ -252,12 +216,12 @@ class NodeCache:
             self.stats.add(bypasses=1, bypassed_bytes=size)
             return None
         try:
-            if self._check_copy(path, sha256, size) == _OK:
+            if self._copies.check(path, sha256, size) == COPY_OK:
                 self._hit(path, size)
                 return Lease(path, lease_fd)
             with locked(self._index.key_lock(sha256)) as taken:
-                written = self._fill(path, sha256, size, fetch, source, spare_only) if taken else _UNUSABLE
-            if written == _OK:  # another process finished it while this one waited
+                written = self._fill(path, sha256, size, fetch, source, spare_only) if taken else UNUSABLE
+            if written == COPY_OK:  # another process finished it while this one waited
                 self._hit(path, size)
                 return Lease(path, lease_fd)
             if isinstance(written, str):  # nothing cached: read the source, or (a prefetch) fetch it when read
@@ -281,25 +245,25 @@ class NodeCache:
             return True
         if stat.S_ISDIR(mode):
             return True
-        warn_once(path.parent, _NOT_A_FOLDER)
+        warn_once(path.parent, NOT_A_FOLDER)
         return False
 
     def _fill(self, path: Path, sha256: str, size: int, fetch: Callable[[BinaryIO], None], source: str,
               spare_only: bool) -> int | str:
-        """Under the key's fetch lock: ``_OK`` when a finished copy is there now, else what ``_fetch`` says (bytes
-        written, or why nothing was); ``_UNUSABLE`` when what stands under the copy's name cannot be removed."""
-        state = self._check_copy(path, sha256, size)
-        if state == _OK:
-            return _OK
-        if state == _BAD:
+        """Under the key's fetch lock: ``COPY_OK`` when a finished copy is there now, else what ``_fetch`` says
+        (bytes written, or why nothing was); ``UNUSABLE`` when what stands under the copy's name cannot be removed."""
+        state = self._copies.check(path, sha256, size)
+        if state == COPY_OK:
+            return COPY_OK
+        if state == COPY_BAD:
             log.info("%s: cached copy of %s is partial or was changed; fetching it again", path, source)
             self.stats.add(refetches=1)
-        elif state == _CORRUPT:
+        elif state == COPY_CORRUPT:
             log.warning("%s: the node cache's copy of this shard (%s) does not match its sha256 (changed in "
                         "place on the node's disk); removed, fetching it again", source, path)
             self.stats.add(refetches=1)
         if not self._remove_entry(path):
-            return _UNUSABLE
+            return UNUSABLE
         return self._fetch(path, sha256, size, fetch, source, spare_only)
 
     def verify_all(self) -> dict[str, int]:
@@ -317,7 +281,7 @@ class NodeCache:
                         counts["skipped"] += 1
                         continue
                     counts["checked"] += 1
-                    if not self._rehash_matches(path, match["sha"]) and self._remove_entry(path):
+                    if not self._copies.rehash_matches(path, match["sha"]) and self._remove_entry(path):
                         log.warning("%s: cached shard does not match its sha256; removed", path)
                         counts["removed"] += 1
         return counts
@@ -325,52 +289,6 @@ class NodeCache:
     def clean_stale(self) -> dict[str, int]:
         """Remove temp files and reservations left by killed processes (``CacheIndex.clean_stale``)."""
         return self._index.clean_stale()
-
-    # -- checking a copy -----------------------------------------------------------------------------------------
-    def _check_copy(self, path: Path, sha256: str, size: int) -> str:
-        """``_OK`` once this process has checked the copy (stamp, then sha256 of its bytes) and it is unchanged
-        since; ``_MISSING``; ``_BAD`` when the stamp does not vouch for it; ``_CORRUPT`` when its bytes are not the
-        shard's."""
-        try:
-            info = os.lstat(path)
-        except FileNotFoundError:
-            return _MISSING
-        if not stat.S_ISREG(info.st_mode):  # a planted link, FIFO or folder is no copy
-            return _BAD
-        signature = (info.st_size, info.st_mtime_ns, info.st_ino)
-        if self._index.verified.get(str(path)) == signature and info.st_size == size:
-            return _OK
-        if self._stamped(path) != (*signature, sha256) or info.st_size != size:
-            return _BAD
-        # The stamp vouches only for size and mtime, which an in-place change can keep: hash once per process.
-        digest = _sha256_of(path)
-        if digest is None:
-            return _MISSING
-        if digest != sha256:
-            return _CORRUPT
-        self._index.verified[str(path)] = signature
-        return _OK
-
-    @staticmethod
-    def _stamped(path: Path) -> tuple[int, int, int, str] | None:
-        """What the copy's stamp records: (size, mtime_ns, inode, sha256); None when it is missing or is no stamp
-        this cache wrote (a planted one of another shape is never trusted)."""
-        where = stamp_path(path)
-        try:
-            stamp = as_object(read_cache_json(where, MAX_STAMP_BYTES), "the stamp")
-            return (as_int(stamp.get("size"), "size"), as_int(stamp.get("mtime_ns"), "mtime_ns", hi=1 << 64),
-                    as_int(stamp.get("inode"), "inode", hi=1 << 64), as_str(stamp.get("sha256"), "sha256"))
-        except ShardcacheError:
-            return None
-
-    def _rehash_matches(self, path: Path, sha256: str) -> bool:
-        try:
-            info = os.lstat(path)
-        except FileNotFoundError:
-            return False
-        signature = (info.st_size, info.st_mtime_ns, info.st_ino)
-        return (stat.S_ISREG(info.st_mode) and self._stamped(path) == (*signature, sha256)
-                and _sha256_of(path) == sha256)
 
     def _hit(self, path: Path, size: int) -> None:
         with contextlib.suppress(OSError):  # another user's stamp is theirs to touch
@@ -392,9 +310,9 @@ class NodeCache:
                 if answer != RESERVED:
                     log.debug("%s: %s for %s in the node cache", self.root, answer, source)
                     return answer
-            return self._download(path, sha256, size, fetch, source)
+            return self._copies.download(path, sha256, size, fetch, source)
         except OSError as exc:
-            if isinstance(exc, ShardcacheError) or exc.errno not in _DISK_FULL:
+            if isinstance(exc, ShardcacheError) or exc.errno not in DISK_FULL:
                 raise
             if not self.settings.fallback:
                 raise CacheFullError(f"no space left on device while caching {source}; set --cache-limit below the "
@@ -409,53 +327,3 @@ class NodeCache:
         finally:
             if limited:
                 self._index.release(sha256)
-
-    def _download(self, path: Path, sha256: str, size: int, fetch: Callable[[BinaryIO], None],
-                  source: str) -> int | str:
-        """Bytes written under the final name, or ``_UNUSABLE`` when this process cannot write in the entry's
-        folder (a planted link, another user's folder; warned once)."""
-        try:
-            if not self._index.make_folder(path.parent):
-                warn_once(path.parent, _NOT_A_FOLDER)
-                return _UNUSABLE
-            tmp = unique_tmp_path(path)
-            handle = open(tmp, "xb")
-        except OSError as exc:
-            if exc.errno in _DISK_FULL:
-                raise
-            warn_once(path.parent, f"cannot write in this node-cache folder ({exc.strerror or exc}); reading "
-                                   "around it")
-            return _UNUSABLE
-        placed = False
-        try:
-            with handle:
-                writer = _HashingWriter(handle, size, source)
-                fetch(writer)  # type: ignore[arg-type]
-                if writer.size != size or writer.hexdigest() != sha256:
-                    raise ChecksumError(f"the bytes fetched for the node cache ({writer.size} bytes, sha256 "
-                                        f"{writer.hexdigest()}) do not match the manifest ({size} bytes, sha256 "
-                                        f"{sha256})", path=source)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-            placed = True
-            info = os.stat(path)
-            write_json_atomic(stamp_path(path), {"size": info.st_size, "mtime_ns": info.st_mtime_ns,
-                                                  "inode": info.st_ino, "sha256": sha256})  # fsyncs the folder
-        except BaseException:
-            unlink(tmp)
-            if placed:
-                self._remove_entry(path)
-            raise
-        self._index.verified[str(path)] = (info.st_size, info.st_mtime_ns, info.st_ino)
-        return writer.size
-
-
-def _sha256_of(path: Path) -> str | None:
-    """The sha256 of the regular file ``path`` (opened without blocking: a FIFO swapped in is refused, not waited
-    on); None when it is gone or is not a regular file."""
-    try:
-        with open_regular_file(path) as handle:
-            return hashlib.file_digest(handle, "sha256").hexdigest()
-    except (ShardcacheError, OSError):
-        return None

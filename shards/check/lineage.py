@@ -53,7 +53,7 @@ def _exclude(dataset: Any, path: str, split: str, keys_file: str, storage_option
     """Leave the keys of ``keys_file`` out of one whole dataset's every epoch, as training did: found over the
     split's column index when it has one, else from the shards' keys."""
     from shards.select.columns import open_columns
-    from shards.select.mixture import read_keys
+    from shards.select.key_set import read_keys
     from shards.select.selection import excluded_rows
     from shards.transport.location import locate
     from shards.transport.manifest_io import load_manifest_at

@@ -215,6 +215,28 @@ class ByteSize(click.ParamType):
             self.fail(f"{value!r} is not a size like 268435456, 256M or 1G", param, ctx)
 
 
+# The node cache's tuning options, declared once: ``cache_options`` (train-from-shards, precompute-features) and
+# ``shards plan`` (which forecasts the same cache) take them from here, so they read and parse alike.
+CACHE_OPTIONS: dict[str, dict[str, Any]] = {
+    "--cache-limit": dict(type=ByteSize(), default=None,
+                          help="Bytes the cache may hold (e.g. 200G); the shards the readers' epoch plans need "
+                               "furthest ahead are evicted first. Default: no limit."),
+    "--cache-eviction": dict(type=click.Choice(["next-use", "lru"]), default="next-use", show_default=True,
+                             help="Which shard goes when the cache is full: the one the plans read again furthest "
+                                  "ahead, or the least recently used."),
+    "--cache-prefetch": dict(type=ByteSize(), default=None,
+                             help="Bytes of shards fetched ahead along the plan beyond the next one (0: the next "
+                                  "only). Default: 256M."),
+    "--cache-local": dict(is_flag=True, help="Cache local shard paths too (default: only those on a network file "
+                                             "system)."),
+}
+
+
+def cache_option(name: str) -> Callable:
+    """One of ``CACHE_OPTIONS`` as a click option."""
+    return click.option(name, **CACHE_OPTIONS[name])
+
+
 def cache_options(func: Callable) -> Callable:
     """``--cache-dir``, ``--cache-limit``, ``--cache-fallback``, ``--cache-local``, ``--cache-eviction``,
     ``--cache-prefetch``: the node-local shard cache
@@ -225,19 +247,12 @@ def cache_options(func: Callable) -> Callable:
                   help="Node-local folder that keeps whole shards fetched from s3://, http(s):// or a network "
                        "file system, shared by every rank and worker of the node. Default: $SHARDCACHE_CACHE_DIR, "
                        "else none.")
-    @click.option("--cache-limit", type=ByteSize(), default=None,
-                  help="Bytes the cache may hold (e.g. 200G); the shards the readers' epoch plans need furthest "
-                       "ahead are evicted first. Default: no limit.")
-    @click.option("--cache-eviction", type=click.Choice(["next-use", "lru"]), default="next-use", show_default=True,
-                  help="Which shard goes when the cache is full: the one the plans read again furthest ahead, or "
-                       "the least recently used.")
-    @click.option("--cache-prefetch", type=ByteSize(), default=None,
-                  help="Bytes of shards fetched ahead along the plan beyond the next one (0: the next only). "
-                       "Default: 256M.")
+    @cache_option("--cache-limit")
+    @cache_option("--cache-eviction")
+    @cache_option("--cache-prefetch")
     @click.option("--cache-fallback", is_flag=True,
                   help="When the cache disk is full, read from the source instead of failing.")
-    @click.option("--cache-local", is_flag=True,
-                  help="Cache local shard paths too (default: only those on a network file system).")
+    @cache_option("--cache-local")
     @functools.wraps(func)
     def wrapper(*args, cache_dir: str | None, cache_limit: int | None, cache_fallback: bool, cache_local: bool,
                 cache_eviction: str, cache_prefetch: int | None, **kwargs):
@@ -268,6 +283,42 @@ def memory_budget_option(func: Callable) -> Callable:
     ``memory_budget`` (bytes, or None for the default)."""
     return click.option("--memory-budget", type=ByteSize(), default=None, metavar="SIZE",
                         help=MEMORY_BUDGET_HELP)(func)
+
+
+
+def overwrite_option(what: str) -> Callable:
+    """``--overwrite``: replace ``what`` (a different run, dataset, feature folder or index) at the output."""
+    return click.option("--overwrite", is_flag=True, help=f"Replace {what}.")
+
+
+def seed_option(what: str, value_type: Any = int) -> Callable:
+    """``--seed N`` (default 0): the seed of ``what``, so every random choice a command makes is named."""
+    return click.option("--seed", type=value_type, default=0, show_default=True, help=f"Seed of {what}.")
+
+
+def shard_source_option(where: str = "beside dataset.json", whose: str = "the shards",
+                        name: str = "source") -> Callable:
+    """``--source PATH``: where an index's tars are (``shards index`` writes the index, not the tars)."""
+    return click.option("--source", name, default=None, metavar="PATH",
+                        help=f"Where {whose} are when not {where}: the tars of an index made by shards index "
+                             "(a folder, s3:// or https:// prefix).")
+
+
+def staging_options(what: str) -> Callable:
+    """``--stage-dir``, ``--break-lease``: how a job writes to ``--out s3://...`` (staged locally, under a lease).
+    ``what`` says what is made in the staging folder."""
+
+    def decorate(func: Callable) -> Callable:
+        func = click.option("--break-lease", is_flag=True,
+                            help="With --out s3://...: take over the prefix's writer lease even while another run "
+                                 "holds it (a lease left by a killed run expires by itself 10 minutes after its last "
+                                 "renewal).")(func)
+        return click.option("--stage-dir", type=click.Path(path_type=str), default=None,
+                            help=f"With --out s3://...: the local folder {what} before upload (default: "
+                                 "$SHARDCACHE_STAGE_DIR or ~/.cache/shardcache/stage, one folder per URL; required "
+                                 "with --num-tasks > 1, on a shared file system).")(func)
+
+    return decorate
 
 # --- The vocabulary every command shares: one default for --workers, one device name rule, --version. ---
 
@@ -319,6 +370,12 @@ class DeviceName(click.ParamType):
 
 
 DEVICE_HELP = "auto (CUDA when present), cpu, cuda or cuda:N."
+
+
+def device_option(more: str = "") -> Callable:
+    """``--device``: ``auto`` by default, checked by ``DeviceName``; ``more`` says what the command does with it."""
+    return click.option("--device", type=DeviceName(), default="auto", show_default=True,
+                        help=f"{DEVICE_HELP} {more}".strip())
 
 
 def version_option(func: Callable) -> Callable:

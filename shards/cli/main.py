@@ -11,8 +11,8 @@ import sys
 import click
 
 from shards.cli.common import (
-    EXIT_FAILED, S3_OPTION_NAMES, ByteSize, class_names, emit_json, handle_errors, quiet_option, s3_options,
-    version_option, workers_option)
+    EXIT_FAILED, S3_OPTION_NAMES, cache_option, class_names, emit_json, handle_errors, overwrite_option, quiet_option,
+    s3_options, seed_option, shard_source_option, version_option, workers_option)
 from shards.cli.sections import SectionedCommand
 from shards.check.inspect import batch_report, format_mixture, format_summary, mixture_report, save_grid, summarize
 from shards.check.verify import verify_dataset
@@ -65,8 +65,7 @@ def main() -> None:
 @click.option("--samples-per-shard", type=int, default=DEFAULT_SAMPLES_PER_SHARD, show_default=True,
               help="Images decoded per shard without --full.")
 @workers_option("Processes checking shards side by side")
-@click.option("--source", default=None,
-              help="Where the shards are when not in FOLDER: the tars of an index made by shards index.")
+@shard_source_option(where="in FOLDER")
 @s3_options
 @quiet_option
 @handle_errors
@@ -102,8 +101,7 @@ def verify_command(folder: str, full: bool, samples_per_shard: int, workers: int
 @click.option("--grid", "grid_path", type=click.Path(path_type=str), default=None,
               help="Save a PNG grid of augmented training images here.")
 @click.option("--grid-count", type=int, default=16, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True,
-              help="Seed of the grid's augmentations, and of a mixture's epochs (training's --seed).")
+@seed_option("the grid's augmentations, and of a mixture's epochs (training's --seed)")
 @click.option("--mix", "mix_sources", multiple=True, metavar="PATH[:WEIGHT]",
               help="A source of a mixture, repeated for each: PATH, PATH:WEIGHT, PATH:repeat=R or PATH:choose=N. "
                    "Replaces FOLDER.")
@@ -189,9 +187,7 @@ def _sources(folder: str | None, mix_sources: tuple[str, ...], subset: Subset) -
 @click.option("--out", type=click.Path(dir_okay=False, path_type=str), default=None,
               help="The HTML file to write. Default: PATH/report.html for one folder, else ./report.html.")
 @click.option("--no-grid", is_flag=True, help="Leave out the sample images (no shard is opened).")
-@click.option("--source", default=None,
-              help="Where the shards of the sample images are when not beside dataset.json: the tars of an index "
-                   "made by shards index.")
+@shard_source_option(whose="the shards of the sample images")
 @quiet_option
 @handle_errors
 def report_command(paths: tuple[str, ...], out: str | None, no_grid: bool, source: str | None, quiet: bool) -> None:
@@ -226,18 +222,16 @@ def report_command(paths: tuple[str, ...], out: str | None, no_grid: bool, sourc
 @workers_option("DataLoader workers per rank of the run to forecast")
 @click.option("--batch-size", type=click.IntRange(1, None), required=True, help="Samples per batch per rank.")
 @click.option("--split", default="train", show_default=True)
-@click.option("--seed", type=click.IntRange(0, None), default=0, show_default=True, help="The run's --seed.")
+@seed_option("the run to forecast (its --seed)", value_type=click.IntRange(0, None))
 @click.option("--no-shuffle", is_flag=True, help="The run reads without shuffling.")
 @click.option("--drop-last", is_flag=True, help="Equal rank shares by leaving samples out (not padding).")
 @click.option("--fresh-workers", is_flag=True,
               help="Workers start anew each epoch (not persistent): each loads the byte indexes again.")
 @click.option("--cache", is_flag=True, help="Shards go through a node-local cache (implied by --cache-limit).")
-@click.option("--cache-limit", type=ByteSize(), default=None, help="The node cache's limit (e.g. 200G).")
-@click.option("--cache-eviction", type=click.Choice(["next-use", "lru"]), default="next-use", show_default=True,
-              help="The cache's eviction rule (train-from-shards --cache-eviction).")
-@click.option("--cache-prefetch", type=ByteSize(), default=None,
-              help="Bytes of shards fetched ahead along the plan beyond the next one. Default: 256M.")
-@click.option("--cache-local", is_flag=True, help="Local shard paths go through the cache too.")
+@cache_option("--cache-limit")
+@cache_option("--cache-eviction")
+@cache_option("--cache-prefetch")
+@cache_option("--cache-local")
 @click.option("--request-ms", type=click.FloatRange(0, None), default=None,
               help="Milliseconds per request round trip, for the time to the first batch.")
 @click.option("--mbps", type=click.FloatRange(0, None, min_open=True), default=None,
@@ -258,10 +252,12 @@ def plan_command(path: str, epochs: int, world_size: int, nodes: int, workers: i
     per epoch and rank the requests and bytes from the source, those read ahead and the byte indexes, the node
     cache's hits, misses and evictions (its own rules played forward), the time to the first batch (with
     --request-ms and --mbps) and the bill (with --prices). PATH may be s3://bucket/prefix."""
+    import shards
     from shards.cache.node import ShardCache
     from shards.forecast.plan import Link, forecast
     from shards.forecast.prices import load_prices
     from shards.forecast.text import format_forecast
+    from shards.loader.loader import workers_mode
 
     node_cache = None
     if cache or cache_limit is not None or cache_local:
@@ -269,10 +265,13 @@ def plan_command(path: str, epochs: int, world_size: int, nodes: int, workers: i
         node_cache = ShardCache(limit=cache_limit, eviction=cache_eviction, local=True if cache_local else None,
                                 **options)
     link = None if request_ms is None and mbps is None else Link(request_ms or 0.0, mbps)
-    result = forecast(path, epochs=epochs, world_size=world_size, nodes=nodes, workers=workers,
-                      batch_size=batch_size, split=split, seed=seed, shuffle=not no_shuffle, drop_last=drop_last,
+    # The run's own dataset (rank 0 of its layout: every rank's rows come from its epoch source) and run mode.
+    sampling = shards.Sampling(shuffle=not no_shuffle, balance="drop" if drop_last else "pad")
+    dataset = shards.open_dataset(path, split, seed=seed, sampling=sampling, remote=shards.Remote(storage_options=s3),
+                                  distributed=shards.Distributed(rank=0, world_size=world_size, nodes=nodes))
+    result = forecast(dataset, workers_mode(workers, persistent=not fresh_workers), epochs, batch_size=batch_size,
                       cache=node_cache, link=link, prices=None if prices is None else load_prices(prices),
-                      storage_options=s3, read_index=read_index, persistent_workers=not fresh_workers).to_dict()
+                      read_index=read_index).to_dict()
     if not quiet:
         click.echo(format_forecast(result), err=True)
     emit_json(result)
@@ -329,7 +328,7 @@ def audit_command(run_dir: str, quiet: bool) -> None:
               help="Where wids will read the shards (a folder, s3:// or https:// prefix); each url is URL/<shard>. "
                    "Default: relative to the index for a local dataset (move both together), else the dataset's "
                    "own location.")
-@click.option("--overwrite", is_flag=True, help="Replace an earlier wids index at --out.")
+@overwrite_option("an earlier wids index at --out")
 @s3_options
 @quiet_option
 @handle_errors

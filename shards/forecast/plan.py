@@ -3,7 +3,7 @@ cache's hits and evictions, the time to the first batch and the bill, from the m
 (docs/caching.md, "Forecast").
 
 Every row a reader reads comes from the one order function (``shards.order.order.worker_order``, over the epoch's
-stream built once per epoch), turned into covering reads as the stream turns it (``plan.CoveringReads``); whether a
+stream built once per epoch), turned into covering reads as the stream turns it (``reads.CoveringReads``); whether a
 shard goes through the node cache, and its plan entries, are ``CachedShards``' own answers; the cache is played
 forward by ``shards.forecast.node_model`` with the cache's eviction and prefetch functions; each read's requests
 follow the transport's rules (``shards.forecast.requests``). So the forecast cannot drift from what a run does
@@ -24,24 +24,24 @@ import numpy as np
 
 from shards.cache.cached_shards import CachedShards, PlannedShard
 from shards.cache.node import NEXT_USE, ShardCache
-from shards.door.locations import shard_location
 from shards.errors import InputError
 from shards.forecast import node_model
 from shards.forecast.prices import Prices
 from shards.formats.tarindex import index_size
 from shards.forecast.requests import (AheadTable, ShardSpans, Traffic, load_offsets, ranged_sizes,
                                       single_range_sizes, whole_object_sizes)
-from shards.manifest import DatasetManifest
+from shards.loader.loader import resolve_mode
 from shards.order.order import EpochSource, Layout, worker_order
-from shards.order.plan import CoveringReads, check_nodes, shard_offsets
+from shards.order.plan import check_nodes, shard_offsets
+from shards.order.reads import CoveringReads
+from shards.position.resume import FEATURE_BATCHES
 from shards.transport.location import locate
-from shards.transport.manifest_io import load_manifest_at
 from shards.transport.s3 import S3Options
 
 FORECAST_FORMAT, FORECAST_VERSION = "shardcache.forecast", 1
 CACHE_COUNTS = ("hits", "misses", "bypasses", "evictions", "evictions_unneeded", "evictions_furthest",
                 "evictions_lru", "fetched_bytes", "served_bytes", "bypassed_bytes")
-DEFAULT_SHUFFLE_BUFFER = 512  # StreamConfig's
+WHOLE = 1 << 62  # a whole permutation's first batch may need every row of the reader
 MAX_READERS = 1 << 16  # readers (ranks x workers) played an epoch: a few seconds (``_check``)
 MAX_READER_EPOCHS = 1 << 18  # and over all epochs
 
@@ -78,6 +78,8 @@ class RankEpoch:
     local: Traffic = field(default_factory=Traffic)  # reads of local (or network file system) files, and bytes
     cache: Counter = field(default_factory=Counter)
     first_batch_s: float | None = None
+    # Per reader (worker), the shards of its covering reads in read order: what the loader reads (not in to_dict).
+    shard_order: dict[int, list[int]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"rank": self.rank, "samples": self.samples, "reads": self.reads,
@@ -162,52 +164,51 @@ class _Reader:
     places: np.ndarray | None
 
 
-def forecast(source: str | DatasetManifest, *, epochs: int, world_size: int = 1, workers: int = 0,
-             batch_size: int = 256, split: str = "train", base: str | None = None, seed: int = 0,
-             shuffle: bool = True, drop_last: bool = False, shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
-             nodes: int = 1, rotate_every: int = 0, cache: ShardCache | None = None, link: Link | None = None,
-             prices: Prices | None = None, storage_options: Any = None, read_index: bool = False,
-             persistent_workers: bool = True) -> Forecast:
-    """The forecast of ``epochs`` epochs of ``source`` (a dataset folder or ``s3://`` prefix, or a manifest with
-    the ``base`` its shard names are under) read by ``world_size`` ranks on ``nodes`` nodes (node affinity rotating
-    every ``rotate_every`` epochs, as the run's ``Distributed``), each with ``workers``
-    DataLoader workers (0: in the training process) and batches of ``batch_size``; ``cache``: the node cache the run
-    uses (None: none); ``link``: for the time to the first batch; ``prices``: for the bill; ``read_index``: load the
-    tar shards' byte indexes (the ``.idx`` sidecars, no shard) for exact slice bytes instead of the estimate."""
-    _check(epochs, world_size, workers, batch_size, nodes)
-    check_nodes(nodes, world_size, rotate_every)
-    if isinstance(source, DatasetManifest):
-        if base is None:
-            raise InputError("a manifest needs the base its shard names are relative to (base=)")
-        manifest, where = source, base
-    else:
-        manifest, where = load_manifest_at(source, storage_options=storage_options)
-        if not isinstance(manifest, DatasetManifest):
-            raise InputError("the forecast covers image shards (dataset.json); this is a feature cache", path=where)
-    info = manifest.split(split)
-    locations = [shard_location(where, s.path) for s in info.shards]
-    places = [locate(text, storage_options=storage_options) for text in locations]
-    indexed = manifest.storage == "tar"
-    offsets = load_offsets(places, info.shards) if read_index and indexed else None
+def forecast(dataset: Any, mode: Any = None, epochs: int = 1, *, batch_size: int = 256,
+             cache: ShardCache | None = None, link: Link | None = None, prices: Prices | None = None,
+             read_index: bool = False) -> Forecast:
+    """The forecast of ``epochs`` epochs of ``dataset`` (one rank's ``open_dataset``: its ranks, nodes, seed,
+    shuffle, shuffle buffer, balance, mixture, subset, class weights and rows left out are the run's, since its
+    own ``epoch_source()`` gives every rank's rows) read in run ``mode`` (anything ``RunMode.parse`` reads; None:
+    ``make_loader``'s default for the dataset) in batches of ``batch_size``. ``cache``: the node cache the run
+    uses (None: none); ``link``: for the time to the first batch; ``prices``: for the bill; ``read_index``: load
+    the tar shards' byte indexes (the ``.idx`` sidecars, no shard) for exact slice bytes instead of the estimate."""
+    mode = resolve_mode(dataset, mode)
+    config, info = dataset.config, dataset.split_info
+    kind, split_batch = mode.layout(dataset, batch_size)
+    workers = mode.workers
+    _check(epochs, config.world_size, workers, batch_size, config.nodes)
+    locations = list(dataset.locations)
+    places = [locate(text, storage_options=dataset.storage_options) for text in locations]
+    indexed = dataset.indexed_shards()
+    offsets = load_offsets(places, info.shards) if read_index and any(indexed) else None
     spans = ShardSpans([s.bytes for s in info.shards], [s.samples for s in info.shards], offsets)
-    options = S3Options.from_mapping(storage_options)
-    model = _Model(info, locations, places, spans, options, cache, indexed, persistent_workers, link)
+    options = S3Options.from_mapping(dataset.storage_options)
+    model = _Model(info, locations, places, spans, options, cache, indexed, not mode.restarts_each_epoch, link)
+    model.merge_gap = dataset.merge_gap  # the gaps one read passes over, as the dataset's stream merges them
     if model.cache is not None:  # a limit no shard fits in is refused as the run would refuse it
-        model.cache.check_limit(max((s.bytes for s in info.shards), default=0), where)
-    epoch_source = EpochSource(tuple(info.shard_sizes), seed, shuffle, shuffle_buffer, drop_last, None,
-                               rotate_every=rotate_every)
-    layout = Layout(world_size, nodes, max(workers, 1), batch_size)
-    ranks = [model.epoch(epoch_source, layout, epoch, workers, batch_size, shuffle_buffer if shuffle else 0)
-             for epoch in range(epochs)]
-    settings = {"epochs": epochs, "world_size": world_size, "nodes": nodes, "rotate_every": rotate_every,
-                "workers": workers, "batch_size": batch_size, "seed": seed, "shuffle": shuffle, "drop_last": drop_last,
-                "persistent_workers": persistent_workers, "byte_spans": "exact" if spans.exact else "estimate",
+        model.cache.check_limit(max((s.bytes for s in info.shards), default=0), _where(locations))
+    source = dataset.epoch_source()
+    layout = Layout(config.world_size, config.nodes, max(workers, 1), split_batch, whole=kind == FEATURE_BATCHES)
+    # Rows a reader holds before its first batch: its shuffle buffer, or a whole (windowed) permutation's rows.
+    buffer = 0 if not config.shuffle else (config.feature_window or WHOLE) if layout.whole else config.shuffle_buffer
+    ranks = [model.epoch(source, layout, epoch, workers, batch_size, buffer) for epoch in range(epochs)]
+    settings = {"epochs": epochs, "world_size": config.world_size, "nodes": config.nodes,
+                "rotate_every": config.rotate_every, "workers": workers, "mode": mode.to_json(),
+                "batch_size": batch_size, "seed": config.seed, "shuffle": config.shuffle,
+                "drop_last": config.drop_last, "persistent_workers": not mode.restarts_each_epoch,
+                "byte_spans": "exact" if spans.exact else "estimate",
                 "max_concurrency": options.max_concurrency, "read_ahead_bytes": options.read_ahead_bytes,
                 "cache": None if cache is None else {"limit": cache.limit, "eviction": cache.eviction,
                                                      "prefetch_bytes": cache.prefetch_bytes},
                 "link": None if link is None else {"request_ms": link.request_ms, "mbps": link.mbps}}
-    return Forecast(where, split, info.samples, len(info.shards), sum(s.bytes for s in info.shards), settings,
-                    ranks, prices)
+    return Forecast(_where(locations), config.split, info.samples, len(info.shards),
+                    sum(s.bytes for s in info.shards), settings, ranks, prices)
+
+
+def _where(locations: list[str]) -> str:
+    """The folders the shards are under, in order (a mixture's several)."""
+    return " + ".join(dict.fromkeys(location.rsplit("/", 1)[0] for location in locations)) or "(no shards)"
 
 
 def _check(epochs: int, world_size: int, workers: int, batch_size: int, nodes: int) -> None:
@@ -229,22 +230,23 @@ class _Model:
     """The forecast's state across epochs: the nodes' caches and which readers hold which byte indexes."""
 
     def __init__(self, info: Any, locations: list[str], places: list[Any],
-                 spans: ShardSpans, options: S3Options, cache: ShardCache | None, indexed: bool,
+                 spans: ShardSpans, options: S3Options, cache: ShardCache | None, indexed: list[bool],
                  persistent_workers: bool, link: Link | None):
         self.info, self.locations, self.places, self.spans = info, locations, places, spans
         self.options, self.indexed, self.persistent, self.link = options, indexed, persistent_workers, link
         self.offsets = shard_offsets(info.shard_sizes)
+        self.merge_gap: Any = lambda shard: 0  # the dataset's (``forecast`` sets it): unwanted rows a read passes
         self.cache = CachedShards(cache) if cache is not None else None
         self.publishing = self.cache is not None and self.cache.plans_ahead
         self.known: dict[int, PlannedShard | None] = {}
         self.nodes: dict[int, node_model.NodeModel] = {}
         self.readers: dict[tuple[int, int], node_model.ReaderModel] = {}
         self.index_loaded: dict[tuple[int, int], set[int]] = {}
-        self.remote = [not where.is_local for where in places]
+        self.remote = [where.local_path() is None for where in places]
         self.remote_at = dict(zip(locations, self.remote))
         # Whether any read may start ahead (``ImageShardDataset._any_read_ahead``): a remote shard read uncached.
-        self.reads_ahead = indexed and any(remote and not self._through_cache(shard)
-                                           for shard, remote in enumerate(self.remote))
+        self.reads_ahead = any(indexed[shard] and remote and not self._through_cache(shard)
+                               for shard, remote in enumerate(self.remote))
 
     # -- one epoch -------------------------------------------------------------------------------------------------
     def epoch(self, source: EpochSource, layout: Layout, epoch: int, workers: int, batch_size: int,
@@ -267,8 +269,9 @@ class _Model:
                 upcoming: np.ndarray | None, batch_size: int, streams: int, tally: RankEpoch) -> _Reader:
         rows = worker_order(source, layout, epoch, rank, worker, stream).rows
         tally.samples += len(rows)
-        reads = CoveringReads(rows, self.offsets, lambda shard: 0)  # a plain epoch's runs: no gaps to merge over
+        reads = CoveringReads(rows, self.offsets, self.merge_gap)  # a subset's rows may leave gaps
         pieces = [piece for piece, _ in reads]
+        tally.shard_order[worker] = [piece.shard for piece in pieces]
         rows_before = np.concatenate([[0], np.cumsum([piece.size for piece in pieces], dtype=np.int64)])[:-1]
         due = ((rows_before // batch_size) * streams + worker).tolist()
         places = None
@@ -352,7 +355,7 @@ class _Model:
 
     def _load_index(self, reader: _Reader, shard: int, tally: RankEpoch) -> None:
         info = self.info.shards[shard]
-        if not self.indexed or info.index is None:
+        if not self.indexed[shard] or info.index is None:
             return
         loaded = self.index_loaded.setdefault((reader.rank, reader.worker), set())
         if shard in loaded:
@@ -372,7 +375,7 @@ class _Model:
         if not self.remote[shard]:
             tally.local.add([self.spans.span(shard, piece.start, piece.stop)])
             return
-        if self.indexed and info.index is not None:
+        if self.indexed[shard] and info.index is not None:
             self._load_index(reader, shard, tally)
             sizes = ranged_sizes(self.spans.span(shard, piece.start, piece.stop), self.options.max_concurrency)
             tally.source.add(sizes)
@@ -380,7 +383,7 @@ class _Model:
                 tally.read_ahead.add(sizes)
             return
         # A tar without its index streams from byte 0 to the slice's end; an HDF5 slice reads about its own bytes
-        sizes = single_range_sizes(self.spans.prefix(shard, piece.stop)) if self.indexed else \
+        sizes = single_range_sizes(self.spans.prefix(shard, piece.stop)) if self.indexed[shard] else \
             ranged_sizes(self.spans.span(shard, piece.start, piece.stop), self.options.max_concurrency)
         tally.source.add(sizes)
 

@@ -167,10 +167,11 @@ def load_checked(where: Any, info: Any, *, checked: bool = False) -> FeatureShar
     """The feature shard at location ``where`` (``shards.transport.location``), its size and sha256 checked against
     its ``features.json`` entry ``info`` before a byte is parsed (``checked``: this process already checked this
     file). A local file is mmap'ed (paged in lazily); elsewhere it is fetched whole into memory, hashed on the way."""
-    if where.is_local:
+    path = where.local_path()
+    if path is not None:
         if not checked:
-            verify_feature_file(where.path, info.bytes, info.sha256)
-        return load_feature_shard(where.path, mmap=True, samples=info.samples)
+            verify_feature_file(path, info.bytes, info.sha256)
+        return load_feature_shard(path, mmap=True, samples=info.samples)
     return load_feature_bytes(where.fetch_checked(info.bytes, info.sha256), where.text, samples=info.samples)
 
 

@@ -65,7 +65,9 @@ def decode_rgb_array(data: bytes, min_size: int | None = None) -> np.ndarray:
                 factor = draft_factor(min(height, width), min_size)
             if factor == 1:
                 return simplejpeg.decode_jpeg(data, colorspace="RGB")
-            # libjpeg-turbo also offers 3/4, 5/8, ...: pin the scale to 1/factor, where pixels stay faithful.
+            # libjpeg-turbo also offers 7/8, 3/4, 5/8, ...: on x86 their IDCTs have no SIMD, so they cost more CPU
+            # than a full decode, and their pixels drift from the reference (docs/benchmarks.md, issue 45). Pin the
+            # scale to 1/factor.
             return simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=-(-height // factor),
                                           min_width=-(-width // factor))
         except ValueError:

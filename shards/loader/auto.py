@@ -17,8 +17,14 @@ saved-state layout), and a switch is the loader's own exact resume in that layou
 handed out, ``load_state_dict`` into the next candidate), so the batches are those of any one of the candidates run
 alone. An epoch that ends inside the trial continues it in the next epoch.
 
-Candidates: ``Threads(n)`` and ``WorkerProcesses(n)``, and ``WorkerProcesses(n, threads=t)`` where the CPUs allow
-``t >= 2`` decode threads per worker; on a free-threaded build (the GIL off) threads come first. A candidate that
+Candidates: each kind (``Threads``, ``WorkerProcesses``) at each decode width, the number of threads or processes
+decoding at once: its plain width (``n``, one per logical worker) and half and all of the usable CPUs (``decode_widths``:
+at least 2, at most ``MAX_DECODE_WIDTH``), as ``Threads(n, decoders=w)`` (a pool of ``w`` decoding for the ``n``
+worker threads) and ``WorkerProcesses(n, decoders=w // n)`` (``w // n >= 2`` threads in each process). The width is
+what differs between a worker count that starves the step and one that feeds it (with 1 logical worker on 2 CPUs
+the plain modes decode one image at a time); varying it through ``decoders``, not ``workers``, keeps the one plan,
+so the trial still changes nothing that is fed. On a free-threaded build (the GIL off) threads come first. The choice
+is a pure function of the measured step times (``choose``: the lowest mean, a tie to the earlier candidate). A candidate that
 cannot run the dataset (threads and a transform that draws from torch's global generator) is left out. The trial and the
 choice are on ``loader.mode_choice()`` (``metrics.jsonl`` and the run report carry them in ``train-from-shards``).
 """
@@ -35,7 +41,7 @@ from typing import Any, Iterator
 
 from shards.errors import InputError
 from shards.jobs.parallel import usable_cpus
-from shards.loader.base import Loader, Run, RunMode
+from shards.loader.base import Loader, Run, RunMode, restarted_by_watchdog
 from shards.loader.threads import Threads
 from shards.loader.worker_processes import WorkerProcesses
 from shards.position.elastic import Continuation
@@ -52,6 +58,29 @@ def gil_enabled() -> bool:
     return True if probe is None else bool(probe())
 
 
+MAX_DECODE_WIDTH = 64  # decode threads a candidate runs at most, whatever the CPU count (WorkerProcesses' limit)
+
+
+def decode_widths(cpus: int) -> list[int]:
+    """The decode widths tried beside each kind's plain one: half and all of ``cpus``, at least 2 (one decoding
+    thread is a plain mode's width), at most ``MAX_DECODE_WIDTH``; ascending, no repeats."""
+    return sorted({min(MAX_DECODE_WIDTH, width) for width in (cpus // 2, cpus) if width >= 2})
+
+
+def choose(steps: dict[RunMode, list[float]]) -> RunMode:
+    """The candidate with the lowest mean step time (seconds per batch, as the loop saw them); a tie goes to the
+    earlier candidate in ``steps``' order, and one never timed is never chosen, so the same measurements always
+    give the same mode."""
+    if not steps:
+        raise InputError("Auto has no candidate to choose from: every run mode was unsuited to the dataset")
+    return min(steps, key=lambda mode: mean_step(steps[mode]))
+
+
+def mean_step(steps: list[float]) -> float:
+    """The mean of a candidate's step times; infinite for one never timed."""
+    return statistics.fmean(steps) if steps else float("inf")
+
+
 @dataclass(frozen=True)
 class Auto(RunMode):
     """Run mode: the candidate with the lowest step time over ``workers`` logical workers (see the module
@@ -61,6 +90,7 @@ class Auto(RunMode):
     trial_batches: int = 10
     warmup_batches: int = 2
 
+    kind = "auto"
     on_stall = "restart"  # a StallPolicy heals the process candidates; a thread candidate raises (Threads)
 
     def __post_init__(self) -> None:
@@ -77,10 +107,14 @@ class Auto(RunMode):
         gil = gil_enabled() if gil is None else gil
         cpus = usable_cpus() if cpus is None else cpus
         n = self.workers
-        modes: list[RunMode] = [Threads(n), WorkerProcesses(n)] if not gil else [WorkerProcesses(n), Threads(n)]
-        if cpus // n >= 2:
-            modes.append(WorkerProcesses(n, threads=cpus // n))
-        return modes
+        widths = decode_widths(cpus)
+        threads: list[RunMode] = [Threads(n)] + [Threads(n, decoders=w) for w in widths if w > n]
+        per_process = sorted({w // n for w in widths if w // n >= 2})
+        processes: list[RunMode] = [WorkerProcesses(n)] + [WorkerProcesses(n, decoders=t) for t in per_process]
+        return threads + processes if not gil else processes + threads
+
+    def supervise(self, stall: Any, loader: Loader) -> Any:
+        return restarted_by_watchdog(stall, loader)
 
     def layout(self, dataset: Any, batch_size: int) -> tuple[str, int]:
         return STREAM, batch_size
@@ -149,7 +183,7 @@ class AutoRun(Run):
         if self.on_trial + 1 < len(self.candidates):
             self.on_trial += 1
         else:
-            self.chosen = min(self.candidates, key=self._mean_step)
+            self.chosen = choose({c: [step for step, _ in self.steps[c]] for c in self.candidates})
             log.info("run mode: %s (mean step %s)", self.chosen, ", ".join(
                 f"{c} {self._mean_step(c) * 1000:.1f} ms" for c in self.candidates))
         if self.current != tried:
@@ -161,8 +195,7 @@ class AutoRun(Run):
                     run.close()
 
     def _mean_step(self, mode: RunMode) -> float:
-        steps = [step for step, _ in self.steps[mode]]
-        return statistics.fmean(steps) if steps else float("inf")  # never timed: never chosen
+        return mean_step([step for step, _ in self.steps[mode]])
 
     def loaded(self, continued: Continuation) -> None:
         for run in self.runs.values():

@@ -17,20 +17,22 @@ no branch here.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import replace
-from typing import Any, Callable, Iterator
+from dataclasses import fields, replace
+from typing import Any, Callable, ClassVar, Iterator
 
 import numpy as np
 
 from shards.errors import InputError
 from shards.loader.budget import MemoryBudget
 from shards.procs.stage_times import SharedStageTimes
-from shards.loader.resume_audit import ResumeAudit, check_state, resume_verdict, saved_with_audit
+from shards.loader.resume_audit import (
+    ResumeAudit, check_state, fed_batches, last_verdict, resume_verdict, saved_with_audit,
+)
 from shards.loader.watchdog import StallPolicy, Watchdog, check_stack_dir
 from shards.position.audit import check_mode
 from shards.position.cursor import Cursor
 from shards.position.dcp_state import DcpLoaderState
-from shards.position.elastic import EXCLUDED, Continuation
+from shards.position.elastic import EXCLUDED, Continuation, SavedState
 from shards.position.lineage import batch_rows, row_samples
 from shards.position.resume import worker_batches
 
@@ -64,16 +66,51 @@ class RunMode(ABC):
 
     ``workers``: the logical workers of the epoch plan it runs (processes or threads; part of a saved state's
     layout, so modes with the same count feed the same batches and resume each other's states); ``on_stall``:
-    what a ``StallPolicy`` does in it: ``"restart"`` (worker processes are killed and restarted at the position),
-    ``"raise"`` (a thread cannot be killed: an error naming the sample and the stack), None (refused)."""
+    what a ``StallPolicy`` does in it (``supervise`` builds that): ``"restart"`` (worker processes are killed and
+    restarted at the position), ``"raise"`` (a thread cannot be killed: an error naming the sample and the stack),
+    None (refused).
 
+    One spelling everywhere (``shards.loader.loader``): ``RunMode.parse(text | dict | int)`` reads the CLI's text
+    (``"processes:4,decoders=2"``), the JSON form ``to_json()`` writes (``{"kind": "processes", "workers": 4,
+    ...}``, what configs and run records keep) and a bare worker count (older records); ``kind`` names the mode
+    in both. Options mean the same in every mode that has them: ``prefetch`` (batches each worker prepares
+    ahead), ``decoders`` (threads that decode beside the readers, 0: each worker decodes its own samples)."""
+
+    kind: ClassVar[str] = ""
+    # Option names of older spellings -> the one-line answer naming this spelling (``parse`` and the keywords).
+    RENAMED: ClassVar[dict[str, str]] = {}
     workers: int = 0
     on_stall: str | None = None
+
+    @classmethod
+    def parse(cls, value: Any) -> "RunMode":
+        """The run mode ``value`` spells (see the class docstring); an ``InputError`` naming what is wrong."""
+        from shards.loader.loader import parse_mode  # the modes are defined above this module
+
+        return parse_mode(value)
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"kind": ..., <field>: <value>, ...}``: the one JSON form, which ``parse`` reads back to an equal mode."""
+        return {"kind": self.kind, **{item.name: getattr(self, item.name) for item in fields(self)}}
 
     @property
     def batches_ahead(self) -> int:
         """Batches this mode prepares ahead of the loop at most (its queues' depth)."""
         return 0
+
+    @property
+    def restarts_each_epoch(self) -> bool:
+        """Whether each epoch's readers start anew (worker processes that do not persist), so each loads its
+        byte indexes again (the forecast counts those reads)."""
+        return False
+
+    def supervise(self, stall: StallPolicy | None, loader: Loader) -> Watchdog | None:
+        """What watches ``loader``'s workers under ``stall``: the watchdog that restarts them, or None where the run
+        watches itself (threads raise) or ``stall`` is None. A mode with nothing beside the loop refuses a policy."""
+        if stall is not None:
+            raise InputError(f"stall recovery (StallPolicy) watches worker processes or threads, and {self} runs "
+                             "none: use WorkerProcesses(n) or Threads(n), or leave stall unset")
+        return None
 
     @abstractmethod
     def layout(self, dataset: Any, batch_size: int) -> tuple[str, int]:
@@ -87,6 +124,25 @@ class RunMode(ABC):
     def unsuited(self, dataset: Any) -> str | None:
         """Why this mode cannot run ``dataset`` (``start`` refuses it then; ``Auto`` leaves the mode out), or None."""
         return None
+
+
+def restarted_by_watchdog(stall: StallPolicy | None, loader: Loader) -> Watchdog | None:
+    """``supervise`` of a mode whose worker processes a watchdog restarts (``WorkerProcesses``, ``Auto``)."""
+    return None if stall is None else Watchdog(stall, loader.dataset, loader.cursor)
+
+
+def checked_arguments(batch_size: Any, mode: Any) -> int:
+    """``batch_size`` as an ``int``, if it and ``mode`` are what a ``Loader`` takes; else an ``InputError`` naming
+    which and why (checked before anything is built from them)."""
+    if batch_size is None:
+        raise InputError("batch_size=None (DataLoader's unbatched samples) is not a loader here: iterate the "
+                         "dataset itself for one sample at a time, or give batch_size >= 1")
+    if isinstance(batch_size, bool) or not hasattr(batch_size, "__index__") or batch_size < 1:
+        raise InputError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if not isinstance(mode, RunMode):
+        raise InputError(f"mode must be a run mode (WorkerProcesses(n), Threads(n), InProcess() or Auto()), got "
+                         f"{mode!r}")
+    return batch_size.__index__()
 
 
 class Loader:
@@ -110,18 +166,7 @@ class Loader:
                  stall: StallPolicy | None = None, stage_times: bool = True, collate_fn: Callable | None = None,
                  pin_memory: bool = False, resume_audit: str = "refuse", worker_init_fn: Callable | None = None,
                  multiprocessing_context: Any = None, generator: Any = None, memory: MemoryBudget | None = None):
-        if batch_size is None:
-            raise InputError("batch_size=None (DataLoader's unbatched samples) is not a loader here: iterate the "
-                             "dataset itself for one sample at a time, or give batch_size >= 1")
-        if isinstance(batch_size, bool) or not hasattr(batch_size, "__index__") or batch_size < 1:
-            raise InputError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        batch_size = batch_size.__index__()
-        if not isinstance(mode, RunMode):
-            raise InputError(f"mode must be a run mode (WorkerProcesses(n), Threads(n), InProcess() or Auto()), got "
-                             f"{mode!r}")
-        if stall is not None and mode.on_stall is None:
-            raise InputError(f"stall recovery (StallPolicy) watches worker processes or threads, and {mode} runs "
-                             "none: use WorkerProcesses(n) or Threads(n), or leave stall unset")
+        batch_size = checked_arguments(batch_size, mode)
         self.dataset = dataset
         self.batch_size = batch_size
         self.mode = mode
@@ -137,8 +182,7 @@ class Loader:
         self._stage_times = SharedStageTimes()
         self.stage_times = self._stage_times if stage_times else None  # where a run adds its stage seconds
         self.stall = stall
-        self.watchdog = Watchdog(stall, dataset, self.cursor) if stall is not None and mode.on_stall == "restart" \
-            else None
+        self.watchdog = mode.supervise(stall, self)  # after the cursor: a watchdog watches its position
         self.audit = None if check_mode(resume_audit) == "off" else ResumeAudit(self, resume_audit)
         self.run = mode.start(self)
 
@@ -149,14 +193,7 @@ class Loader:
     def __iter__(self) -> Iterator[Any]:
         # A generator of the loader's own, so an iteration keeps its loader alive (``next(iter(make_loader(...)))``);
         # the run refers back to its loader only weakly.
-        audit = self.audit
-        if audit is None:
-            yield from self.run.batches()
-            return
-        audit.begin()
-        for batch in self.run.batches():
-            audit.handed()  # the loader's own count of what it fed; the first batches after a resume are checked
-            yield batch
+        yield from fed_batches(self.audit, self.run.batches)
 
     def __len__(self) -> int:
         """Batches of this epoch, counting those handed out before a resume in another layout."""
@@ -223,17 +260,19 @@ class Loader:
         """Continue the saved epoch at the next batch it had not yet handed out: in the same layout exactly as the
         interrupted run would have, in another (world size, workers, batch size) with exactly the samples the
         interrupted epoch had not yet yielded; the saved quarantine is kept out from then on. The state's audit
-        record is checked against the plan first (``resume_audit``), and the first batches fed after it too."""
-        checked = self.cursor.checked(state)
-        verdict = resume_verdict(self, state)  # refused before anything changes
+        record is checked against the plan first (``resume_audit``), and the first batches fed after it too. The
+        state is parsed here, once (``SavedState.parse``); only the typed value goes on."""
+        saved = SavedState.parse(state)
+        checked = self.cursor.checked(saved)
+        verdict = resume_verdict(self, saved)  # refused before anything changes
         continued = self.cursor.apply(checked)
         self.run.loaded(continued)
         if self.audit is not None:
-            self.audit.loaded(state, continued, verdict)
+            self.audit.loaded(saved, continued, verdict)
 
     def continue_from(self, state: dict[str, Any]) -> Continuation:
         """``load_state_dict`` without the audit: a state this loader saved itself in this process."""
-        continued = self.cursor.load(state)
+        continued = self.cursor.load(SavedState.parse(state))
         self.run.loaded(continued)
         if self.audit is not None:
             self.audit.switched(continued.position.batches)
@@ -243,14 +282,12 @@ class Loader:
         """The audit of the last state loaded: ``{"result": "ok" | "mismatch" | "not audited" | "off", ...}``
         (``"message"`` naming the first mismatch), or ``{"result": "off"}`` with the audit off; ``{}`` before any
         state was loaded."""
-        if self.audit is None:
-            return {"result": "off"}
-        return dict(self.audit.result or {})
+        return last_verdict(self)
 
     def audit_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """The audit of saved ``state`` against this loader's dataset and plan, without loading it (``shards
         audit``), whatever the loader's own ``resume_audit``."""
-        return check_state(self, state)
+        return check_state(self, SavedState.parse(state))
 
     def dcp_state(self) -> DcpLoaderState:
         """This loader's position as ``torch.distributed.checkpoint`` saves and loads it

@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch.utils.data._utils.collate import default_collate
-from torch.utils.data._utils.pin_memory import pin_memory as pin_nested
+
+from shards.procs.torch_private import default_collate, pin_nested
 
 
 class BatchFill:

@@ -8,7 +8,7 @@ its own knob and nothing added them up, so a container's memory limit was met by
 ``MemoryBudget`` is that limit, per rank. ``split_budget`` divides it (``BudgetParts``): remote read-ahead and
 feature windows as the dataset holds them, decode-ahead within a share, and the batches in flight the rest. A run
 mode learns a batch's bytes at its first iteration (from the transform's fixed output size where it has one, else
-one sample decoded in the main process: ``batch_bytes``) and ``fit_depth`` gives the deepest prefetch at most as
+one sample decoded in a forked child for worker processes, here for threads: ``batch_bytes``) and ``fit_depth`` gives the deepest prefetch at most as
 asked whose flight fits; a budget below one batch per worker is refused in one line naming the smallest that works.
 The default is ``DEFAULT_SHARE`` of the memory this job may still fill (the cgroup's limit, v1 or v2, else the
 machine's: ``shards.cache.memory_budget``), divided by the ranks on this node that the caller names. The budget
@@ -26,6 +26,7 @@ import torch
 
 from shards.cache.memory_budget import MemoryView, memory_view
 from shards.errors import InputError
+from shards.stream.worker_stream import StreamJob
 from shards.units import human_bytes, parse_size
 
 DEFAULT_SHARE = 0.25  # of the memory left to the job: the training step, the model and the caches need the rest
@@ -118,21 +119,65 @@ def fixed_sample_bytes(dataset: Any) -> int | None:
     return 3 * spec.size * spec.size * itemsize + 8 + keys
 
 
-def batch_bytes(dataset: Any, batch_size: int, workers: int) -> int:
+def batch_bytes(dataset: Any, batch_size: int, workers: int, *, isolated: bool = False) -> int:
     """A batch's bytes: from the transform's fixed output size (``fixed_sample_bytes``: no decode, so no extra
-    fetch of a cold remote shard), else from the first sample of this epoch's first worker decoded here (pure:
-    the same sample a worker decodes; nothing recorded or timed); 0 when that worker has no sample."""
+    fetch of a cold remote shard), else, for local shards, from the first sample of this epoch's first worker
+    decoded once (pure: the same sample a worker decodes; nothing recorded or timed). ``isolated`` decodes it in a
+    forked child, as worker processes would: a decoder that exits, crashes on a hostile file or hangs then costs
+    the probe (``PROBE_TIMEOUT_S`` at most), not the training process its watchdog protects. 0 when unknown: no
+    sample, remote shards (a probe would fetch, and cache, a shard no worker asked for), a probe that failed; then
+    the depth stays as asked."""
     fixed = fixed_sample_bytes(dataset)
     if fixed is not None:
         return fixed * batch_size
-    stream = dataset.worker_stream(dataset.epoch, 0, max(1, workers), split_batch=batch_size)
+    if _reads_remotely(dataset):
+        return 0
+    job = StreamJob(dataset.epoch, 0, max(1, workers), split_batch=batch_size)
+    size = _probe_in_child(dataset, job) if isolated else _probe(dataset, job)
+    return size * batch_size
+
+
+PROBE_TIMEOUT_S = 10.0
+
+
+def _probe(dataset: Any, job: StreamJob) -> int:
+    stream = dataset.worker_stream(job)
     try:
         first = next(iter(stream), None)
+    except Exception:  # a sample the workers will quarantine: the size stays unknown
+        first = None
     finally:
         close = getattr(stream, "close", None)
         if close is not None:
             close()
-    return 0 if first is None else sample_bytes(first) * batch_size
+    return 0 if first is None else sample_bytes(first)
+
+
+def _probe_child(dataset: Any, job: StreamJob, out: Any) -> None:
+    out.send_bytes(_probe(dataset, job).to_bytes(8, "little"))
+
+
+def _probe_in_child(dataset: Any, job: StreamJob) -> int:
+    """``_probe`` in a forked child (as DataLoader workers start); the answer comes back as 8 bytes, unpickled."""
+    import multiprocessing
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return 0
+    context = multiprocessing.get_context("fork")
+    reader, writer = context.Pipe(duplex=False)
+    child = context.Process(target=_probe_child, args=(dataset, job, writer), daemon=True)
+    child.start()
+    writer.close()
+    try:
+        answer = reader.recv_bytes(8) if reader.poll(PROBE_TIMEOUT_S) else b""
+    except (EOFError, OSError):  # the child died before answering
+        answer = b""
+    finally:
+        reader.close()
+        if child.is_alive():
+            child.kill()
+        child.join()
+    return int.from_bytes(answer, "little") if len(answer) == 8 else 0
 
 
 def feature_row_bytes(dataset: Any) -> int | None:
@@ -159,7 +204,7 @@ class BudgetParts:
     - ``batches``: batches ready, queued, in shared memory, being filled or held by the loop (the mode's prefetch
       depth and queues are fitted to it, ``fit_depth``);
     - ``decode_ahead``: samples decode threads finished ahead of their batch, ``ahead`` per stream
-      (``WorkerProcesses(threads=m)``, ``Threads(decoders=k)``; ``shards.stream.decode_ahead``);
+      (``WorkerProcesses(decoders=m)``, ``Threads(decoders=k)``; ``shards.stream.decode_ahead``);
     - ``read_ahead``: remote bytes fetched ahead, every process of the loader together
       (``S3Options.read_ahead_bytes`` each, sized with ``read_ahead_within``). The node cache's fetches go
       through the same read-ahead, so this is its RAM part too: the shards it keeps are on disk;
@@ -202,14 +247,19 @@ def read_ahead_within(budget: MemoryBudget, processes: int, asked: int) -> int:
     return min(asked, int(budget.limit * READ_AHEAD_SHARE) // max(1, processes))
 
 
+def _reads_remotely(dataset: Any) -> bool:
+    from shards.transport.location import locate
+
+    locations = getattr(dataset, "locations", ())
+    return any(locate(location).local_path() is None for location in locations[:64])
+
+
 def dataset_read_ahead(dataset: Any, processes: int) -> int:
     """The remote bytes ``processes`` readers of ``dataset`` fetch ahead at most (its ``S3Options``; the same for
     http(s)); 0 for local shards."""
-    from shards.transport.location import locate
     from shards.transport.s3 import S3Options
 
-    locations = getattr(dataset, "locations", ())
-    if not locations or all(locate(location).is_local for location in locations[:64]):
+    if not _reads_remotely(dataset):
         return 0
     return S3Options.from_mapping(getattr(dataset, "storage_options", None)).read_ahead_bytes * max(1, processes)
 

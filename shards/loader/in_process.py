@@ -21,16 +21,15 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from torch.utils.data._utils.pin_memory import pin_memory as pin_nested
 
 from shards.loader.base import Loader, Run, RunMode
+from shards.procs.torch_private import pin_nested
 from shards.loader.budget import feature_row_bytes, fit_depth, split_budget
 from shards.loader.feature_prefetch import WindowsAhead, joined
 from shards.procs.stage_times import READ
 from shards.loader.worker_processes import DataLoaderRun
 from shards.procs.values import MAX_WORKERS
 from shards.position.resume import FEATURE_BATCHES, STREAM
-from shards.stream.feature_stream import FeatureShardDataset
 
 IN_PROCESS_SLOT = MAX_WORKERS  # the stage-seconds row of the process that iterates without workers
 
@@ -39,16 +38,24 @@ IN_PROCESS_SLOT = MAX_WORKERS  # the stage-seconds row of the process that itera
 class InProcess(RunMode):
     """Run mode: no worker processes; a feature table's batches are gathered whole, an image dataset's samples
     decoded one by one in the main process. Nothing runs beside the loop, so there is nothing a ``StallPolicy``
-    could restart: asking for one is an error."""
+    could restart: asking for one is an error (``RunMode.supervise``).
+
+    Which of the two runs a dataset gets is the dataset's to say (``ready_rows``: its rows are already the model's
+    input, so a batch is one gather), not a check of its class here."""
+
+    kind = "in-process"
+
+    @staticmethod
+    def gathers(dataset: Any) -> bool:
+        """Whether this mode gathers ``dataset``'s batches whole (ready rows) rather than collating samples."""
+        return bool(dataset.ready_rows)
 
     def layout(self, dataset: Any, batch_size: int) -> tuple[str, int]:
         # Gathered batches count positions in one full permutation; a stream splits in whole batches.
-        return (FEATURE_BATCHES, 1) if isinstance(dataset, FeatureShardDataset) else (STREAM, batch_size)
+        return (FEATURE_BATCHES, 1) if self.gathers(dataset) else (STREAM, batch_size)
 
     def start(self, loader: Loader) -> Run:
-        if isinstance(loader.dataset, FeatureShardDataset):
-            return FeatureBatches(loader)
-        return DataLoaderRun(loader, 0)
+        return FeatureBatches(loader) if self.gathers(loader.dataset) else DataLoaderRun(loader, 0)
 
 
 class FeatureBatches(Run):

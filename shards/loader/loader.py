@@ -4,18 +4,20 @@ defaults that suit the dataset, and the collate of images of different sizes.
 The run mode is one value: ``WorkerProcesses(n)`` (``shards.loader.worker_processes``), ``Threads(n)``
 (``shards.loader.threads``), ``InProcess()`` (``shards.loader.in_process``) or ``"auto"``: ``Auto(n)``
 (``shards.loader.auto``), the one with the lowest step time; stall recovery is one value too, a ``StallPolicy``
-(``shards.loader.watchdog``), which a mode with worker processes or threads applies.
+(``shards.loader.watchdog``), which a mode with worker processes or threads applies. A mode has one spelling
+(``parse_mode``, as ``RunMode.parse``): the CLI's text, the JSON form configs and run records keep, a bare count.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from shards.jobs.parallel import MAX_DEFAULT_WORKERS, usable_cpus
 from shards.errors import InputError
+from shards.jobs.parallel import MAX_DEFAULT_WORKERS, usable_cpus
 from shards.loader.auto import Auto
 from shards.loader.base import Loader, RunMode
 from shards.loader.budget import MemoryBudget, resolve_budget
@@ -26,7 +28,6 @@ from shards.loader.torch_keywords import (
 )
 from shards.loader.watchdog import StallPolicy
 from shards.loader.worker_processes import WorkerProcesses
-from shards.stream.feature_stream import FeatureShardDataset
 
 
 def default_num_workers() -> int:
@@ -36,34 +37,36 @@ def default_num_workers() -> int:
 
 def default_mode(dataset: Any) -> RunMode:
     """In process for feature rows (worker processes only slow them down), worker processes for images."""
-    return InProcess() if isinstance(dataset, FeatureShardDataset) else WorkerProcesses(default_num_workers())
+    return InProcess() if dataset.ready_rows else WorkerProcesses(default_num_workers())
 
 
 def auto_mode(dataset: Any, workers: int | None = None) -> RunMode:
     """``Auto(workers)`` (default: ``default_num_workers()``, the plan the default mode feeds) over images; over
     feature rows ``InProcess()``, which no other mode comes near (there is nothing to try)."""
-    if isinstance(dataset, FeatureShardDataset):
+    if dataset.ready_rows:
         return InProcess()
     return Auto(default_num_workers() if workers is None else workers)
 
 
-def workers_mode(workers: int, *, prefetch_factor: int = 4, persistent: bool = True, run: str = "processes",
-                 threads: int = 1) -> RunMode:
-    """The mode a CLI's ``--workers`` and ``--run-mode`` name: ``run="processes"``: ``WorkerProcesses(workers,
-    ..., threads=threads)``, or ``InProcess()`` for 0 (the worker options then have no processes to apply to);
-    ``run="threads"``: ``Threads(workers)`` (``threads`` decode threads shared by them, when more than 1)."""
-    if run == "threads":
-        if workers == 0:
-            raise InputError("the thread run mode needs workers >= 1 (each is a thread)")
-        return Threads(workers, decoders=threads if threads > 1 else 0)
-    if run != "processes":
+def workers_mode(workers: int, *, persistent: bool = True, run: str = "processes", decoders: int = 0) -> RunMode:
+    """The mode a CLI's ``--workers``, ``--run-mode`` and ``--worker-threads`` name, through the one parse
+    (``RunMode.parse``): ``run="processes"``: ``WorkerProcesses(workers, persistent=, decoders=)``, or
+    ``InProcess()`` for 0 (the worker options then have no processes to apply to); ``run="threads"``:
+    ``Threads(workers, decoders=)``. ``decoders`` <= 1 is 0: a worker decoding its own samples (the CLI's
+    ``--worker-threads 1``)."""
+    if run not in ("processes", "threads"):
         raise InputError(f"run mode must be 'processes' or 'threads', got {run!r}")
+    if run == "threads" and workers == 0:
+        raise InputError("the thread run mode needs workers >= 1 (each is a thread)")
     if workers == 0:
-        return InProcess()
-    return WorkerProcesses(workers, prefetch_factor=prefetch_factor, persistent=persistent, threads=threads)
+        return RunMode.parse(0)
+    record: dict[str, Any] = {"kind": run, "workers": workers, "decoders": decoders if decoders > 1 else 0}
+    if run == "processes":
+        record["persistent"] = persistent
+    return RunMode.parse(record)
 
 
-def make_loader(dataset: Any, batch_size: int = 256, *, mode: RunMode | str | None = None,
+def make_loader(dataset: Any, batch_size: int = 256, *, mode: RunMode | str | dict | None = None,
                 stall: StallPolicy | None = None, drop_last: bool | None = None, collate_fn: Callable | None = None,
                 pin_memory: bool | None = None, stage_times: bool = True, resume_audit: str = "refuse",
                 num_workers: int | None = None, prefetch_factor: int | None = None,
@@ -130,22 +133,102 @@ def worth_pinning(dataset: Any, mode: RunMode) -> bool:
     """Whether pinned batches are worth their copy: not for a feature table gathered in the loop's own thread
     (``InProcess``), where the pin is one more synchronous copy before the one to the GPU. The default of
     ``pin_memory``; an explicit ``pin_memory=True`` pins there too."""
-    return not (isinstance(mode, InProcess) and isinstance(dataset, FeatureShardDataset))
+    return not (isinstance(mode, InProcess) and mode.gathers(dataset))
 
 
-def resolve_mode(dataset: Any, mode: RunMode | str | None, num_workers: int | None = None) -> RunMode:
+def resolve_mode(dataset: Any, mode: Any, num_workers: int | None = None) -> RunMode:
     """The run mode ``make_loader`` runs: ``num_workers``'s (``WorkerProcesses(n)``, 0 ``InProcess()``), the
-    dataset kind's default, ``auto_mode`` for ``"auto"``, or ``mode`` itself."""
+    dataset kind's default, ``auto_mode`` for ``"auto"``, or the mode ``mode`` spells (``RunMode.parse``: a mode,
+    its text or its JSON form; ``"auto"`` over feature rows is ``InProcess()``, as ``auto_mode`` says)."""
     if num_workers is not None:
         return workers_of(num_workers, mode)
     if mode is None:
         return default_mode(dataset)
-    if isinstance(mode, str):
-        if mode != "auto":
-            raise InputError(f"mode={mode!r} is not a run mode: give 'auto', WorkerProcesses(n), Threads(n) or "
-                             "InProcess()")
-        return auto_mode(dataset)
-    return mode
+    if isinstance(mode, int):  # a bare count is an older record's spelling; here it is DataLoader's keyword
+        raise InputError(f"mode must be a run mode, not a count: num_workers={mode!r}, or mode='processes:{mode}' "
+                         "(RunMode.parse)")
+    parsed = RunMode.parse(mode)
+    if isinstance(parsed, Auto) and dataset.ready_rows:
+        return InProcess()  # nothing to try over feature rows (``auto_mode``)
+    return parsed
+
+
+# -- the run mode's one spelling (``RunMode.parse``) ------------------------------------------------------------------
+# Why one place: the mode was spelled four ways (a value in Python, three CLI strings, a bare ``workers`` integer in
+# the run record and the forecast), each with its own reading of a count or a name. Text:
+# ``KIND[:WORKERS][,NAME=VALUE...]`` (``"threads:8,decoders=2"``, ``"auto"``, ``"auto:4"``); a bare count ``N``
+# (text or integer) is ``processes:N``, 0 ``in-process``, as DataLoader's ``num_workers`` and ``--workers`` mean it.
+# JSON: ``{"kind": KIND, FIELD: VALUE, ...}``, the mode's own fields (``RunMode.to_json``). A mode that needs
+# workers and is given none gets ``default_num_workers()``.
+MODES: dict[str, type[RunMode]] = {mode.kind: mode for mode in (WorkerProcesses, Threads, InProcess, Auto)}
+_SPELLING = "give KIND[:WORKERS][,NAME=VALUE...] with KIND one of " + ", ".join(MODES) + ", or a worker count"
+
+
+def parse_mode(value: Any) -> RunMode:
+    """The ``RunMode`` ``value`` spells: a mode itself, a worker count, the text or the JSON form (the comment
+    above); an ``InputError`` naming what is wrong and the spelling otherwise."""
+    if isinstance(value, RunMode):
+        return value
+    if isinstance(value, bool):
+        raise InputError(f"run mode {value!r} is not a run mode: {_SPELLING}")
+    if isinstance(value, int):
+        return _of_count(value)
+    if isinstance(value, str):
+        return _of_text(value)
+    if isinstance(value, Mapping):
+        return _of_json(value)
+    raise InputError(f"run mode {value!r} is not a run mode: {_SPELLING}")
+
+
+def _of_count(count: int) -> RunMode:
+    if count < 0:
+        raise InputError(f"a worker count must be >= 0, got {count} (0: in the training process)")
+    return InProcess() if count == 0 else WorkerProcesses(count)
+
+
+def _of_text(text: str) -> RunMode:
+    head, *options = [part.strip() for part in text.strip().split(",")]
+    if head.isdigit():
+        if options:
+            raise InputError(f"run mode {text!r}: options need a kind ({head} is processes:{head})")
+        return _of_count(int(head))
+    kind, _, count = head.partition(":")
+    record: dict[str, Any] = {"kind": kind}
+    if count:
+        if not count.isdigit():
+            raise InputError(f"run mode {text!r}: {count!r} is not a worker count; {_SPELLING}")
+        record["workers"] = int(count)
+    for option in options:
+        name, equals, number = option.partition("=")
+        if not equals:
+            raise InputError(f"run mode {text!r}: {option!r} is not NAME=VALUE; {_SPELLING}")
+        record[name.strip()] = _value(text, number.strip())
+    return _of_json(record, repr(text))
+
+
+def _value(text: str, value: str) -> Any:
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if value.isdigit():
+        return int(value)
+    raise InputError(f"run mode {text!r}: {value!r} is neither a whole number nor true/false")
+
+
+def _of_json(record: Mapping[str, Any], spelled: str | None = None) -> RunMode:
+    kind = record.get("kind")
+    mode = MODES.get(kind) if isinstance(kind, str) else None
+    if mode is None:
+        raise InputError(f"run mode {spelled or repr(dict(record))}: kind {kind!r} is not one of {', '.join(MODES)}")
+    known = {item.name for item in dataclasses.fields(mode)}
+    options = {name: value for name, value in record.items() if name != "kind"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        renamed = mode.RENAMED.get(unknown[0])
+        hint = renamed or (f"it takes {', '.join(sorted(known))}" if known else "it takes no options")
+        raise InputError(f"run mode {kind!r} has no option {unknown[0]!r}: {hint}")
+    if "workers" in known and "workers" not in options:
+        options["workers"] = default_num_workers()
+    return mode(**options)
 
 
 def pad_collate(batch: Sequence[tuple]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import logging
 import weakref
 from collections import deque
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -34,9 +34,9 @@ from shards.errors import InputError
 from shards.order.plan import round_robin_consumed, worker_sample_counts
 from shards.position.audit import (
     AUDIT, AUDIT_BATCHES, AUDIT_SLOTS, MISMATCH, NOT_AUDITED, OFF, OK, AuditBatch, AuditRecord, FedRing,
-    ResumeAuditError, audit_of, first_mismatch, key_hashes, mismatch_line, row_keys,
+    ResumeAuditError, first_mismatch, key_hashes, mismatch_line, row_keys,
 )
-from shards.position.elastic import excluded_of
+from shards.position.elastic import SavedState
 from shards.position.lineage import batch_rows
 from shards.position.resume import LoaderState, check_compatible, worker_batches
 
@@ -46,26 +46,26 @@ RING_SPARE = 8  # ring entries beyond the batches a mode makes ahead: a trainer'
 MAX_RING = 64
 
 
-def plan_keys(dataset: Any, source: Any, position: LoaderState, rank: int, step: int) -> list[str]:
+def plan_keys(dataset: Any, source: Any, position: LoaderState | SavedState, rank: int, step: int) -> list[str]:
     """The keys the plan puts in batch ``step`` of ``rank`` in ``position``'s layout, read from the shards now."""
     return row_keys(dataset, batch_rows(source, position, rank, step))
 
 
-def check_state(loader: Any, state: dict[str, Any]) -> dict[str, Any]:
-    """The audit of saved ``state`` against ``loader``'s dataset and plan, without loading it: ``{"result": "ok",
-    "batches": n}``, ``{"result": "mismatch", "message": one line}`` or ``{"result": "not audited", "reason"}``.
-    A malformed state or record, or one of another dataset or order settings, is an ``InputError`` as
-    ``load_state_dict`` raises it."""
-    record = audit_of(state)
+def check_state(loader: Any, state: SavedState) -> dict[str, Any]:
+    """The audit of saved ``state`` (parsed at the door) against ``loader``'s dataset and plan, without loading it:
+    ``{"result": "ok", "batches": n}``, ``{"result": "mismatch", "message": one line}`` or ``{"result": "not
+    audited", "reason"}``. A state of another dataset or order settings is an ``InputError`` as ``load_state_dict``
+    raises it (a malformed one was refused at the door)."""
+    record = state.audit
     if record is None:
         return {"result": NOT_AUDITED, "reason": "the state carries no audit record (saved before the audit, or "
                                                  "with resume_audit='off')"}
-    saved = LoaderState.from_dict(state)
+    saved = state.position
     check_compatible(saved, loader.cursor.position(0))
     if record.rank >= saved.world_size:
         raise InputError(f"loader state audit.rank is {record.rank}: the state's world size is {saved.world_size}")
     dataset = loader.dataset
-    source = replace(dataset.epoch_source(), excluded=excluded_of(state))
+    source = replace(dataset.epoch_source(), excluded=state.excluded)
     checks: list[tuple[AuditBatch, str]] = [(b, "the batch fed") for b in record.fed]
     checks += [(b, "the batch recorded to come next") for b in record.next]
     if record.through != saved.batches:
@@ -73,7 +73,7 @@ def check_state(loader: Any, state: dict[str, Any]) -> dict[str, Any]:
         checks.append((AuditBatch(at, 0, np.zeros(0, dtype=np.int64)), "through"))
     for batch, what in sorted(checks, key=lambda item: item[0].step):
         try:
-            keys = plan_keys(dataset, source, saved, record.rank, batch.step)
+            keys = plan_keys(dataset, source, state, record.rank, batch.step)
         except InputError as exc:
             return _mismatch(f"resume audit: epoch {saved.epoch + 1}, batch {batch.step + 1} of the epoch: the "
                              f"record names a batch the plan does not have ({exc.reason})")
@@ -219,14 +219,27 @@ class ResumeAudit:
             upcoming.append(AuditBatch(step, len(keys), key_hashes(keys)))
         return AuditRecord(rank, through, fed, tuple(upcoming)).to_dict()
 
-    def loaded(self, state: dict[str, Any], continued: Any, verdict: dict[str, Any]) -> None:
+    def loaded(self, state: SavedState, continued: Any, verdict: dict[str, Any]) -> None:
         """``state`` was loaded (``verdict``: its audit): carry its fed batches, check what follows it."""
-        record = audit_of(state)
+        record = state.audit
         at = (continued.position.epoch, continued.position.batches)
         self.carried, self.carried_at = (record.fed if record is not None else ()), at
         self.armed = at
         self.epoch, self.start, self.count = None, at[1], 0  # nothing handed out since the state
         self.result = verdict
+
+
+def fed_batches(audit: ResumeAudit | None, batches: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+    """An iteration's batches from ``batches()`` (the run's), each counted by ``audit`` as it is handed out: the
+    loader's own count of what it fed, and the first batches after a resume checked against the plan. Without an
+    audit, the batches as they come."""
+    if audit is None:
+        yield from batches()
+        return
+    audit.begin()  # before the run asks the cursor where
+    for batch in batches():
+        audit.handed()
+        yield batch
 
 
 def saved_with_audit(loader: Any, state: dict[str, Any], batches_consumed: int | None) -> dict[str, Any]:
@@ -236,7 +249,7 @@ def saved_with_audit(loader: Any, state: dict[str, Any], batches_consumed: int |
     return state
 
 
-def resume_verdict(loader: Any, state: dict[str, Any]) -> dict[str, Any]:
+def resume_verdict(loader: Any, state: SavedState) -> dict[str, Any]:
     """Audit ``state`` for ``loader.load_state_dict`` per the loader's mode: raise on a mismatch (``"refuse"``),
     log it (``"warn"``); ``{"result": "off"}`` without an audit."""
     if loader.audit is None:
@@ -247,3 +260,11 @@ def resume_verdict(loader: Any, state: dict[str, Any]) -> dict[str, Any]:
             raise ResumeAuditError(verdict["message"])
         log.warning("%s", verdict["message"])
     return verdict
+
+
+def last_verdict(loader: Any) -> dict[str, Any]:
+    """The audit of the last state ``loader`` loaded (``resume_verdict``'s, a copy); ``{}`` before any state was
+    loaded, ``{"result": "off"}`` without an audit."""
+    if loader.audit is None:
+        return {"result": OFF}
+    return dict(loader.audit.result or {})

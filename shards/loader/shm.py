@@ -24,9 +24,8 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from torch.utils.data._utils.collate import collate, default_collate, default_collate_fn_map
-from torch.utils.data._utils.pin_memory import pin_memory as pin_nested
 
+from shards.procs.torch_private import collate, default_collate, default_collate_fn_map, pin_nested
 from shards.units import human_bytes
 
 log = logging.getLogger(__name__)

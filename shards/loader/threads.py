@@ -7,7 +7,7 @@ hand-off: each thread fills its batch's tensor in place (``shards.loader.batch_f
 it from a queue.
 
 Each of the ``workers`` threads plays one logical worker of the epoch plan, exactly as a DataLoader worker does:
-its stream is ``dataset.worker_stream(epoch, worker, workers, ...)`` with the same skips and rotation after a
+its stream is ``dataset.worker_stream(StreamJob(epoch, worker, workers, ...))`` with the same skips and rotation after a
 resume, and the loader takes batches from the threads in the DataLoader's round robin (skipping those done). So
 ``Threads(n)`` and ``WorkerProcesses(n)`` feed the same batches in the same order, share one saved-state layout and
 resume each other's states; order, lineage, quarantine, stage seconds and the node cache work as in processes.
@@ -49,6 +49,7 @@ from shards.procs.stage_times import COLLATE
 from shards.procs.values import MAX_WORKERS
 from shards.procs.worker_status import WorkerStatus
 from shards.stream.decode_ahead import AHEAD_PER_THREAD, DecodeAhead, one_intraop_thread
+from shards.stream.worker_stream import StreamJob
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,10 @@ class Threads(RunMode):
     decoders: int = 0
     prefetch: int = 2
 
-    on_stall = "raise"
+    kind = "threads"
+    on_stall = "raise"  # ``ThreadRun`` watches its threads itself: ``supervise`` builds no watchdog
+    RENAMED = {"prefetch_factor": "batches each worker prepares ahead are prefetch= in every run mode",
+               "threads": "decode threads are decoders= in every run mode (0: each worker decodes its own samples)"}
 
     def __post_init__(self) -> None:
         if type(self.workers) is not int or not 1 <= self.workers <= MAX_WORKERS:
@@ -78,6 +82,9 @@ class Threads(RunMode):
     @property
     def batches_ahead(self) -> int:
         return self.workers * (self.prefetch + 1)  # its queue, and the batch it fills while the queue is full
+
+    def supervise(self, stall: Any, loader: Loader) -> None:
+        return None  # a stall ends the run with an error naming the sample (``ThreadRun``): nothing restarts
 
     def layout(self, dataset: Any, batch_size: int) -> tuple[str, int]:
         return STREAM, batch_size
@@ -180,10 +187,10 @@ class _Epoch:
             times = loader.stage_times
             fill = BatchFill(loader.batch_size, pin=loader.pin_memory and _cuda(), collate_fn=loader.collate_fn)
             watch = self.run.status.slot(worker)
-            stream = loader.dataset.worker_stream(
+            stream = loader.dataset.worker_stream(StreamJob(
                 epoch, worker, self.workers, split_batch=loader.batch_size, skip=skip, left=left, stage_times=times,
-                quarantine=quarantine, watch=watch, slot=worker, decode_threads=self.pool or 1,
-                fed=loader.audit.ring if loader.audit is not None else None)
+                slot=worker, quarantine=quarantine, watch=watch, decode_threads=self.pool or 1,
+                fed=loader.audit.ring if loader.audit is not None else None))
             clock = time.perf_counter
             for sample in stream:
                 watch.idle()

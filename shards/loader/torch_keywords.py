@@ -22,7 +22,6 @@ from shards.loader.base import RunMode
 from shards.loader.in_process import InProcess
 from shards.loader.threads import Threads
 from shards.loader.worker_processes import WorkerProcesses
-from shards.stream.feature_stream import FeatureShardDataset
 
 _ORDER = ("the order is the dataset's, a function of (seed, epoch, rank): open_dataset(..., seed=, "
           "sampling=Sampling(shuffle=True|False, class_weights=, balance=))")
@@ -67,27 +66,25 @@ def _who(mode: RunMode, dataset: Any, named: bool) -> str:
     """The mode as a refusal names it: a default or ``num_workers`` mode says where it came from."""
     if named:
         return f"mode={mode}"
-    feature = " (a feature dataset's default)" if isinstance(dataset, FeatureShardDataset) else ""
+    feature = " (a feature dataset's default)" if dataset.ready_rows else ""
     return f"{mode}{feature}"
 
 
 def with_queue_options(mode: RunMode, dataset: Any, *, named: bool, prefetch_factor: Any,
                        persistent_workers: Any) -> RunMode:
-    """``mode`` with DataLoader's ``prefetch_factor`` (batches each worker prepares ahead: ``WorkerProcesses``'
-    ``prefetch_factor``, ``Threads``' ``prefetch``) and ``persistent_workers`` (``WorkerProcesses``' ``persistent``).
-    A mode the caller ``named`` carries its own values: giving them beside it is refused, as is a value the mode
+    """``mode`` with DataLoader's ``prefetch_factor`` (batches each worker prepares ahead: the mode's ``prefetch``)
+    and ``persistent_workers`` (``WorkerProcesses``' ``persistent``). A mode the caller ``named`` carries its own values: giving them beside it is refused, as is a value the mode
     cannot honour (no workers to prepare ahead or to keep)."""
     if prefetch_factor is None and persistent_workers is None:
         return mode
     changes: dict[str, Any] = {}
     if prefetch_factor is not None:
-        field = {WorkerProcesses: "prefetch_factor", Threads: "prefetch"}.get(type(mode))
-        if field is None:
+        if not isinstance(mode, (WorkerProcesses, Threads)):
             why = "tries its candidates with their own queues" if isinstance(mode, Auto) else \
                 "has no workers that prepare batches ahead"
             raise InputError(f"prefetch_factor={prefetch_factor!r}: {_who(mode, dataset, named)} {why}; use "
-                             "num_workers=n (WorkerProcesses(n, prefetch_factor=k)) or Threads(n, prefetch=k)")
-        changes[field] = prefetch_factor
+                             "num_workers=n (WorkerProcesses(n, prefetch=k)) or Threads(n, prefetch=k)")
+        changes["prefetch"] = prefetch_factor
     if persistent_workers is not None:
         if type(persistent_workers) is not bool:
             raise InputError(f"persistent_workers must be True or False, got {persistent_workers!r}")
@@ -123,7 +120,7 @@ def check_process_options(mode: RunMode, dataset: Any, *, named: bool, worker_in
         raise InputError(f"timeout={timeout!r}: stall detection is stall=StallPolicy(timeout_s={timeout!r}) here (it "
                          "restarts stalled worker processes at the exact position, or names the sample a thread is "
                          "stuck on)")
-    if collate_fn is not None and isinstance(mode, InProcess) and isinstance(dataset, FeatureShardDataset):
+    if collate_fn is not None and isinstance(mode, InProcess) and mode.gathers(dataset):
         raise InputError(f"collate_fn: {who} gathers each batch of feature rows whole, with no list of samples to "
                          "collate; use num_workers=n (WorkerProcesses(n)) for a collate_fn, or change the batch in "
                          "your loop")

@@ -27,46 +27,41 @@ so counting every restart would stop a healthy epoch that met two; counted so, a
 bad samples, while a node that fails on everything still stops loudly after a few restarts.
 
 Each watched worker leads a process group, and a restart kills the group: whatever a hung decoder started dies with
-it. The stacks go to the dump file; the log gets one warning naming it, and the stacks at INFO, so ``--quiet``
-(warnings only) keeps them out of stderr.
+it (what a worker answers by signal, and the kill, are ``shards.procs.worker_signals``). The stacks go to the dump
+file; the log gets one warning naming it, and the stacks at INFO, so ``--quiet`` (warnings only) keeps them out of
+stderr.
 
-What it watches is torch's worker iterator, through two of its private hooks: ``_get_data`` (replaced on the
-iterator by a loop of short ``_try_get_data`` polls that watches the clock and the worker processes) and the
-worker pids torch's ``SIGCHLD`` handler would otherwise turn into an exception raised wherever the main thread
-happens to be.
+What it watches is torch's worker iterator, through two of its private hooks (``shards.procs.torch_private``, the
+one module that names them): ``_get_data`` (replaced on the iterator by a loop of short ``_try_get_data`` polls
+that watches the clock and the worker processes) and the worker pids torch's ``SIGCHLD`` handler would otherwise
+turn into an exception raised wherever the main thread happens to be.
 """
 
 from __future__ import annotations
 
 import bisect
-import faulthandler
 import functools
 import logging
 import os
-import re
 import shutil
-import signal
 import tempfile
 import time
 import weakref
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterator
-
-from torch.utils.data._utils import signal_handling
 
 from shards.atomic import write_text_shared
 from shards.errors import CorruptDataError, InputError, ShardcacheError
+from shards.procs import torch_private
 from shards.order.plan import shard_offsets
+from shards.procs.worker_signals import StackDumps, collect_stacks, exit_reason, stop_workers, stuck_frame
 from shards.procs.worker_status import Busy, WorkerStatus
 
 log = logging.getLogger(__name__)
 
 QUARANTINE_AFTER = 2  # a worker hung or died on the same sample this many times: the sample is the cause
-DUMP_WAIT_S = 2.0  # how long the live workers get to write their stacks
 DEATH_WAIT_S = 1.0  # how long an error receiving a batch waits for the worker's exit to show
-_OPEN_DUMPS: list = []  # a worker's dump file stays open for its lifetime (faulthandler writes to its descriptor)
 
 
 @dataclass(frozen=True)
@@ -106,36 +101,6 @@ def check_stack_dir(stack_dir: str) -> str:
         raise InputError(f"stack_dir {stack_dir!r} is not writable ({exc.strerror or exc}): stack dumps of stalled "
                          "workers go there") from None
     return stack_dir
-
-
-class StackDumps:
-    """A ``worker_init_fn``: the worker writes all its threads' Python stacks to ``<folder>/worker-<id>.txt`` on
-    ``SIGUSR1`` (``faulthandler`` writes from the signal handler, so a worker stuck in a loop or a C call answers
-    too); ``then`` (the caller's ``worker_init_fn``) still runs. The file is emptied when a worker starts: the
-    workers before it with that id were stopped (an epoch's end or a restart) after their dumps were read.
-
-    The worker also leads a process group, which ``stop_workers`` kills (a decoder's subprocess would otherwise
-    outlive every restart); torch's workers ignore the terminal's Ctrl-C anyway, and ``OrphanGuard`` still ends
-    one whose main process is gone."""
-
-    def __init__(self, folder: str, then: Callable[[int], Any] | None = None):
-        self.folder = folder
-        self.then = then
-
-    def __call__(self, worker_id: int) -> None:
-        try:
-            os.setpgid(0, 0)
-        except OSError:  # not permitted (a session leader): its children are then killed with it only by luck
-            pass
-        handle = open(dump_path(self.folder, worker_id), "w")
-        _OPEN_DUMPS.append(handle)
-        faulthandler.register(signal.SIGUSR1, file=handle, all_threads=True)
-        if self.then is not None:
-            self.then(worker_id)
-
-
-def dump_path(folder: str, worker: int) -> str:
-    return os.path.join(folder, f"worker-{worker}.txt")
 
 
 class WorkerFault(Exception):
@@ -201,25 +166,23 @@ class Watchdog:
         return self.cursor.handed, len(self.cursor.quarantine)
 
     def _adopt(self, iterator: Any) -> None:
-        if getattr(iterator, "_worker_pids_set", False):
-            # Worker deaths are ours to handle: torch's SIGCHLD handler would raise wherever the main thread is.
-            signal_handling._remove_worker_pids(id(iterator))
-            iterator._worker_pids_set = False
+        # Worker deaths are ours to handle: torch's SIGCHLD handler would raise wherever the main thread is.
+        torch_private.release_sigchld(iterator)
         # A proxy: the iterator holding a strong reference to itself would outlive its last user until a cyclic
         # collection, workers and all.
-        iterator._get_data = functools.partial(self._get_data, weakref.proxy(iterator))
+        torch_private.replace_get_data(iterator, functools.partial(self._get_data, weakref.proxy(iterator)))
 
     def _get_data(self, iterator: Any) -> Any:
         """What ``iterator._get_data`` does, in short polls: a worker gone or ``timeout_s`` without the awaited
         batch raises ``WorkerFault``. The clock starts when the main process starts waiting for a batch, so time
         the consumer spends between batches never counts."""
-        awaited = (id(iterator), iterator._rcvd_idx)
+        awaited = (id(iterator), torch_private.awaited_index(iterator))
         if awaited != self._awaited:
             self._awaited, self._since = awaited, time.monotonic()
         while True:
-            expected = list(iterator._workers_status)
+            expected = torch_private.workers_expected(iterator)
             try:
-                got, data = iterator._try_get_data(self.policy.poll_s)
+                got, data = torch_private.try_get_data(iterator, self.policy.poll_s)
             except Exception:
                 # A death shows as torch's RuntimeError, or as an error receiving a batch the worker sent just
                 # before it died (its shared-memory handles went with it): give the exit a moment to show.
@@ -232,18 +195,17 @@ class Watchdog:
             dead = gone(iterator, expected)
             if dead:
                 raise WorkerFault("exit", dead)
-            if iterator._pin_memory and not iterator._pin_memory_thread.is_alive():
+            if torch_private.pin_thread_dead(iterator):
                 raise RuntimeError("Pin memory thread exited unexpectedly")
             if time.monotonic() - self._since >= self.policy.timeout_s:
-                info = iterator._task_info.get(iterator._rcvd_idx)
-                raise WorkerFault("stall", [info[0]] if info else [])
+                raise WorkerFault("stall", torch_private.awaited_workers(iterator))
 
     # -- recovery --------------------------------------------------------------------------------------------------
     def _recover(self, run: Any, iterator: Any, fault: WorkerFault) -> None:
-        workers = iterator._workers
+        workers = torch_private.worker_processes(iterator)
         epoch = self.dataset.epoch
         on = {w: self.status.busy(w) for w in fault.workers}
-        stacks = self._dump_stacks(workers)
+        stacks = collect_stacks(workers, self.folder)
         stop_workers(iterator)
         reasons = {w: "stall" if fault.reason == "stall" else exit_reason(workers[w].exitcode)
                    for w in fault.workers}
@@ -298,31 +260,6 @@ class Watchdog:
         return row_location(self.dataset, row)
 
     # -- stacks and events -----------------------------------------------------------------------------------------
-    def _dump_stacks(self, workers: list) -> dict[int, str]:
-        """Each live worker's Python stacks (a stopped one cannot answer: it is named as stopped)."""
-        asked, stacks = {}, {}
-        for index, process in enumerate(workers):
-            if not process.is_alive():
-                continue
-            if stopped(process.pid):
-                stacks[index] = "(stopped: a stopped process cannot write its stacks)"
-                continue
-            try:
-                os.kill(process.pid, signal.SIGUSR1)
-                asked[index] = Path(dump_path(self.folder, index))
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + DUMP_WAIT_S
-        while time.monotonic() < deadline and not all(p.exists() and p.stat().st_size for p in asked.values()):
-            time.sleep(0.02)
-        time.sleep(0.05)  # a dump being written when we looked: let it finish
-        for index, path in asked.items():
-            try:
-                stacks[index] = path.read_text(errors="replace")
-            except FileNotFoundError:
-                continue
-        return stacks
-
     def _report(self, workers: list, fault: WorkerFault, on: dict[int, Busy | None], reasons: dict[int, str],
                 stacks: dict[int, str]) -> str:
         what = f"no batch for {self.policy.timeout_s:g} s" if fault.reason == "stall" else "worker(s) gone"
@@ -362,61 +299,8 @@ def gone(iterator: Any, expected: list[bool], wait_s: float = 0.0) -> list[int]:
     the status from before the poll), or with a non-zero exit code; waiting up to ``wait_s`` for one."""
     deadline = time.monotonic() + wait_s
     while True:
-        dead = [index for index, process in enumerate(iterator._workers)
+        dead = [index for index, process in enumerate(torch_private.worker_processes(iterator))
                 if not process.is_alive() and (expected[index] or process.exitcode not in (0, None))]
         if dead or time.monotonic() >= deadline:
             return dead
         time.sleep(0.01)
-
-
-def stop_workers(iterator: Any) -> None:
-    """Kill every worker with its process group (SIGKILL reaches a stopped or hung one too, and whatever a decoder
-    started; a dead worker's group may still hold its children) and let the iterator release its queues."""
-    for process in iterator._workers:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # the group each worker leads (``StackDumps``)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if process.is_alive():  # one that leads no group (or has not been reaped yet: a zombie ignores this)
-            try:
-                os.kill(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    for process in iterator._workers:
-        process.join(timeout=5)
-    iterator._shutdown_workers()
-
-
-def exit_reason(exitcode: int | None) -> str:
-    """``"exit <code>"`` or ``"signal <NAME>"`` (a process ended by a signal has a negative exit code)."""
-    if exitcode is None:
-        return "stall"
-    if exitcode < 0:
-        try:
-            return f"signal {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"signal {-exitcode}"
-    return f"exit {exitcode}"
-
-
-def stopped(pid: int) -> bool:
-    """Whether ``pid`` is stopped (``SIGSTOP``): it could not answer a stack dump request."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] in ("T", "t")
-
-
-_FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
-
-
-def stuck_frame(stacks: str) -> str | None:
-    """The innermost frame of a worker's main thread in a ``faulthandler`` dump (the thread running torch's
-    worker loop): ``function (file:line)``."""
-    for block in re.split(r"\n\s*\n|(?=^(?:Current thread|Thread) 0x)", stacks, flags=re.M):
-        if "_worker_loop" in block:
-            match = _FRAME.search(block)
-            if match:
-                return f"{match.group(3)} ({os.path.basename(match.group(1))}:{match.group(2)})"
-    return None

@@ -23,15 +23,16 @@ import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Any, Callable, Iterator
 
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from shards.errors import InputError
 from shards.lock import pid_alive
-from shards.loader.base import Loader, Run, RunMode
+from shards.loader.base import Loader, Run, RunMode, restarted_by_watchdog
+from shards.procs import torch_private
+from shards.loader.watchdog import StallPolicy, Watchdog
 from shards.loader.budget import BudgetParts, batch_bytes, dataset_read_ahead, fit_depth, split_budget
 from shards.loader.shm import (EXTRA_BATCHES, Handoff, PipedCollate, announce, plan_handoff, shm_free,
                                unpipe)
@@ -39,45 +40,68 @@ from shards.procs.stage_times import SharedStageTimes, TimedCollate
 from shards.procs.worker_status import WorkerStatus
 from shards.position.elastic import Continuation
 from shards.procs.values import MAX_WORKERS
-from shards.position.resume import STREAM, SharedQuarantine, SharedResume
+from shards.position.resume import STREAM
+from shards.position.shared_blocks import SharedQuarantine, SharedResume
 from shards.stream.decode_ahead import AHEAD_PER_THREAD, DecodeAhead
+from shards.stream.worker_stream import StreamJob
 
 
 @dataclass(frozen=True)
 class WorkerProcesses(RunMode):
     """Run mode: ``workers`` DataLoader worker processes decode samples beside the training loop (images, or
-    features through a DataLoader). ``prefetch_factor``: batches each worker prepares ahead; ``persistent``: keep
-    the workers from epoch to epoch; ``threads``: threads decoding inside each worker while it reads on
-    (``shards.stream.decode_ahead``; SPDL's multi-threading in multi-processing: for decoders that hold the GIL,
-    and to keep decoding off the training process's cores), each worker still one logical worker of the plan, so
-    the batches are those of ``threads=1``. The one mode a ``StallPolicy`` can heal: its workers can be restarted."""
+    features through a DataLoader). ``prefetch``: batches each worker prepares ahead (DataLoader's
+    ``prefetch_factor``); ``persistent``: keep the workers from epoch to epoch; ``decoders``: threads decoding
+    beside each worker's reader (0: the worker decodes its own samples; ``shards.stream.decode_ahead``; SPDL's
+    multi-threading in multi-processing: for decoders that hold the GIL, and to keep decoding off the training
+    process's cores), each worker still one logical worker of the plan, so the batches are those of
+    ``decoders=0``. The one mode a ``StallPolicy`` can heal: its workers can be restarted (``supervise``)."""
 
     workers: int
-    prefetch_factor: int = 4
+    prefetch: int = 4
     persistent: bool = True
-    threads: int = 1
+    decoders: int = 0
+    # The spellings of round 3, refused with this one (``RENAMED``): the option names are one vocabulary.
+    prefetch_factor: InitVar[int | None] = None
+    threads: InitVar[int | None] = None
 
+    kind = "processes"
     on_stall = "restart"
+    RENAMED = {"prefetch_factor": "batches each worker prepares ahead are prefetch= in every run mode",
+               "threads": "decode threads are decoders= in every run mode (0: each worker decodes its own samples)"}
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, prefetch_factor: int | None = None, threads: int | None = None) -> None:
+        for name, given in (("prefetch_factor", prefetch_factor), ("threads", threads)):
+            if given is not None:
+                raise InputError(f"WorkerProcesses({name}={given!r}): {self.RENAMED[name]}")
         if type(self.workers) is not int or not 1 <= self.workers <= MAX_WORKERS:
             raise InputError(f"WorkerProcesses workers must be an integer in 1..{MAX_WORKERS}, got {self.workers!r} "
                              "(no worker processes: InProcess())")
-        if type(self.prefetch_factor) is not int or self.prefetch_factor < 1:
-            raise InputError(f"WorkerProcesses prefetch_factor must be an integer >= 1, got {self.prefetch_factor!r}")
-        if type(self.threads) is not int or not 1 <= self.threads <= 64:
-            raise InputError(f"WorkerProcesses threads must be an integer in 1..64, got {self.threads!r}")
+        if type(self.prefetch) is not int or self.prefetch < 1:
+            raise InputError(f"WorkerProcesses prefetch must be an integer >= 1, got {self.prefetch!r}")
+        if type(self.persistent) is not bool:
+            raise InputError(f"WorkerProcesses persistent must be True or False, got {self.persistent!r}")
+        if type(self.decoders) is not int or not (self.decoders == 0 or 2 <= self.decoders <= 64):
+            raise InputError(f"WorkerProcesses decoders must be 0 (each worker decodes its own samples) or an "
+                             f"integer in 2..64 (one decode thread beside a worker's reader gains nothing), got "
+                             f"{self.decoders!r}")
 
     @property
     def batches_ahead(self) -> int:
-        return self.workers * self.prefetch_factor
+        return self.workers * self.prefetch
+
+    @property
+    def restarts_each_epoch(self) -> bool:
+        return not self.persistent
+
+    def supervise(self, stall: StallPolicy | None, loader: Loader) -> Watchdog | None:
+        return restarted_by_watchdog(stall, loader)
 
     def layout(self, dataset: Any, batch_size: int) -> tuple[str, int]:
         return STREAM, batch_size
 
     def start(self, loader: Loader) -> Run:
-        return DataLoaderRun(loader, self.workers, prefetch_factor=self.prefetch_factor, persistent=self.persistent,
-                             threads=self.threads)
+        return DataLoaderRun(loader, self.workers, prefetch_factor=self.prefetch, persistent=self.persistent,
+                             threads=max(1, self.decoders))
 
 
 class OrphanGuard:
@@ -140,11 +164,11 @@ class WorkerFeed(IterableDataset):
         pool = None
         if self.decode_threads > 1 and self.decode_ahead:  # decode-ahead within the budget: this worker's own pool
             pool = DecodeAhead(self.decode_threads, self.decode_ahead)
-        stream = self.dataset.worker_stream(
+        stream = self.dataset.worker_stream(StreamJob(
             epoch, worker, num_workers, split_batch=self.split_batch, skip=resume.skips[worker] if resume else 0,
             left=self.left if resume is not None and resume.remainder else None, stage_times=self.stage_times,
             quarantine=self.quarantine.rows(), watch=watch, decode_threads=pool or self.decode_threads,
-            fed=self.fed)
+            fed=self.fed))
         try:
             for output in stream:
                 if watch is not None:
@@ -204,7 +228,7 @@ class DataLoaderRun(Run):
         """Fit the batches waiting to the loader's memory budget (``shards.loader.budget``) and to what
         ``/dev/shm`` has free (``shards.loader.shm``), once, before the first workers start."""
         loader = self.loader
-        size = batch_bytes(loader.dataset, loader.batch_size, self.workers)
+        size = batch_bytes(loader.dataset, loader.batch_size, self.workers, isolated=True)
         reserved = 0
         if loader.memory is not None:
             self.parts = split_budget(loader.memory, sample=size // loader.batch_size, streams=self.workers,
@@ -258,11 +282,9 @@ class DataLoaderRun(Run):
         stop signal: each worker then waits out torch's 5 s join before it is killed (an H200 node's 2 x 16
         workers kept ``train-from-shards`` alive 160 s after its last epoch)."""
         for iterator in list(self._iterators):
-            shutdown = getattr(iterator, "_shutdown_workers", None)  # a multi-process iterator's
-            if shutdown is not None:
-                shutdown()
+            torch_private.shutdown_workers(iterator)
         self._iterators.clear()
-        self.dataloader._iterator = None  # a persistent iterator: the next epoch starts fresh workers
+        torch_private.forget_persistent_iterator(self.dataloader)  # the next epoch starts fresh workers
 
 
 class _Unpiped:

@@ -45,7 +45,8 @@ import numpy as np
 
 from shards.door.shape import MAX_COUNT, as_int, as_list, as_object, as_str
 from shards.errors import InputError
-from shards.order.plan import CoveringReads, shard_offsets
+from shards.order.plan import shard_offsets
+from shards.order.reads import CoveringReads
 from shards.procs.values import SharedValues
 
 AUDIT = "audit"  # a saved state's key, beside its fields
@@ -150,11 +151,11 @@ def _batch(item: Any, what: str) -> AuditBatch:
 def row_keys(dataset: Any, rows: Sequence[int]) -> list[str]:
     """The keys the plan gives global ``rows`` of ``dataset``'s split, in the order given: from the split's column
     index where it has one (``dataset.key_columns``: an index into a mapped array, checked against ``dataset.json``),
-    else read from the shards now, as the stream reads scattered rows (``plan.CoveringReads`` with the dataset's
+    else read from the shards now, as the stream reads scattered rows (``reads.CoveringReads`` with the dataset's
     ``merge_gap``): one read per run of near neighbours where a read can seek, one read of a shard's wanted span
     where every read walks the shard from its start (a tar shard without its byte index)."""
     rows = np.asarray(rows, dtype=np.int64)
-    offsets = shard_offsets(dataset.split_info.shard_sizes)
+    offsets = shard_offsets(dataset.shard_sizes)
     index = getattr(dataset, "key_columns", None)
     known = index.keys(rows, offsets) if index is not None else None
     if known is not None:
@@ -228,7 +229,7 @@ class FedRing(SharedValues):
 
 
 class FedWriter:
-    """One stream's recorder: ``slot(key)`` for each slot it fills, in order (``ShardDataset._worker_samples``).
+    """One stream's recorder: ``slot(key)`` for each slot it fills, in order (``shards.stream.worker_stream``).
 
     Its batches are the stream's own: every ``batch_size`` slots from where it started, as the DataLoader (or a
     thread) groups a worker's samples, numbered from 0 whatever the stream skipped. The main process counts which

@@ -4,12 +4,12 @@ Every loader (``shards.loader.base.Loader``, whatever its run mode, and a ``Shar
 is its own loader of one worker and batches of one sample) owns one ``Cursor``. It counts the batches handed out in
 the current epoch, holds a loaded state until the iteration it applies to starts, keeps the quarantine (the samples
 left out of every epoch, ``shards.loader.watchdog``), and answers everything a saved record says (the batches an
-epoch had handed out before a layout change, the rows it has left) through ``LoaderState`` and ``Continuation``,
-never by reading the record's fields by hand. The dataset keeps only what its worker copies must share with every
+epoch had handed out before a layout change, the rows it has left) through the ``SavedState`` the door parsed
+(``shards.position.elastic``) and ``Continuation``, never by reading the record's fields by hand. The dataset keeps only what its worker copies must share with every
 loader over it (the epoch to stream, the skipped count); the order itself is ``shards.order.order``.
 
 The quarantine reaches DataLoader workers the way the epoch does: a block of shared integers
-(``resume.SharedQuarantine``) each worker reads when it starts an epoch. ``keep_out`` is its one writer, for a
+(``shared_blocks.SharedQuarantine``) each worker reads when it starts an epoch. ``keep_out`` is its one writer, for a
 loaded state and the watchdog alike, so two loaders over one dataset never share a quarantine.
 """
 
@@ -18,12 +18,10 @@ from __future__ import annotations
 from typing import Any
 
 from shards.errors import InputError
-from shards.position.elastic import Continuation, continuation, dataset_fingerprint, sampling_settings
+from shards.position.elastic import Continuation, SavedState, continuation, dataset_fingerprint, sampling_settings
 from shards.order.plan import epoch_sizes
-from shards.position.resume import (
-    LoaderState, Resume, SharedQuarantine, check_quarantine_size, consumed_batches, quarantine_of, quarantine_record,
-    stream_resume, worker_batches,
-)
+from shards.position.resume import LoaderState, consumed_batches, quarantine_record, stream_resume, worker_batches
+from shards.position.shared_blocks import Resume, SharedQuarantine, check_quarantine_size
 
 
 class Cursor:
@@ -46,7 +44,7 @@ class Cursor:
         """A position over the dataset in this cursor's layout, with the settings a resume is checked against."""
         d = self.dataset
         c = d.config
-        fingerprint = d.mixture.fingerprint if d.mixture is not None else dataset_fingerprint(d.split_info.shard_sizes)
+        fingerprint = d.mixture.fingerprint if d.mixture is not None else dataset_fingerprint(d.shard_sizes)
         return LoaderState(self.kind, d.epoch, batches, batch_size=self.batch_size, num_workers=self.num_workers,
                            drop_last=self.drop_last, seed=c.seed, world_size=c.world_size,
                            split_batch=self.split_batch, dataset=fingerprint, sampling=sampling_settings(c),
@@ -59,26 +57,26 @@ class Cursor:
         prior = remainder.position.prior if remainder is not None else None
         return self.position(consumed_batches(batches_consumed, self.handed), prior).to_dict()
 
-    def load(self, state: dict[str, Any]) -> Continuation:
-        """Continue ``state`` from the next iteration on: bitwise exactly in the same layout, over the rows its epoch
+    def load(self, saved: SavedState) -> Continuation:
+        """Continue ``saved`` from the next iteration on: bitwise exactly in the same layout, over the rows its epoch
         had left in another (``shards.position.elastic``). Everything is checked before anything changes: the state's
-        fields (``LoaderState.from_dict``), its batch count against the epoch's batches, its quarantined rows
+        fields (at the door, ``SavedState.parse``), its batch count against the epoch's batches, its quarantined rows
         against the split."""
-        return self.apply(self.checked(state))
+        return self.apply(self.checked(saved))
 
-    def checked(self, state: dict[str, Any]) -> tuple[Continuation, dict[int, str]]:
-        """``load``'s checks of ``state``, nothing changed: how this cursor continues it, and its quarantine."""
-        continued = continuation(state, self.position(0), self.dataset.epoch_source())
+    def checked(self, saved: SavedState) -> tuple[Continuation, dict[int, str]]:
+        """``load``'s checks of ``saved``, nothing changed: how this cursor continues it, and its quarantine."""
+        continued = continuation(saved, self.position(0), self.dataset.epoch_source())
         position, had = continued.position, self.epoch_batches(continued)
         if position.layout_batches > had:  # refused, not clamped: no run was ever at that position
             raise InputError(f"loader state batches is {position.batches}: epoch {position.epoch} has "
                              f"{continued.batches_before + had} batches in this layout")
-        saved = quarantine_of(state.get("quarantined"))
-        rows = sum(self.dataset.split_info.shard_sizes)
-        if saved and max(saved) >= rows:
-            raise InputError(f"loader state quarantined row {max(saved)} is not a row of this split ({rows} rows)")
-        check_quarantine_size(len({**self.quarantine, **saved}))  # before anything changes
-        return continued, saved
+        quarantine = saved.quarantine or {}
+        rows = sum(self.dataset.shard_sizes)
+        if quarantine and max(quarantine) >= rows:
+            raise InputError(f"loader state quarantined row {max(quarantine)} is not a row of this split ({rows} rows)")
+        check_quarantine_size(len({**self.quarantine, **quarantine}))  # before anything changes
+        return continued, quarantine
 
     def apply(self, checked: tuple[Continuation, dict[int, str]]) -> Continuation:
         """Continue a state ``checked`` found good from the next iteration on."""

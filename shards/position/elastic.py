@@ -21,37 +21,99 @@ Rows left out of the stream (``ShardDataset.exclude_rows``) may be added when re
 rows its layout's stream left out (``"excluded"``, beside the state's fields, and so in each ``prior``), the replay
 drops each layout's own, and a resume with other excluded rows continues over the rows left minus the new ones, as
 a layout change does: the rest of the epoch drops them and nothing else, in the order it had.
+
+A saved state is parsed once, where it comes in (``SavedState.parse``: ``load_state_dict``, DCP, the loader's own
+restart or mode switch, a run's records): every field of it and of each state it continued
+(``resume.check_record``), the rows each layout's stream left out, the quarantine and the resume audit's record
+(``shards.position.audit``). It is untrusted input (docs/trust-model.md); past the door only the typed value
+travels (to the cursor, this replay, the audit, lineage), and the one way back to a dict is the record a
+continuing state saves as its ``prior``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Sequence
 
 import numpy as np
 
-from shards.errors import InputError
 from shards.door.shape import as_int_list
+from shards.errors import InputError
 from shards.order.order import EpochSource, Layout, worker_order
 from shards.order.plan import epoch_sizes
-from shards.position.resume import LoaderState, check_compatible, worker_batches, worker_consumed
+from shards.position.audit import AuditRecord, audit_of
+from shards.position.resume import LoaderState, check_compatible, check_record, worker_batches, worker_consumed
 
-LAYOUT_FIELDS = ("world_size", "num_workers", "batch_size", "drop_last")
+
 EXCLUDED = "excluded"  # a saved state's key: the global rows its layout's stream left out
 MAX_EXCLUDED = 10_000_000  # rows a state may list (80 MB as int64): more is not a list of bad samples
+_FIELDS = tuple(f.name for f in fields(LoaderState))
 
 
 def excluded_of(record: dict[str, Any], what: str = "loader state excluded") -> np.ndarray | None:
     """The sorted rows a saved state's stream left out (None: none): a saved list checked (``what`` names it), or
-    a live dataset's own array (``lineage``)."""
+    a live dataset's own array."""
     rows = record.get(EXCLUDED)
     if rows is None:
         return None
     if not isinstance(rows, np.ndarray):
         rows = np.asarray(as_int_list(rows, what, max_len=MAX_EXCLUDED, error=InputError), dtype=np.int64)
     return np.unique(rows.astype(np.int64)) if len(rows) else None
+
+
+@dataclass(frozen=True, eq=False)
+class SavedState:
+    """One saved state, checked: its ``position`` (the record's fields; ``position.prior`` is the continued state's
+    record as saved), the rows its stream left out, the state it continued (``prior``, parsed the same way), its
+    quarantine (global row -> key), its resume-audit record (None: none) and ``path``, where it sits in the state
+    that was loaded (``"prior."`` per level), which error messages name."""
+
+    position: LoaderState
+    excluded: np.ndarray | None = None
+    prior: SavedState | None = None
+    quarantine: dict[int, str] | None = None
+    audit: AuditRecord | None = None
+    path: str = ""
+
+    @classmethod
+    def parse(cls, state: Any) -> SavedState:
+        """``state`` as saved (a dict from ``state_dict``, DCP or a checkpoint) checked once, whole: a field out of
+        type or range, a malformed prior, excluded rows or audit record is an ``InputError`` naming it."""
+        position = LoaderState(**check_record(state))  # the whole prior chain, each level checked
+        return cls._levels(position, state, "", audit_of(state))
+
+    @classmethod
+    def of(cls, position: LoaderState, excluded: np.ndarray | None = None) -> SavedState:
+        """A position made in code (the loader's own, or one a record's layout describes), over a stream leaving out
+        ``excluded``; the states it continued (``position.prior``, as saved) are checked here."""
+        prior = None
+        if position.prior is not None:
+            prior = cls._levels(LoaderState(**check_record(position.prior)), position.prior, "prior.")
+        return cls(position, excluded_of({EXCLUDED: excluded}), prior, _quarantine(position))
+
+    @classmethod
+    def _levels(cls, position: LoaderState, record: dict[str, Any], path: str,
+                audit: AuditRecord | None = None) -> SavedState:
+        """A checked level and those below it (``check_record`` checked them all: their fields are taken as is)."""
+        prior = None
+        if position.prior is not None:
+            below = position.prior
+            prior = cls._levels(LoaderState(**{name: below[name] for name in _FIELDS}), below, path + "prior.")
+        excluded = excluded_of(record, f"loader state {path}excluded")
+        return cls(position, excluded, prior, _quarantine(position), audit, path)
+
+    def record(self) -> dict[str, Any]:
+        """This state as a continuing state saves it (its ``prior``): the fields and the rows its stream left out."""
+        record = self.position.to_dict()
+        if self.excluded is not None:
+            record[EXCLUDED] = self.excluded.tolist()
+        return record
+
+
+def _quarantine(position: LoaderState) -> dict[int, str]:
+    return {int(row): str(key) for row, key in position.quarantined or ()}
 
 
 def without(rows: np.ndarray, excluded: np.ndarray | None) -> np.ndarray:
@@ -97,52 +159,41 @@ class Continuation:
         return self.position.batches - self.position.layout_batches
 
 
-def continuation(state: dict[str, Any], current: LoaderState, source: EpochSource) -> Continuation:
-    """Check ``state`` against the loader described by ``current`` and work out how that loader continues it."""
-    saved = LoaderState.from_dict(state)
-    check_compatible(saved, current)
-    saved = replace(saved, **{f: getattr(current, f) for f in LAYOUT_FIELDS if getattr(saved, f) is None})
-    record = saved.to_dict()  # the saved layout, with the rows it left out
-    if state.get(EXCLUDED) is not None:
-        record[EXCLUDED] = state[EXCLUDED]
-    if saved.same_layout(current) and _same_rows(excluded_of(state), source.excluded):
-        position = replace(current, epoch=saved.epoch, batches=saved.batches, prior=saved.prior)
+def continuation(saved: SavedState, current: LoaderState, source: EpochSource) -> Continuation:
+    """Check ``saved`` against the loader described by ``current`` and work out how that loader continues it."""
+    position = saved.position
+    check_compatible(position, current)
+    if position.same_layout(current) and _same_rows(saved.excluded, source.excluded):
+        here = replace(current, epoch=position.epoch, batches=position.batches, prior=position.prior)
         if saved.prior is None:
-            return Continuation(position)  # the bitwise exact path: per-worker skips in the normal plan
-        return Continuation(position, without(remaining_after(source, saved.prior, "prior."), source.excluded))
-    position = replace(current, epoch=saved.epoch, batches=saved.batches, prior=record)
-    if saved.batches == 0 and saved.prior is None:
-        return Continuation(replace(position, prior=None))  # nothing consumed: the new layout's whole epoch
-    return Continuation(position, without(remaining_after(source, record), source.excluded))
+            return Continuation(here)  # the bitwise exact path: per-worker skips in the normal plan
+        return Continuation(here, without(remaining_after(source, saved.prior), source.excluded))
+    here = replace(current, epoch=position.epoch, batches=position.batches, prior=saved.record())
+    if position.batches == 0 and position.prior is None:
+        return Continuation(replace(here, prior=None))  # nothing consumed: the new layout's whole epoch
+    return Continuation(here, without(remaining_after(source, saved), source.excluded))
 
 
-def remaining_after(source: EpochSource, state: LoaderState | dict[str, Any], path: str = "") -> np.ndarray:
-    """Global indices of the samples of saved ``state``'s epoch that no rank had yielded (nor its layouts left
-    out), in the epoch's order; ``state`` as saved (a dict, with the rows it left out: checked, ``path`` naming
-    where it sits in the state being loaded) or a ``LoaderState``."""
-    if isinstance(state, LoaderState):
-        gone, rows = _replay(source, state, None, path)
-    else:
-        gone, rows = _replay(source, LoaderState.from_dict(state), excluded_of(state, f"loader state {path}excluded"),
-                             path)
+def remaining_after(source: EpochSource, saved: SavedState) -> np.ndarray:
+    """Global indices of the samples of ``saved``'s epoch that no rank had yielded (nor its layouts left out), in
+    the epoch's order."""
+    gone, rows = _replay(source, saved)
     return rows[~gone]
 
 
-def _replay(source: EpochSource, state: LoaderState, excluded: np.ndarray | None,
-            path: str) -> tuple[np.ndarray, np.ndarray]:
-    """(a mask over the epoch's stream positions yielded or left out up to saved ``state``, the epoch's rows in
-    stream order), following ``prior`` links (``LoaderState.from_dict`` bounds their depth). Positions, not rows:
+def _replay(source: EpochSource, saved: SavedState) -> tuple[np.ndarray, np.ndarray]:
+    """(a mask over the epoch's stream positions yielded or left out up to ``saved``, the epoch's rows in stream
+    order), following its ``prior`` levels (at most ``MAX_PRIOR_DEPTH``, checked at the door). Positions, not rows:
     a mixture may read a row twice in one epoch, once per pass. A batch count beyond what the saved layout's epoch
     had is refused, naming the field: clamped, it would resume from a position no run was at."""
-    if state.prior is None:
-        rows = replace(source, excluded=excluded).epoch_stream(state.epoch, state.world_size, state.node_count)
+    state, path = saved.position, saved.path
+    if saved.prior is None:
+        rows = replace(source, excluded=saved.excluded).epoch_stream(state.epoch, state.world_size, state.node_count)
         consumed = np.zeros(len(rows), dtype=bool)
     else:
-        prior = path + "prior."
-        consumed, rows = _replay(source, LoaderState.from_dict(state.prior),
-                                 excluded_of(state.prior, f"loader state {prior}excluded"), prior)
-        if excluded is not None:
-            consumed |= np.isin(rows, excluded)
+        consumed, rows = _replay(source, saved.prior)
+        if saved.excluded is not None:
+            consumed |= np.isin(rows, saved.excluded)
     stream = np.flatnonzero(~consumed).astype(np.int64)
     layout = Layout.of(state)
     per_rank = epoch_sizes(len(stream), state.world_size, source.drop_last).per_rank

@@ -21,35 +21,39 @@ from typing import Any, Sequence
 import numpy as np
 
 from shards.errors import InputError
-from shards.position.elastic import EXCLUDED, excluded_of, remaining_after, without
+from shards.position.elastic import SavedState, remaining_after, without
 from shards.order.order import EpochSource, Layout, worker_order
 from shards.order.plan import ShardSlice, epoch_sizes, round_robin_consumed, shard_offsets
 from shards.position.resume import LoaderState, worker_batches
 
 
-def state_chain(position: LoaderState, excluded: np.ndarray | None = None) -> list[dict[str, Any]]:
-    """The layouts an epoch went through, oldest first, as saved-state records (each with the rows its stream
-    left out, ``elastic.EXCLUDED``): ``position`` (leaving out ``excluded``) and the states it continued."""
-    chain = [{**position.to_dict(), EXCLUDED: excluded}]
-    while chain[-1]["prior"] is not None:
-        chain.append(chain[-1]["prior"])
+def state_chain(saved: SavedState) -> list[SavedState]:
+    """The layouts an epoch went through, oldest first, each with the rows its stream left out: ``saved`` and the
+    states it continued."""
+    chain = [saved]
+    while chain[-1].prior is not None:
+        chain.append(chain[-1].prior)
     return chain[::-1]
 
 
-def batch_rows(source: EpochSource, position: LoaderState, rank: int, batch: int) -> np.ndarray:
+def batch_rows(source: EpochSource, position: LoaderState | SavedState, rank: int, batch: int) -> np.ndarray:
     """Global rows of batch ``batch`` (from 0, counted over the whole epoch) of ``rank`` in ``position``'s epoch,
     in the order the batch holds them. ``position`` is the state of the layout in force, over ``source`` (its
-    ``prior`` chain: the layouts that fed the epoch's earlier batches); its own ``batches`` do not matter."""
-    chain = state_chain(position, source.excluded)
+    ``prior`` chain: the layouts that fed the epoch's earlier batches); its own ``batches`` do not matter. A
+    loaded state comes parsed (``SavedState``, its excluded rows ``source``'s); a loader's own position is a
+    ``LoaderState``."""
+    if isinstance(position, SavedState):
+        chain = state_chain(position)
+    else:
+        chain = state_chain(SavedState.of(position, source.excluded))
     stream = None  # the epoch's own stream for the first layout; the rows left after it for each later one
-    for index, record in enumerate(chain):
-        state = LoaderState.from_dict(record)
-        start = chain[index - 1]["batches"] if index else 0
+    for index, saved in enumerate(chain):
+        state = saved.position
+        start = chain[index - 1].position.batches if index else 0
         if index == len(chain) - 1 or batch < state.batches:
-            excluded = excluded_of(record)
-            stream = None if stream is None else without(stream, excluded)
-            return _layout_batch(replace(source, excluded=excluded), state, stream, rank, batch - start)
-        stream = remaining_after(source, record)
+            stream = None if stream is None else without(stream, saved.excluded)
+            return _layout_batch(replace(source, excluded=saved.excluded), state, stream, rank, batch - start)
+        stream = remaining_after(source, saved)
     raise AssertionError("unreachable: the last layout takes every later batch")
 
 
@@ -76,7 +80,7 @@ def row_samples(dataset: Any, rows: Sequence[int], stand_ins: Sequence[int] = ()
     ``stand_ins`` (quarantined: a stand-in was fed in its place) also carries ``"stand_in": True``. Each shard
     touched is read once over the span of its wanted rows; nothing is decoded."""
     rows = np.asarray(rows, dtype=np.int64)
-    offsets = shard_offsets(dataset.split_info.shard_sizes)
+    offsets = shard_offsets(dataset.shard_sizes)
     shards = np.searchsorted(offsets, rows, side="right") - 1
     keys: dict[int, str] = {}
     for shard in np.unique(shards).tolist():

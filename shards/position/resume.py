@@ -1,21 +1,20 @@
 """Resume state, in one place: what a loader saves (versioned layouts), how a saved state is checked against the
-loader that continues it, and how the main process tells DataLoader workers where an interrupted epoch stopped.
+loader that continues it, and how a batch count becomes where each DataLoader worker's stream stopped.
 
 Two layouts share one versioned record, ``LoaderState``, told apart by ``kind``: ``"stream"`` (a loader whose
 samples flow through a DataLoader, ``shards.loader.worker_processes``, and a ``ShardDataset`` iterated on its own: a
 batch count becomes per-worker skips) and ``"feature_batches"`` (the in-process run of a feature table,
-``shards.loader.in_process``: batches over a full permutation, so a batch count is the position). Every rank of a run consumes the same number of batches, so the state does not
-depend on the rank: rank 0's state continues every rank.
+``shards.loader.in_process``: batches over a full permutation, so a batch count is the position). Every rank of a
+run consumes the same number of batches, so the state does not depend on the rank: rank 0's state continues every
+rank.
 
 A state continues its epoch bitwise exactly in the layout that saved it (world size, node count, workers, batch size,
 ``drop_last``); in another layout ``shards.position.elastic`` replays the saved one to find the samples left. A
 state saved during such a continued epoch carries the state it continued (``prior``), so the chain replays again.
 
-A DataLoader copies the dataset into each worker (fork or spawn) and keeps the copies alive with
-``persistent_workers``; an epoch stored as a plain attribute would be lost there (webdataset #172). So the epoch
-(``SharedEpochState``, the dataset's: ``set_epoch``, and the skipped count workers write back), the resume of
-one iteration (``SharedResume``) and the quarantined rows (``SharedQuarantine``), both the loader's cursor's, are
-blocks of shared integers that every worker reads when it starts an epoch.
+How the main process hands the ``Resume`` a batch count becomes, the epoch and the quarantine to DataLoader
+workers (blocks of shared integers, since a worker's copy of the dataset would lose a plain attribute) is
+``shards.position.shared_blocks``'s.
 """
 
 from __future__ import annotations
@@ -27,104 +26,8 @@ from typing import Any
 from shards.errors import InputError
 from shards.door.shape import MAX_COUNT, as_bool, as_int, as_list, as_number, as_object, as_str
 from shards.order.plan import round_robin_consumed, worker_sample_counts
-from shards.procs.values import MAX_WORKERS, SharedValues
-
-MAX_QUARANTINED = 10_000  # a state carries them all; more means a broken node or dataset, not a few bad samples
-_EPOCH, _SKIPPED = range(2)
-_RESUME_EPOCH, _RESUME_WORKERS, _ROTATION, _REMAINDER, _SKIPS = range(5)
-NO_RESUME = -1
-
-
-@dataclass(frozen=True)
-class Resume:
-    """Where an interrupted epoch stopped: per logical worker, how many samples were consumed, and which worker's
-    batch came next (DataLoader starts its round robin at worker 0, so a resumed run rotates the workers).
-    ``remainder``: the epoch continues in another layout, over the rows its continuation has left."""
-
-    epoch: int
-    skips: tuple[int, ...]
-    rotation: int = 0
-    remainder: bool = False
-
-
-class SharedEpochState(SharedValues):
-    """The dataset's numbers its worker copies share: the epoch to stream (``set_epoch``) and the samples skipped."""
-
-    def __init__(self, epoch: int = 0):
-        super().__init__("q", 2)
-        self._array[_EPOCH] = epoch
-
-    @property
-    def epoch(self) -> int:
-        return int(self._array[_EPOCH])
-
-    @epoch.setter
-    def epoch(self, value: int) -> None:
-        if value < 0:
-            raise InputError(f"epoch must be non-negative, got {value}")
-        self._array[_EPOCH] = int(value)
-
-    def add_skipped(self, count: int = 1) -> None:
-        with self._array.get_lock():
-            self._array[_SKIPPED] += count
-
-    @property
-    def skipped(self) -> int:
-        return int(self._array[_SKIPPED])
-
-
-class SharedResume(SharedValues):
-    """The resume a loader's main process hands to its workers for one iteration (persistent ones included)."""
-
-    def __init__(self) -> None:
-        super().__init__("q", _SKIPS + MAX_WORKERS)
-        self._array[_RESUME_EPOCH] = NO_RESUME
-
-    def write(self, resume: Resume | None) -> None:
-        with self._array.get_lock():
-            if resume is None:
-                self._array[_RESUME_EPOCH] = NO_RESUME
-                return
-            if len(resume.skips) > MAX_WORKERS:
-                raise InputError(f"at most {MAX_WORKERS} DataLoader workers can be resumed")
-            self._array[_RESUME_WORKERS] = len(resume.skips)
-            self._array[_ROTATION] = resume.rotation
-            self._array[_REMAINDER] = int(resume.remainder)
-            for worker, skip in enumerate(resume.skips):
-                self._array[_SKIPS + worker] = skip
-            self._array[_RESUME_EPOCH] = resume.epoch
-
-    def read(self, epoch: int, num_workers: int) -> Resume | None:
-        with self._array.get_lock():
-            if self._array[_RESUME_EPOCH] != epoch:
-                return None
-            workers = int(self._array[_RESUME_WORKERS])
-            if workers != num_workers:
-                raise InputError(
-                    f"the saved state was taken with {workers} DataLoader worker(s) but this run has {num_workers}; "
-                    "resume with the same number of workers"
-                )
-            skips = tuple(int(self._array[_SKIPS + w]) for w in range(workers))
-            return Resume(epoch, skips, int(self._array[_ROTATION]), bool(self._array[_REMAINDER]))
-
-
-class SharedQuarantine(SharedValues):
-    """The quarantined rows a loader's workers leave out (``shards.loader.watchdog``), written by the main process's
-    cursor, read by each worker when it starts an epoch: a running persistent worker sees a quarantine that a
-    loaded state or a restart added, as it sees the epoch. Keys stay in the main process (only it records them)."""
-
-    def __init__(self) -> None:
-        super().__init__("q", 1 + MAX_QUARANTINED)
-
-    def write(self, rows: list[int]) -> None:
-        check_quarantine_size(len(rows))
-        with self._array.get_lock():
-            self._array[1:1 + len(rows)] = rows
-            self._array[0] = len(rows)
-
-    def rows(self) -> frozenset[int]:
-        with self._array.get_lock():
-            return frozenset(self._array[1:1 + int(self._array[0])])
+from shards.position.shared_blocks import MAX_QUARANTINED, Resume, check_quarantine_size
+from shards.procs.values import MAX_WORKERS
 
 
 # -- what a loader saves -------------------------------------------------------------------------------------------
@@ -234,8 +137,8 @@ def check_record(state: Any) -> dict[str, Any]:
     ``prior`` chain is walked iteratively, at most ``MAX_PRIOR_DEPTH`` deep, and each state it continued must
     belong to the same epoch, settings and kind, with no more batches. What only the loader can check (the batch
     count against the epoch's batches in the saved layout, the quarantined rows against the split) is checked
-    where the state is continued (``Cursor.load``, ``elastic.remaining_after``). The rows a stream left out
-    (``"excluded"``, beside the fields) are checked where they are read (``elastic.excluded_of``)."""
+    where the state is continued (``Cursor.load``, ``elastic.remaining_after``). The door that calls this for a
+    loaded state also checks the rows each stream left out and the audit record (``elastic.SavedState``)."""
     checked = _own_fields(state, "")
     path, level = "", checked
     for _ in range(MAX_PRIOR_DEPTH):
@@ -361,16 +264,6 @@ def quarantine_record(quarantine: dict[int, str]) -> list[list[Any]]:
     check_quarantine_size(len(quarantine))
     return [[int(row), str(key)] for row, key in sorted(quarantine.items())]
 
-
-def quarantine_of(record: list | None) -> dict[int, str]:
-    """The quarantined samples of a state's ``quarantined`` record (None: none), checked."""
-    return {row: key for row, key in _quarantined(record, "loader state quarantined") or ()}
-
-
-def check_quarantine_size(count: int) -> None:
-    if count > MAX_QUARANTINED:
-        raise InputError(f"{count} quarantined samples exceed the limit of {MAX_QUARANTINED}: workers hang or die "
-                         "on this data far too often to paper over; find the cause (the stack dumps name it)")
 
 
 def consumed_batches(batches_consumed: int | None, handed_out: int) -> int:

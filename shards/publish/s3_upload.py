@@ -27,7 +27,8 @@ staging folder exactly as they would anywhere else (resumable, locked, atomic), 
    writer that takes no lease). A reader never sees a manifest naming a missing object, and a killed run reruns
    and skips every object already complete.
 
-The S3 client, its typed errors and ``client_call`` come from ``shards.transport.s3``.
+The S3 client, its typed errors and ``client_call`` come from ``shards.transport.s3``; the listing of a prefix is
+the location layer's one retried lister (``shards.transport.listing.list_objects``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from shards.errors import CorruptDataError, InputError, MissingInputError, Outpu
 from shards.formats.columns import COLUMNS_KEY, column_file_entries
 from shards.door.locations import local_shard_path
 from shards.transport.s3 import S3Options, S3PreconditionFailed, client_call, make_client, parse_s3_url
+from shards.transport.listing import list_objects
 from shards.transport.s3_ranges import head_object, read_object
 from shards.publish.s3_lease import LEASE_NAME, Lease, hold_lease
 from shards.jobs.owned import plain_names, shown
@@ -111,20 +113,14 @@ def _key(prefix: str, name: str) -> str:
     return f"{prefix}/{name}" if prefix else name
 
 
-def list_prefix(client: Any, bucket: str, prefix: str) -> dict[str, int]:
-    """Every object under ``prefix/`` (name relative to the prefix -> size)."""
-    start = f"{prefix}/" if prefix else ""
-    url = f"s3://{bucket}/{start}"
-    objects: dict[str, int] = {}
-    token = None
-    while True:
-        kwargs = {"Bucket": bucket, "Prefix": start, **({"ContinuationToken": token} if token else {})}
-        page = client_call(url, lambda kwargs=kwargs: client.list_objects_v2(**kwargs))
-        for item in page.get("Contents", []):
-            objects[item["Key"][len(start):]] = int(item["Size"])
-        if not page.get("IsTruncated"):
-            return objects
-        token = page["NextContinuationToken"]
+def _prefix_url(bucket: str, prefix: str) -> str:
+    return f"s3://{bucket}/{prefix}/" if prefix else f"s3://{bucket}/"
+
+
+def list_prefix(url: str, options: S3Options | None = None) -> dict[str, int]:
+    """Every object under the prefix ``url`` (name relative to the prefix -> size), whatever its key: a foreign
+    object is named, never skipped (the one retried lister, ``shards.transport.listing.list_objects``)."""
+    return {name: size for name, size, _, _ in list_objects(url, options)}
 
 
 def object_state(url: str, options: S3Options | None = None) -> tuple[int, str | None] | None:
@@ -249,7 +245,7 @@ def check_prefix(client: Any, url: str, local_manifest: Mapping[str, Any], spec:
     """Refuse a prefix holding another dataset or foreign objects (unless ``overwrite``); returns the objects
     under it, when overwriting the own objects to delete (the remote manifest first), and the manifest's ETag."""
     bucket, prefix = check_out_url(url)
-    objects = list_prefix(client, bucket, prefix)
+    objects = list_prefix(_prefix_url(bucket, prefix), options)
     foreign = refuse_foreign(objects, spec, url, overwrite=overwrite)
     different, etag, named = False, None, {spec.manifest_file}
     if spec.manifest_file in objects:

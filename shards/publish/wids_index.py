@@ -19,7 +19,6 @@ not an earlier wids index, nor that one without ``overwrite``.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -27,7 +26,6 @@ from urllib.parse import urlparse, urlunparse
 
 from shards.atomic import check_local_output, write_json_atomic
 from shards.door.bounded_read import read_json_file
-from shards.door.locations import is_remote, shard_location
 from shards.errors import InputError, OutputExistsError, ShardcacheError
 from shards.manifest import DATASET_FILE, FEATURES_FILE, TOOL, DatasetManifest, ShardInfo
 from shards.transport.location import Location, locate
@@ -35,7 +33,6 @@ from shards.transport.manifest_io import load_manifest_at
 
 WIDS_KIND = "wids-shard-index-v1"
 WIDS_VERSION = 1
-_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*:")
 _LOCAL_UNSAFE = "?#;"  # urlparse would read these as query, fragment or params, not as part of the file's path
 
 
@@ -86,7 +83,7 @@ def export_wids_index(dataset: str | os.PathLike, split: str, out: str | os.Path
         raise InputError(f"split {split!r} has no shards: a wids index needs at least one", path=where)
     folder = locate(base, storage_options=storage_options)
     urls = shard_urls(folder, shards, out=out, url_base=url_base, where=where)
-    relative = not any(urlparse(url).scheme or url.startswith("/") for url in urls)
+    relative = not any(_wids_scheme(url) or url.startswith("/") for url in urls)
     index = wids_index(shards, urls, name=_dataset_name(folder.text, split), split=split, classes=manifest.classes)
     write_json_atomic(out, index)
     return WidsExport(out=os.fspath(out), split=split, shards=len(shards), samples=sum(s.samples for s in shards),
@@ -112,13 +109,13 @@ def shard_urls(folder: Location, shards: Sequence[ShardInfo], *, out: str | os.P
     index_dir = os.path.dirname(os.path.abspath(os.fspath(out)))
     urls = []
     for shard in shards:
-        if _SCHEME.match(shard.path):  # an http(s) URL the manifest named on an allowed origin: read there
+        if locate(shard.path).local_path() is None:  # an http(s) URL the manifest named on an allowed origin
             url = shard.path
         elif url_base is not None:
             url = _joined(url_base, shard.path)
         else:
             location = folder.child(shard.path, where=where)
-            if location.is_local:
+            if location.local_path() is not None:
                 location.check_image_shard(None)
                 url = _relative(os.path.relpath(os.path.abspath(location.text), index_dir))
             else:
@@ -129,16 +126,22 @@ def shard_urls(folder: Location, shards: Sequence[ShardInfo], *, out: str | os.P
 
 
 def _joined(base: str, name: str) -> str:
-    if is_remote(base):  # http(s): the name percent-quoted, as every reader of ours joins it
-        return shard_location(base, name)
-    return base.rstrip("/") + "/" + name
+    folder = locate(base)
+    if folder.local_path() is None:  # http(s): the name percent-quoted, as every reader of ours joins it
+        return folder.child(name).text
+    return base.rstrip("/") + "/" + name  # a folder wherever wids runs, maybe not here: joined, not resolved
+
+
+def _wids_scheme(url: str) -> str:
+    """The scheme wids's ``urlparse`` reads in ``url`` ("" for a path): what it will open the url with."""
+    return urlparse(url).scheme
 
 
 def _relative(path: str) -> str:
     """A relative path as a url: POSIX separators, and ``./`` where ``urlparse`` would take a leading ``x:`` for a
     scheme."""
     url = path.replace(os.sep, "/")
-    return f"./{url}" if urlparse(url).scheme else url
+    return f"./{url}" if _wids_scheme(url) else url
 
 
 def _check_url(url: str, name: str, where: str) -> None:
@@ -148,17 +151,16 @@ def _check_url(url: str, name: str, where: str) -> None:
 
     if "'" in url:
         raise refuse("contains a quote, and wids passes urls to a shell in single quotes")
-    parsed = urlparse(url)
-    if not parsed.scheme:
+    if not _wids_scheme(url):
         bad = sorted({c for c in url if c in _LOCAL_UNSAFE})
         if bad:
             raise refuse(f"contains {''.join(bad)!r}, which wids would not read as part of a file name")
-    elif urlunparse(parsed) != url:
+    elif urlunparse(urlparse(url)) != url:
         raise refuse("does not survive wids's url parsing unchanged")
 
 
 def check_url_base(url_base: str) -> None:
-    if not url_base or url_base.startswith("pipe:"):
+    if not url_base or not locate(url_base).addressable:
         raise InputError(f"--url-base {url_base!r}: give a folder or a URL prefix (wids would run a pipe: url as a "
                          "command)")
 

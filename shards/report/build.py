@@ -58,7 +58,7 @@ def folder_kind(path: str | os.PathLike) -> tuple[Path, str]:
     from shards.runrecord import is_run_folder
 
     text = str(path)
-    if not locate(text).is_local:
+    if locate(text).local_path() is None:
         raise InputError("is remote; a report reads local folders only (copy the manifests, or mount it)", path=text)
     folder = Path(path)
     if folder.is_file():
@@ -143,7 +143,7 @@ class _Builder:
         for data_path in trained_on(run.config):
             if isinstance(source, str):  # the tars of an index (shards index), read where the run read them
                 self.sources.setdefault(os.path.realpath(data_path), source)
-            if not locate(data_path).is_local:
+            if locate(data_path).local_path() is None:
                 links += note(f"Trained on {data_path}: remote, not included (a report reads local folders only).")
                 continue
             # Relative to where training ran: where write_run_report runs, and usually where one runs the CLI.

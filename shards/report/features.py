@@ -39,7 +39,7 @@ def freshness(folder: Path, manifest: FeatureManifest) -> Freshness:
     location, why_not = dataset_location(folder, manifest.dataset_dir)
     if location is None:
         return Freshness("unknown", (str(why_not),), None)
-    if not locate(location).is_local:
+    if locate(location).local_path() is None:
         why = f"the dataset is not on this machine ({location}); a report reads local folders only"
         return Freshness("unknown", (why,), None)
     location = Path(location)

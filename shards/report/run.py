@@ -23,6 +23,7 @@ from shards.errors import ManifestError
 from shards.report import svg
 from shards.report.curves import find_best_epoch
 from shards.report.forecast import forecast_part
+from shards.report.memory import memory_part, peak_flight
 from shards.report.html import (Cell, Markup, Section, count, figure, fixed, image_data_uri, join, key_value_grid,
                                 note, num_cell, number, pct, rate, seconds, size, subsection, table, tag, tiles, void)
 from shards.report.mixture import mixture_part, recorded_sources
@@ -191,15 +192,18 @@ def _epoch_table(history: Sequence[Mapping[str, float]], rows: Sequence[Mapping[
               if is_regression(history) else
               [("train top-1", "train_top1", pct), ("val top-1", "val_top1", pct),
                *([("val top-5", "val_top5", pct)] if top5 else [])])
+    flight = any("memory" in row for row in rows)  # rank 0's peak in flight, beside the data wait
     headers = ["epoch", "train loss", "val loss", *(name for name, _, _ in scores),
-               "lr", "samples/s", "data wait", "epoch time",
+               "lr", "samples/s", "data wait", *(["in flight (peak)"] if flight else []), "epoch time",
                *(["cache hits", "fetched", "fetch floor"] if cache else [])]
     body = []
-    for row in history[-MAX_EPOCH_ROWS:]:
+    for row, recorded in list(zip(history, rows))[-MAX_EPOCH_ROWS:]:
         cells = [num_cell(row["epoch"]), num_cell(row.get("train_loss"), fixed), num_cell(row.get("val_loss"), fixed)]
         cells += [num_cell(row.get(key), form) for _, key, form in scores]
         cells += [num_cell(row.get("lr"), rate), num_cell(row.get("samples_per_s")),
-                  num_cell(row.get("data_wait_share"), lambda v: pct(v, 1)), num_cell(row.get("epoch_time_s"), seconds)]
+                  num_cell(row.get("data_wait_share"), lambda v: pct(v, 1)),
+                  *([num_cell(peak_flight(recorded), size)] if flight else []),
+                  num_cell(row.get("epoch_time_s"), seconds)]
         counters = row.get("cache") if isinstance(row.get("cache"), Mapping) else {}  # ideal_bytes: what did not fit
         cells += [num_cell(row.get("cache_hit_rate"), lambda v: pct(v, 1)), num_cell(row.get("fetched_bytes"), size),
                   num_cell(counters.get("ideal_bytes"), size)] if cache else []
@@ -346,6 +350,7 @@ def run_section(run: RunFiles, anchor: str, *, classes: Sequence[str] | None = N
         if not is_regression(history):  # a regression run has no classes to break down
             parts.append(_per_class(run.rows[-1], classes))
         parts.append(stage_breakdown(run.rows))
+        parts.append(memory_part(run.rows))
         parts.append(_cache(history, run.rows))
         parts.append(forecast_part(run.rows))
     parts.append(mixture_part(run.config.get("mixture"), run.rows))

@@ -109,8 +109,9 @@ class SplitColumns:
 
     def _open(self, spec: Mapping[str, Any], dtype: np.dtype) -> np.ndarray:
         where = self.base.child(spec["path"], where=self.where, what="column file")
-        if where.is_local:
-            return map_column(where.path, spec, self.rows, dtype, str(where))
+        path = where.local_path()
+        if path is not None:
+            return map_column(path, spec, self.rows, dtype, str(where))
         if self._fetched is None:
             self._fetched = _Fetched(self._cache)
         path = self._fetched.copy(where, spec["bytes"], spec["sha256"])

@@ -18,37 +18,45 @@ from shards.errors import CorruptDataError, InputError
 from shards.order.plan import shard_offsets
 
 
-def split_labels(dataset: Any, kind: str, sources: Sequence[Any], num_classes: int) -> np.ndarray:
-    """The label of every global row of ``dataset``'s split (int32), on its classes: from the feature shards
-    (``kind == "features"``) or from the column index of whichever of ``sources`` (``LoadedSource``: its path,
-    shard locations, split and ``columns()``) holds each of the dataset's shards. A label outside the
-    ``num_classes`` classes is a ``CorruptDataError`` naming the shard."""
-    if kind == "features":  # each shard holds its labels, already mapped onto a mixture's classes
-        pieces = [np.asarray(shard.labels, dtype=np.int64)
-                  for shard in dataset.shards(range(len(dataset.locations)))]
-    else:
-        pieces = _column_labels(dataset, sources)
+def column_labels(locations: Sequence[str], label_maps: Sequence[Any] | None, sources: Sequence[Any],
+                  num_classes: int) -> np.ndarray:
+    """The label of every global row of the split whose shards are at ``locations`` (int32), on its classes
+    (``label_maps``: each shard's map onto a mixture's classes, or None), from the column index of whichever of
+    ``sources`` (``LoadedSource``: its path, shard locations, split and ``columns()``) holds each shard. A label
+    outside the ``num_classes`` classes is a ``CorruptDataError`` naming the shard."""
+    return _checked(_column_labels(locations, label_maps, sources), locations, num_classes)
+
+
+def shard_labels(dataset: Any, num_classes: int) -> np.ndarray:
+    """``column_labels`` of a feature dataset, from its shards: each holds its labels, already mapped onto a
+    mixture's classes."""
+    pieces = [np.asarray(shard.labels, dtype=np.int64) for shard in dataset.shards(range(len(dataset.locations)))]
+    return _checked(pieces, dataset.locations, num_classes)
+
+
+def _checked(pieces: list[np.ndarray], locations: Sequence[str], num_classes: int) -> np.ndarray:
     for shard, labels in enumerate(pieces):
         bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
         if len(bad):
             raise CorruptDataError(f"label {int(labels[bad[0]])} of row {int(bad[0])} is outside the {num_classes} "
-                                   "classes class weighting draws by", path=dataset.locations[shard])
+                                   "classes class weighting draws by", path=locations[shard])
     if not pieces:
         return np.zeros(0, dtype=np.int32)
     return np.concatenate(pieces).astype(np.int32)
 
 
-def _column_labels(dataset: Any, sources: Sequence[Any]) -> list[np.ndarray]:
-    """Per shard of ``dataset``, its rows' labels from the column index of the source it came from."""
+def _column_labels(locations: Sequence[str], label_maps: Sequence[Any] | None,
+                   sources: Sequence[Any]) -> list[np.ndarray]:
+    """Per shard, its rows' labels from the column index of the source it came from."""
     held: dict[str, tuple[int, int, int]] = {}  # shard location -> (source, first row, end row) in its split
     for number, source in enumerate(sources):
         starts = shard_offsets(source.split.shard_sizes)
         for shard, location in enumerate(source.locations):
             held.setdefault(location, (number, int(starts[shard]), int(starts[shard + 1])))
     opened: dict[int, np.ndarray] = {}
-    maps = dataset.label_maps or [None] * len(dataset.locations)
+    maps = label_maps or [None] * len(locations)
     pieces = []
-    for location, mapping in zip(dataset.locations, maps):
+    for location, mapping in zip(locations, maps):
         number, first, end = held[location]
         if number not in opened:
             columns = sources[number].columns()

@@ -26,7 +26,8 @@ import numpy as np
 
 from shards.errors import CorruptDataError, InputError, ManifestError
 from shards.manifest import SplitInfo
-from shards.select.mixture import KeySet, MixOptions, Mixture, SourceSpec, draws
+from shards.select.key_set import KeySet
+from shards.select.mixture import MixOptions, Mixture, SourceSpec, draws
 from shards.order.plan import ShardSlice
 from shards.select.rows import SampleColumns, column_fields, index_rows, shard_fields
 from shards.select.where import Where

@@ -8,7 +8,7 @@ results still come out in the stream's order: the plan, the error policy and the
 whichever thread decoded what. The sample the stream is waiting for is the one published to the watchdog
 (``shards.procs.worker_status``): the oldest, not the newest, is the one a stall is blamed on.
 
-Used inside a DataLoader worker process (``WorkerProcesses(n, threads=m)``: SPDL's multi-threading in
+Used inside a DataLoader worker process (``WorkerProcesses(n, decoders=m)``: SPDL's multi-threading in
 multi-processing, for decoders that hold the GIL or a training step that needs the main process's CPU) and by the
 thread run mode (``shards.loader.threads``), whose workers share one pool.
 """

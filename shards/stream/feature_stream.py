@@ -16,12 +16,15 @@ from typing import Any, Iterator, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from shards.stream.dataset import ShardDataset, StreamConfig, StreamState
+from shards.select.labels import shard_labels
+from shards.stream.dataset import Selection, ShardDataset, StreamConfig
+from shards.stream.worker_stream import StreamState
 from shards.errors import CorruptDataError, InputError
 from shards.formats.features import FeatureShard, FeatureSpec, check_feature_shard, load_checked, load_feature_shard
 from shards.transport.location import Location, locate
 from shards.manifest import SplitInfo
-from shards.order.plan import CoveringReads, ShardSlice
+from shards.order.plan import ShardSlice
+from shards.order.reads import CoveringReads
 from shards.cache.cached_shards import CachedShards
 from shards.stream.feature_store import FeatureStore
 
@@ -41,13 +44,18 @@ class FeatureShardDataset(ShardDataset):
     (``(features[D], target[, key])`` for a regression table)."""
 
     decode_timed = False  # a row is already the model input: its seconds are read, decode and transform stay 0
+    ready_rows = True  # so the in-process run mode gathers whole batches of rows (``shards.loader.in_process``)
+
+    def indexed_shards(self) -> list[bool]:
+        """No feature shard is read through a byte index: a read costs about the rows' own bytes (the forecast)."""
+        return [False] * len(self.locations)
 
     def __init__(self, split: SplitInfo, locations: Sequence[str], config: StreamConfig, *,
                  spec: FeatureSpec = FeatureSpec(None), cache: str = "auto", storage_options: Any = None,
-                 shard_cache: CachedShards | None = None):
+                 shard_cache: CachedShards | None = None, selection: Selection = Selection()):
         """``spec``: what ``features.json`` promises (dim, dtype, classes, views; ``targets``: a regression
         table); ``features_dim=None`` (a caller without the manifest) takes each file's own."""
-        super().__init__(split, locations, config, spec.num_classes, shard_cache)
+        super().__init__(split, locations, config, spec.num_classes, shard_cache, selection)
         self.task = "regression" if spec.targets else "classification"
         self.storage_options = storage_options  # for s3:// feature folders
         self.features_dim, self.dtype, self.views = spec.features_dim, spec.dtype, spec.views
@@ -58,8 +66,10 @@ class FeatureShardDataset(ShardDataset):
         total_bytes = sum(s.bytes for s in split.shards)
         self.cache = cache if cache != "auto" else ("memory" if total_bytes <= AUTO_CACHE_BYTES else "none")
         self._shards: dict[int, FeatureShard] = {}
-        self._remote_shards = any(not self._where(location).is_local for location in self.locations)
+        self._remote_shards = any(self._where(location).local_path() is None for location in self.locations)
         self._verified: set[int] = set()  # shards whose size, sha256 and content matched features.json
+        if selection.shard_labels and config.class_weights is not None:  # read once, before any epoch is ordered
+            self.row_labels = shard_labels(self, len(config.class_weights))
 
     def shard(self, index: int) -> FeatureShard:
         """A shard, mmap'ed; kept for the life of this process copy when ``cache="memory"``.
@@ -89,7 +99,7 @@ class FeatureShardDataset(ShardDataset):
         mapping = self.label_maps[index] if self.label_maps is not None else None
         if mapping is not None:  # a mixture's source: its labels onto the combined classes
             loaded = relabel_shard(loaded, mapping, location)
-        if self.cache == "memory" or not where.is_local or lease is not None:  # asked for, or read whole: held
+        if self.cache == "memory" or where.local_path() is None or lease is not None:  # asked for, or read whole: held
             self._shards[index] = loaded
         return loaded
 
@@ -104,7 +114,7 @@ class FeatureShardDataset(ShardDataset):
             loaded.append(self.shard(index))
         return loaded
 
-    def _read_ahead(self, reads: CoveringReads, i: int, stream: StreamState) -> None:
+    def read_ahead(self, reads: CoveringReads, i: int, stream: StreamState) -> None:
         """Before covering read ``i``: the whole shards of it and the next reads in flight (a DataLoader worker
         reading feature shards from a remote store)."""
         if reads.shard(i) in self._shards or (i > 0 and reads.shard(i - 1) == reads.shard(i)):

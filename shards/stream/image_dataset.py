@@ -19,8 +19,10 @@ from shards.formats.sample import RawSample, label_problem
 from shards.transport.storage import get_storage
 from shards.image.decode import ImageDecoder
 from shards.manifest import SplitInfo
-from shards.stream.dataset import ShardDataset, StreamConfig, StreamState
-from shards.order.plan import CoveringReads, ShardSlice
+from shards.stream.dataset import Selection, ShardDataset, StreamConfig
+from shards.stream.worker_stream import StreamState
+from shards.order.plan import ShardSlice
+from shards.order.reads import CoveringReads
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ def checked_labels(samples: Iterator[Any], where: str, num_classes: int, *,
         yield sample
 
 
-MERGE_GAP = 32  # unwanted rows a read may pass over (shards.order.plan.CoveringReads)
+MERGE_GAP = 32  # unwanted rows a read may pass over (shards.order.reads.CoveringReads)
 AHEAD_READS = 1024  # covering reads past the current one offered for read-ahead, at most
 
 
@@ -60,13 +62,15 @@ class ImageShardDataset(ShardDataset):
     """
 
     verify_sha256 = False
+    ready_rows = False  # samples to decode and collate: the in-process run mode decodes them one by one
 
     def __init__(self, split: SplitInfo, locations: Sequence[str], config: StreamConfig, *, storage: str,
                  decoder: Callable[[RawSample, int], Any] | None = None,
                  num_classes: int | None = None, storage_options: Any = None, url_origins: Sequence[str] = (),
                  shard_cache: CachedShards | None = None, image_cache: Any = None,
-                 shard_storages: Sequence[str] | None = None, index_roots: Sequence[str | None] | None = None):
-        super().__init__(split, locations, config, num_classes, shard_cache)
+                 shard_storages: Sequence[str] | None = None, index_roots: Sequence[str | None] | None = None,
+                 selection: Selection = Selection()):
+        super().__init__(split, locations, config, num_classes, shard_cache, selection)
         self.storage = get_storage(storage)
         # Per shard: its format (a mixture may hold packed and adopted tars) and, for a format that keeps its index
         # with the manifest (adopted tars), that manifest's folder.
@@ -102,6 +106,11 @@ class ImageShardDataset(ShardDataset):
         """Release the image cache's memory in this process now (workers let go when they exit)."""
         if self.image_cache is not None:
             self.image_cache.close()
+
+    def indexed_shards(self) -> list[bool]:
+        """Per shard, whether its format reads a slice by byte range through a byte index (tar) rather than about
+        the slice's own bytes (HDF5): how the forecast counts a read's requests (``shards.forecast.plan``)."""
+        return [bool(storage.indexed) for storage in self.storages]
 
     def merge_gap(self, shard: int) -> int | None:
         """A tar shard without its byte index is walked from its first header on every read: one read for all its
@@ -142,7 +151,7 @@ class ImageShardDataset(ShardDataset):
             self.storages[piece.shard], piece.start, piece.stop, size=info.bytes, offsets=self._index_of(piece.shard),
             sha256=info.sha256 if whole else None, resync=resync)
 
-    def _read_ahead(self, reads: CoveringReads, i: int, stream: StreamState) -> None:
+    def read_ahead(self, reads: CoveringReads, i: int, stream: StreamState) -> None:
         """Before covering read ``i`` is read: it and the reads after it in flight already, as far as the location's
         read-ahead budget allows (``Location.read_ahead``: tar slices by their byte index on ``s3://`` and ranged
         ``http(s)``), so the next reads arrive while this one is decoded. Only reads the plan makes, each once: a

@@ -23,8 +23,10 @@ from shards.errors import InputError
 # reference) yields float tensors normalised in the workers, so any model takes them: it is the library default.
 # "fast" (uint8, DCT-scaled JPEG decoding) yields uint8 tensors that the consumer normalises on its device
 # (``dataset.normalizer()``), so only a caller that does that (train-from-shards) may default to it.
-# "device" decodes and resizes batches on the model's device: only precompute-features has that path.
-DECODES = ("standard", "fast", "device")
+# "device" decodes and resizes batches on the model's device: only precompute-features has that path, and "auto"
+# (precompute-features too): the device and the workers split the decoding by measured rates, the workers alone
+# without an accelerator (``preprocess.features.decode_share``).
+DECODES = ("standard", "fast", "device", "auto")
 STREAM_DECODES = ("standard", "fast")  # what open_dataset (and so train-from-shards) can do
 DEFAULT_DECODE = "standard"
 ON_ERROR = ("raise", "skip")

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from shards.stream.dataset import ShardDataset, StreamConfig
+from shards.stream.dataset import Selection, ShardDataset, StreamConfig
 from shards.stream.image_dataset import ImageShardDataset
 from shards.select.mixture import MixOptions, SourceSpec, as_specs
 from shards.order.plan import ShardSlice
@@ -32,7 +32,7 @@ from shards.transport.manifest_io import load_manifest_at
 from shards.transport.storage import get_storage
 from shards.stream.options import Decode, Distributed, ErrorPolicy, MemoryCache, Remote, Sampling
 from shards.order.weights import class_weights_from_counts
-from shards.select.labels import split_labels
+from shards.select.labels import column_labels
 from shards.select.row_keys import KeyColumns
 from shards.image.transforms import TransformSpec, build_transform
 
@@ -136,40 +136,68 @@ def open_dataset(path: str | os.PathLike | SourceSpec | Sequence[str | os.PathLi
     # Every hop of an http(s) request for this dataset stays on a source manifest's own origin or the caller's.
     origins = request_origins([path] if specs is None else [spec.path for spec in specs], remote.url_origins)
     node_cache = _node_cache(remote, origins)
-    combined, per_shard = None, {}
+    found = _resolve(path, specs, split, config, remote, node_cache, mix, shuffle=sampling.shuffle)
+    if sampling.class_weights is not None:
+        config = dataclasses.replace(config, class_weights=_resolve_weights(sampling.class_weights,
+                                                                            found.split_info.class_counts))
+    return _build(found.manifest, found.split_info, found.locations, config, transform=transform, decode=decode,
+                  remote=remote, origins=origins, caches=_Caches.of(cache, node_cache),
+                  selection=_selection(found, config), **found.per_shard)
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    """What ``open_dataset``'s path names, before anything is built: the (possibly combined) manifest, split and
+    shard locations, the sources they came from, and a mixture's draw and label maps (None: one plain source)."""
+
+    manifest: Manifest
+    split_info: Any
+    locations: list[str]
+    per_shard: dict[str, list]
+    sources: list[LoadedSource]
+    mixture: Any = None
+    label_maps: Sequence[Any] | None = None
+
+
+def _resolve(path: Any, specs: Sequence[SourceSpec] | None, split: str, config: StreamConfig, remote: Remote,
+             node_cache: Any, mix: MixOptions, *, shuffle: bool) -> _Resolved:
+    """One folder as it is (``specs`` None), or several sources (or a subset) combined into one split."""
     if specs is None:
         manifest, base = load_manifest_at(path, remote.url_origins, remote.storage_options)
         split_info = manifest.split(split)
         root = remote.base_url if remote.base_url is not None else base
         locations = [shard_location(root, s.path) for s in split_info.shards]
-        per_shard = {"index_roots": [base] * len(locations)}
-    else:
-        # Parts of one folder mixed (two subsets of one dataset) parse its manifest once: 0.3 s at 1.28M samples.
-        manifests: dict[str, Any] = {}
+        source = _load_source(SourceSpec(path), split, remote, config, node_cache, lambda _: (manifest, base))
+        return _Resolved(manifest, split_info, locations, {"index_roots": [base] * len(locations)}, [source])
+    # Parts of one folder mixed (two subsets of one dataset) parse its manifest once: 0.3 s at 1.28M samples.
+    manifests: dict[str, Any] = {}
 
-        def manifest_of(where: Any) -> Any:
-            key = os.fspath(where)
-            if key not in manifests:
-                manifests[key] = load_manifest_at(where, remote.url_origins, remote.storage_options)
-            return manifests[key]
+    def manifest_of(where: Any) -> Any:
+        key = os.fspath(where)
+        if key not in manifests:
+            manifests[key] = load_manifest_at(where, remote.url_origins, remote.storage_options)
+        return manifests[key]
 
-        sources = [_load_source(spec, split, remote, config, node_cache, manifest_of) for spec in specs]
-        combined = combine(sources, split, mix, seed=seed, shuffle=sampling.shuffle)
-        per_shard = _per_shard(sources, combined.mixture.runs, manifest_of)
-        manifest, split_info, locations = combined.manifest, combined.split, combined.locations
-    if sampling.class_weights is not None:
-        config = dataclasses.replace(config, class_weights=_resolve_weights(sampling.class_weights,
-                                                                            split_info.class_counts))
-    dataset = _build(manifest, split_info, locations, config, transform=transform, decode=decode, remote=remote,
-                     origins=origins, caches=_Caches.of(cache, node_cache), **per_shard)
-    if combined is not None:
-        dataset.use_mixture(combined.mixture, combined.label_maps)
-    label_sources = sources if specs is not None else \
-        [_load_source(SourceSpec(path), split, remote, config, node_cache, lambda _: (manifest, base))]
-    if config.class_weights is not None:  # the labels the order's class weighting draws by, read once here
-        dataset.row_labels = split_labels(dataset, manifest.kind, label_sources, len(config.class_weights))
-    dataset.key_columns = KeyColumns(dataset.locations, label_sources)  # opened when the resume audit asks
-    return dataset
+    sources = [_load_source(spec, split, remote, config, node_cache, manifest_of) for spec in specs]
+    combined = combine(sources, split, mix, seed=config.seed, shuffle=shuffle)
+    return _Resolved(combined.manifest, combined.split, combined.locations,
+                     _per_shard(sources, combined.mixture.runs, manifest_of), sources, combined.mixture,
+                     combined.label_maps)
+
+
+def _selection(found: _Resolved, config: StreamConfig) -> Selection:
+    """What of the split the dataset streams, whole before it is built: the labels the order's class weighting
+    draws by are read once here (a feature folder's from its shards, as the dataset is built); the key columns of
+    the resume audit are opened when it asks."""
+    label_maps = found.label_maps
+    row_labels, from_shards = None, False
+    if config.class_weights is not None:
+        from_shards = isinstance(found.manifest, FeatureManifest)
+        if not from_shards:
+            maps = None if label_maps is None or all(m is None for m in label_maps) else list(label_maps)
+            row_labels = column_labels(found.locations, maps, found.sources, len(config.class_weights))
+    return Selection(tuple(found.manifest.classes), found.mixture, None if label_maps is None else tuple(label_maps),
+                     row_labels, from_shards, KeyColumns(list(found.locations), found.sources))
 
 
 def _load_source(spec: SourceSpec, split: str, remote: Remote, config: StreamConfig, shard_cache: Any,
@@ -183,7 +211,7 @@ def _load_source(spec: SourceSpec, split: str, remote: Remote, config: StreamCon
     # What shardcache wrote (columns, source index) is beside the shards, or, for tars adopted in place
     # (``shards index``), beside the manifest: the tars' folder is not ours.
     own = base if _adopted(manifest) else root
-    folder = str(own) if locate(own).is_local else None  # the source index is read from local folders only
+    folder = str(own) if locate(own).local_path() is not None else None  # the source index: local folders only
     plain = dataclasses.replace(config, shuffle=False, class_weights=None, return_keys=False, rank=0, world_size=1,
                                 nodes=1, rotate_every=0)
     readers: list[ShardDataset] = []
@@ -242,17 +270,19 @@ def _per_shard(sources: Sequence[LoadedSource], runs: Sequence[Sequence[Any]],
 
 def _build(manifest: Manifest, split_info: Any, locations: list[str], config: StreamConfig, *, transform: Any,
            decode: Decode, remote: Remote, origins: Sequence[str], caches: _Caches,
-           shard_storages: Sequence[str] | None = None, index_roots: Sequence[Any] | None = None) -> ShardDataset:
-    """The streaming dataset of one (possibly combined) split, with the manifest's class names; ``origins``: where
-    its http(s) reads may be redirected (``request_origins``)."""
-    dataset = _dataset(manifest, split_info, locations, config, transform=transform, decode=decode, remote=remote,
-                       origins=origins, caches=caches, shard_storages=shard_storages, index_roots=index_roots)
-    dataset.classes = list(manifest.classes)
-    return dataset
+           selection: Selection | None = None, shard_storages: Sequence[str] | None = None,
+           index_roots: Sequence[Any] | None = None) -> ShardDataset:
+    """The streaming dataset of one (possibly combined) split, built once and whole: ``selection`` (None: the
+    split's own rows, with the manifest's class names); ``origins``: where its http(s) reads may be redirected
+    (``request_origins``)."""
+    selection = selection if selection is not None else Selection(tuple(manifest.classes))
+    return _dataset(manifest, split_info, locations, config, transform=transform, decode=decode, remote=remote,
+                    origins=origins, caches=caches, selection=selection, shard_storages=shard_storages,
+                    index_roots=index_roots)
 
 
 def _dataset(manifest: Manifest, split_info: Any, locations: list[str], config: StreamConfig, *, transform: Any,
-             decode: Decode, remote: Remote, origins: Sequence[str], caches: _Caches,
+             decode: Decode, remote: Remote, origins: Sequence[str], caches: _Caches, selection: Selection,
              shard_storages: Sequence[str] | None = None, index_roots: Sequence[Any] | None = None) -> ShardDataset:
     split, shard_cache = config.split, caches.shards
     if isinstance(manifest, FeatureManifest):
@@ -262,7 +292,8 @@ def _dataset(manifest: Manifest, split_info: Any, locations: list[str], config: 
                              "feature shards")
         # A regression table has no classes (None: no label range to check) and yields its float targets.
         return FeatureShardDataset(split_info, locations, config, spec=FeatureSpec.of(manifest), cache=caches.mode,
-                                   storage_options=remote.storage_options, shard_cache=shard_cache)
+                                   storage_options=remote.storage_options, shard_cache=shard_cache,
+                                   selection=selection)
     if config.feature_window:
         raise InputError("Sampling.feature_window orders feature shards (the in-process feature loader); image "
                          "shards are mixed by shuffle_buffer")
@@ -280,7 +311,7 @@ def _dataset(manifest: Manifest, split_info: Any, locations: list[str], config: 
                              num_classes=len(manifest.classes), storage_options=remote.storage_options,
                              url_origins=origins, shard_cache=shard_cache,
                              image_cache=images.open(decoder, split_info.samples, split),
-                             shard_storages=shard_storages, index_roots=index_roots)
+                             shard_storages=shard_storages, index_roots=index_roots, selection=selection)
 
 
 def _node_cache(remote: Remote, origins: Sequence[str] = ()):

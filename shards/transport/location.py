@@ -12,10 +12,12 @@ location. ``locate`` is the one place that looks at the scheme; it returns one o
 - ``PipeCommand``: ``pipe:CMD``, a command the caller gave whose stdout is the shard (never from a manifest).
 
 Each knows how to read a slice of an image shard (``read_slice``, with resync, the byte index and the sha256
-check where the kind allows them), fetch a whole object checked against its size and sha256 (``fetch_checked``),
-read a small file whole with the bounded-read rules (``read_capped``, ``read_json``), join a name under it
-(``child``: a name a manifest gives, confined; ``file``: one of our own fixed names) and whether it is a local
-path (``is_local``, ``path``) for the few places that need one (mmap, the confinement of local sidecars).
+check where the kind allows them), fetch a whole object checked against its size and sha256 (``fetch_checked``,
+with the other whole-object reads in ``shards.transport.whole_reads``), list the files a folder, prefix or brace
+pattern names (``list``, one rule for every kind: ``shards.transport.listing``), join a name under it (``child``: a
+name a manifest gives, confined; ``file``: one of our own fixed names), and says what it can do, for callers to ask
+instead of its kind: ``local_path()`` (the path on this machine, for mmap, resolving and comparing folders; None
+elsewhere), ``can_list``, ``addressable``, ``publishable``, ``reads_ahead``.
 
 How remote kinds are reached comes only from the caller, never from a manifest: ``storage_options`` (an
 ``S3Options`` or a mapping of its fields) for ``s3://``, and for ``http(s)`` how slow a server may be
@@ -26,28 +28,25 @@ workers.
 
 from __future__ import annotations
 
-import hashlib
-import io
 import itertools
 import os
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, ContextManager, Iterable, Iterator
 
-from shards.door.bounded_read import (JSONError, not_regular_reason, open_regular_file, parse_json, read_capped,
-                                 read_regular_file)
-from shards.errors import ChecksumError, CorruptDataError, InputError, ManifestError, MissingInputError
+from shards.door.bounded_read import not_regular_reason, open_regular_file, read_regular_file
+from shards.errors import CorruptDataError, InputError, ManifestError, MissingInputError
 from shards.errors import redact
 from shards.door.locations import shard_location
+from shards.transport import listing
+from shards.transport.whole_reads import WholeReads
 
-CHUNK = 8 << 20  # bytes per read when a whole object streams through (fetching, copying)
 
-
-class Location:
+class Location(WholeReads):
     """Where bytes are (``text``), with the caller's means of reaching them. Subclasses say how each is read."""
 
-    is_local = False  # a path on this machine (``path``)
+    can_list = False  # ``list`` can walk a folder or prefix of this kind (else only spelled names are listed)
+    lister: Any = None  # how ``list`` lists this kind (``shards.transport.listing``); None: it cannot
     addressable = True  # the same bytes can be fetched again by name, so a node-local copy can stand for them
     uses_storage_options = False  # reached with the caller's S3 options
     publishable = False  # a writer may publish a finished output here (staged locally, then uploaded)
@@ -71,7 +70,8 @@ class Location:
         return hash((type(self).__name__, self.text))
 
     # -- names ----------------------------------------------------------------------------------------------------
-    def _at(self, text: str) -> Location:
+    def at(self, text: str) -> Location:
+        """The location ``text`` names, reached as this one is (its storage options and origins)."""
         return locate(text, storage_options=self.storage_options, origins=self.origins)
 
     @property
@@ -79,24 +79,37 @@ class Location:
         """The local path; only a ``LocalFile`` has one."""
         raise InputError("is not a path on this machine", path=self.text)
 
+    def local_path(self) -> Path | None:
+        """The path on this machine where these bytes lie (to map, to resolve, to compare folders), else None: they
+        come over a connection or from a command."""
+        return None
+
     def child(self, name: str, *, where: str | None = None, what: str = "shard") -> Location:
         """Where a file a manifest names (a shard, a sidecar, the source index: ``what``) is under this folder or
         prefix: checked and confined (``shards.door.locations.shard_location``); ``where`` names the manifest."""
-        return self._at(shard_location(self.text, name, where=where, what=what))
+        return self.at(shard_location(self.text, name, where=where, what=what))
 
     def file(self, name: str) -> Location:
         """This folder's own file ``name`` (``dataset.json``, ``features.json``): a fixed name of ours, not one a
         manifest chose, so it needs no confinement."""
-        return self._at(self.text.rstrip("/") + "/" + name)
+        return self.at(self.text.rstrip("/") + "/" + name)
 
     @property
     def parent(self) -> Location:
-        return self._at(self.text.rstrip("/").rsplit("/", 1)[0])
+        return self.at(self.text.rstrip("/").rsplit("/", 1)[0])
 
     def record(self) -> str:
         """How a configuration records this location (a local path made absolute, a URL as it is but for its
         credentials, which a record never holds)."""
         return redact(self.text)
+
+    def list(self, pattern: str = "*") -> listing.Listing:
+        """The files this folder, prefix or brace pattern names, as a ``shards.transport.listing.Listing`` (one rule
+        for every kind, that module's): a folder's files whose relative names match the glob ``pattern``, or the
+        files spelled out, each with its size and version; the names refused unread, with the reason."""
+        if self.lister is None:
+            raise InputError(listing.NOT_LISTABLE, path=self.text)
+        return self.lister(self, pattern)
 
     # -- checks before reading ------------------------------------------------------------------------------------
     def check_image_shard(self, storage: Any) -> None:
@@ -136,84 +149,31 @@ class Location:
         later); True when started, or nothing to do."""
         return True
 
-    def fetch_checked(self, size: int, sha256: str | None) -> bytes:
-        """The whole object in one streaming read, its size and sha256 checked against the manifest on the way
-        (reading stops once it is longer than ``size``); a mismatch is a ``ChecksumError`` naming it."""
-        parts: list[bytes] = []
-        self._read_checked(size, sha256, parts.append)
-        return b"".join(parts)
-
-    def check(self, size: int, sha256: str | None) -> None:
-        """``fetch_checked`` without keeping the bytes: memory stays one chunk whatever the object's size."""
-        self._read_checked(size, sha256, None)
-
     def open_sized(self, size: int) -> ContextManager[BinaryIO]:
         """The whole object, which the manifest says is ``size`` bytes (the checks are the caller's; a kind that
         reads by range may fetch every part at once, and stop at ``size``)."""
         return self.open()
 
-    def _read_checked(self, size: int, sha256: str | None, keep: Any) -> None:
-        digest, total = hashlib.sha256(), 0
-        with self.open_sized(size) as stream:
-            while total <= size and (data := stream.read(CHUNK)):
-                digest.update(data)
-                if keep is not None:
-                    keep(data)
-                total += len(data)
-        if total != size:
-            raise ChecksumError(f"{'more than ' if total > size else ''}{total} bytes, the manifest records {size} "
-                                "(truncated or replaced)", path=self.text)
-        if sha256 is not None and digest.hexdigest() != sha256:
-            raise ChecksumError("sha256 does not match the manifest (corrupt or replaced)", path=self.text)
-
-    @contextmanager
-    def local_copy(self, limit: int | None = None) -> Iterator[Path]:
-        """A file on this machine holding these bytes, unchecked (the caller checks them): a local file itself,
-        else a temporary copy under the same file name (so messages still name the shard), made in one streaming
-        read of at most ``limit`` bytes and removed afterwards."""
-        with tempfile.TemporaryDirectory(prefix="shardcache-copy-") as folder:
-            path = Path(folder) / (self.text.rstrip("/").rsplit("/", 1)[-1] or "object")
-            with self.open() as stream, open(path, "wb") as out:
-                copied = 0
-                while (limit is None or copied < limit) and (data := stream.read(
-                        CHUNK if limit is None else min(CHUNK, limit - copied))):
-                    out.write(data)
-                    copied += len(data)
-            yield path
-
-    def read_capped(self) -> bytes:
-        """A small file's bytes whole (a manifest): at most ``shards.door.bounded_read.MAX_FILE_BYTES``, else a
-        ``ManifestError`` naming it."""
-        with self.open() as stream:
-            return read_capped(stream, self.text)
-
-    def read_json(self) -> Any:
-        """The JSON value of a small file (``read_capped``, then ``json_of``)."""
-        return self.json_of(self.read_capped())
-
-    def json_of(self, payload: bytes) -> Any:
-        """``payload`` (this file's bytes) parsed, at most 64 levels deep; ``ManifestError`` naming it if not."""
-        try:
-            return parse_json(payload)
-        except JSONError as exc:
-            raise ManifestError(str(exc), path=self.text) from None
-
 
 class LocalFile(Location):
     """A file or folder on this machine."""
 
-    is_local = True
+    can_list = True
+    lister = staticmethod(listing.list_local)
 
     @property
     def path(self) -> Path:
         return Path(self.text)
 
+    def local_path(self) -> Path | None:
+        return Path(self.text)
+
     def file(self, name: str) -> Location:
-        return self._at(str(Path(self.text) / name))
+        return self.at(str(Path(self.text) / name))
 
     @property
     def parent(self) -> Location:
-        return self._at(str(Path(self.text).parent))
+        return self.at(str(Path(self.text).parent))
 
     def record(self) -> str:
         return os.path.abspath(self.text)
@@ -269,6 +229,8 @@ class S3Object(Location):
     uses_storage_options = True
     publishable = True
     reads_ahead = True
+    can_list = True
+    lister = staticmethod(listing.list_s3)  # one retried listing of the prefix (``listing.list_objects``)
 
     def options(self) -> Any:
         from shards.transport.s3 import S3Options
@@ -313,31 +275,16 @@ class S3Object(Location):
     def read_ahead(self, storage: Any, start: int, stop: int, *, offsets: Any = None) -> bool:
         """A tar slice by its byte index: those bytes in flight now, within ``S3Options.read_ahead_bytes``."""
         from shards.transport.s3_parallel import read_ahead
+        from shards.transport.s3shards import indexed_span
 
-        span = _indexed_span(storage, start, stop, offsets)
+        span = indexed_span(storage, start, stop, offsets)
         return span is None or read_ahead(self.text, *span, self.options())
-
 
     def read_ahead_object(self, size: int) -> bool:
         """The whole object in flight now, within ``S3Options.read_ahead_bytes``, for a later ``fetch_checked``."""
         from shards.transport.s3_parallel import read_ahead_sized
 
         return read_ahead_sized(self.text, size, self.options())
-
-
-def _indexed_span(storage: Any, start: int, stop: int, offsets: Any) -> tuple[int, int] | None:
-    """The bytes samples ``start:stop`` occupy in a shard of an indexed format, None without an index or samples."""
-    from shards.transport.s3shards import tar_slice_range
-
-    if not storage.indexed or offsets is None:
-        return None
-    if storage.load_index is not None:  # an adopted tar's rows (shards.formats.adopted)
-        from shards.formats.adopted import row_span
-
-        first, last = row_span(offsets, start, stop)
-        return (first, last) if first < last else None
-    first, last = tar_slice_range(offsets, start, stop)
-    return (first, last) if first < last else None
 
 
 class _Stream(Location):
@@ -367,6 +314,7 @@ class HttpUrl(_Stream):
     Every request is held to the storage options' ``transfer_limits`` (a server that dribbles is cut off)."""
 
     reads_ahead = True
+    lister = staticmethod(listing.list_http)  # spelled names only (HTTP has no listing), each asked for its state
 
     def limits(self) -> Any:
         from shards.transport.s3 import S3Options
@@ -386,38 +334,14 @@ class HttpUrl(_Stream):
     def read_slice(self, storage: Any, start: int, stop: int, *, size: int, offsets: Any = None,
                    sha256: str | None = None, resync: bool = False) -> Iterator[Any]:
         """A tar slice by its byte index (given only where the server answers ranges), else the stream."""
+        from shards.transport.remote import adopted_rows, ranged_tar_slice
+
         if storage.load_index is not None:
-            return self._adopted_slice(start, stop, offsets, resync)
+            return adopted_rows(self.text, start, stop, offsets, self.origins, self.limits(), resync=resync)
         if not storage.indexed or offsets is None:
             return super().read_slice(storage, start, stop, size=size, offsets=offsets, sha256=sha256,
                                       resync=resync)
-        return self._ranged_slice(start, stop, offsets, resync)
-
-    def _ranged_slice(self, start: int, stop: int, offsets: Any, resync: bool) -> Iterator[Any]:
-        from shards.transport.remote import open_parts
-        from shards.transport.s3shards import iter_tar_range, tar_slice_range
-
-        first, last = tar_slice_range(offsets, start, stop)
-        if first < last:
-            with open_parts(self.text, first, last, self.origins, self.limits()) as stream:
-                yield from iter_tar_range(stream, self.text, start, stop, offsets, resync=resync)
-
-    def _adopted_slice(self, start: int, stop: int, rows: Any, resync: bool) -> Iterator[Any]:
-        """Rows of an adopted tar (``shards.formats.adopted``): the bytes they span in ranged parts where the server
-        answers ranges, else the stream from byte 0 with the bytes before each row passed over."""
-        from shards.formats.adopted import iter_adopted_stream, row_span
-        from shards.transport.remote import accepts_ranges, open_parts
-
-        if rows is None:
-            raise CorruptDataError("an adopted tar is read by its row index, and none was loaded", path=self.text)
-        first, last = row_span(rows, start, stop)
-        if first >= last:
-            return
-        ranged = accepts_ranges(self.text, self.origins, self.limits())
-        with (open_parts(self.text, first, last, self.origins, self.limits()) if ranged else self.open_stream()) \
-                as stream:
-            yield from iter_adopted_stream(io.BufferedReader(stream, 1 << 20), self.text, rows, start, stop,
-                                           resync=resync, from_start=not ranged)
+        return ranged_tar_slice(self.text, start, stop, offsets, self.origins, self.limits(), resync=resync)
 
     def check_image_shard(self, storage: Any) -> None:
         if storage.load_index is None:  # adopted tars are read by their row index, ranged or not
@@ -425,8 +349,9 @@ class HttpUrl(_Stream):
 
     def read_ahead(self, storage: Any, start: int, stop: int, *, offsets: Any = None) -> bool:
         from shards.transport.remote import accepts_ranges, read_ahead
+        from shards.transport.s3shards import indexed_span
 
-        span = _indexed_span(storage, start, stop, offsets)
+        span = indexed_span(storage, start, stop, offsets)
         if span is not None and storage.load_index is not None \
                 and not accepts_ranges(self.text, self.origins, self.limits()):
             return True  # an adopted tar's rows on a server without ranges: read as a stream, nothing to start

@@ -35,9 +35,10 @@ def load_manifest_at(path: PathLike, url_origins: Sequence[str] = (), storage_op
     """The manifest at ``path`` and the base its shard paths are relative to (``storage_options``: how to reach
     ``s3://``; ``url_origins``: the caller's opt-in to shard URLs and redirects on those origins)."""
     where = locate(path, storage_options=storage_options)
-    if where.is_local:  # a folder or a manifest file on this machine: shards.manifest says which it holds
-        manifest = load_manifest(where.path, url_origins=url_origins)
-        return manifest, str(where.path.parent if where.path.is_file() else where.path)
+    folder = where.local_path()
+    if folder is not None:  # a folder or a manifest file on this machine: shards.manifest says which it holds
+        manifest = load_manifest(folder, url_origins=url_origins)
+        return manifest, str(folder.parent if folder.is_file() else folder)
     origins = request_origins([where.text], url_origins)
     where = locate(where.text, storage_options=where.storage_options, origins=origins)
     files = [where] if where.text.endswith(".json") else [where.file(name) for name in (DATASET_FILE, FEATURES_FILE)]

@@ -309,3 +309,33 @@ def read_ahead(location: str, start: int, stop: int, origins: Iterable[str] = ()
     budget (``DEFAULT_READ_AHEAD_BYTES``) has no room."""
     return parallel_parts.read_ahead(_fetcher(location, origins, limits), location, start, stop,
                                      DEFAULT_CONCURRENCY, DEFAULT_READ_AHEAD_BYTES)
+
+
+def ranged_tar_slice(url: str, start: int, stop: int, offsets: Any, origins: Iterable[str], limits: Any, *,
+                     resync: bool = False) -> Iterator[Any]:
+    """Samples ``start:stop`` of the tar at ``url`` by its byte index ``offsets``, in ranged parts (a server that
+    answers ranges)."""
+    from shards.transport.s3shards import iter_tar_range, tar_slice_range
+
+    first, last = tar_slice_range(offsets, start, stop)
+    if first < last:
+        with open_parts(url, first, last, origins, limits) as stream:
+            yield from iter_tar_range(stream, url, start, stop, offsets, resync=resync)
+
+
+def adopted_rows(url: str, start: int, stop: int, rows: Any, origins: Iterable[str], limits: Any, *,
+                 resync: bool = False) -> Iterator[Any]:
+    """Rows ``start:stop`` of an adopted tar (``shards.formats.adopted``): the bytes they span in ranged parts where
+    the server answers ranges, else the stream from byte 0 with the bytes before each row passed over."""
+    from shards.formats.adopted import iter_adopted_stream, row_span
+
+    if rows is None:
+        raise CorruptDataError("an adopted tar is read by its row index, and none was loaded", path=url)
+    first, last = row_span(rows, start, stop)
+    if first >= last:
+        return
+    ranged = accepts_ranges(url, origins, limits)
+    with (open_parts(url, first, last, origins, limits) if ranged else open_url(url, origins=origins, limits=limits)) \
+            as stream:
+        yield from iter_adopted_stream(io.BufferedReader(stream, 1 << 20), url, rows, start, stop, resync=resync,
+                                       from_start=not ranged)

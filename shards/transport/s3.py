@@ -14,8 +14,9 @@ SeaweedFS) and connection pooling. This module adds what a shard reader needs on
   ``final_error``: 403 (``S3AccessDenied``, an ``InputError``) and 404 (``MissingInputError``) are final at once,
   and so is 412 (``S3PreconditionFailed``: a conditional write lost). The ranged reads built on this policy
   (``open_range``, ``head_object``, ``read_object``, ``iter_chunks``) live in ``shards.transport.s3_ranges``, above
-  this module. ``client_call`` makes one unretried request (uploads, listings, the writer's lease) with the same
-  typed errors.
+  this module. ``retried_call`` makes one request under that policy (a HEAD, a page of a listing: every reader and
+  writer lists through ``shards.transport.listing``); ``client_call`` makes one unretried request (uploads, deletes,
+  the writer's lease) with the same typed errors.
 - ``FETCH_STATS``: bytes and requests of this process (``share_stats()`` makes DataLoader workers add to the same
   counters), for the benchmark and the tests.
 
@@ -31,6 +32,7 @@ import os
 import random
 import re
 import threading
+import time
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
@@ -321,7 +323,7 @@ def final_error(exc: BaseException, url: str) -> Exception | None:
 
 
 def client_call(url: str, call: Callable[[], Any]) -> Any:
-    """One S3 request, not retried (writes and listings; reads retry in ``s3_ranges``): a failure becomes the
+    """One S3 request, not retried (writes; reads and listings retry: ``retried_call``): a failure becomes the
     typed error ``final_error`` gives it, else a ``CorruptDataError`` naming the URL and the cause."""
     try:
         return call()
@@ -330,6 +332,25 @@ def client_call(url: str, call: Callable[[], Any]) -> Any:
         if final is not None:
             raise final from None
         raise CorruptDataError(f"S3 request failed: {type(exc).__name__}: {one_line(exc)}", path=url) from None
+
+
+def retried_call(url: str, options: S3Options, call: Callable[[], Any]) -> Any:
+    """One S3 request (``call``) retried under the policy above, up to ``options.max_attempts`` times: a final
+    failure raises its typed error at once, the last retryable one becomes a ``CorruptDataError`` naming ``url``."""
+    retryable = retryable_types()
+    for attempt in range(options.max_attempts):
+        try:
+            FETCH_STATS.add(requests=1)
+            return call()
+        except retryable as exc:
+            final = final_error(exc, url)
+            if final is not None:
+                raise final from None
+            if attempt + 1 >= options.max_attempts:
+                raise CorruptDataError(f"gave up after {attempt + 1} attempts; last cause: {type(exc).__name__}: "
+                                       f"{one_line(exc)}", path=url) from None
+            time.sleep(backoff_delay(attempt))
+    raise AssertionError("unreachable")
 
 
 def retryable_types() -> tuple[type[BaseException], ...]:

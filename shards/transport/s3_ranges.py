@@ -10,6 +10,7 @@ and the mid-body resume a shard reader needs.
   body is read under the options' ``transfer_limits`` (``shards.transport.parallel_parts.TransferClock``): a server
   that dribbles is cut off, finally, with a ``CorruptDataError`` naming the URL.
 - ``head_object``, ``read_object``, ``iter_chunks``: a size and metadata, a whole object, an object in pieces.
+  Listing a prefix is ``shards.transport.listing``'s.
 
 Kept apart from the client and its errors so that the byte bookkeeping of a resumed read reads on its own. The
 client, the knobs (``RANGE_CHUNK``, ``BACKOFF_BASE_S``, ``BACKOFF_CAP_S``) and ``FETCH_STATS`` are looked up on
@@ -175,55 +176,13 @@ def open_range(url: str, start: int = 0, stop: int | None = None, options: S3Opt
     return RangeReader(url, start, stop, options)
 
 
-def _with_retries(url: str, options: S3Options, call: Any) -> Any:
-    retryable = s3.retryable_types()
-    for attempt in range(options.max_attempts):
-        try:
-            s3.FETCH_STATS.add(requests=1)
-            return call()
-        except retryable as exc:
-            final = s3.final_error(exc, url)
-            if final is not None:
-                raise final from None
-            if attempt + 1 >= options.max_attempts:
-                raise CorruptDataError(f"gave up after {attempt + 1} attempts; last cause: {type(exc).__name__}: "
-                                       f"{s3.one_line(exc)}", path=url) from None
-            time.sleep(s3.backoff_delay(attempt))
-    raise AssertionError("unreachable")
-
-
 def head_object(url: str, options: S3Options | None = None) -> tuple[int, dict[str, str]]:
     """``(size, user metadata)`` of an object."""
     options = options if options is not None else S3Options()
     bucket, key = s3.parse_s3_url(url)
     client = s3.make_client(options)
-    response = _with_retries(url, options, lambda: client.head_object(Bucket=bucket, Key=key))
+    response = s3.retried_call(url, options, lambda: client.head_object(Bucket=bucket, Key=key))
     return int(response["ContentLength"]), dict(response.get("Metadata", {}))
-
-
-def list_objects(url: str, options: S3Options | None = None) -> Iterator[tuple[str, int, str, str]]:
-    """Every object under the prefix ``url`` names (``s3://bucket/prefix``: the keys under ``prefix/``), as
-    ``(key relative to the prefix, size, ETag, Last-Modified)``, a page of the listing at a time (each retried).
-    Keys come as listed (botocore asks for them url-encoded, so a control character survives the XML), unchecked:
-    a caller that names files by them skips the ones its rule refuses, one object at a time
-    (``preprocess.adopt.sources``), never the whole prefix."""
-    options = options if options is not None else S3Options()
-    bucket, prefix = s3.parse_s3_url(url)
-    start = prefix.rstrip("/") + "/" if prefix.strip("/") else ""
-    client = s3.make_client(options)
-    token = None
-    while True:
-        kwargs = {"Bucket": bucket, "Prefix": start, **({"ContinuationToken": token} if token else {})}
-        page = _with_retries(url, options, lambda kwargs=kwargs: client.list_objects_v2(**kwargs))
-        for item in page.get("Contents", []):
-            modified = item.get("LastModified")
-            yield (str(item["Key"])[len(start):], int(item["Size"]), str(item.get("ETag", "")),
-                   modified.isoformat() if hasattr(modified, "isoformat") else str(modified or ""))
-        if not page.get("IsTruncated"):
-            return
-        token = page.get("NextContinuationToken")
-        if not token:
-            raise CorruptDataError("the listing says it is truncated but gives no continuation token", path=url)
 
 
 def read_object(url: str, options: S3Options | None = None) -> bytes:

@@ -160,6 +160,19 @@ class S3File(io.RawIOBase):
         return done
 
 
+def indexed_span(storage: Any, start: int, stop: int, offsets: Any) -> tuple[int, int] | None:
+    """The bytes samples ``start:stop`` occupy in a shard of an indexed format, None without an index or samples."""
+    if not storage.indexed or offsets is None:
+        return None
+    if storage.load_index is not None:  # an adopted tar's rows (shards.formats.adopted)
+        from shards.formats.adopted import row_span
+
+        first, last = row_span(offsets, start, stop)
+        return (first, last) if first < last else None
+    first, last = tar_slice_range(offsets, start, stop)
+    return (first, last) if first < last else None
+
+
 def iter_s3_hdf5_slice(location: str, start: int, stop: int, options: S3Options, size: int, *,
                        resync: bool = False) -> Iterator[RawSample | CorruptDataError]:
     """Samples ``start:stop`` of an HDF5 shard on S3 (the local reader over an ``S3File``)."""

@@ -159,6 +159,7 @@ def test_cli_append_prints_what_it_packed_and_prune_needs_append(tmp_path):
     assert refused.exit_code == 2 and "--prune works only with --append" in refused.output
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_overwrite_removes_the_index_files_appends_wrote(tmp_path):
     cfg = _packed(tmp_path)
     out = Path(cfg.out)

@@ -80,6 +80,7 @@ def test_a_share_that_cannot_apply_is_refused(data_dir, tmp_path, changes, messa
         FeatureConfig(data_dir, tmp_path / "out", **{**SMALL, **changes})
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_the_command_line_takes_the_share(data_dir, tmp_path):
     result = CliRunner().invoke(precompute_features_command, [
         str(data_dir), "--out", str(tmp_path / "cli"), "--weights", "none", "--backbone", "resnet18", "--resize",

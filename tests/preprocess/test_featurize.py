@@ -58,7 +58,7 @@ def _reference(data_dir: Path) -> dict[str, tuple[torch.Tensor, int]]:
     return out
 
 
-@pytest.mark.parametrize("storage,fmt", [("tar", "pt"), pytest.param("hdf5", "hdf5", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("storage,fmt", [pytest.param("tar", "pt", marks=pytest.mark.slow), pytest.param("hdf5", "hdf5", marks=pytest.mark.slow)])
 def test_features_equal_direct_computation_and_align_with_shards(datasets, tmp_path, storage, fmt):
     data_dir, dataset = datasets[storage]
     manifest = precompute_features(_config(data_dir, tmp_path / "feat", storage=fmt))
@@ -79,6 +79,7 @@ def test_features_equal_direct_computation_and_align_with_shards(datasets, tmp_p
     assert verify_feature_folder(tmp_path / "feat", full=True) == []
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_float32_keeps_full_precision_and_pt_files_load_mmapped(datasets, tmp_path):
     data_dir, _ = datasets["tar"]
     manifest = precompute_features(_config(data_dir, tmp_path / "feat", dtype="float32", splits=("val",)))
@@ -110,6 +111,7 @@ def test_resume_after_a_kill_gives_the_files_of_an_uninterrupted_run(datasets, t
     assert again["shards_done"] == 0 and again["shards_skipped"] == 4
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_a_different_config_refuses_without_overwrite(datasets, tmp_path):
     data_dir, _ = datasets["tar"]
     first = precompute_features(_config(data_dir, tmp_path / "feat"))
@@ -129,6 +131,7 @@ def test_a_folder_holding_other_files_is_not_written_into(datasets, tmp_path):
         precompute_features(_config(data_dir, tmp_path / "feat"))
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_an_appended_dataset_is_stale_and_only_new_shards_are_featurised(tmp_path):
     data_dir = tmp_path / "data"
     make_shard_dataset(data_dir, shard_sizes={"train": [4, 3]})
@@ -143,6 +146,7 @@ def test_an_appended_dataset_is_stale_and_only_new_shards_are_featurised(tmp_pat
     assert verify_feature_folder(tmp_path / "feat", full=True) == []
 
 
+@pytest.mark.slow  # three featurize runs
 def test_task_array_writes_features_json_when_the_last_part_exists(datasets, tmp_path):
     data_dir, _ = datasets["hdf5"]
     first, summary = run_precompute(_config(data_dir, tmp_path / "feat", task_index=0, num_tasks=2))
@@ -158,6 +162,7 @@ def test_task_array_writes_features_json_when_the_last_part_exists(datasets, tmp
     assert _file_bytes(tmp_path / "feat") == _file_bytes(tmp_path / "single")
 
 
+@pytest.mark.slow  # two featurize runs, one with worker processes
 def test_augmented_views_are_seeded_per_key_not_per_worker(datasets, tmp_path):
     data_dir, _ = datasets["tar"]
     views = dict(views=2, augment=True, splits=("train",))
@@ -173,7 +178,7 @@ def test_augmented_views_are_seeded_per_key_not_per_worker(datasets, tmp_path):
     assert verify_feature_folder(tmp_path / "one", full=True) == []
 
 
-@pytest.mark.parametrize("decode, recorded", [("device", "decode_jpeg:cpu"),
+@pytest.mark.parametrize("decode, recorded", [pytest.param("device", "decode_jpeg:cpu", marks=pytest.mark.slow),
                                               pytest.param("fast", "fast", marks=pytest.mark.slow)])
 def test_other_decode_paths_match_the_pil_reference_closely(datasets, tmp_path, decode, recorded):
     """``--decode device`` run on the CPU (tensor resize instead of PIL's) and ``--decode fast`` (crop-then-resize)
@@ -288,6 +293,7 @@ def test_an_s3_dataset_dir_is_followed_only_from_s3_features_or_when_named(tmp_p
     assert dataset_location(tmp_path, "data") == (tmp_path / "data", None)
 
 
+@pytest.mark.slow  # two featurize runs through the CLI
 def test_features_through_the_node_cache_are_the_same_bytes(datasets, tmp_path):
     data_dir, _ = datasets["tar"]
     base = [str(data_dir), "--backbone", "resnet18", "--weights", "none", "--crop", "32", "--workers", "1", "-q"]

@@ -130,6 +130,7 @@ def test_a_missing_shard_is_refused_before_anything_is_written(tmp_path):
     assert not (tmp_path / "feat").exists()
 
 
+@pytest.mark.slow  # worker processes; test_featurize.py covers the in-process line
 def test_an_undecodable_sample_read_by_a_worker_is_one_line_naming_shard_and_key(tmp_path):
     data = tmp_path / "data"
     make_shard_dataset(data, shard_sizes=SHARDS)

@@ -8,7 +8,8 @@ import pytest
 
 import preprocess.pack.packer as pack_module
 from preprocess.pack.packer import PackConfig, pack, pack_shards
-from preprocess.pack.parts import INDEX_FILE, merge_parts
+from preprocess.pack.merge import merge_parts
+from preprocess.pack.parts import INDEX_FILE
 from shards.errors import CorruptDataError, InputError, OutputExistsError, ShardcacheError
 from shards.manifest import load_dataset_manifest
 from shards.transport.storage import STORAGES

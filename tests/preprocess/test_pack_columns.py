@@ -14,7 +14,8 @@ import pytest
 import shards.formats.column_writer as columns_module
 from preprocess.pack.append import append
 from preprocess.pack.packer import PackConfig, pack_shards
-from preprocess.pack.parts import STATE_DIR, merge_parts
+from preprocess.pack.merge import merge_parts
+from preprocess.pack.parts import STATE_DIR
 from shards.check.verify import verify_dataset
 from shards.formats.columns import COLUMNS_KEY
 from shards.select.columns import open_columns
@@ -237,7 +238,7 @@ def test_pack_to_s3_publishes_the_column_files_and_they_read_back(tmp_path, buck
 _KILLED_MERGE = """
 import os, sys, time
 import shards.formats.column_writer as columns
-from preprocess.pack.parts import merge_parts
+from preprocess.pack.merge import merge_parts
 
 real = columns._Column.write
 def write_then_wait(column, rows, metas):

@@ -100,6 +100,7 @@ def test_hub_folder_keeps_splits_class_names_and_scalar_columns(tmp_path):
     assert sorted(samples[k][2]["score"] for _, _, k in wide) == [10.0, 11.0]
 
 
+@pytest.mark.slow  # three packs, one with worker processes
 def test_same_input_and_seed_give_identical_shards_and_keys_whatever_the_workers(tmp_path):
     src = hub_folder(tmp_path / "src")
     one = pack(src, tmp_path / "one", max_samples=3, seed=5)
@@ -207,6 +208,7 @@ def test_image_options_are_refused_for_image_folders(tmp_path):
         scan_source(tmp_path / "src", fields=SourceFields(image_column="img"))
 
 
+@pytest.mark.slow  # imports the datasets library
 def test_save_to_disk_folder_with_splits_and_classlabel(tmp_path):
     datasets = pytest.importorskip("datasets")
 
@@ -255,6 +257,7 @@ def test_shuffle_keeps_row_groups_together_so_a_shard_reads_few(tmp_path):
     assert [[s.offset for s in shard.samples] for shard in other.shards] != rows
 
 
+@pytest.mark.slow  # starts a Python
 def test_without_pyarrow_a_parquet_source_is_refused_with_the_extra_named(tmp_path):
     hub_file(tmp_path / "x.parquet", 2)
     code = ("import sys; sys.modules['pyarrow'] = None\n"  # as if the parquet extra were not installed
@@ -275,6 +278,7 @@ def test_a_file_that_is_not_parquet_is_one_line_exit_2(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # starts a Python
 def test_the_scan_reads_a_row_group_at_a_time_never_the_whole_table(tmp_path):
     cells = [os.urandom(100_000) for _ in range(10)]  # 1 MB a row group, 30 MB the file (the scan decodes none)
     table = pa.table({"image": pa.array(cells * 30, pa.binary()), "label": [i % 3 for i in range(300)]})

@@ -15,7 +15,7 @@ from preprocess.pack.append import append_shards
 from preprocess.pack.cli import pack_shards_command
 from preprocess.pack.sources.members import SourceFields
 from preprocess.pack.packer import PackConfig, pack_shards
-from preprocess.pack.sources.tars import expand_braces
+from shards.transport.listing import expand_braces
 from preprocess.pack.sources.scan import scan_source
 from shards.check.verify import verify_dataset
 from shards.errors import InputError

@@ -10,7 +10,8 @@ from PIL import Image
 
 from shards.formats.sample import RawSample
 from shards.transport.storage import get_storage
-from shards.manifest import ShardInfo, SkippedFile, SourceInfo, SplitInfo, load_dataset_manifest
+from shards.manifest import ShardInfo, SplitInfo, load_dataset_manifest
+from shards.provenance import SkippedFile, SourceInfo
 from shards.report.build import build_report
 from shards.units import human_bytes
 from tests.helpers import PALETTE, make_shard_dataset

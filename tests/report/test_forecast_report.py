@@ -29,6 +29,10 @@ def test_each_epoch_shows_the_forecast_beside_the_measurement(run_copy: Path):
 
 
 def test_a_run_without_a_forecast_has_no_such_table(run_copy: Path):
+    rows = read_rows(run_copy)
+    for row in rows:  # a run whose forecast could not be made (the trained run's feature rows have one)
+        row.pop("forecast", None)
+    write_rows(run_copy, rows)
     assert "forecast vs measured" not in parse(build_report([run_copy], grid=False)).text
 
 

@@ -62,6 +62,7 @@ def test_the_mixture_is_shown_per_source_and_per_epoch(tmp_path: Path, compositi
     assert '"sources"' not in html  # shown as a section, not again as one JSON value in the config grid
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_epochs_that_drew_other_amounts_are_named(tmp_path: Path, composition: list[dict]):
     run = write_run(tmp_path / "run", {"mixture": {"class_map": "same", "epoch_size": 20, "sources": composition}},
                     [epoch_row(1, [14, 6]), epoch_row(2, [13, 7])])
@@ -75,6 +76,7 @@ def test_per_epoch_draws_alone_are_named_by_position(tmp_path: Path):
     assert page.table("epoch", "source 1", "source 2", "source 3", "total") == [["1", "5", "3", "2", "10"]]
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_a_damaged_mixture_entry_is_named_and_untrusted_text_is_escaped(tmp_path: Path, composition: list[dict]):
     hostile = dict(composition[0], path="<script>alert(1)</script>", weight="heavy", share="most", available=None)
     run = write_run(tmp_path / "run", {"mixture": {"class_map": "<b>x</b>", "sources": [hostile]}},

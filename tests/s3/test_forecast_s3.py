@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 import shards
-from shards.forecast.plan import forecast
 from shards.loader.worker_processes import WorkerProcesses
 from shards.transport import s3
+from tests.forecast_call import forecast_of
 from tests.helpers import make_shard_dataset
 from tests.s3.test_read import packed
 
@@ -61,8 +61,8 @@ def assert_within(predicted: list[dict], measured: list[dict], share: float = 0.
 @pytest.mark.parametrize("workers", [0, 2])
 def test_uncached_epochs_send_the_forecast_requests_and_bytes(bucket, tmp_path: Path, workers: int):
     url = bucket.upload(packed(tmp_path / "data"), "data")
-    result = forecast(url, epochs=2, workers=workers, batch_size=4, seed=3, read_index=True,
-                      persistent_workers=workers == 0)
+    result = forecast_of(url, epochs=2, workers=workers, batch_size=4, seed=3, read_index=True,
+                      persistent=workers == 0)
     dataset = shards.open_dataset(url, transform=lambda image: 0, seed=3)
     measured = measured_epochs(dataset, 2, 4, workers)
     predicted = predicted_epochs(result, 2, cached=False)
@@ -73,8 +73,8 @@ def test_uncached_epochs_send_the_forecast_requests_and_bytes(bucket, tmp_path: 
 def test_a_single_process_through_the_cache_hits_exactly_as_forecast(bucket, tmp_path: Path):
     url = bucket.upload(packed(tmp_path / "data"), "data")
     cache = shards.ShardCache(dir=tmp_path / "node-cache", prefetch_bytes=0)
-    result = forecast(url, epochs=3, workers=1, batch_size=4, seed=1, cache=cache, read_index=True,
-                      persistent_workers=False)
+    result = forecast_of(url, epochs=3, workers=1, batch_size=4, seed=1, cache=cache, read_index=True,
+                      persistent=False)
     dataset = shards.open_dataset(url, transform=lambda image: 0, seed=1, remote=shards.Remote(shard_cache=cache))
     measured = measured_epochs(dataset, 3, 4, workers=1)
     predicted = predicted_epochs(result, 3, cached=True)
@@ -91,8 +91,8 @@ def test_a_cache_under_its_limit_is_forecast_within_the_prefetch_race(bucket, tm
     usual outcome, is off by at most one hit an epoch, counts every lookup, and its first, cold epoch is exact."""
     url = bucket.upload(packed(tmp_path / "data"), "data")
     cache = shards.ShardCache(dir=tmp_path / "node-cache", limit=80_000, eviction=eviction, prefetch_bytes=0)
-    result = forecast(url, epochs=3, workers=1, batch_size=4, seed=1, cache=cache, read_index=True,
-                      persistent_workers=False)
+    result = forecast_of(url, epochs=3, workers=1, batch_size=4, seed=1, cache=cache, read_index=True,
+                      persistent=False)
     dataset = shards.open_dataset(url, transform=lambda image: 0, seed=1, remote=shards.Remote(shard_cache=cache))
     measured = measured_epochs(dataset, 3, 4, workers=1)
     predicted = predicted_epochs(result, 3, cached=True)
@@ -118,7 +118,7 @@ def test_reads_in_many_parts_stay_within_two_percent(bucket, tmp_path: Path, mon
     (folder / "dataset.json").write_text(json.dumps(manifest))
     url = bucket.upload(folder, "data")
     options = {"max_concurrency": 4}
-    result = forecast(url, epochs=1, world_size=2, workers=0, batch_size=8, seed=4, read_index=True,
+    result = forecast_of(url, epochs=1, world_size=2, workers=0, batch_size=8, seed=4, read_index=True,
                       storage_options=options)
     measured = []
     for rank in range(2):

@@ -24,7 +24,8 @@ import shards
 from shards.errors import CorruptDataError
 from shards.formats.sample import RawSample
 from shards.transport.storage import get_storage, shard_name
-from shards.manifest import DatasetManifest, ShardInfo, SourceInfo, SplitInfo
+from shards.manifest import DatasetManifest, ShardInfo, SplitInfo
+from shards.provenance import SourceInfo
 from tests.helpers import class_image, serve_folder
 from tests.s3.conftest import bucket, s3_env, s3_server  # noqa: F401 (the S3 fixtures)
 from tests.security.test_corrupt_shards import header_offsets, rewrite

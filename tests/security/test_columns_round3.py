@@ -76,6 +76,7 @@ for line in verify_columns(sys.argv[1], manifest):
     assert lines[1].startswith((name, str(folder))) and all(expected in line for line in lines), out
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_a_sparse_3_gib_file_in_place_of_a_column_is_refused_by_its_size(tmp_path):
     folder = pack_images(tmp_path)
     name = column_spec(folder, "label")["path"]

@@ -25,7 +25,8 @@ from click.testing import CliRunner
 from preprocess.pack.cli import pack_shards_command
 from shards.door.bounded_read import MAX_FILE_BYTES, MAX_JSON_DEPTH
 from shards.cli.main import main as shards_cli
-from shards.manifest import DatasetManifest, ShardInfo, SourceInfo, SplitInfo
+from shards.manifest import DatasetManifest, ShardInfo, SplitInfo
+from shards.provenance import SourceInfo
 from shards.formats.sample import RawSample
 from shards.transport.storage import get_storage, shard_name
 from shards.select.where import MAX_WHERE_CHARS
@@ -226,6 +227,7 @@ def test_report_refuses_a_deep_run_config_in_one_line(tmp_path: Path):
     one_line_error(result, 2, str(run / "config.json"), TOO_DEEP)
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_deep_json_over_http_is_refused(dataset: Path):
     import shards
     from shards.errors import ManifestError

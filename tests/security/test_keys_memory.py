@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from shards.errors import InputError
-from shards.select.mixture import Subset, read_keys
+from shards.select.key_set import read_keys
+from shards.select.mixture import Subset
 
 KEYS = 200_000
 # The stated bounds, in multiples of the file's bytes: what the kept keys hold after reading (their bytes padded to

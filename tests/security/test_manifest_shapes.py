@@ -492,6 +492,7 @@ def test_pack_summary_counts_the_shards_the_manifest_holds(src: Path, tmp_path: 
     assert (again["shards_written"], again["shards_reused"], again["shards"]) == (1, len(shards) - 1, len(shards))
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_features_summary_counts_the_shards_features_json_holds(dataset: Path, tmp_path: Path):
     from preprocess.features.cli import precompute_features_command
 

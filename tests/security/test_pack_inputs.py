@@ -61,6 +61,7 @@ def test_fifo_named_like_an_image_is_skipped_not_read(fifo_tree, tmp_path, optio
     assert not list(out.glob("*.tmp"))
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_fifo_under_strict_fails_before_writing(fifo_tree, tmp_path):
     out = tmp_path / "out"
     result = cli("pack-shards", fifo_tree, "--out", out, "--strict")
@@ -100,6 +101,7 @@ def test_a_file_that_cannot_be_read_in_time_is_skipped(tmp_path, monkeypatch):
     assert time.monotonic() - started < 2
 
 
+@pytest.mark.slow  # runs pack-shards in a new Python
 def test_dangling_symlink_and_symlink_loop_are_skipped_with_a_reason(tmp_path):
     src = write_image_folder(tmp_path / "src", ["cat", "dog"], 2, size=(24, 16))
     (src / "cat" / "gone.jpg").symlink_to(tmp_path / "nowhere.jpg")

@@ -88,6 +88,7 @@ def assert_one_error_line(result: subprocess.CompletedProcess, *parts: str, exit
 
 # 1. Schema metadata nested deep, or of the wrong shape.
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_huggingface_metadata_nested_100000_deep_is_one_line_exit_2(tmp_path):
     deep = b"[" * 100_000 + b"]" * 100_000
     pq.write_table(image_table().replace_schema_metadata({b"huggingface": deep}), tmp_path / "deep.parquet")
@@ -141,6 +142,7 @@ def test_save_to_disk_json_of_the_wrong_shape_is_one_error_naming_file_and_field
     assert str(caught.value).startswith(f"{root / name}: ") and message in str(caught.value), str(caught.value)
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_a_state_json_that_is_a_list_is_exit_2_through_the_cli(tmp_path):
     root = save_to_disk_folder(tmp_path / "hf", arrow_stream(image_table()), state="[1, 2, 3]")
     assert_one_error_line(pack_cli(root, tmp_path / "out"), "state.json: the file is [1, 2, 3]: expected an object")
@@ -238,6 +240,7 @@ def test_a_highly_compressed_row_group_is_refused_by_its_declared_size_before_de
     assert peak < 300 * MIB, f"peak memory {peak >> 20} MiB: the row group was decoded"
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_a_compressed_arrow_stream_is_refused_before_decompressing(tmp_path):
     zeros = pa.py_buffer(bytes(12 * 32 * MIB))
     offsets = pa.array([i * 32 * MIB for i in range(13)], pa.int32()).buffers()[1]
@@ -311,6 +314,7 @@ def test_a_column_name_that_is_not_utf8_is_one_error(tmp_path):
         scan_source(root)
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_two_columns_of_one_name_are_one_error_exit_2(tmp_path):
     table = image_table()
     table = pa.Table.from_arrays([*table.columns, table.column("label")], names=["image", "label", "label"])

@@ -20,7 +20,7 @@ import shards
 from shards.errors import CorruptDataError, InputError
 from shards.position import dcp_state
 from shards.position.dcp_state import KEY
-from shards.position.resume import MAX_QUARANTINED
+from shards.position.shared_blocks import MAX_QUARANTINED
 from shards.loader.loader import workers_mode
 from tests.helpers import make_shard_dataset
 from tests.shards.stream_helpers import write_feature_dataset
@@ -256,6 +256,7 @@ def test_a_huge_or_deep_value_is_refused_in_bounded_time_and_memory(folder, save
     refused(target(folder, saved), {**saved, "epoch": value}, "loader state epoch")
 
 
+@pytest.mark.slow  # builds a 100,000-deep chain
 def test_a_prior_chain_nested_without_end_is_refused_at_once(folder, continued):
     chain = None
     for _ in range(100_000):

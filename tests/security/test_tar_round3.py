@@ -124,6 +124,7 @@ for line in verify_dataset(sys.argv[1], quiet=True).problems:
     assert all(shard["path"] in line for line in problems), out  # the other shards verify clean
 
 
+@pytest.mark.slow  # starts a Python
 def test_a_sparse_3_gib_file_in_place_of_a_sidecar_is_refused_by_its_size(tmp_path):
     folder = pack_images(tmp_path)
     shard = json.loads((folder / "dataset.json").read_text())["splits"]["train"]["shards"][0]

@@ -109,6 +109,7 @@ def test_pack_overwrite_never_follows_names_out_of_the_folder(src, tmp_path):
     assert victim.read_bytes() == b"outside OUT" and (out / "sub" / "train-000000.tar").is_file()
 
 
+@pytest.mark.slow  # two featurize runs through the CLI
 def test_precompute_overwrite_keeps_a_users_feature_lookalikes(tmp_path):
     data = tmp_path / "data"
     make_shard_dataset(data, shard_sizes={"train": [3, 2]})

@@ -57,6 +57,7 @@ def assert_refused(returncode: int, stderr: str, out: Path) -> None:
     assert "Traceback" not in stderr
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_second_pack_into_a_locked_folder_exits_2_and_writes_nothing(src, tmp_path):
     out = tmp_path / "out"
     with output_lock(out, ".pack/lock.task-0-of-1", what="pack-shards task 0 of 1"):
@@ -201,6 +202,7 @@ def test_second_precompute_into_a_locked_folder_is_refused(image_dataset, tmp_pa
     (out / ".precompute" / "config.json").unlink()
 
 
+@pytest.mark.slow  # four featurize runs
 def test_precompute_task_array_and_overwrite_still_work(image_dataset, tmp_path):
     out = tmp_path / "feat"
     assert run_precompute(feature_config(image_dataset, out, task_index=0, num_tasks=2))[0] is None

@@ -9,7 +9,8 @@ from typing import Sequence
 import torch
 
 from shards.formats.features import FeatureShard, feature_shard_name, write_feature_shard
-from shards.manifest import DatasetManifest, FeatureManifest, ShardInfo, SourceInfo, SplitInfo
+from shards.manifest import DatasetManifest, FeatureManifest, ShardInfo, SplitInfo
+from shards.provenance import SourceInfo
 from shards.formats.sample import RawSample
 from shards.transport.storage import get_storage, shard_name
 from tests.helpers import class_image

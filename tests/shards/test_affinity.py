@@ -214,7 +214,7 @@ def resumed_run(folder, state, *, world, nodes, workers=1, **options):
 
 
 @pytest.mark.parametrize("world,nodes,workers", [
-    (2, None, 1),
+    pytest.param(2, None, 1, marks=pytest.mark.slow),  # over half a second in the quick loop
     pytest.param(3, 1, 1, marks=pytest.mark.slow),
     pytest.param(6, 2, 1, marks=pytest.mark.slow),
     pytest.param(4, None, 2, marks=pytest.mark.slow),

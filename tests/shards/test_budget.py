@@ -175,3 +175,25 @@ def test_the_smallest_budget_named_is_one_that_works_with_decode_threads(folder)
     smallest = int(str(refused.value).rsplit("(", 1)[1].split()[0])
     loader = _loader(folder, mode, smallest)
     assert _keys(loader) == _keys(_loader(folder, Threads(2), None)) and loader.run.parts.ahead == 1
+
+
+def test_the_smallest_budget_changes_no_feature_batch_or_resume_in_process(tmp_path):
+    from tests.shards.budget_helpers import smallest_budget
+    from tests.train.conftest import write_feature_folder
+
+    data = write_feature_folder(tmp_path, shard_sizes={"train": [40, 30]}, classes=("a", "b"), dim=16)
+
+    def make(memory):
+        dataset = shards.open_dataset(data, "train", seed=3, return_keys=True,
+                                      sampling=shards.Sampling(feature_window=20))
+        return shards.make_loader(dataset, 8, mode=InProcess(), memory=memory)
+
+    smallest = smallest_budget(make)
+    full = _keys(make(None))
+    assert smallest > 1 and _keys(make(smallest)) == full
+    first = make(smallest)
+    batches = iter(first)
+    head = [list(next(batches)[-1]) for _ in range(3)]
+    second = make(smallest)
+    second.load_state_dict(first.state_dict())
+    assert head + _keys(second) == full

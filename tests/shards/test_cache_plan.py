@@ -290,6 +290,7 @@ def test_a_limit_below_the_split_yields_the_same_samples_and_resumes_bitwise(dat
     assert head + [pair for batch in resumed for pair in pairs(batch)] == full
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_an_epoch_continued_with_another_worker_count_through_a_tight_cache_yields_the_rest_once(data, tmp_path):
     def loader(workers: int):
         return shards.make_loader(open_reader(data, tmp_path / "cache", half_limit(data)), batch_size=4,
@@ -306,6 +307,7 @@ def test_an_epoch_continued_with_another_worker_count_through_a_tight_cache_yiel
     assert sorted(head + rest) == sorted(batches(open_reader(data, None), 0))  # every sample once, bytes intact
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_a_subset_over_a_tight_cache_reads_what_it_reads_without_one(data, tmp_path):
     subset = SourceSpec(data, subset=Subset(classes=["a", "c"]))
     plain = open_reader(data, None, source=subset)

@@ -5,6 +5,7 @@ import json
 import os
 import socket
 
+import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -41,6 +42,7 @@ def _run_rank(rank: int, folder: str, port: int, results: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # starts two ranks and a process group
 def test_two_ranks_over_uneven_shards(tmp_path):
     folder = tmp_path / "data"
     make_shard_dataset(folder, shard_sizes={"train": [9, 1, 4, 2, 7]}, size=(16, 16))  # 23 samples, 5 shards

@@ -10,6 +10,7 @@ from shards.loader.in_process import InProcess
 from shards.loader.worker_processes import WorkerProcesses
 from shards.loader.loader import workers_mode
 from tests.helpers import make_shard_dataset
+from tests.shards.budget_helpers import smallest_budget
 from tests.shards.label_columns import add_label_columns
 from tests.shards.stream_helpers import write_feature_dataset
 
@@ -33,13 +34,15 @@ def weighted_folder(tmp_path_factory):
     return out
 
 
-def build(folder, workers, *, rank=0, world=1, batch=4, drop_last=False, run="processes", **options):
+# The elastic replay is the loader cursor's, the same in every run mode: the quick tests run threads (no process
+# starts); the slow ones below name processes, and the first parametrised test resumes across both.
+def build(folder, workers, *, rank=0, world=1, batch=4, drop_last=False, run="threads", memory=None, **options):
     dataset = shards.open_dataset(folder, return_keys=True, seed=3,
                                   decode=shards.Decode(decoder=lambda sample, seed: 0),
                                   sampling=shards.Sampling(shuffle_buffer=6), **options,
                                   distributed=shards.Distributed(rank=rank, world_size=world))
     return shards.make_loader(dataset, batch_size=batch, mode=workers_mode(workers, persistent=False, run=run)
-                              if workers else workers_mode(0), drop_last=drop_last)
+                              if workers else workers_mode(0), drop_last=drop_last, memory=memory)
 
 
 def keys(loader_or_batches):
@@ -69,6 +72,23 @@ def test_two_workers_to_another_count_yields_exactly_the_missing_keys(folder, ne
     assert len(rest) == len(set(rest)) and set(rest) == ALL_KEYS - set(head)
     assert len(resumed) == taken + len(batches)  # the epoch's batch count, those before the resume included
     assert sum(1 for batch in batches if len(batch[2]) < 4) <= 1  # whole batches: one partial at most
+
+
+@pytest.mark.parametrize("runs", [("threads", "threads"), pytest.param(("processes", "threads"),
+                                                                    marks=pytest.mark.slow)], ids="-".join)
+def test_the_smallest_memory_budget_changes_no_key_of_an_elastic_resume(folder, runs):
+    """Two workers saved, three resumed, each at the smallest budget it works in: the keys an unbudgeted loader
+    yields, in its order."""
+    def small(workers, run):
+        return smallest_budget(lambda memory: build(folder, workers, run=run, memory=memory))
+
+    head, state = interrupted(build(folder, 2, run=runs[0]), 4)
+    reference = build(folder, 3, run=runs[1])
+    reference.load_state_dict(state)
+    small_head, small_state = interrupted(build(folder, 2, run=runs[0], memory=small(2, runs[0])), 4)
+    resumed = build(folder, 3, run=runs[1], memory=small(3, runs[1]))
+    resumed.load_state_dict(small_state)
+    assert small_head == head and keys(resumed) == keys(reference)
 
 
 def test_with_drop_last_only_the_last_partial_batch_is_left_out(folder):
@@ -127,21 +147,21 @@ def test_world_size_three_to_two_with_dataset_drop_last(folder):
 
 @pytest.mark.slow
 def test_a_continued_epoch_resumes_again_in_any_layout(folder):
-    head, state = interrupted(build(folder, 2), 3)
-    second = build(folder, 3)
+    head, state = interrupted(build(folder, 2, run="processes"), 3)
+    second = build(folder, 3, run="processes")
     second.load_state_dict(state)
     full_rest = [list(batch[2]) for batch in second]
 
-    again = build(folder, 3)
+    again = build(folder, 3, run="processes")
     again.load_state_dict(state)
     middle, state2 = interrupted(again, 2)
     assert state2["prior"]["num_workers"] == 2 and state2["batches"] == 5
-    same = build(folder, 3)  # the same layout as the continued epoch: bitwise exact, same order
+    same = build(folder, 3, run="processes")  # the same layout as the continued epoch: bitwise exact, same order
     same.load_state_dict(state2)
     assert full_rest[:2] == [middle[:4], middle[4:]]
     assert [list(batch[2]) for batch in same] == full_rest[2:]
 
-    other = build(folder, 1)  # and another layout again: the two-link chain is replayed
+    other = build(folder, 1, run="processes")  # and another layout again: the two-link chain is replayed
     other.load_state_dict(state2)
     rest = keys(other)
     assert len(rest) == len(set(rest)) and set(rest) == ALL_KEYS - set(head) - set(middle)
@@ -149,12 +169,12 @@ def test_a_continued_epoch_resumes_again_in_any_layout(folder):
 
 @pytest.mark.slow
 def test_later_epochs_follow_the_new_layouts_plan(folder):
-    _, state = interrupted(build(folder, 2), 2)
-    resumed = build(folder, 3)
+    _, state = interrupted(build(folder, 2, run="processes"), 2)
+    resumed = build(folder, 3, run="processes")
     resumed.load_state_dict(state)
     list(resumed)
     resumed.set_epoch(1)
-    fresh = build(folder, 3)
+    fresh = build(folder, 3, run="processes")
     fresh.set_epoch(1)
     assert keys(resumed) == keys(fresh) and len(resumed) == len(fresh)
 

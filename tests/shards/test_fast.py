@@ -52,6 +52,15 @@ def test_draft_decodes_large_jpeg_smaller_but_not_below_target():
     assert min(array.shape[:2]) >= 256 and array.shape[1] < 1200
 
 
+@pytest.mark.parametrize("size, decoded", [((490, 402), (402, 490)), ((980, 804), (402, 490)), ((2000, 1100), (275, 500))])
+@pytest.mark.slow  # over half a second in the quick loop
+def test_dct_scaling_stops_at_halvings(size, decoded):
+    """libjpeg-turbo also scales by 3/4, 5/8, ...; on x86 those IDCTs have no SIMD (they cost more CPU than a full
+    decode) and their pixels sit 1.4-3.8 gray levels from the reference (scripts/bench/decode.py): 1/2, 1/4, 1/8
+    only, as PIL's draft."""
+    assert decode_rgb_array(jpeg_bytes(photo(*size)), min_size=256).shape[:2] == decoded
+
+
 def test_exif_rotation_and_non_jpeg_modes_are_applied():
     image = photo(400, 300)
     exif = Image.Exif()
@@ -125,6 +134,7 @@ def test_fast_pipeline_streams_uint8_matching_the_standard_pipeline(tmp_path):
     assert (normalized - reference).abs().mean().item() < 1.0 / (255 * 0.225)
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_fast_train_pipeline_replays_with_the_same_seed_and_changes_with_another(tmp_path):
     import shards
     from tests.helpers import make_shard_dataset

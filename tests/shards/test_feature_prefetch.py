@@ -96,6 +96,7 @@ def test_the_read_ahead_gathers_one_window_ahead_and_lets_go_of_past_ones():
     assert not prefetch_threads()
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_the_thread_ends_when_the_iterator_is_dropped(folder):
     iterator = iter(loader(folder, window=4, batch=2))
     next(iterator)

@@ -14,12 +14,13 @@ from click.testing import CliRunner
 import shards
 from shards.cache.node import ShardCache
 from shards.errors import InputError
-from shards.forecast.plan import Link, forecast
+from shards.forecast.plan import Link
 from shards.forecast.prices import GB, PriceTable, load_prices, prices_from
 from shards.forecast.requests import AHEAD_READS, ShardSpans, Traffic, ranged_sizes, whole_object_sizes
 from shards.manifest import load_manifest
 from shards.order.order import EpochSource, Layout, worker_order
 from shards.transport import parallel_parts
+from tests.forecast_call import forecast_of
 from tests.helpers import make_shard_dataset
 
 EXAMPLE_PRICES = Path(__file__).resolve().parents[2] / "docs" / "prices-s3-example.json"
@@ -43,7 +44,7 @@ def data(tmp_path_factory) -> Path:
 
 
 def test_every_rank_reads_its_share_of_the_one_order(data):
-    result = forecast(str(data), epochs=2, world_size=3, workers=2, batch_size=2, seed=5)
+    result = forecast_of(str(data), epochs=2, world_size=3, workers=2, batch_size=2, seed=5)
     info = load_manifest(data).splits["train"]
     source = EpochSource(tuple(info.shard_sizes), 5, True, 512, False, None)
     for epoch in range(2):
@@ -54,20 +55,20 @@ def test_every_rank_reads_its_share_of_the_one_order(data):
 
 
 def test_a_local_dataset_reads_each_slice_once_and_exact_spans_are_its_bytes(data):
-    exact = forecast(str(data), epochs=1, workers=0, batch_size=4, shuffle=False, read_index=True)
+    exact = forecast_of(str(data), epochs=1, workers=0, batch_size=4, shuffle=False, read_index=True)
     total = exact.epoch_total(0)
     info = load_manifest(data).splits["train"]
     ends = [int(np.fromfile(data / (s.path + ".idx"), dtype="<u8", offset=16)[-1]) for s in info.shards]
     assert total.reads == len(info.shards) and total.local.requests == len(info.shards)
     assert total.local.bytes == sum(ends)  # one unshuffled pass reads every sample's bytes once
     assert total.source.requests == 0  # nothing of it is object storage
-    estimate = forecast(str(data), epochs=1, workers=0, batch_size=4, shuffle=False).epoch_total(0)
+    estimate = forecast_of(str(data), epochs=1, workers=0, batch_size=4, shuffle=False).epoch_total(0)
     assert estimate.local.requests == total.local.requests
     assert abs(estimate.local.bytes - total.local.bytes) <= len(info.shards) * 5 * 1024
 
 
 def test_an_unlimited_cache_misses_each_shard_once_then_only_hits(data):
-    result = forecast(str(data), epochs=3, workers=1, batch_size=4, cache=ShardCache(local=True))
+    result = forecast_of(str(data), epochs=3, workers=1, batch_size=4, cache=ShardCache(local=True))
     first, second = result.epoch_total(0), result.epoch_total(1)
     assert first.cache["misses"] == 5 and first.cache["hits"] == 0
     assert second.cache["misses"] == 0 and second.cache["hits"] == second.reads
@@ -91,7 +92,7 @@ def run_cached(data: Path, tmp_path: Path, cache: ShardCache, epochs: int, seed:
 
 
 def predicted_counts(data: Path, cache: ShardCache, epochs: int, seed: int) -> list[dict]:
-    result = forecast(str(data), epochs=epochs, workers=0, batch_size=4, seed=seed, cache=cache)
+    result = forecast_of(str(data), epochs=epochs, workers=0, batch_size=4, seed=seed, cache=cache)
     return [{k: result.epoch_total(e).cache[k] for k in ("hits", "misses", "bypasses", "evictions")}
             for e in range(epochs)]
 
@@ -162,10 +163,10 @@ def test_spans_estimate_leaves_out_the_tar_end():
 
 
 def test_the_time_to_first_batch_counts_round_trips_and_bytes(data):
-    slow = forecast(str(data), epochs=1, workers=1, batch_size=4, link=Link(request_ms=100.0, mbps=8.0))
-    fast = forecast(str(data), epochs=1, workers=1, batch_size=4, link=Link(request_ms=1.0, mbps=8000.0))
+    slow = forecast_of(str(data), epochs=1, workers=1, batch_size=4, link=Link(request_ms=100.0, mbps=8.0))
+    fast = forecast_of(str(data), epochs=1, workers=1, batch_size=4, link=Link(request_ms=1.0, mbps=8000.0))
     assert slow.epoch_total(0).first_batch_s > fast.epoch_total(0).first_batch_s > 0
-    assert forecast(str(data), epochs=1, batch_size=4).epoch_total(0).first_batch_s is None
+    assert forecast_of(str(data), epochs=1, batch_size=4).epoch_total(0).first_batch_s is None
 
 
 def test_the_example_prices_load_and_bill_requests_and_bytes():

@@ -26,7 +26,10 @@ def keys_of(loader):
     return [k for batch in loader for k in batch[2]]
 
 
-@pytest.mark.parametrize("storage", ["tar", pytest.param("hdf5", marks=pytest.mark.slow)])
+# Four loaders, three of worker processes: the full suite runs it; the quick loop has tests/shards/test_order.py's
+# run-mode tests, which check every mode's batches against the order function.
+@pytest.mark.parametrize("storage", ["tar", "hdf5"])
+@pytest.mark.slow
 def test_any_worker_count_yields_the_same_multiset(tmp_path, storage):
     make_shard_dataset(tmp_path, shard_sizes=SIZES, storage=storage, size=(16, 16))
     results = {}
@@ -52,6 +55,7 @@ def test_len_counts_partial_batches_per_worker(tar_folder):
         assert len(list(loader)) == len(loader)
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_set_epoch_reaches_persistent_workers(tar_folder):
     dataset = shards.open_dataset(tar_folder, return_keys=True, transform="eval", seed=1)
     loader = shards.make_loader(dataset, batch_size=5, mode=WorkerProcesses(2), drop_last=False)
@@ -173,7 +177,7 @@ def test_closing_a_loader_left_mid_epoch_stops_its_workers_at_once(tar_folder, p
     ds = shards.open_dataset(tar_folder, transform="eval", seed=0)
     # batch_size 1 with 1 batch prefetched: each worker has more batches than it may prepare ahead, so both are
     # still running (blocked on the queue) when the first batch arrives, however fast this machine decodes
-    with shards.make_loader(ds, batch_size=1, mode=WorkerProcesses(2, prefetch_factor=1,
+    with shards.make_loader(ds, batch_size=1, mode=WorkerProcesses(2, prefetch=1,
                                                                    persistent=persistent)) as loader:
         batches = iter(loader)
         next(batches)  # left mid-epoch, the generator still held

@@ -88,8 +88,8 @@ def test_num_workers_is_worker_processes_and_zero_in_process(images, features):
         assert make_loader(dataset, num_workers=2).mode == WorkerProcesses(2)
         assert make_loader(dataset, num_workers=0).mode == InProcess()
     loader = make_loader(images, num_workers=2, prefetch_factor=1, persistent_workers=False)
-    assert loader.mode == WorkerProcesses(2, prefetch_factor=1, persistent=False)
-    assert make_loader(images, prefetch_factor=2).mode == WorkerProcesses(default_num_workers(), prefetch_factor=2)
+    assert loader.mode == WorkerProcesses(2, prefetch=1, persistent=False)
+    assert make_loader(images, prefetch_factor=2).mode == WorkerProcesses(default_num_workers(), prefetch=2)
     for bad in (-1, 1.5, "2"):
         assert "num_workers must be an integer" in refusal(images, num_workers=bad)
 
@@ -121,7 +121,7 @@ def test_worker_options_a_mode_cannot_honour_are_refused_with_the_reason(images,
     assert "tries its candidates" in refusal(images, mode="auto", prefetch_factor=2)
     assert "tries its candidates" in refusal(images, mode="auto", persistent_workers=False)
     message = refusal(images, mode=WorkerProcesses(2), prefetch_factor=2)
-    assert "carries its own worker options" in message and "WorkerProcesses(..., prefetch_factor=2)" in message
+    assert "carries its own worker options" in message and "WorkerProcesses(..., prefetch=2)" in message
     assert "carries its own" in refusal(images, mode=Threads(2), prefetch_factor=3)
     assert make_loader(features, persistent_workers=False).mode == InProcess()  # true there: nothing persists
     assert make_loader(images, num_workers=2, persistent_workers=True).mode.persistent
@@ -175,5 +175,9 @@ def test_gathered_feature_rows_are_pinned_when_asked(features):
     assert batch[0].is_pinned() and batch[1].is_pinned()
 
 
-def test_a_mode_string_other_than_auto_is_refused(images):
-    assert "is not a run mode" in refusal(images, mode="threads")
+def test_a_mode_is_read_by_the_one_parse_and_a_misspelt_one_refused(images):
+    assert make_loader(images, mode="threads:2").mode == Threads(2)
+    assert make_loader(images, mode={"kind": "processes", "workers": 2}).mode == WorkerProcesses(2)
+    assert "is not one of processes, threads, in-process, auto" in refusal(images, mode="thread:2")
+    assert "decoders= in every run mode" in refusal(images, mode="processes:2,threads=2")
+    assert "mode must be a run mode, not a count" in refusal(images, mode=2)

@@ -44,7 +44,9 @@ def test_the_scheme_alone_picks_the_kind():
         assert type(locate(local)) is LocalFile
     where = locate("s3://bucket/data")
     assert locate(where) is where
-    assert locate("x").is_local and not locate("s3://b/x").is_local and not locate("pipe:cat x").is_local
+    assert locate("x").local_path() == Path("x") and locate("s3://b/x").local_path() is None
+    assert locate("pipe:cat x").local_path() is None and locate("http://h/x").local_path() is None
+    assert locate("x").can_list and locate("s3://b/x").can_list and not locate("http://h/x").can_list
     assert locate("s3://b/x").uses_storage_options and not locate("http://h/x").uses_storage_options
     assert locate("s3://b/x").publishable and not locate("x").publishable and not locate("http://h/x").publishable
     assert not locate("pipe:cat x").addressable and locate("http://h/x").addressable

@@ -17,7 +17,8 @@ from shards.errors import InputError
 from shards.formats.features import FeatureShard, feature_shard_name, write_feature_shard
 from shards.formats.sample import RawSample
 from shards.transport.storage import get_storage, shard_name
-from shards.manifest import DatasetManifest, FeatureManifest, ShardInfo, SourceInfo, SplitInfo
+from shards.manifest import DatasetManifest, FeatureManifest, ShardInfo, SplitInfo
+from shards.provenance import SourceInfo
 from shards.stream.image_dataset import ImageShardDataset
 from shards.select.mixture import MixOptions, SourceSpec, Subset, draws, epoch_rows
 from shards.select.where import Where
@@ -359,6 +360,7 @@ def test_source_spec_parse():
         SourceSpec("a", weight=1, repeat=2)
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_a_mixture_reads_through_the_node_cache_once_per_shard(image_sources, tmp_path):
     p, q = image_sources
     specs = [SourceSpec(p, weight=1), SourceSpec(q, weight=2, subset=Subset(classes=["b", "c"]))]

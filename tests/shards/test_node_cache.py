@@ -67,6 +67,7 @@ def _race_child(settings, stats, barrier, counter: Path, results: Path, index: i
         (results / f"{index}.sha").write_text(hashlib.sha256(lease.path.read_bytes()).hexdigest())
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_processes_racing_for_one_shard_fetch_it_once(tmp_path):
     settings, stats = ShardCache(str(tmp_path / "cache")), CacheStats()
     counter, results = tmp_path / "fetches.txt", tmp_path / "results"

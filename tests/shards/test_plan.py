@@ -8,9 +8,10 @@ import pytest
 
 from shards.errors import InputError
 from shards.order.plan import (
-    ShardSlice, CoveringReads, epoch_sizes, epoch_stream, indices_to_slices, plan_epoch, round_robin_consumed, shard_offsets, share_of,
+    ShardSlice, epoch_sizes, epoch_stream, indices_to_slices, plan_epoch, round_robin_consumed, shard_offsets, share_of,
     slices_to_indices, worker_sample_counts,
 )
+from shards.order.reads import CoveringReads
 from shards.position.resume import worker_batches
 
 

@@ -9,6 +9,7 @@ from shards.loader.threads import Threads
 from shards.loader.worker_processes import WorkerProcesses
 from shards.loader.loader import workers_mode
 from tests.helpers import make_shard_dataset
+from tests.shards.budget_helpers import smallest_budget
 from tests.shards.label_columns import add_label_columns
 from tests.shards.stream_helpers import write_feature_dataset
 
@@ -23,39 +24,49 @@ def folder(tmp_path_factory):
     return out
 
 
-def build(folder, workers, run="processes", **options):
+def build(folder, workers, run="processes", memory=None, **options):
     dataset = shards.open_dataset(folder, transform="eval", return_keys=True, seed=3,
                                   sampling=shards.Sampling(shuffle_buffer=6), **options)
     mode = workers_mode(workers, persistent=False, run=run) if workers else workers_mode(0)
-    return shards.make_loader(dataset, batch_size=4, mode=mode, drop_last=False)
+    return shards.make_loader(dataset, batch_size=4, mode=mode, drop_last=False, memory=memory)
 
 
 def key_batches(iterable):
     return [list(batch[2]) for batch in iterable]
 
 
-@pytest.mark.parametrize("workers,run", [(0, "processes"), pytest.param(1, "processes", marks=pytest.mark.slow),
-                                         pytest.param(2, "processes", marks=pytest.mark.slow),
-                                         pytest.param(3, "processes", marks=pytest.mark.slow),
-                                         (1, "threads"), (2, "threads"), (3, "threads")])
-def test_resume_yields_exactly_the_rest(folder, workers, run):
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("workers,run,small", [
+    (0, "processes", False), pytest.param(1, "processes", False, marks=SLOW),
+    pytest.param(2, "processes", False, marks=SLOW), pytest.param(3, "processes", False, marks=SLOW),
+    (1, "threads", False), (2, "threads", False), (3, "threads", False),
+    # the smallest memory budget each works in: fewer batches in flight, the same keys in the same order
+    pytest.param(0, "processes", True, marks=SLOW), pytest.param(2, "processes", True, marks=SLOW),
+    (3, "threads", True)],
+    ids=lambda value: ("small-budget" if value else "unbudgeted") if type(value) is bool else str(value))
+def test_resume_yields_exactly_the_rest(folder, workers, run, small):
     reference = build(folder, workers, run)
     reference.set_epoch(2)
     full = key_batches(reference)
+    memory = smallest_budget(lambda memory: build(folder, workers, run, memory)) if small else None
     for taken in (1, 3, len(full) - 1):
-        interrupted = build(folder, workers, run)
+        interrupted = build(folder, workers, run, memory)
         interrupted.set_epoch(2)
         iterator = iter(interrupted)
         head = [list(next(iterator)[2]) for _ in range(taken)]
         state = interrupted.state_dict()
         del iterator
-        resumed = build(folder, workers, run)
+        resumed = build(folder, workers, run, memory)
         resumed.load_state_dict(state)
         assert resumed.epoch == 2
         assert head + key_batches(resumed) == full
 
 
-@pytest.mark.parametrize("mode", [WorkerProcesses(2, persistent=False), Threads(2)], ids=["processes", "threads"])
+# The replay is the same in both modes; the processes one (two process starts per loader) runs in the full suite.
+@pytest.mark.parametrize("mode", [pytest.param(WorkerProcesses(2, persistent=False), marks=SLOW), Threads(2)],
+                         ids=["processes", "threads"])
 def test_resume_replays_class_weights_and_augmentations(folder, mode):
     def loader():
         dataset = shards.open_dataset(folder, transform="train", return_keys=True, seed=5,
@@ -79,11 +90,12 @@ def _loaded(loader, state):
 
 
 def test_next_epoch_after_resume_is_a_full_epoch(folder):
-    loader = build(folder, 2)
+    # Threads here and below: the rule is the cursor's, the same in every run mode, and no process starts.
+    loader = build(folder, 2, "threads")
     iterator = iter(loader)
     next(iterator)
     state = loader.state_dict()
-    resumed = build(folder, 2)
+    resumed = build(folder, 2, "threads")
     resumed.load_state_dict(state)
     list(resumed)
     resumed.set_epoch(1)
@@ -146,8 +158,8 @@ def test_a_state_of_another_kind_of_loader_is_refused(folder):
 
 
 def test_state_after_the_batches_a_lagging_consumer_used(folder):
-    full = key_batches(build(folder, 2))
-    ahead = build(folder, 2)
+    full = key_batches(build(folder, 2, "threads"))
+    ahead = build(folder, 2, "threads")
     iterator = iter(ahead)
     for _ in range(5):  # a prefetcher drew five batches; the consumer used two
         next(iterator)
@@ -155,7 +167,7 @@ def test_state_after_the_batches_a_lagging_consumer_used(folder):
     with pytest.raises(shards.errors.InputError, match="batches_consumed"):
         ahead.state_dict(batches_consumed=6)
     del iterator
-    resumed = build(folder, 2)
+    resumed = build(folder, 2, "threads")
     resumed.load_state_dict(state)
     assert key_batches(resumed) == full[2:]
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import shards
-from shards.position.elastic import remaining_after
+from shards.position.elastic import SavedState, remaining_after
 from shards.order.order import FULL, EpochSource, WorkerOrder, buffer_positions
 from shards.order.plan import epoch_sizes, rng_for
 from shards.position.resume import LoaderState, worker_consumed
@@ -129,7 +129,7 @@ def test_elastic_replay_of_an_imagenet_sized_epoch_is_fast_and_exact_in_count():
     best = float("inf")
     for _ in range(2):
         began = time.perf_counter()
-        left = remaining_after(source, state)
+        left = remaining_after(source, SavedState.of(state))
         best = min(best, time.perf_counter() - began)
     assert len(left) == 1_280_000 - consumed
     assert len(np.unique(left)) == len(left) and left.min() >= 0 and left.max() < 1_280_000

@@ -95,7 +95,7 @@ def test_sampling_weights_become_a_tuple():
 
 
 def test_workers_and_no_workers_draw_the_same_epoch(imbalanced):
-    """The draws are the order's, made before the workers' split: 0, 1 or 2 worker processes yield the same keys
+    """The draws are the order's, made before the workers' split: 0 or 2 worker processes yield the same keys
     the same number of times (a key may come more than once), and the epoch keeps its length."""
     def drawn(workers):
         dataset = shards.open_dataset(imbalanced, return_keys=True, seed=2,
@@ -106,7 +106,7 @@ def test_workers_and_no_workers_draw_the_same_epoch(imbalanced):
         return collections.Counter(key for batch in loader for key in batch[2])
 
     zero = drawn(0)
-    assert zero == drawn(1) == drawn(2)
+    assert zero == drawn(2)
     assert sum(zero.values()) == len(LABELS) and max(zero.values()) > 1
 
 

@@ -16,7 +16,8 @@ from shards.errors import CorruptDataError, InputError, ManifestError
 from shards.formats.column_writer import write_split_columns
 from shards.formats.columns import FORMAT
 from shards.select.columns import open_columns
-from shards.manifest import DatasetManifest, ShardInfo, SourceInfo, SplitInfo
+from shards.manifest import DatasetManifest, ShardInfo, SplitInfo
+from shards.provenance import SourceInfo
 from shards.select.mixture import MixOptions, SourceSpec, Subset
 from shards.select.selection import LoadedSource, combine
 from tests.helpers import write_image_folder

@@ -140,6 +140,7 @@ def test_restarts_beyond_the_cap_are_an_error(data, reference):
         epoch_keys(loader)
 
 
+@pytest.mark.slow  # kills and restarts worker processes
 def test_a_worker_killed_once_is_restarted_and_the_epoch_is_whole(data, reference, tmp_path):
     events: list[dict] = []
     loader = open_loader(data, FaultyDecoder(reference[13], "SIGKILL", once_dir=str(tmp_path)), events=events,

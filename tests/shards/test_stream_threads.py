@@ -112,6 +112,7 @@ def test_a_new_plan_in_one_thread_leaves_the_other_threads_prefetch(tmp_path, th
     two(cache.end_stream)
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_a_thread_that_ended_takes_its_plan_file_with_it(tmp_path):
     a, b, x, y = write_shards(tmp_path / "data", "abxy")
     cache = CachedShards(ShardCache(tmp_path / "cache", limit=100 * SHARD_BYTES, local=True))

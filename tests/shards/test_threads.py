@@ -1,4 +1,4 @@
-"""Run mode ``Threads`` (``shards.loader.threads``), threads inside worker processes (``WorkerProcesses(threads=)``)
+"""Run mode ``Threads`` (``shards.loader.threads``), threads inside worker processes (``WorkerProcesses(decoders=)``)
 and ``Auto`` (``shards.loader.auto``): the same batches as worker processes, states that cross between modes, the
 batch filled in place, errors and stalls in a thread, the trial that picks a mode."""
 
@@ -25,6 +25,7 @@ from shards.loader.watchdog import StallPolicy
 from shards.loader.worker_processes import WorkerProcesses
 from shards.procs.stage_times import WORKER_STAGES
 from tests.helpers import make_shard_dataset
+from tests.shards.budget_helpers import smallest_budget
 from tests.shards.stream_helpers import write_feature_dataset
 
 TRAIN = shards.TransformSpec(preset="train", size=16)
@@ -62,13 +63,28 @@ def reference(folder):
 
 
 @pytest.mark.parametrize("mode", [Threads(2), Threads(2, decoders=3), Threads(2, prefetch=1),
-                                  WorkerProcesses(2, persistent=False, threads=3)], ids=str)
+                                  WorkerProcesses(2, persistent=False, decoders=3)], ids=str)
 def test_every_mode_of_two_workers_feeds_the_batches_of_two_worker_processes(folder, reference, mode):
     assert same(epochs(shards.make_loader(fast(folder), 4, mode=mode, drop_last=False)), reference)
 
 
+@pytest.mark.parametrize("mode", [Threads(2), Threads(2, decoders=3),
+                                  pytest.param(WorkerProcesses(2, persistent=False, decoders=3), marks=pytest.mark.slow),
+                                  pytest.param(WorkerProcesses(2, persistent=False), marks=pytest.mark.slow)], ids=str)
+def test_the_smallest_memory_budget_feeds_the_same_batches_in_every_mode(folder, reference, mode):
+    """The budget sizes queues, prefetch and decode-ahead: the same augmented pixels, labels and keys, in order."""
+    def make(memory):
+        return shards.make_loader(fast(folder), 4, mode=mode, drop_last=False, memory=memory)
+
+    smallest = smallest_budget(make)
+    assert smallest > 1  # a budget this mode counts against
+    assert same(epochs(make(smallest)), reference)
+
+
+# One saved state for every mode (the cursor's): the quick loop crosses one way, the full suite both.
 @pytest.mark.parametrize("saved_in,resumed_in", [(Threads(2), WorkerProcesses(2, persistent=False)),
-                                                  (WorkerProcesses(2, persistent=False), Threads(2))], ids=str)
+                                                  pytest.param(WorkerProcesses(2, persistent=False), Threads(2),
+                                                               marks=pytest.mark.slow)], ids=str)
 def test_a_state_saved_in_one_mode_continues_exactly_in_the_other(folder, saved_in, resumed_in):
     full = epochs(shards.make_loader(fast(folder), 4, mode=saved_in, drop_last=False), 1)
     for taken in (1, 3, len(full) - 1):
@@ -220,11 +236,12 @@ def test_threads_refuse_bad_settings_in_one_line():
         with pytest.raises(InputError, match="Threads") as raised:
             Threads(**bad)
         assert "\n" not in str(raised.value)
-    with pytest.raises(InputError, match="WorkerProcesses threads"):
+    with pytest.raises(InputError, match=r"WorkerProcesses\(threads=0\): decode threads are decoders="):
         WorkerProcesses(2, threads=0)
 
 
 # -- Auto -----------------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # over half a second in the quick loop
 def test_auto_feeds_exactly_the_batches_of_its_plan_through_the_trial_and_after(folder):
     """The trial switches modes mid-epoch (and goes on into the next epoch when one ends first): the batches are
     those of any candidate alone."""
@@ -254,7 +271,9 @@ def test_auto_candidates_put_threads_first_without_a_gil():
     auto = Auto(2)
     assert auto.candidates(gil=True, cpus=2) == [WorkerProcesses(2), Threads(2)]
     assert auto.candidates(gil=False, cpus=2) == [Threads(2), WorkerProcesses(2)]
-    assert auto.candidates(gil=True, cpus=8)[-1] == WorkerProcesses(2, threads=4)  # room for threads inside
+    assert auto.candidates(gil=True, cpus=8) == [WorkerProcesses(2), WorkerProcesses(2, decoders=2),
+                                                 WorkerProcesses(2, decoders=4), Threads(2), Threads(2, decoders=4),
+                                                 Threads(2, decoders=8)]  # half and all of the CPUs decoding
     with pytest.raises(InputError, match="trial_batches"):
         Auto(2, trial_batches=0)
 

@@ -10,13 +10,8 @@ import torch
 
 from shards.formats.features import FeatureShard, feature_shard_name, write_feature_shard
 from shards.transport.manifest_io import dataset_sha256_at
-from shards.manifest import (
-    DatasetManifest,
-    FeatureManifest,
-    ShardInfo,
-    SourceInfo,
-    SplitInfo,
-)
+from shards.manifest import DatasetManifest, FeatureManifest, ShardInfo, SplitInfo
+from shards.provenance import SourceInfo
 from shards.transport.storage import shard_name
 from tests.helpers import colour_shards
 

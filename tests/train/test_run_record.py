@@ -14,6 +14,8 @@ from click.testing import CliRunner
 from shards.check.lineage import open_train_loader, run_lineage
 from shards.cli.main import main as shards_main
 from shards.errors import InputError
+from shards.loader.base import RunMode
+from shards.loader.in_process import InProcess
 from shards.runrecord import METRICS_FILE, RECORD_FILE, ROW_VERSION, RUN_VERSION, EpochRow, RunRecord, read_rows
 from tests.train.configs import train_config
 from train.run.lineage import read_recorded_keys
@@ -41,7 +43,8 @@ def test_the_record_holds_the_loader_call_as_plain_values(run: Path):
     assert call["path"].endswith("features") and call["sources"] is None and call["split"] == "train"
     assert call["seed"] == 3 and call["return_keys"] is True and call["sampling"]["shuffle"] is True
     assert call["distributed"] == {"world_size": 1, "nodes": None, "rotate_every": 0}
-    assert record.data.make_loader == {"batch_size": 16, "drop_last": True, "workers": 0}
+    assert record.data.make_loader == {"batch_size": 16, "drop_last": True, "mode": {"kind": "in-process"}}
+    assert RunMode.parse(record.data.run_mode) == InProcess()  # the mode's one JSON form, read back
 
 
 def test_the_loader_rebuilt_from_the_record_alone_feeds_the_recorded_keys(run: Path):
@@ -85,7 +88,7 @@ def test_a_record_of_another_version_is_one_line_naming_the_file(run: Path, tmp_
     assert result.exit_code == 2 and "Traceback" not in result.output and RECORD_FILE in result.output
 
 
-@pytest.mark.parametrize("change,field", [({"workers": -1}, "workers"), ({"batch_size": 2.5}, "batch_size"),
+@pytest.mark.parametrize("change,field", [({"mode": 3}, "mode"), ({"batch_size": 2.5}, "batch_size"),
                                           ({"drop_last": "yes"}, "drop_last"), ({"surprise": 1}, "surprise")])
 def test_a_record_whose_loader_call_has_another_shape_is_refused(run: Path, tmp_path: Path, change, field):
     folder = copy_of(run, tmp_path)

@@ -17,7 +17,7 @@ from train.run.loop import train
 from shards.runrecord import read_rows
 
 TIMING_FIELDS = {"samples_per_s", "data_wait_share", "epoch_time_s", "stage_seconds", "stage_seconds_by_rank",
-                 "first_batch"}
+                 "first_batch", "memory"}  # measured, not derived from the data
 
 
 def config(data: Path, out: Path, **changes) -> TrainConfig:

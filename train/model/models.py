@@ -83,6 +83,17 @@ def load_matching_weights(model: nn.Module, weights: str | os.PathLike) -> None:
     log.info("loaded %d tensors from %s; starting fresh: %s", len(fitting), path, ", ".join(reshaped) or "none")
 
 
+def uses_channels_last(device_type: str, data_kind: str) -> bool:
+    """Whether the model and its input batches are laid out channels_last (NHWC): image models on CUDA only.
+
+    Under AMP, cuDNN's tensor-core convolutions work in NHWC, so an NCHW model pays a layout transpose around every
+    convolution. On CUDA the weights are converted once (``train.run.loop``) and the fast path's ``Normalize``
+    converts each batch while it is still uint8, before the four-times-larger float copy (``train.data``). On the
+    CPU the layout stays as it was; feature heads have no spatial dimensions to lay out. One rule for the model and
+    its batches: were they to disagree, every first convolution would convert its input again."""
+    return device_type == "cuda" and data_kind == "images"
+
+
 def logits_of(output: Any) -> torch.Tensor:
     """Models with auxiliary outputs return a named tuple; the loss wants the main logits."""
     return output if isinstance(output, torch.Tensor) else output.logits

@@ -75,7 +75,8 @@ def reads_over_network(data_kind: str | None, paths: Iterable[str], *, cache_ima
                        cache_dir: str | None) -> bool:
     """Whether every epoch reads image shards over the network (``s3://``, ``http(s)://``, ``pipe:``) uncached: the
     one case where a node-local cache or a local copy helps."""
-    return data_kind == "images" and not cache_images and not cache_dir and any(not locate(p).is_local for p in paths)
+    return data_kind == "images" and not cache_images and not cache_dir and any(
+        locate(p).local_path() is None for p in paths)
 
 
 def dominant_worker_stage(stages: Mapping[str, float] | None) -> tuple[str, float] | None:

@@ -14,7 +14,7 @@ from torch import nn
 from shards.jobs.progress import progress
 from shards.image.side_stream import SideStreamCopy
 from train.run.diagnose import WAIT_WARNING_SHARE, dominant_worker_stage
-from train.run.meter import DataWaitMeter
+from train.run.meter import DataWaitMeter, MemoryTrace
 from train.model.metrics import ClassificationTally
 from train.model.models import logits_of
 from train.model.regression import RegressionLoss, RegressionTally
@@ -113,18 +113,18 @@ def train_step(ctx: StepContext, inputs: torch.Tensor, labels: torch.Tensor) -> 
 def run_train_epoch(ctx: StepContext, loader: Any, state: TrainState, *, total_epochs: int, quiet: bool,
                     after_step: Callable[[], bool], checkpoint_due: Callable[[int], bool],
                     worker_stages: Callable[[], dict[str, float]] | None = None,
-                    on_first_batch: Callable[[DataWaitMeter], str | None] | None = None
-                    ) -> tuple[DataWaitMeter, bool]:
+                    on_first_batch: Callable[[DataWaitMeter], str | None] | None = None,
+                    memory: MemoryTrace | None = None) -> tuple[DataWaitMeter, bool]:
     """Train on the loader's remaining batches; ``after_step`` may checkpoint and returns True to stop early.
 
     Loss and accuracy sums stay on the device (no sync per step) and are folded into ``state`` whenever a
     checkpoint is due and at the end, so the grouping of the sums, and so the numbers, do not depend on a resume.
     ``worker_stages`` (the loader's ``stage_seconds``) lets the meter split the epoch's wait by worker stage.
     ``on_first_batch`` is called once, as the first batch arrives (before it is used); a line it returns is
-    written above the progress bar.
+    written above the progress bar. ``memory``: the trace of the loader's memory in flight the meter samples.
     """
     ctx.model.train()
-    meter = DataWaitMeter(worker_stages=worker_stages)
+    meter = DataWaitMeter(worker_stages=worker_stages, memory=memory)
     meter.start()
     bar = progress(total=len(loader), initial=state.batch_in_epoch, desc=f"epoch {state.epoch + 1}/{total_epochs}",
                    unit="batch", quiet=quiet)

@@ -25,7 +25,7 @@ from shards.door.jsonlines import json_lines
 from shards.door.shape import as_int, as_list, as_object, as_str, field as get
 from shards.errors import ManifestError
 from shards.runrecord import KEYS_FILE, kept_keys_name
-from shards.select.mixture import read_keys
+from shards.select.key_set import read_keys
 
 
 def keep_keys_file(run_dir: str | os.PathLike, path: str) -> dict[str, Any]:

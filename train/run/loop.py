@@ -22,7 +22,7 @@ from shards.runrecord import LAST_FILE, METRICS_FILE, MODEL_FILE, EpochRow, RunR
 from train.config import TrainConfig
 from train.data import RunData, build_data, describe_batch, prepare_manifest
 from train.distributed import DistContext, setup_distributed, wrap_model
-from train.model.models import build_head, build_image_model, check_image_model
+from train.model.models import build_head, build_image_model, check_image_model, uses_channels_last
 from train.model.optim import build_optimizer, build_scheduler
 from train.run.probe_run import fit_probe, prepare_features
 from train.model.standardize import FeatureScale
@@ -32,6 +32,7 @@ from train.run.checkpoint import Checkpoints, load_checkpoint, save_checkpoint
 from train.run.epoch import StepContext, TrainState, run_train_epoch
 from train.run.first_batch import describe, first_batch_record
 from train.run.lineage import DataWatch
+from train.run.meter import MemoryTrace
 from train.run.preempt import StopVote, preempted
 from train.run.plot import Views
 from train.run.rows import EpochRows
@@ -112,7 +113,8 @@ class Run:
         self.amp = cfg.optim.amp and device.type == "cuda"
         self.task = make_task(cfg, self.data, device)
         torch.manual_seed(cfg.optim.seed)  # the same initial weights on every rank and every rerun
-        self.model = build_model(cfg, self.data, self.task.outputs, self.scale).to(device)
+        layout = torch.channels_last if uses_channels_last(device.type, self.data.kind) else torch.preserve_format
+        self.model = build_model(cfg, self.data, self.task.outputs, self.scale).to(device, memory_format=layout)
         self.optimizer = build_optimizer(cfg, self.model)
         self.scheduler = build_scheduler(cfg, self.optimizer, len(self.data.train_loader))
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp)
@@ -159,7 +161,8 @@ class Run:
                     total_epochs=cfg.optim.epochs, quiet=cfg.run.quiet or not self.ctx.is_main,
                     after_step=self.after_step,
                     checkpoint_due=lambda step: bool(cfg.run.checkpoint_every) and step % cfg.run.checkpoint_every == 0,
-                    worker_stages=train_loader.stage_seconds, on_first_batch=self.first_batch if first else None)
+                    worker_stages=train_loader.stage_seconds, on_first_batch=self.first_batch if first else None,
+                    memory=MemoryTrace() if self.ctx.is_main else None)  # rank 0's, as its row says
                 first = False
                 if stopped and self.vote.decided:
                     self.save_and_stop(mid_epoch=True)

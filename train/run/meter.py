@@ -6,19 +6,121 @@ This is the built-in answer to "is my data pipeline the bottleneck?": the share 
 the workers; wait, to_device, normalize, step in the loop, wall seconds of this process, laps of one clock).
 Whether those numbers make a bottleneck, and what to change, is ``train.run.diagnose``'s rule; the epoch row records
 its finding and the run report shows it.
+
+Beside the wait, ``MemoryTrace`` samples the loader's memory in flight over the epoch (``shards.procs.memory``: the
+process tree's PSS plus ``/dev/shm``), every ``SAMPLE_EVERY_S`` at the most, as a batch arrives, so the report shows
+memory over time next to the data wait of the same intervals (issue 46: a budget that starves the loop shows as
+wait, one that does not hold shows as memory). The reads run beside the loop, never in it.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from typing import Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from shards.procs.memory import TreeMemory, tree_memory
 from shards.procs.stage_times import LOOP_STAGES, STAGES, stage_delta, zero_stages
 
 T = TypeVar("T")
+
+SAMPLE_EVERY_S = 5.0  # a read walks every process's page tables: tens of ms per large process, off the loop
+MAX_SAMPLES = 240  # per epoch: past it every other sample goes and the interval doubles, so a row stays small
+
+
+class MemoryTrace:
+    """The memory of this process tree over an epoch: a sample as the loop starts (the baseline the flight is
+    counted from), then as a batch arrives (the first, when the queues are fullest, then at most every
+    ``every_s``), and as the epoch ends, each with the seconds the loop had waited for data by then, so every
+    interval's wait share is known beside its memory.
+
+    A read walks the page tables of every process in the tree (``shards.procs.memory``), which takes the longer the
+    more workers and memory there are, so the loop only stamps the time and the wait and hands the read to a thread
+    of its own (one at a time: a batch that finds the last read unfinished is not sampled); ``background=False``
+    reads in the loop (tests, with an injected ``read``). Where ``read`` says None nothing is recorded. Each
+    sample keeps the tree's whole (``bytes``) and the training process's own part (``main_bytes``): in threads or
+    in process the loader's flight is there beside the model's, in worker processes it is the rest."""
+
+    def __init__(self, read: Callable[[], TreeMemory | None] = tree_memory, every_s: float = SAMPLE_EVERY_S,
+                 max_samples: int = MAX_SAMPLES, background: bool = True) -> None:
+        self.read, self.every_s, self.max_samples = read, every_s, max(2, max_samples)
+        self.background = background
+        self.t_s: list[float] = []
+        self.bytes: list[int] = []
+        self.main_bytes: list[int] = []
+        self.wait_s: list[float] = []
+        self.readable = True
+        self._began, self._asked = 0.0, None
+        self._lock = threading.Lock()
+        self._reading: threading.Thread | None = None
+
+    def begin(self, now: float) -> None:
+        """The epoch's loop starts: the baseline is read here, before any worker of the epoch starts."""
+        self._join()
+        self.t_s, self.bytes, self.main_bytes, self.wait_s, self._began, self._asked = [], [], [], [], now, None
+        self._take(0.0, 0.0)
+
+    def due(self, now: float) -> bool:
+        """Whether a batch arriving at ``now`` is sampled: the first after the baseline, then every ``every_s``."""
+        if not self.readable or not self.t_s or (self._reading is not None and self._reading.is_alive()):
+            return False
+        return self._asked is None or now - self._began - self._asked >= self.every_s
+
+    def sample(self, now: float, wait_s: float) -> None:
+        """A sample stamped ``now`` with the loop's wait so far; read beside the loop unless ``background`` is off."""
+        self._asked = now - self._began
+        if not self.background:
+            self._take(self._asked, wait_s)
+            return
+        self._reading = threading.Thread(target=self._take, args=(self._asked, wait_s), daemon=True,
+                                         name="shardcache-memory-trace")
+        self._reading.start()
+
+    def end(self, now: float, wait_s: float) -> None:
+        """The epoch's end: the read in flight finished, then what is left as the batches are out."""
+        self._join()
+        if self.readable and self.t_s:
+            self._take(now - self._began, wait_s)
+
+    def _join(self) -> None:
+        if self._reading is not None:
+            self._reading.join()
+            self._reading = None
+
+    def _take(self, t_s: float, wait_s: float) -> None:
+        value = self.read() if self.readable else None
+        with self._lock:
+            if value is None:
+                self.readable = False
+                return
+            self.t_s.append(t_s)
+            self.bytes.append(value.total)
+            self.main_bytes.append(value.own)
+            self.wait_s.append(wait_s)
+            if len(self.t_s) > self.max_samples:  # keep the first (the baseline) and every other one after it
+                keep = [0, *range(2, len(self.t_s), 2)]
+                self.t_s, self.bytes, self.main_bytes, self.wait_s = (
+                    [series[i] for i in keep] for series in (self.t_s, self.bytes, self.main_bytes, self.wait_s))
+                self.every_s *= 2
+
+    def record(self, budget_bytes: int | None = None) -> dict[str, Any] | None:
+        """The trace as ``EpochRow.memory`` holds it; None when nothing could be read. ``wait_share[i]`` is the
+        share of the interval up to sample ``i`` the loop waited for data (None for the baseline)."""
+        self._join()
+        if not self.readable or not self.t_s:
+            return None
+        start = self.bytes[0]
+        shares: list[float | None] = [None]
+        for i in range(1, len(self.t_s)):
+            span = self.t_s[i] - self.t_s[i - 1]
+            shares.append(min(1.0, max(0.0, (self.wait_s[i] - self.wait_s[i - 1]) / span)) if span > 0 else None)
+        return {"measure": "pss+shm", "every_s": self.every_s, "start_bytes": start,
+                "peak_flight_bytes": max(0, max(self.bytes) - start), "budget_bytes": budget_bytes,
+                "t_s": [round(t, 3) for t in self.t_s], "bytes": list(self.bytes), "main_bytes": list(self.main_bytes),
+                "wait_share": [None if s is None else round(s, 4) for s in shares]}
 
 
 class DataWaitMeter:
@@ -30,9 +132,11 @@ class DataWaitMeter:
     """
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter,
-                 worker_stages: Callable[[], dict[str, float]] | None = None) -> None:
+                 worker_stages: Callable[[], dict[str, float]] | None = None,
+                 memory: MemoryTrace | None = None) -> None:
         self.clock = clock  # injectable, so tests measure exact shares instead of sleeping
         self.worker_stages = worker_stages
+        self.memory = memory  # sampled as batches arrive (``MemoryTrace``); None: not sampled
         self.wait_s = 0.0
         self.samples = 0
         self.batches = 0
@@ -47,6 +151,8 @@ class DataWaitMeter:
         return self.worker_stages() if self.worker_stages is not None else zero_stages()
 
     def start(self) -> None:
+        if self.memory is not None:  # the baseline, read before the epoch's clock starts: no part of its time
+            self.memory.begin(self.clock())
         self.wait_s, self.samples, self.batches = 0.0, 0, 0
         self.loop_s = zero_stages(LOOP_STAGES[1:])
         self._started, self._stopped = self.clock(), None
@@ -55,6 +161,8 @@ class DataWaitMeter:
 
     def stop(self) -> None:
         self._stopped = self.clock()
+        if self.memory is not None:
+            self.memory.end(self._stopped, self.wait_s)
         self._workers_epoch = stage_delta(self._workers_now(), self._workers_before)
 
     def iterate(self, batches: Iterable[T]) -> Iterator[T]:
@@ -69,6 +177,8 @@ class DataWaitMeter:
             self._mark = self.clock()
             self.wait_s += self._mark - began
             self.batches += 1
+            if self.memory is not None and self.memory.due(self._mark):
+                self.memory.sample(self._mark, self.wait_s)
             yield batch
 
     def lap(self, stage: str) -> None:

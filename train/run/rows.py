@@ -14,7 +14,8 @@ import torch
 
 from shards.cache.node_index import ideal_fetch_bytes
 from shards.errors import ShardcacheError
-from shards.forecast.run import COMPARED, epoch_forecast, forecast_of_call
+from shards.forecast.plan import forecast
+from shards.forecast.run import COMPARED, epoch_forecast
 from shards.transport import s3
 from shards.runrecord import EpochRow
 from shards.units import human_bytes
@@ -30,14 +31,13 @@ log = logging.getLogger("shardcache.train")
 
 
 def storage_forecast(cfg: TrainConfig, ctx: DistContext, data: RunData) -> Any:
-    """The forecast of the train reads (``shards.forecast.run``), made once as the run starts; None where it does
-    not apply (features, a mixture or subset, keys left out) or cannot be made (said once, never fatal: a
-    forecast is an aid)."""
-    if data.kind != "images" or data.train_call is None or data.mixture is not None or cfg.data.exclude_keys:
-        return None
+    """The forecast of the train reads (``shards.forecast.plan``) over the train loader's own dataset and run mode
+    (a mixture, a subset, class weights and feature rows included), made once as the run starts; None where it
+    cannot be made (said once, never fatal: a forecast is an aid)."""
+    loader = data.train_loader
     try:
-        return forecast_of_call(data.train_call, epochs=cfg.optim.epochs, world_size=ctx.world_size,
-                                cache=cfg.cache.shard_cache)
+        return forecast(loader.dataset, loader.mode, cfg.optim.epochs, batch_size=loader.batch_size,
+                        cache=cfg.cache.shard_cache)
     except ShardcacheError as exc:
         log.info("no storage forecast for this run: %s", exc)
         return None
@@ -107,6 +107,8 @@ class EpochRows:
             fields["mixture_drawn"] = list(self.data.mixture.draw)
         loader = self.data.train_loader
         fields["run_mode"] = {"mode": str(loader.mode), **(loader.mode_choice() or {})}
+        if meter.memory is not None:  # rank 0's memory in flight over the epoch, beside its data wait
+            fields["memory"] = meter.memory.record((self.data.memory_budget or {}).get("bytes"))
         if state.first_batch:  # the starts and resumes of this epoch (train.run.first_batch), rank 0's numbers
             fields["first_batch"], state.first_batch = state.first_batch, []
         fields.update(self.findings(fields, state.history))

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 from typing import Iterator, Mapping, NamedTuple, Sequence
 
 from preprocess.pack.sources.members import (DEFAULT_MAX_BYTES, MemberBytes, MemberSpec, SourceFields, member_key,
@@ -37,20 +36,18 @@ from preprocess.pack.sources.members import (DEFAULT_MAX_BYTES, MemberBytes, Mem
 from preprocess.pack.sources.columns import SamplesBuilder, SourceSample
 from preprocess.pack.sources.kind import KindScan, ScanRequest, member_scan
 from shards.door.bounded_read import open_regular_file, parse_json
-from shards.errors import CorruptDataError, InputError, MissingInputError
+from shards.errors import CorruptDataError, InputError
 from shards.formats.sample import IMAGE_EXTENSIONS
 from shards.formats.tarheader import ByteSource, read_member, split_member_name
+from shards.transport.listing import local_files, spells_files
 from shards.units import human_bytes
 
 MAX_LABEL_BYTES = 1 << 20  # a label member or .json member is text, not data
 MAX_CLASS_CHARS = 256  # a class name, as the manifest records it
-MAX_EXPANDED = 100_000  # files one pattern may name
 KEY = re.compile(r"^[A-Za-z0-9_-]+(/[A-Za-z0-9_-]+)*$")
 MAX_NAME_BYTES = 100  # a ustar header's name field: each member the packer writes must fit it
 MAX_SAMPLE_MEMBERS = 1024  # members of one sample: a WebDataset sample has a handful
 MAX_LISTED_SKIPS = 1000  # skipped samples named one by one in the scan (and the manifest); the rest are counted
-_BRACE = re.compile(r"\{([^{}]*)\}")
-_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 # Members whose extension the packer writes itself (its image, label and metadata): a source member of that
 # extension is kept as ``<key>.source.<ext>``.
 OWN_EXTENSIONS = frozenset({"cls", "json", *IMAGE_EXTENSIONS})
@@ -58,7 +55,7 @@ OWN_EXTENSIONS = frozenset({"cls", "json", *IMAGE_EXTENSIONS})
 
 def is_tar_pattern(source: str) -> bool:
     """A ``.tar`` path, or a brace pattern of them."""
-    return source.lower().endswith(".tar") or bool(_BRACE.search(source))
+    return spells_files(source, "*.tar")
 
 
 def scan_tars(source: str, request: ScanRequest) -> KindScan:
@@ -66,45 +63,10 @@ def scan_tars(source: str, request: ScanRequest) -> KindScan:
     return member_scan(pattern, scan_tar_source(pattern, request.fields, max_bytes=request.max_bytes))
 
 
-def expand_braces(pattern: str) -> list[str]:
-    """Every name the pattern spells, in order: ``{000..099}`` (zero-padded to the first bound's width) and
-    ``{a,b}``, as many braces as given (no nesting)."""
-    match = _BRACE.search(pattern)
-    if match is None:
-        return [pattern]
-    body = match.group(1)
-    numbers = _RANGE.match(body)
-    if numbers:
-        low, high = int(numbers.group(1)), int(numbers.group(2))
-        if abs(high - low) >= MAX_EXPANDED:
-            raise InputError(f"{{{body}}} names more than {MAX_EXPANDED} files", path=pattern)
-        width = len(numbers.group(1).lstrip("-")) if numbers.group(1).lstrip("-").startswith("0") else 0
-        step = 1 if high >= low else -1
-        choices = [f"{n:0{width}d}" for n in range(low, high + step, step)]
-    elif "," in body:
-        choices = body.split(",")
-    else:
-        raise InputError(f"{{{body}}} is neither a range {{000..099}} nor a list {{a,b}}", path=pattern)
-    head, tail = pattern[:match.start()], pattern[match.end():]
-    expanded: list[str] = []
-    for choice in choices:
-        expanded.extend(expand_braces(head + choice + tail))
-        if len(expanded) > MAX_EXPANDED:
-            raise InputError(f"names more than {MAX_EXPANDED} files", path=pattern)
-    return expanded
-
-
 def tar_files(pattern: str) -> tuple[str, list[tuple[str, str]]]:
-    """The base folder and ``(absolute path, path relative to it)`` of every tar the pattern names."""
-    paths = [os.path.abspath(p) for p in expand_braces(pattern)]
-    if len(set(paths)) != len(paths):
-        raise InputError("names a file twice", path=pattern)
-    for path in paths:
-        if not os.path.exists(path):
-            raise MissingInputError("no such tar file" + (f" (from the pattern {pattern})" if path != pattern else ""),
-                                    path=path)
-    base = os.path.commonpath([os.path.dirname(p) for p in paths])
-    return base, [(p, Path(p).relative_to(base).as_posix()) for p in paths]
+    """The base folder and ``(absolute path, path relative to it)`` of every tar the pattern names (the location
+    layer's rule for spelled names, ``shards.transport.listing``)."""
+    return local_files(pattern)
 
 
 class _Sample:
