@@ -150,3 +150,67 @@ def test_no_folder_holds_more_than_a_few_concerns(folder):
     modules = sorted(p.name for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
     limit = MAX_TOP_LEVEL if folder == ROOT / "shards" else MAX_MODULES
     assert len(modules) <= limit, f"{folder.relative_to(ROOT)} holds {len(modules)} modules: {modules}"
+
+
+# -- sizes a reader can hold, and a map that names every module -------------------------------------------------------
+MAX_MODULE_LINES, MAX_CLASS_LINES, MAX_FUNCTION_LINES, MAX_PUBLIC_PARAMETERS = 400, 200, 80, 12
+# Public functions whose parameters are a command's options by design: the click commands, the Python call of each
+# stage (issue 43: "a documented Python function for each stage with the CLI's options") and ``make_loader``, which
+# takes DataLoader's own keywords so a PyTorch user's spelling works or is refused by name.
+MANY_PARAMETERS_BY_DESIGN = {
+    "train/cli.py:train_command", "train/api.py:train_config", "train/api.py:train_from_shards",
+    "preprocess/pack/cli.py:pack_shards_command", "preprocess/pack/api.py:pack_shards",
+    "preprocess/features/cli.py:precompute_features_command", "preprocess/features/api.py:precompute_features",
+    "preprocess/adopt/cli.py:index_command", "shards/cli/main.py:plan_command", "shards/cli/main.py:inspect_command",
+    "shards/loader/loader.py:make_loader",
+}
+
+
+def _modules() -> list[Path]:
+    return sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _over_limits(paths: list[Path], root: Path = ROOT) -> list[str]:
+    found = []
+    for path in paths:
+        rel = path.relative_to(root).as_posix()
+        source = path.read_text()
+        if source.count("\n") > MAX_MODULE_LINES:
+            found.append(f"{rel}: {source.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(source)):
+            lines = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+            if isinstance(node, ast.ClassDef) and lines > MAX_CLASS_LINES:
+                found.append(f"{rel}:{node.name}: a class of {lines} lines")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if lines > MAX_FUNCTION_LINES:
+                    found.append(f"{rel}:{node.name}: a function of {lines} lines")
+                args = node.args
+                named = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs if a.arg not in ("self", "cls")]
+                if (not node.name.startswith("_") and len(named) > MAX_PUBLIC_PARAMETERS
+                        and f"{rel}:{node.name}" not in MANY_PARAMETERS_BY_DESIGN):
+                    found.append(f"{rel}:{node.name}: {len(named)} parameters")
+    return found
+
+
+@pytest.mark.slow  # over half a second in the quick loop
+def test_no_module_class_or_function_outgrows_what_a_reader_holds():
+    assert _over_limits(_modules()) == []
+
+
+def test_the_size_check_sees_each_kind_of_overgrowth(tmp_path):
+    long_module = tmp_path / "long.py"
+    long_module.write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    wide = tmp_path / "wide.py"
+    wide.write_text(f"def wide({', '.join(f'a{i}' for i in range(MAX_PUBLIC_PARAMETERS + 1))}):\n    pass\n"
+                    "def _private(" + ", ".join(f"a{i}" for i in range(20)) + "):\n    pass\n"
+                    "def long():\n" + "    x = 1\n" * MAX_FUNCTION_LINES)
+    found = _over_limits([long_module, wide], tmp_path)
+    assert found == ["long.py: 401 lines", f"wide.py:wide: {MAX_PUBLIC_PARAMETERS + 1} parameters",
+                     f"wide.py:long: a function of {MAX_FUNCTION_LINES + 1} lines"]
+
+
+def test_every_module_has_its_line_in_docs_architecture_md():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    missing = [p.relative_to(ROOT).as_posix() for p in _modules()
+               if p.name != "__init__.py" and f"`{p.relative_to(ROOT).as_posix()}`" not in text]
+    assert missing == []

@@ -56,10 +56,10 @@ def test_one_line_per_test_over_the_limit_slowest_first_and_none_when_off():
     assert over_limit(seconds, 0) == []
 
 
-def _inner(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+def _inner(pytester: pytest.Pytester, *args: str, cache: bool = False) -> pytest.RunResult:
     pytester.makeconftest(INNER_CONFTEST)
     pytester.makepyfile(test_inner=INNER_TESTS)
-    return pytester.runpytest_inprocess("-p", "no:randomly", "-p", "no:cacheprovider", *args)
+    return pytester.runpytest_inprocess("-p", "no:randomly", *(() if cache else ("-p", "no:cacheprovider")), *args)
 
 
 def test_a_quick_session_with_a_test_over_the_limit_fails_naming_it(pytester: pytest.Pytester, monkeypatch):
@@ -84,3 +84,19 @@ def test_a_full_run_has_no_limit(pytester: pytest.Pytester, monkeypatch):
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     monkeypatch.setenv(LIMIT_ENV, "0.04")
     assert _inner(pytester).ret == pytest.ExitCode.OK  # no -m "not slow": the full suite has no such rule
+
+
+@pytest.mark.slow  # over half a second in the quick loop
+def test_with_the_cache_a_test_fails_only_when_over_the_limit_twice_in_a_row(pytester: pytest.Pytester, monkeypatch):
+    monkeypatch.delenv(LIMIT_ENV, raising=False)
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    first = _inner(pytester, "-m", "not slow", "--quick-limit", "0.04", cache=True)
+    assert first.ret == pytest.ExitCode.OK  # once may be a loaded machine's noise
+    first.stdout.fnmatch_lines(["*quick tests over the limit once*", "test_inner.py::test_sleepy took 0.* s*over once*"])
+    second = _inner(pytester, "-m", "not slow", "--quick-limit", "0.04", cache=True)
+    assert second.ret == pytest.ExitCode.TESTS_FAILED
+    second.stdout.fnmatch_lines(["*= quick tests over the limit =*", "test_inner.py::test_sleepy took 0.* s*"])
+    third = _inner(pytester, "-m", "not slow", "--quick-limit", "5", cache=True)
+    assert third.ret == pytest.ExitCode.OK  # under the limit: the name leaves the cache
+    fourth = _inner(pytester, "-m", "not slow", "--quick-limit", "0.04", cache=True)
+    assert fourth.ret == pytest.ExitCode.OK

@@ -44,7 +44,7 @@ def check_options_apply(cfg: TrainConfig, kind: str, path: str) -> None:
         value = getattr(getattr(cfg, group), name)
         if applies_to != kind and value != _default(group, name):
             wrong.append(option if value is True else f"{option} {value}")
-    if cfg.model.standardize and kind == "images":
+    if cfg.model.standardize and kind == "images" and cfg.model.head != "logreg":  # logreg's own default
         wrong.append("--standardize")
     if wrong:
         other = "features" if kind == "images" else "images"

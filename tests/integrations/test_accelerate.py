@@ -33,6 +33,11 @@ def _keys(batches) -> list[str]:
 
 def _rank(rank: int, world: int, folder: str, out: str) -> None:
     import accelerate  # here, not at collection: the test imported it (or skipped) before starting the ranks
+    from accelerate.state import AcceleratorState
+
+    # the ranks are forked: an Accelerator made earlier in the test process (docs/integrations.md's block runs in
+    # the suite) left its one-process state in accelerate's singletons, which the fork copied
+    AcceleratorState._reset_state(reset_partial_state=True)
 
     # Reads RANK, WORLD_SIZE, MASTER_ADDR/PORT and starts gloo. The batch settings that reshape a DataLoader's
     # batches are on, to show they do not reach this loader.

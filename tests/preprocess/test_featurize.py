@@ -234,6 +234,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(datasets, tmp_path, cas
     assert not (tmp_path / "feat").exists()
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_cli_prints_one_json_summary_and_merge(datasets, tmp_path):
     data_dir, _ = datasets["tar"]
     base = [str(data_dir), "--out", str(tmp_path / "feat"), "--backbone", "resnet18", "--weights", "none",

@@ -3,7 +3,6 @@ rerun's files are those of an uninterrupted run."""
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import pytest
@@ -13,25 +12,12 @@ import preprocess.features.cli as features_cli
 import preprocess.features.featurize as featurize
 from preprocess.features.featurize import FeatureConfig, run_precompute
 from shards.cli.common import EXIT_PREEMPTED
-from shards.jobs.preemption import Preempted, StopRequest
+from shards.jobs.preemption import Preempted
 from tests.helpers import make_shard_dataset
+from tests.stop_requests import StopAfter
 
 SHARDS = {"train": [5, 3, 4], "val": [4]}
 SMALL = dict(backbone="resnet18", weights="none", resize=40, crop=32, batch_size=4, workers=0, quiet=True)
-
-
-class StopAtBatch(StopRequest):
-    """A SIGTERM that arrives while the ``n``-th batch is featurised (the run looks once per batch)."""
-
-    def __init__(self, n: int):
-        super().__init__()
-        self.left = n
-
-    def __bool__(self) -> bool:
-        self.left -= 1
-        if self.left <= 0:
-            self.request(signal.SIGTERM)
-        return super().__bool__()
 
 
 def _files(folder: Path) -> dict[str, bytes]:
@@ -46,7 +32,7 @@ def test_a_stopped_run_keeps_its_finished_shards_and_the_rerun_completes_them_ex
     out = tmp_path / "stopped"
     # Batches of 4 over shards of 5, 3, 4, 4: after batch 2 the first two shards are whole, the third is not begun.
     with pytest.raises(Preempted) as stopped:
-        run_precompute(FeatureConfig(data_dir=data_dir, out_dir=out, **SMALL), StopAtBatch(2))
+        run_precompute(FeatureConfig(data_dir=data_dir, out_dir=out, **SMALL), StopAfter(2))
     assert stopped.value.line == (f"stopped by SIGTERM: 2 of this run's 4 shards written in {out}; the same command "
                                   f"again featurises the other 2 (the one in progress from its first image)")
     assert sorted(_files(out)) == ["train-000000.pt", "train-000001.pt"] and not (out / "features.json").exists()

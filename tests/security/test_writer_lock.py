@@ -69,7 +69,7 @@ def test_second_pack_into_a_locked_folder_exits_2_and_writes_nothing(src, tmp_pa
     assert not (out / "dataset.json").exists() and not list(out.glob("*.tar"))
 
 
-@pytest.mark.parametrize("extra", [[], pytest.param(["--append"], marks=pytest.mark.slow),
+@pytest.mark.parametrize("extra", [pytest.param([], marks=pytest.mark.slow), pytest.param(["--append"], marks=pytest.mark.slow),
                                    pytest.param(["--overwrite"], marks=pytest.mark.slow)])
 def test_pack_append_and_overwrite_are_refused_while_an_append_holds_the_folder(src, tmp_path, extra):
     out = tmp_path / "out"

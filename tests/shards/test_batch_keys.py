@@ -63,6 +63,7 @@ def fed_then_saved(loader, batches):
     return keys, state
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_an_epoch_continued_in_another_layout_and_again_in_a_third(folder):
     head, state = fed_then_saved(build(folder, 2), 3)
     second = build(folder, 3)
@@ -76,6 +77,7 @@ def test_an_epoch_continued_in_another_layout_and_again_in_a_third(folder):
     assert [[s["key"] for s in third.batch_keys(0, 5 + i)] for i in range(len(rest))] == rest
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_a_same_layout_resume_answers_as_the_uninterrupted_run(folder):
     whole = [list(batch[2]) for batch in build(folder, 2)]
     first = build(folder, 2)
@@ -115,6 +117,7 @@ def test_weighted_batch_keys_equal_the_batches_iterated(folder, workers, world, 
             assert len(drawn) > len(set(drawn))  # a key drawn more than once is in its batches each time
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_a_weighted_epoch_continued_in_another_layout(folder):
     head, state = fed_then_saved(build(folder, 2, weights=WEIGHTS), 3)
     second = build(folder, 3, batch=5, weights=WEIGHTS)

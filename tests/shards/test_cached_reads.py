@@ -51,6 +51,7 @@ def test_cached_epochs_yield_the_source_samples_and_fetch_each_shard_once(data: 
     assert len(list((tmp_path / "cache").rglob("*.tar"))) == 4
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_a_damaged_cached_copy_is_fetched_again_never_read(data: Path, tmp_path: Path):
     first = open_cached(data, tmp_path / "cache")
     expected = keys_of(first, 0)

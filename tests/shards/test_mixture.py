@@ -92,6 +92,7 @@ def two_feature_sources(tmp_path_factory):
 
 
 # -- the draw --------------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # over half a second in the quick loop
 def test_weights_share_an_epoch_exactly_and_interleave_within_a_binomial_tolerance(two_feature_sources):
     big, small = two_feature_sources
     dataset = shards.open_dataset([SourceSpec(big, weight=1), SourceSpec(small, weight=3)], "train",

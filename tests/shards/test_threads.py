@@ -81,8 +81,8 @@ def test_the_smallest_memory_budget_feeds_the_same_batches_in_every_mode(folder,
     assert same(epochs(make(smallest)), reference)
 
 
-# One saved state for every mode (the cursor's): the quick loop crosses one way, the full suite both.
-@pytest.mark.parametrize("saved_in,resumed_in", [(Threads(2), WorkerProcesses(2, persistent=False)),
+# One saved state for every mode (the cursor's): the full suite crosses both ways (over half a second each).
+@pytest.mark.parametrize("saved_in,resumed_in", [pytest.param(Threads(2), WorkerProcesses(2, persistent=False), marks=pytest.mark.slow),
                                                   pytest.param(WorkerProcesses(2, persistent=False), Threads(2),
                                                                marks=pytest.mark.slow)], ids=str)
 def test_a_state_saved_in_one_mode_continues_exactly_in_the_other(folder, saved_in, resumed_in):

@@ -188,6 +188,7 @@ def test_under_quiet_the_stack_dumps_go_to_the_file_only(data, reference, tmp_pa
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_without_quiet_the_stacks_are_logged_at_info(data, reference, tmp_path, caplog):
     events: list[dict] = []
     loader = open_loader(data, FaultyDecoder(reference[9], "exit", once_dir=str(tmp_path)), events=events,

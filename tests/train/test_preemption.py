@@ -17,6 +17,7 @@ import torch
 
 from shards.cli.common import EXIT_PREEMPTED
 from shards.jobs.preemption import Preempted, StopRequest, stop_signals
+from tests.stop_requests import StopAfter
 from tests.train.configs import train_config
 from train.distributed import DistContext
 from train.run.checkpoint import load_checkpoint
@@ -28,21 +29,6 @@ TIMEOUT_S = 240
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 ONE_PROCESS = DistContext(0, 1, 0, torch.device("cpu"), owns_group=False)
-
-
-class StopAtPoll(StopRequest):
-    """A SIGTERM that arrives at the run's ``n``-th look (once per step and once at each epoch's end):
-    deterministic, no timing."""
-
-    def __init__(self, n: int):
-        super().__init__()
-        self.left = n
-
-    def __bool__(self) -> bool:
-        self.left -= 1
-        if self.left <= 0:
-            self.request(signal.SIGTERM)
-        return super().__bool__()
 
 
 def test_stop_signals_set_the_request_and_put_the_previous_handlers_back():
@@ -88,7 +74,7 @@ def test_a_signal_mid_epoch_saves_the_exact_place_and_the_resume_feeds_what_an_u
     train(run_config(feature_folder, tmp_path / "whole"))
     run = tmp_path / "run"
     with pytest.raises(Preempted) as stopped:
-        train(run_config(feature_folder, run), stop=StopAtPoll(13))  # steps 1-10, epoch 1's end, steps 11-12
+        train(run_config(feature_folder, run), stop=StopAfter(13))  # steps 1-10, epoch 1's end, steps 11-12
     assert stopped.value.line == (f"stopped by SIGTERM: saved {run / 'last.pt'}; --resume starts at epoch 2, "
                                   f"batch 3 of 10 (step 13; 32 samples of the epoch done)")
     saved = load_checkpoint(run / "last.pt")
@@ -103,7 +89,7 @@ def test_a_signal_in_an_epochs_last_step_stops_after_that_epoch_ends(feature_fol
     train(run_config(feature_folder, tmp_path / "whole"))
     run = tmp_path / "run"
     with pytest.raises(Preempted, match=r"starts at the start of epoch 2 \(step 11\)"):
-        train(run_config(feature_folder, run), stop=StopAtPoll(10))
+        train(run_config(feature_folder, run), stop=StopAfter(10))
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 1  # validated and recorded before stopping
     assert load_checkpoint(run / "last.pt")["loader"] is None
     train(run_config(feature_folder, run, resume=True))

@@ -42,19 +42,13 @@ class StopVote:
 
     def poll(self) -> bool:
         """After a step: True to stop now. One process: the request itself; several: the flags sent one step ago."""
-        if self.decided or self.request is None:
-            return self.decided
-        if self.group is None:
-            self.decided = bool(self.request)
-            return self.decided
-        self._settle()
-        if not self.decided:
-            flag = self._flag()
-            self.pending = (dist.all_reduce(flag, group=self.group, async_op=True), flag)
-        return self.decided
+        return self._decide(wait=False)
 
     def agree(self) -> bool:
         """Between epochs: the flags now, every rank waiting for the others."""
+        return self._decide(wait=True)
+
+    def _decide(self, wait: bool) -> bool:
         if self.decided or self.request is None:
             return self.decided
         if self.group is None:
@@ -63,8 +57,11 @@ class StopVote:
         self._settle()
         if not self.decided:
             flag = self._flag()
-            dist.all_reduce(flag, group=self.group)
-            self.decided = bool(flag.item())
+            if wait:
+                dist.all_reduce(flag, group=self.group)
+                self.decided = bool(flag.item())
+            else:  # sent now, read after the next step: no rank waits for another mid-epoch
+                self.pending = (dist.all_reduce(flag, group=self.group, async_op=True), flag)
         return self.decided
 
     def close(self) -> None:
