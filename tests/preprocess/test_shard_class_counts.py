@@ -109,6 +109,7 @@ def test_source_index_rows_carry_the_sample_metadata(tree, tmp_path):
     assert append(cfg).summary["new_files"] == 0  # change detection is unaffected by the new key
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_features_json_shards_carry_the_image_shards_counts(tree, tmp_path):
     data_dir = tmp_path / "out"
     dataset = pack_shards(_config(tree, data_dir))

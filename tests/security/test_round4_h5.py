@@ -82,6 +82,7 @@ def test_a_listed_key_with_a_control_character_is_skipped_with_its_reason_not_th
     assert all(reason.isprintable() for reason in names.values())
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_a_prefix_of_only_unusable_tar_keys_is_refused_naming_why(monkeypatch):
     options = _listing_client(monkeypatch, ["p/b%01c.tar", "p/notes.txt"])
     with pytest.raises(FileNotFoundError, match="usable as shard names.*control characters"):

@@ -266,6 +266,7 @@ def test_a_prior_chain_nested_without_end_is_refused_at_once(folder, continued):
     assert "may continue at most" in message
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_a_refused_state_leaves_the_loader_as_it_was(folder, saved):
     loader = target(folder, saved)
     full = [list(batch[2]) for batch in target(folder, saved)]

@@ -92,7 +92,8 @@ def test_modes_are_frozen_values(folders):
         shards.make_loader(features(folders), 4, mode=2)
 
 
-@pytest.mark.parametrize("mode", [WorkerProcesses(1, persistent=True), InProcess()], ids=str)
+@pytest.mark.parametrize("mode", [pytest.param(WorkerProcesses(1, persistent=True), marks=pytest.mark.slow),
+                                  InProcess()], ids=str)
 def test_the_quarantine_lives_in_the_cursor_and_survives_a_state_round_trip(folders, mode):
     dataset = images(folders)
     first = shards.make_loader(dataset, 4, mode=mode, drop_last=False)

@@ -68,6 +68,7 @@ def damaged_dataset(folder: Path) -> Path:
     return folder
 
 
+@pytest.mark.slow  # over half a second in the quick loop
 def test_parallel_report_is_the_serial_report_for_damaged_images(tmp_path):
     folder = damaged_dataset(tmp_path / "data")
     serial = verify_dataset(folder, full=True, workers=1)
