@@ -7,7 +7,23 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
+import torch
+
 from shards.loader.budget import MemoryBudgetError
+from tests.helpers import make_shard_dataset
+
+SHARD_SIZES = {"train": [9, 8, 7]}
+
+
+def label_decoder(sample, seed):
+    """A decoder whose output size is known only by decoding (a custom one): a 3x4x4 tensor of the label."""
+    return torch.full((3, 4, 4), float(sample.label))
+
+
+def write_small_dataset(root):
+    """Three small shards of 8x8 images, for loaders whose batches a budget or /dev/shm must fit."""
+    make_shard_dataset(root, shard_sizes=SHARD_SIZES, size=(8, 8))
+    return root
 
 
 def smallest_budget(make: Callable[[int], Any]) -> int:

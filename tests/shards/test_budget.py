@@ -16,6 +16,7 @@ from shards.loader.in_process import InProcess
 from shards.loader.threads import Threads
 from shards.loader.worker_processes import WorkerProcesses
 from tests.helpers import make_shard_dataset
+from tests.shards.budget_helpers import label_decoder, write_small_dataset
 
 MIB = 1 << 20
 BATCH = 4 * (3 * 4 * 4 * 4 + 8 + 11)  # what batch_bytes measures: 4 x (float 3x4x4 image, label, 11-letter key)
@@ -45,19 +46,14 @@ def test_fit_depth_is_the_deepest_that_fits_and_refuses_below_one_per_worker():
     assert "\n" not in str(refused.value) and isinstance(refused.value, InputError)
 
 
-def _decoder(sample, seed):
-    return torch.full((3, 4, 4), float(sample.label))
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    root = tmp_path_factory.mktemp("budget")
-    make_shard_dataset(root, shard_sizes={"train": [9, 8, 7]}, size=(8, 8))
-    return root
+    return write_small_dataset(tmp_path_factory.mktemp("budget"))
 
 
 def _loader(folder, mode, memory, epoch=0):
-    dataset = shards.open_dataset(folder, "train", seed=5, return_keys=True, decode=shards.Decode(decoder=_decoder))
+    dataset = shards.open_dataset(folder, "train", seed=5, return_keys=True,
+                                  decode=shards.Decode(decoder=label_decoder))
     dataset.set_epoch(epoch)
     return shards.make_loader(dataset, 4, mode=mode, memory=memory, drop_last=False)
 
@@ -136,7 +132,7 @@ def test_a_fixed_size_transform_needs_no_probe_decode(tmp_path, monkeypatch):
     spec = shards.TransformSpec(preset="eval", size=16)
     standard = shards.open_dataset(tmp_path, "train", transform=spec)
     fast = shards.open_dataset(tmp_path, "train", transform=spec, decode=shards.Decode("fast"), return_keys=True)
-    custom = shards.open_dataset(tmp_path, "train", decode=shards.Decode(decoder=_decoder))
+    custom = shards.open_dataset(tmp_path, "train", decode=shards.Decode(decoder=label_decoder))
     for dataset in (standard, fast):
         monkeypatch.setattr(dataset, "worker_stream", None)  # a decode here would fail
     assert batch_bytes(standard, 4, 2) == 4 * (3 * 16 * 16 * 4 + 8)  # float32 pixels and the label

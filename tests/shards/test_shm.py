@@ -19,6 +19,7 @@ from shards.loader.budget import sample_bytes
 from shards.loader.shm import Piped, PipedCollate, plan_handoff, shm_free, unpipe
 from shards.loader.worker_processes import WorkerProcesses
 from tests.helpers import make_shard_dataset
+from tests.shards.budget_helpers import label_decoder, write_small_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
@@ -59,15 +60,9 @@ def test_piped_collate_makes_no_tensor_and_unpipe_restores_the_batch():
     assert sample_bytes(samples[0]) == 3 * 2 * 4 + 8
 
 
-def _tensor_decoder(sample, seed):
-    return torch.full((3, 4, 4), float(sample.label))
-
-
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
-    root = tmp_path_factory.mktemp("shm")
-    make_shard_dataset(root, shard_sizes={"train": [9, 8, 7]}, size=(8, 8))
-    return root
+    return write_small_dataset(tmp_path_factory.mktemp("shm"))
 
 
 @pytest.mark.slow
@@ -75,7 +70,7 @@ def small(tmp_path_factory):
 def test_a_small_shm_feeds_the_same_batches(small, monkeypatch, caplog, free):
     def batches():
         dataset = shards.open_dataset(small, "train", seed=3, return_keys=True,
-                                      decode=shards.Decode(decoder=_tensor_decoder))
+                                      decode=shards.Decode(decoder=label_decoder))
         loader = shards.make_loader(dataset, 4, mode=WorkerProcesses(2, persistent=False))
         return [(b[0].clone(), b[-1]) for b in loader]
 
