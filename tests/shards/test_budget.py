@@ -5,7 +5,6 @@ line naming the smallest, and no change to the batches, their order or a resume.
 from __future__ import annotations
 
 import pytest
-import torch
 
 import shards
 from shards.cache.memory_budget import MemoryView
