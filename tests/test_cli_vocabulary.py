@@ -151,7 +151,7 @@ def test_the_s3_block_is_one_list():
 
 
 def test_feature_dtype_names_match_featurize():
-    from preprocess.features.featurize import AMP_MODES, DTYPES
+    from preprocess.features.config import AMP_MODES, DTYPES
     from preprocess.features.vocabulary import AMP_NAMES, DTYPE_NAMES
 
     assert set(DTYPE_NAMES) == set(DTYPES) and set(AMP_NAMES) == set(AMP_MODES)

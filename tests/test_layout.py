@@ -40,9 +40,14 @@ def _source_node(path: Path) -> str:
     return _node(".".join(parts)) or parts[0]
 
 
+@lru_cache(maxsize=None)
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
 def _imports(path: Path) -> set[str]:
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
             found.update(f"{node.module}.{alias.name}" for alias in node.names)
@@ -109,6 +114,40 @@ def cycles(graph: dict[str, dict[str, set[str]]]) -> list[list[str]]:
     return found
 
 
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@lru_cache(maxsize=1)
+def module_graph() -> dict[str, dict[str, set[str]]]:
+    """``{module: {module it imports: {"-"}}}`` over every module of the three packages, relative, lazy and
+    ``TYPE_CHECKING`` imports included (a type-only import is still a reader's dependency). A package's
+    ``__init__`` importing its own modules, and a module importing its own package, are not edges: Python runs
+    the package first either way."""
+    paths = {_module_name(p): p for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
+    graph: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(_tree(path)):
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in paths else base for alias in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            for target in targets:
+                while target and target not in paths:
+                    target = target.rpartition(".")[0]
+                if target and target != name and not name.startswith(target + ".") \
+                        and not target.startswith(name + "."):
+                    graph[name][target].add(str(path.relative_to(ROOT)))
+    return graph
+
+
 @pytest.fixture(scope="module")
 def graph() -> dict[str, dict[str, set[str]]]:
     """The import graph, built in setup: the parse is shared by the tests below, not the cost of whichever runs
@@ -123,6 +162,19 @@ def test_no_folder_level_import_runs_back_up(graph):
                  if b in graph.get(a, {})]
         problems.append("cycle: " + "; ".join(edges))
     assert not problems, "\n".join(problems)
+
+
+@pytest.fixture(scope="module")
+def modules() -> dict[str, dict[str, set[str]]]:
+    """The module-level import graph, built in setup (as ``graph``)."""
+    return module_graph()
+
+
+def test_no_module_level_import_loop(modules):
+    """Modules import in one direction inside a folder too: a loop means neither module can be read alone (and a
+    lazy import that hides one from Python is still one here)."""
+    loops = [" -> ".join(component) for component in cycles(modules)]
+    assert loops == []
 
 
 @pytest.mark.parametrize("package, forbidden", [("shards", ("train", "preprocess")), ("preprocess", ("train",)),

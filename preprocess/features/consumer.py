@@ -25,12 +25,13 @@ import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 
 from preprocess.features.assembly import FeatureAssembly, ShardParts
 from preprocess.features.backbones import Backbone
+from preprocess.features.config import AMP_MODES, DTYPES, FeatureConfig
 from preprocess.features.decode_share import SplitMeter, live_split
 from preprocess.features.feature_stats import FeatureStats, check_shard
 from preprocess.features.loader import FeatureDecoder, ShardJob, ShardReader
@@ -47,11 +48,6 @@ from shards.jobs.preemption import Preempted, StopRequest
 from shards.jobs.progress import progress
 from shards.manifest import ShardInfo
 
-if TYPE_CHECKING:
-    from preprocess.features.featurize import FeatureConfig
-
-DTYPES = {"float16": torch.float16, "float32": torch.float32}
-AMP_MODES = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}
 MAX_UNWRITTEN = 4  # finished shards waiting for their check and write: their features are held in memory
 STAGES = ("wait", "prepare", "forward", "assemble", "copy_back", "write")
 
@@ -169,7 +165,7 @@ def _model_inputs(job: ShardJob, pieces: list[dict[str, Any]], spec: TransformSp
     return images, views
 
 
-def _write_job(cfg: "FeatureConfig", job: ShardJob, shard: FeatureShard, digest: str,
+def _write_job(cfg: FeatureConfig, job: ShardJob, shard: FeatureShard, digest: str,
                stats: FeatureStats | None = None) -> None:
     path = feature_path(cfg.out_dir, job, cfg.storage)
     if cfg.storage == "hdf5":  # HDF5 crashes on a disk that fills up under it: refused before (shards.atomic)
@@ -185,7 +181,7 @@ def _tensor_bytes(shard: FeatureShard) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def _decoder(cfg: "FeatureConfig", spec: TransformSpec, augment: AugmentSpec | None,
+def _decoder(cfg: FeatureConfig, spec: TransformSpec, augment: AugmentSpec | None,
              meter: SplitMeter | None) -> FeatureDecoder:
     """``--decode``'s per-sample step; under ``auto`` the device path, its share read live from ``meter``."""
     if meter is None:
@@ -193,7 +189,7 @@ def _decoder(cfg: "FeatureConfig", spec: TransformSpec, augment: AugmentSpec | N
     return FeatureDecoder(spec, augment, "device", live_share=meter.live)
 
 
-def featurize_jobs(cfg: "FeatureConfig", jobs: list[ShardJob], reader: ShardReader, extractor: FeatureExtractor,
+def featurize_jobs(cfg: FeatureConfig, jobs: list[ShardJob], reader: ShardReader, extractor: FeatureExtractor,
                    spec: TransformSpec, augment: AugmentSpec | None, digest: str, stop: StopRequest) -> RunStats:
     """Features of every job's shard, each checked (``reader.check_bytes``) and written on the writer thread while
     the next ones are computed, at most ``MAX_UNWRITTEN`` shards waiting; a failed check or write stops the run at
@@ -275,7 +271,7 @@ def featurize_jobs(cfg: "FeatureConfig", jobs: list[ShardJob], reader: ShardRead
     return stats
 
 
-def _preempted(cfg: "FeatureConfig", stop: StopRequest, jobs: list[ShardJob], stats: RunStats) -> Preempted:
+def _preempted(cfg: FeatureConfig, stop: StopRequest, jobs: list[ShardJob], stats: RunStats) -> Preempted:
     """Where a rerun of the same command starts: the shards not written yet (a shard is the unit of resume:
     ``preprocess.features.state``)."""
     return Preempted(f"stopped by {stop.signal_name}: {stats.shards_done} of this run's {len(jobs)} shards written "

@@ -41,7 +41,7 @@ from shards.errors import InputError
 if TYPE_CHECKING:
     import torch
 
-    from preprocess.features.featurize import FeatureConfig
+    from preprocess.features.config import FeatureConfig
 
 log = logging.getLogger(__name__)
 

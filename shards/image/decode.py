@@ -88,7 +88,7 @@ class ImageDecoder:
     def __init__(self, transform=None, *, draft_size: tuple[int, int] | None = None):
         self.transform = transform
         self.draft_size = draft_size
-        # Set by the loader's probe (``shards.loader.transform_probe``) when the transform drew from no global
+        # Set by the loader's probe (``shards.stream.transform_probe``) when the transform drew from no global
         # generator on the dataset's first samples: the training process then calls it as it is (threads run it
         # beside the training step, whose generator it must not touch); a worker process still seeds it per sample.
         self.draws_nothing = False

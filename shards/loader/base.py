@@ -24,6 +24,7 @@ import numpy as np
 
 from shards.errors import InputError
 from shards.loader.budget import MemoryBudget
+from shards.loader.mode_spelling import parse_mode
 from shards.procs.stage_times import SharedStageTimes
 from shards.loader.resume_audit import (
     ResumeAudit, check_state, fed_batches, last_verdict, resume_verdict, saved_with_audit,
@@ -70,7 +71,7 @@ class RunMode(ABC):
     restarted at the position), ``"raise"`` (a thread cannot be killed: an error naming the sample and the stack),
     None (refused).
 
-    One spelling everywhere (``shards.loader.loader``): ``RunMode.parse(text | dict | int)`` reads the CLI's text
+    One spelling everywhere (``shards.loader.mode_spelling``): ``RunMode.parse(text | dict | int)`` reads the CLI's text
     (``"processes:4,decoders=2"``), the JSON form ``to_json()`` writes (``{"kind": "processes", "workers": 4,
     ...}``, what configs and run records keep) and a bare worker count (older records); ``kind`` names the mode
     in both. Options mean the same in every mode that has them: ``prefetch`` (batches each worker prepares
@@ -82,12 +83,19 @@ class RunMode(ABC):
     workers: int = 0
     on_stall: str | None = None
 
+    # kind -> mode class: each mode joins when its class is defined (the package imports every mode, so a parse
+    # sees them all); the spelling reads kinds from here and imports no mode (``shards.loader.mode_spelling``).
+    KINDS: ClassVar[dict[str, type["RunMode"]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.kind:
+            RunMode.KINDS[cls.kind] = cls
+
     @classmethod
     def parse(cls, value: Any) -> "RunMode":
         """The run mode ``value`` spells (see the class docstring); an ``InputError`` naming what is wrong."""
-        from shards.loader.loader import parse_mode  # the modes are defined above this module
-
-        return parse_mode(value)
+        return parse_mode(value, RunMode.KINDS)
 
     def to_json(self) -> dict[str, Any]:
         """``{"kind": ..., <field>: <value>, ...}``: the one JSON form, which ``parse`` reads back to an equal mode."""

@@ -5,34 +5,27 @@ The run mode is one value: ``WorkerProcesses(n)`` (``shards.loader.worker_proces
 (``shards.loader.threads``), ``InProcess()`` (``shards.loader.in_process``) or ``"auto"``: ``Auto(n)``
 (``shards.loader.auto``), the one with the lowest step time; stall recovery is one value too, a ``StallPolicy``
 (``shards.loader.watchdog``), which a mode with worker processes or threads applies. A mode has one spelling
-(``parse_mode``, as ``RunMode.parse``): the CLI's text, the JSON form configs and run records keep, a bare count.
+(``RunMode.parse``, ``shards.loader.mode_spelling``): the CLI's text, the JSON form configs and run records keep, a bare count.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from shards.errors import InputError
-from shards.jobs.parallel import MAX_DEFAULT_WORKERS, usable_cpus
 from shards.loader.auto import Auto
 from shards.loader.base import Loader, RunMode
 from shards.loader.budget import MemoryBudget, resolve_budget
 from shards.loader.in_process import InProcess
-from shards.loader.threads import Threads
+from shards.loader.mode_spelling import default_num_workers
 from shards.loader.torch_keywords import (
     check_process_options, refuse_unknown, with_queue_options, workers_of,
 )
 from shards.loader.watchdog import StallPolicy
 from shards.loader.worker_processes import WorkerProcesses
-
-
-def default_num_workers() -> int:
-    """One worker per CPU this process may use, leaving one for the training loop, capped at 8."""
-    return max(1, min(MAX_DEFAULT_WORKERS, usable_cpus() - 1))
 
 
 def default_mode(dataset: Any) -> RunMode:
@@ -151,84 +144,6 @@ def resolve_mode(dataset: Any, mode: Any, num_workers: int | None = None) -> Run
     if isinstance(parsed, Auto) and dataset.ready_rows:
         return InProcess()  # nothing to try over feature rows (``auto_mode``)
     return parsed
-
-
-# -- the run mode's one spelling (``RunMode.parse``) ------------------------------------------------------------------
-# Why one place: the mode was spelled four ways (a value in Python, three CLI strings, a bare ``workers`` integer in
-# the run record and the forecast), each with its own reading of a count or a name. Text:
-# ``KIND[:WORKERS][,NAME=VALUE...]`` (``"threads:8,decoders=2"``, ``"auto"``, ``"auto:4"``); a bare count ``N``
-# (text or integer) is ``processes:N``, 0 ``in-process``, as DataLoader's ``num_workers`` and ``--workers`` mean it.
-# JSON: ``{"kind": KIND, FIELD: VALUE, ...}``, the mode's own fields (``RunMode.to_json``). A mode that needs
-# workers and is given none gets ``default_num_workers()``.
-MODES: dict[str, type[RunMode]] = {mode.kind: mode for mode in (WorkerProcesses, Threads, InProcess, Auto)}
-_SPELLING = "give KIND[:WORKERS][,NAME=VALUE...] with KIND one of " + ", ".join(MODES) + ", or a worker count"
-
-
-def parse_mode(value: Any) -> RunMode:
-    """The ``RunMode`` ``value`` spells: a mode itself, a worker count, the text or the JSON form (the comment
-    above); an ``InputError`` naming what is wrong and the spelling otherwise."""
-    if isinstance(value, RunMode):
-        return value
-    if isinstance(value, bool):
-        raise InputError(f"run mode {value!r} is not a run mode: {_SPELLING}")
-    if isinstance(value, int):
-        return _of_count(value)
-    if isinstance(value, str):
-        return _of_text(value)
-    if isinstance(value, Mapping):
-        return _of_json(value)
-    raise InputError(f"run mode {value!r} is not a run mode: {_SPELLING}")
-
-
-def _of_count(count: int) -> RunMode:
-    if count < 0:
-        raise InputError(f"a worker count must be >= 0, got {count} (0: in the training process)")
-    return InProcess() if count == 0 else WorkerProcesses(count)
-
-
-def _of_text(text: str) -> RunMode:
-    head, *options = [part.strip() for part in text.strip().split(",")]
-    if head.isdigit():
-        if options:
-            raise InputError(f"run mode {text!r}: options need a kind ({head} is processes:{head})")
-        return _of_count(int(head))
-    kind, _, count = head.partition(":")
-    record: dict[str, Any] = {"kind": kind}
-    if count:
-        if not count.isdigit():
-            raise InputError(f"run mode {text!r}: {count!r} is not a worker count; {_SPELLING}")
-        record["workers"] = int(count)
-    for option in options:
-        name, equals, number = option.partition("=")
-        if not equals:
-            raise InputError(f"run mode {text!r}: {option!r} is not NAME=VALUE; {_SPELLING}")
-        record[name.strip()] = _value(text, number.strip())
-    return _of_json(record, repr(text))
-
-
-def _value(text: str, value: str) -> Any:
-    if value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    if value.isdigit():
-        return int(value)
-    raise InputError(f"run mode {text!r}: {value!r} is neither a whole number nor true/false")
-
-
-def _of_json(record: Mapping[str, Any], spelled: str | None = None) -> RunMode:
-    kind = record.get("kind")
-    mode = MODES.get(kind) if isinstance(kind, str) else None
-    if mode is None:
-        raise InputError(f"run mode {spelled or repr(dict(record))}: kind {kind!r} is not one of {', '.join(MODES)}")
-    known = {item.name for item in dataclasses.fields(mode)}
-    options = {name: value for name, value in record.items() if name != "kind"}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        renamed = mode.RENAMED.get(unknown[0])
-        hint = renamed or (f"it takes {', '.join(sorted(known))}" if known else "it takes no options")
-        raise InputError(f"run mode {kind!r} has no option {unknown[0]!r}: {hint}")
-    if "workers" in known and "workers" not in options:
-        options["workers"] = default_num_workers()
-    return mode(**options)
 
 
 def pad_collate(batch: Sequence[tuple]) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from shards.atomic import write_text_shared
 from shards.errors import CorruptDataError, InputError, ShardcacheError
 from shards.loader.base import Loader, Run, RunMode
 from shards.loader.batch_fill import BatchFill
-from shards.loader.transform_probe import global_draws
+from shards.stream.transform_probe import global_draws
 from shards.loader.budget import batch_bytes, dataset_read_ahead, fit_depth, split_budget
 from shards.loader.watchdog import row_location
 from shards.position.resume import STREAM
@@ -99,7 +99,7 @@ class Threads(RunMode):
         """A callable transform that draws from a global random generator (torch's, Python's, NumPy's) on the
         dataset's first samples: it would race the training step's random numbers in threads, and threads cannot
         seed it per sample. One that draws nothing (a deterministic eval ``Compose``) runs here
-        (``shards.loader.transform_probe``)."""
+        (``shards.stream.transform_probe``)."""
         return global_draws(dataset)
 
 

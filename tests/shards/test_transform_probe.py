@@ -1,4 +1,4 @@
-"""``Threads`` and a callable transform (``shards.loader.transform_probe``): one that draws nothing from a global
+"""``Threads`` and a callable transform (``shards.stream.transform_probe``): one that draws nothing from a global
 random generator on the first samples runs in threads, the trainer's generator untouched, and ``Auto`` tries threads
 with it; one that draws (torch's, Python's ``random``, NumPy's) is refused by name with the fix."""
 
