@@ -17,16 +17,19 @@ from typing import Any, Callable
 
 import torch
 
+from shards.procs.slabs import BufferPool
 from shards.procs.torch_private import default_collate, pin_nested
 
 
 class BatchFill:
     """One batch at a time of up to ``batch_size`` samples; ``pin``: allocate in page-locked memory."""
 
-    def __init__(self, batch_size: int, *, pin: bool = False, collate_fn: Callable | None = None):
+    def __init__(self, batch_size: int, *, pin: bool = False, collate_fn: Callable | None = None,
+                 buffers: BufferPool | None = None):
         self.batch_size = batch_size
         self.pin = pin
         self.collate_fn = collate_fn
+        self.buffers = None if pin else buffers  # pinned memory has torch's own cache
         self._clear()
 
     def _clear(self) -> None:
@@ -39,7 +42,9 @@ class BatchFill:
         if self.listed is None and self.collate_fn is None and self._fits(sample):
             if self.first is None:
                 head = sample[0]
-                self.first = torch.empty((self.batch_size, *head.shape), dtype=head.dtype, pin_memory=self.pin)
+                shape = (self.batch_size, *head.shape)
+                self.first = (self.buffers.tensor(head.dtype, shape) if self.buffers is not None
+                              else torch.empty(shape, dtype=head.dtype, pin_memory=self.pin))
             self.first[self.count].copy_(sample[0])
             self.rest.append(sample[1:])
         else:

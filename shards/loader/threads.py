@@ -41,6 +41,7 @@ from shards.atomic import write_text_shared
 from shards.errors import CorruptDataError, InputError, ShardcacheError
 from shards.loader.base import Loader, Run, RunMode
 from shards.loader.batch_fill import BatchFill
+from shards.procs.slabs import BufferPool
 from shards.stream.transform_probe import global_draws
 from shards.loader.budget import batch_bytes, dataset_read_ahead, fit_depth, split_budget
 from shards.loader.watchdog import row_location
@@ -125,6 +126,7 @@ class ThreadRun(Run):
         self.depth: int | None = None  # each thread's queue, fitted to the loader's memory budget at the first epoch
         self.parts = None  # the budget divided (``shards.loader.budget.BudgetParts``), at the first epoch
         self._current: _Epoch | None = None
+        self.buffers: BufferPool | None = None  # batch buffers reused between batches (``shards.procs.slabs``)
 
     def batches(self) -> Iterator[Any]:
         self.close()  # a new iteration: the last one's threads stop first
@@ -141,6 +143,7 @@ class ThreadRun(Run):
             # in flight: each thread's queue and the batch it fills, and the one the loop holds
             self.depth = fit_depth(loader.memory, batch, mode.workers, mode.prefetch, mode.workers + 1, mode,
                                    reserved)
+            self.buffers = BufferPool(keep=mode.workers * (self.depth + 1) + 1)  # as many as are in flight
         epoch = self._current = _Epoch(self)
         cursor = self.loader.cursor
         try:
@@ -185,7 +188,8 @@ class _Epoch:
         try:
             one_intraop_thread()
             times = loader.stage_times
-            fill = BatchFill(loader.batch_size, pin=loader.pin_memory and _cuda(), collate_fn=loader.collate_fn)
+            fill = BatchFill(loader.batch_size, pin=loader.pin_memory and _cuda(), collate_fn=loader.collate_fn,
+                             buffers=self.run.buffers)
             watch = self.run.status.slot(worker)
             stream = loader.dataset.worker_stream(StreamJob(
                 epoch, worker, self.workers, split_batch=loader.batch_size, skip=skip, left=left, stage_times=times,

@@ -34,8 +34,8 @@ from shards.loader.base import Loader, Run, RunMode, restarted_by_watchdog
 from shards.procs import torch_private
 from shards.loader.watchdog import StallPolicy, Watchdog
 from shards.loader.budget import BudgetParts, batch_bytes, dataset_read_ahead, fit_depth, split_budget
-from shards.loader.shm import (EXTRA_BATCHES, Handoff, PipedCollate, announce, plan_handoff, shm_free,
-                               unpipe)
+from shards.procs.shm import EXTRA_BATCHES, Handoff, PipedCollate, announce, plan_handoff, shm_free, unpipe
+from shards.procs.slabs import SLAB_MIN_BYTES, SlabCollate, SlabRing, unslab
 from shards.procs.stage_times import SharedStageTimes, TimedCollate
 from shards.procs.worker_status import WorkerStatus
 from shards.position.elastic import Continuation
@@ -44,6 +44,9 @@ from shards.position.resume import STREAM
 from shards.position.shared_blocks import SharedQuarantine, SharedResume
 from shards.stream.decode_ahead import AHEAD_PER_THREAD, DecodeAhead
 from shards.stream.worker_stream import StreamJob
+
+
+SLOT_SLACK = 4096  # a ring slot's bytes beyond the measured batch: alignment, a sample a little larger
 
 
 @dataclass(frozen=True)
@@ -199,7 +202,8 @@ class DataLoaderRun(Run):
         self._times = times
         self.workers, self.prefetch_factor, self.threads = workers, prefetch_factor, threads
         self.parts: BudgetParts | None = None  # the loader's budget divided, at the first iteration
-        self.handoff: Handoff | None = None  # planned at the first iteration (shards.loader.shm)
+        self.handoff: Handoff | None = None  # planned at the first iteration (shards.procs.shm)
+        self.ring: SlabRing | None = None  # the workers' reused batch slots, when the hand-off has them
         options = dict(loader.dataloader_options)
         if workers > 0:
             init = options.get("worker_init_fn")
@@ -220,13 +224,15 @@ class DataLoaderRun(Run):
             options["prefetch_factor"] = self.handoff.prefetch_factor
             if self.handoff.piped:
                 collate_fn, options["pin_memory"] = PipedCollate(collate_fn), False  # ``unpipe`` pins
+            elif self.ring is not None:
+                collate_fn = SlabCollate(collate_fn, self.ring)
         if self._times is not None:
             collate_fn = TimedCollate(collate_fn, self._times)
         return DataLoader(self.feed, collate_fn=collate_fn, **options)
 
     def _plan_handoff(self) -> None:
         """Fit the batches waiting to the loader's memory budget (``shards.loader.budget``) and to what
-        ``/dev/shm`` has free (``shards.loader.shm``), once, before the first workers start."""
+        ``/dev/shm`` has free (``shards.procs.shm``), once, before the first workers start."""
         loader = self.loader
         size = batch_bytes(loader.dataset, loader.batch_size, self.workers, isolated=True)
         reserved = 0
@@ -240,6 +246,8 @@ class DataLoaderRun(Run):
                           reserved)
         self.handoff = plan_handoff(shm_free(), size, self.workers, depth)
         announce(self.handoff)
+        if self.handoff.slots and size >= SLAB_MIN_BYTES:  # smaller batches: a ring would only move labels
+            self.ring = SlabRing(self.workers, self.handoff.slots, size + SLOT_SLACK)
         self.dataloader = self._new_dataloader()
 
     def batches(self) -> Iterator[Any]:
@@ -261,13 +269,17 @@ class DataLoaderRun(Run):
         iterator = iter(self.dataloader)
         self._iterators.add(iterator)
         if self.handoff is not None and self.handoff.piped:
-            return _Unpiped(iterator, self.loader.pin_memory)
+            return _Received(iterator, lambda batch: unpipe(batch, self.loader.pin_memory))
+        if self.ring is not None:
+            return _Received(iterator, lambda batch: unslab(batch, False))  # the pin thread pins its own
         return iterator
 
     def restart(self) -> None:
         """Continue the current epoch on fresh workers (the old ones are gone) at the batches handed out, with
         the quarantine as it now is: the loader's own state, saved and loaded."""
         state = self.loader.position_state()
+        if self.ring is not None:  # a killed worker may have left a slot half filled: fresh workers, fresh slots
+            self.ring = SlabRing(self.ring.workers, self.ring.slots, self.ring.slot_bytes)
         self.dataloader = self._new_dataloader()
         self.loader.continue_from(state)
 
@@ -287,18 +299,22 @@ class DataLoaderRun(Run):
         torch_private.forget_persistent_iterator(self.dataloader)  # the next epoch starts fresh workers
 
 
-class _Unpiped:
-    """A DataLoader iterator whose batches came by pipe, as tensors again; the attributes the watchdog reads and
-    sets (``_get_data``, the worker status) are the DataLoader iterator's own."""
+class _Received:
+    """A DataLoader iterator whose batches came by pipe or in ring slots, as tensors again; the attributes the
+    watchdog reads and sets (``_get_data``, the worker status) are the DataLoader iterator's own."""
 
-    def __init__(self, iterator: Any, pin: bool):
-        self.__dict__["_iterator"], self.__dict__["_pin"] = iterator, pin
+    def __init__(self, iterator: Any, convert: Callable[[Any], Any]):
+        self.__dict__["_iterator"], self.__dict__["_convert"] = iterator, convert
 
-    def __iter__(self) -> _Unpiped:
+    @property
+    def torch_iterator(self) -> Any:
+        return self._iterator
+
+    def __iter__(self) -> _Received:
         return self
 
     def __next__(self) -> Any:
-        return unpipe(next(self._iterator), self._pin)
+        return self._convert(next(self._iterator))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._iterator, name)

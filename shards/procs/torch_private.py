@@ -25,6 +25,7 @@ __all__ = [
 def release_sigchld(iterator: Any) -> None:
     """Take ``iterator``'s worker pids out of torch's ``SIGCHLD`` handler, which would raise wherever the main thread
     happens to be when a worker dies; the caller watches the workers itself."""
+    iterator = getattr(iterator, "torch_iterator", iterator)  # torch keys the pids by its own iterator's id
     if getattr(iterator, "_worker_pids_set", False):
         signal_handling._remove_worker_pids(id(iterator))
         iterator._worker_pids_set = False

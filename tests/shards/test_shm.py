@@ -1,4 +1,4 @@
-"""Worker processes fit their batches to the space /dev/shm has (``shards.loader.shm``): a shallower prefetch, or
+"""Worker processes fit their batches to the space /dev/shm has (``shards.procs.shm``): a shallower prefetch, or
 the pipe when not one batch per worker fits; the same batches either way, and an epoch that completes on a real
 64 MB tmpfs over /dev/shm."""
 
@@ -16,7 +16,7 @@ import torch
 import shards
 from shards.loader import worker_processes
 from shards.loader.budget import sample_bytes
-from shards.loader.shm import Piped, PipedCollate, plan_handoff, shm_free, unpipe
+from shards.procs.shm import Piped, PipedCollate, plan_handoff, shm_free, unpipe
 from shards.loader.worker_processes import WorkerProcesses
 from tests.helpers import make_shard_dataset
 from tests.shards.budget_helpers import label_decoder, write_small_dataset
@@ -76,7 +76,7 @@ def test_a_small_shm_feeds_the_same_batches(small, monkeypatch, caplog, free):
 
     expected = batches()
     monkeypatch.setattr(worker_processes, "shm_free", lambda: free)
-    with caplog.at_level(logging.WARNING, logger="shards.loader.shm"):
+    with caplog.at_level(logging.WARNING, logger="shards.procs.shm"):
         got = batches()
     assert [keys for _, keys in got] == [keys for _, keys in expected]
     assert all(torch.equal(a, b) for (a, _), (b, _) in zip(got, expected))

@@ -55,24 +55,36 @@ class Handoff:
     prefetch_factor: int
     piped: bool = False
     note: str | None = None
+    slots: int = 0  # slots per worker in a reused ring (``shards.procs.slabs``); 0: a new file per batch
 
 
 def plan_handoff(free: int | None, batch: int, workers: int, prefetch_factor: int) -> Handoff:
     """The deepest prefetch (at most ``prefetch_factor``) whose ``workers x prefetch + EXTRA_BATCHES`` batches of
     ``batch`` bytes fit in ``SHM_SHARE`` of ``free``; the pipe, one batch ahead per worker, when none does."""
-    if free is None or batch <= 0:
+    if batch <= 0:
         return Handoff(prefetch_factor)
+    if free is None:
+        return Handoff(prefetch_factor, slots=prefetch_factor + 1)
     room = int(free * SHM_SHARE)
     depth = min(prefetch_factor, (room // batch - EXTRA_BATCHES) // workers)
     if depth >= prefetch_factor:
-        return Handoff(prefetch_factor)
+        return Handoff(prefetch_factor, slots=ring_slots(room // batch, workers, prefetch_factor))
     said = (f"{SHM_PATH} has {human_bytes(free)} free and a batch takes about {human_bytes(batch)}, so {workers} "
             f"worker processes x prefetch_factor {prefetch_factor} would not fit")
     if depth >= 1:
-        return Handoff(depth, note=f"{said}: each worker prepares {depth} batch(es) ahead instead")
+        return Handoff(depth, note=f"{said}: each worker prepares {depth} batch(es) ahead instead",
+                       slots=ring_slots(room // batch, workers, depth))
     return Handoff(1, piped=True, note=(
         f"{said}: batches come from the workers through a pipe instead of shared memory, one ahead each (slower; "
         f"a larger {SHM_PATH}, e.g. docker --shm-size, restores the default)"))
+
+
+def ring_slots(room: int, workers: int, depth: int) -> int:
+    """Slots per worker for a reused ring (``shards.procs.slabs``) when ``room`` batches fit: one beyond the
+    worker's ``depth`` in flight (the batch the loop holds), with room left for ``EXTRA_BATCHES`` made anew
+    when a loop keeps batches; 0 when that does not fit."""
+    slots = depth + 1
+    return slots if workers * slots + EXTRA_BATCHES <= room else 0
 
 
 @dataclass(frozen=True)
@@ -92,6 +104,9 @@ class Piped:
     def tensor(self) -> torch.Tensor:
         return torch.from_numpy(self.data).view(getattr(torch, self.dtype)).reshape(self.shape)
 
+    def pin_memory(self, device: Any = None) -> torch.Tensor:  # the DataLoader's pin thread calls this
+        return self.tensor().pin_memory()
+
 
 def _plain_stack(batch: Any, *, collate_fn_map: Any = None) -> torch.Tensor:
     return torch.stack(batch, 0)  # no ``out=`` in shared memory, which default_collate allocates in a worker
@@ -100,15 +115,16 @@ def _plain_stack(batch: Any, *, collate_fn_map: Any = None) -> torch.Tensor:
 _PLAIN_MAP = {**default_collate_fn_map, torch.Tensor: _plain_stack}
 
 
-def _nested(value: Any, leaf: Callable[[Any], Any], kind: type) -> Any:
+def nested_map(value: Any, leaf: Callable[[Any], Any], kind: type | tuple[type, ...]) -> Any:
+    """``value`` with each ``kind`` inside its dicts, lists, tuples and namedtuples replaced by ``leaf`` of it."""
     if isinstance(value, kind):
         return leaf(value)
     if isinstance(value, dict):
-        return type(value)((key, _nested(item, leaf, kind)) for key, item in value.items())
+        return type(value)((key, nested_map(item, leaf, kind)) for key, item in value.items())
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_nested(item, leaf, kind) for item in value))
+        return type(value)(*(nested_map(item, leaf, kind) for item in value))
     if isinstance(value, (list, tuple)):
-        return type(value)(_nested(item, leaf, kind) for item in value)
+        return type(value)(nested_map(item, leaf, kind) for item in value)
     return value
 
 
@@ -124,12 +140,12 @@ class PipedCollate:
             batch = collate(samples, collate_fn_map=_PLAIN_MAP)
         else:
             batch = self.collate_fn(samples)
-        return _nested(batch, Piped.of, torch.Tensor)
+        return nested_map(batch, Piped.of, torch.Tensor)
 
 
 def unpipe(batch: Any, pin: bool) -> Any:
     """A piped batch's tensors again (in page-locked memory when ``pin``: its DataLoader does not pin it)."""
-    batch = _nested(batch, Piped.tensor, Piped)
+    batch = nested_map(batch, Piped.tensor, Piped)
     return pin_nested(batch) if pin else batch
 
 
