@@ -67,8 +67,8 @@ def test_a_batch_lands_in_the_ring_and_its_slot_is_free_when_dropped():
 
 def test_a_loop_that_keeps_every_batch_gets_them_unchanged():
     ring = SlabRing(workers=2, slots=2, slot_bytes=8 * 3 * 48 * 64)
-    kept = [unslab(batch, pin=False) for batch in _loader(ring, count=128)]
-    assert sum(len(labels) for _, labels in kept) == 128
+    kept = [unslab(batch, pin=False) for batch in _loader(ring, count=64)]
+    assert sum(len(labels) for _, labels in kept) == 64
     assert all(_expected(images, labels) for images, labels in kept)  # no slot was refilled under a kept batch
     in_ring = [_in_ring(ring, images) for images, _ in kept]
     assert 0 < sum(in_ring) <= 4  # the 4 slots, then batches of their own
@@ -172,3 +172,25 @@ def test_worker_processes_hand_over_in_the_ring_the_batches_every_mode_gives(fol
     for expected in (threads, plain):
         assert [batch[-1] for batch in got] == [batch[-1] for batch in expected]
         assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected))
+
+
+@pytest.mark.slow  # spawned workers import torch: seconds
+def test_a_spawn_context_gets_the_ring_and_the_loaders_shared_blocks(folder):
+    """``multiprocessing_context="spawn"`` (DataLoader's keyword) pickles the ring and every shared block to the
+    workers; a block made by a fork context would refuse that."""
+    dataset = shards.open_dataset(folder, "train", seed=5, return_keys=True,
+                                  decode=shards.Decode(decoder=_key_decoder))
+    loader = shards.make_loader(dataset, 8, mode=WorkerProcesses(2), multiprocessing_context="spawn")
+    try:
+        got = list(loader)
+        assert sum(len(batch[-1]) for batch in got) == 40
+        assert all(torch.equal(batch[0][j], _key_decoder(_Keyed(key), 0)) for batch in got
+                   for j, key in enumerate(batch[-1]))
+        assert any(_in_ring(loader.run.ring, batch[0]) for batch in got)
+    finally:
+        loader.close()
+
+
+class _Keyed:
+    def __init__(self, key):
+        self.key = key
