@@ -150,10 +150,12 @@ def folder(tmp_path_factory):
     return root
 
 
+def _dataset(folder):
+    return shards.open_dataset(folder, "train", seed=5, return_keys=True, decode=shards.Decode(decoder=_key_decoder))
+
+
 def _epoch(folder, mode):
-    dataset = shards.open_dataset(folder, "train", seed=5, return_keys=True,
-                                  decode=shards.Decode(decoder=_key_decoder))
-    loader = shards.make_loader(dataset, 8, mode=mode)
+    loader = shards.make_loader(_dataset(folder), 8, mode=mode)
     try:
         return loader, [batch for batch in loader]
     finally:
@@ -178,9 +180,7 @@ def test_worker_processes_hand_over_in_the_ring_the_batches_every_mode_gives(fol
 def test_a_spawn_context_gets_the_ring_and_the_loaders_shared_blocks(folder):
     """``multiprocessing_context="spawn"`` (DataLoader's keyword) pickles the ring and every shared block to the
     workers; a block made by a fork context would refuse that."""
-    dataset = shards.open_dataset(folder, "train", seed=5, return_keys=True,
-                                  decode=shards.Decode(decoder=_key_decoder))
-    loader = shards.make_loader(dataset, 8, mode=WorkerProcesses(2), multiprocessing_context="spawn")
+    loader = shards.make_loader(_dataset(folder), 8, mode=WorkerProcesses(2), multiprocessing_context="spawn")
     try:
         got = list(loader)
         assert sum(len(batch[-1]) for batch in got) == 40
