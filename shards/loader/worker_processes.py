@@ -266,6 +266,8 @@ class DataLoaderRun(Run):
         continued = self.cursor.begin()
         self.feed.left = continued.left if continued is not None else None
         self.feed.resume.write(self.cursor.resume(continued))  # before the workers start their epoch
+        if self.ring is not None and all(torch_private.workers_stopped(it) for it in self._iterators):
+            self.ring.reclaim()  # no worker of an earlier iteration is left to fill a slot
         iterator = iter(self.dataloader)
         self._iterators.add(iterator)
         if self.handoff is not None and self.handoff.piped:

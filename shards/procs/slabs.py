@@ -190,6 +190,17 @@ class SlabRing:
         self.state.numpy()[slot] = _FREE
 
 
+    def reclaim(self) -> None:
+        """Free every slot no batch here holds: for when every worker that could be filling one has stopped (an
+        epoch left early leaves its workers' last slots filled and never sent)."""
+        with self._lock:
+            held = set(self._held)
+        state = self.state.numpy()
+        for slot in range(len(state)):
+            if slot not in held:
+                state[slot] = _FREE
+
+
 class _SlotWriter:
     """One batch's place in a slot: tensors laid end to end from byte 0."""
 

@@ -18,7 +18,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as pin_nested
 __all__ = [
     "awaited_index", "awaited_workers", "collate", "default_collate", "default_collate_fn_map",
     "forget_persistent_iterator", "pin_nested", "pin_thread_dead", "release_sigchld", "replace_get_data",
-    "shutdown_workers", "try_get_data", "worker_processes", "workers_expected",
+    "shutdown_workers", "try_get_data", "worker_processes", "workers_expected", "workers_stopped",
 ]
 
 
@@ -72,6 +72,11 @@ def shutdown_workers(iterator: Any) -> None:
     shutdown = getattr(iterator, "_shutdown_workers", None)
     if shutdown is not None:
         shutdown()
+
+
+def workers_stopped(iterator: Any) -> bool:
+    """Whether ``iterator``'s worker processes have been shut down (an exhausted or closed non-persistent one)."""
+    return bool(getattr(iterator, "_shutdown", True))
 
 
 def forget_persistent_iterator(dataloader: Any) -> None:

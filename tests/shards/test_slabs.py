@@ -194,3 +194,20 @@ def test_a_spawn_context_gets_the_ring_and_the_loaders_shared_blocks(folder):
 class _Keyed:
     def __init__(self, key):
         self.key = key
+
+
+@pytest.mark.slow  # six epochs of fresh worker processes
+def test_epochs_left_early_do_not_use_up_the_ring(folder):
+    """Fresh workers each epoch: the slots an epoch left early had filled (and never sent) are free for the next."""
+    loader = shards.make_loader(_dataset(folder), 8, mode=WorkerProcesses(2, persistent=False, prefetch=2))
+    try:
+        for epoch in range(5):
+            loader.set_epoch(epoch)
+            for _ in loader:
+                break
+        loader.set_epoch(5)
+        last = list(loader)
+        assert sum(len(batch[-1]) for batch in last) == 40
+        assert all(_in_ring(loader.run.ring, batch[0]) for batch in last[:2])
+    finally:
+        loader.close()

@@ -89,8 +89,10 @@ def test_pin_thread_dead_without_pinning(iterator):
 
 def test_shutdown_workers_stops_them(iterator):
     processes = torch_private.worker_processes(iterator)
+    assert not torch_private.workers_stopped(iterator)
     torch_private.shutdown_workers(iterator)
     assert not any(p.is_alive() for p in processes)
+    assert torch_private.workers_stopped(iterator)
     torch_private.shutdown_workers(iter(DataLoader(Numbers(2))))  # a single-process iterator: nothing to stop
 
 
