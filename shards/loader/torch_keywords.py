@@ -116,6 +116,11 @@ def check_process_options(mode: RunMode, dataset: Any, *, named: bool, worker_in
     if multiprocessing_context is not None and not isinstance(mode, (WorkerProcesses, Auto)):
         raise InputError(f"multiprocessing_context={multiprocessing_context!r}: {who} starts no worker processes; use "
                          "num_workers=n (WorkerProcesses(n))")
+    method = _start_method(multiprocessing_context)
+    if method not in (None, "fork"):
+        raise InputError(f"multiprocessing_context={multiprocessing_context!r}: workers here start by fork only (the "
+                         f"loader's shared blocks and their locks are made for forked workers; {method} would refuse "
+                         "them as the workers start); leave it out or use 'fork'")
     if timeout != 0:
         raise InputError(f"timeout={timeout!r}: stall detection is stall=StallPolicy(timeout_s={timeout!r}) here (it "
                          "restarts stalled worker processes at the exact position, or names the sample a thread is "
@@ -124,3 +129,11 @@ def check_process_options(mode: RunMode, dataset: Any, *, named: bool, worker_in
         raise InputError(f"collate_fn: {who} gathers each batch of feature rows whole, with no list of samples to "
                          "collate; use num_workers=n (WorkerProcesses(n)) for a collate_fn, or change the batch in "
                          "your loop")
+
+
+def _start_method(context: Any) -> str | None:
+    """How ``context`` (a name, or a multiprocessing context) starts processes; None when not given."""
+    if context is None or isinstance(context, str):
+        return context
+    get = getattr(context, "get_start_method", None)
+    return get() if callable(get) else str(context)

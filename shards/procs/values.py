@@ -14,10 +14,6 @@ from multiprocessing import context as mp_context
 from multiprocessing.context import BaseContext
 
 MAX_WORKERS = 256  # DataLoader workers per loader that shared blocks (and saved states) have room for
-# Blocks and their locks are made by a spawn context: its locks may be inherited by a forked worker as well as
-# pickled to a spawned or forkserver one, where a fork context's lock refuses the second (a DataLoader's
-# ``multiprocessing_context="spawn"`` is the loader's caller's choice, made after the blocks exist).
-SHAREABLE = multiprocessing.get_context("spawn")
 
 
 class SharedValues:
@@ -26,7 +22,7 @@ class SharedValues:
 
     def __init__(self, typecode: str, length: int, *, lock: bool = True, context: BaseContext | None = None):
         self._typecode, self._locked = typecode, lock
-        self._array = (context or SHAREABLE).Array(typecode, length, lock=lock)
+        self._array = (context or multiprocessing).Array(typecode, length, lock=lock)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -39,5 +35,5 @@ class SharedValues:
         self.__dict__.update(state)
         if isinstance(self._array, list):
             values = self._array
-            self._array = SHAREABLE.Array(self._typecode, len(values), lock=self._locked)
+            self._array = multiprocessing.Array(self._typecode, len(values), lock=self._locked)
             self._array[:] = values

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import multiprocessing
 
 import pytest
 import torch
@@ -135,11 +136,15 @@ def test_worker_init_fn_and_multiprocessing_context_only_where_worker_processes_
     assert "may choose threads" in refusal(images, mode=Auto(2), worker_init_fn=print)
     for extra in (dict(mode=Threads(2)), dict(num_workers=0)):
         assert "starts no worker processes" in refusal(images, multiprocessing_context="spawn", **extra)
-    loader = make_loader(images, num_workers=1, worker_init_fn=print, multiprocessing_context="spawn")
+    loader = make_loader(images, num_workers=1, worker_init_fn=print,
+                         multiprocessing_context=multiprocessing.get_context("fork"))
     assert loader.run.dataloader.worker_init_fn.then is print  # behind the orphan guard, which calls it
-    assert loader.run.dataloader.multiprocessing_context.get_start_method() == "spawn"
-    assert make_loader(images, mode="auto", multiprocessing_context="spawn").dataloader_options[
-        "multiprocessing_context"] == "spawn"
+    assert loader.run.dataloader.multiprocessing_context.get_start_method() == "fork"
+    assert make_loader(images, mode="auto", multiprocessing_context="fork").dataloader_options[
+        "multiprocessing_context"] == "fork"
+    for context in ("spawn", multiprocessing.get_context("forkserver")):  # the shared blocks' locks: fork only
+        message = refusal(images, num_workers=1, multiprocessing_context=context)
+        assert "start by fork only" in message and "\n" not in message
 
 
 def test_generator_seeds_the_dataloader_and_defaults_to_the_dataset_seed(images, features):

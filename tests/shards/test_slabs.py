@@ -176,26 +176,6 @@ def test_worker_processes_hand_over_in_the_ring_the_batches_every_mode_gives(fol
         assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected))
 
 
-@pytest.mark.slow  # spawned workers import torch: seconds
-def test_a_spawn_context_gets_the_ring_and_the_loaders_shared_blocks(folder):
-    """``multiprocessing_context="spawn"`` (DataLoader's keyword) pickles the ring and every shared block to the
-    workers; a block made by a fork context would refuse that."""
-    loader = shards.make_loader(_dataset(folder), 8, mode=WorkerProcesses(2), multiprocessing_context="spawn")
-    try:
-        got = list(loader)
-        assert sum(len(batch[-1]) for batch in got) == 40
-        assert all(torch.equal(batch[0][j], _key_decoder(_Keyed(key), 0)) for batch in got
-                   for j, key in enumerate(batch[-1]))
-        assert any(_in_ring(loader.run.ring, batch[0]) for batch in got)
-    finally:
-        loader.close()
-
-
-class _Keyed:
-    def __init__(self, key):
-        self.key = key
-
-
 @pytest.mark.slow  # six epochs of fresh worker processes
 def test_epochs_left_early_do_not_use_up_the_ring(folder):
     """Fresh workers each epoch: the slots an epoch left early had filled (and never sent) are free for the next."""
