@@ -5,8 +5,8 @@
 A GPU at 20k img/s leaves the main thread 50 us per image for everything it does; what the loader takes of that
 (receiving a batch from worker processes, taking one a thread filled) is time the step cannot use. So the first
 part measures the main thread's CPU time (``time.thread_time``, not wall: waiting for a batch costs no CPU) spent
-inside ``next(loader)`` over three epochs of fast-path uint8 batches after a warm-up one, with a loop that does nothing with them, per run
-mode; goal <= 10 us per image in every mode.
+inside ``next(loader)`` over three epochs of fast-path uint8 batches after a warm-up one, with a loop that does
+nothing with them, per run mode; goal <= 10 us per image in every mode.
 
 The second part runs ``run_precompute`` (what ``precompute-features`` runs) with a null backbone (a mean over the
 pixels: no model time) and prints the consumer pipeline's stage seconds (``stages`` of its summary): prepare (moving
