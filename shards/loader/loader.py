@@ -5,7 +5,8 @@ The run mode is one value: ``WorkerProcesses(n)`` (``shards.loader.worker_proces
 (``shards.loader.threads``), ``InProcess()`` (``shards.loader.in_process``) or ``"auto"``: ``Auto(n)``
 (``shards.loader.auto``), the one with the lowest step time; stall recovery is one value too, a ``StallPolicy``
 (``shards.loader.watchdog``), which a mode with worker processes or threads applies. A mode has one spelling
-(``RunMode.parse``, ``shards.loader.mode_spelling``): the CLI's text, the JSON form configs and run records keep, a bare count.
+(``RunMode.parse``, ``shards.loader.mode_spelling``): the CLI's text, the JSON form configs and run records
+keep, a bare count.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from shards.procs import torch_private
 from shards.loader.watchdog import StallPolicy, Watchdog
 from shards.loader.budget import BudgetParts, batch_bytes, dataset_read_ahead, fit_depth, split_budget
 from shards.procs.shm import EXTRA_BATCHES, Handoff, PipedCollate, announce, plan_handoff, shm_free, unpipe
-from shards.procs.slabs import SLAB_MIN_BYTES, SlabCollate, SlabRing, unslab
+from shards.procs.slabs import SlabCollate, SlabRing, unslab
 from shards.procs.stage_times import SharedStageTimes, TimedCollate
 from shards.procs.worker_status import WorkerStatus
 from shards.position.elastic import Continuation
@@ -246,7 +246,7 @@ class DataLoaderRun(Run):
                           reserved)
         self.handoff = plan_handoff(shm_free(), size, self.workers, depth)
         announce(self.handoff)
-        if self.handoff.slots and size >= SLAB_MIN_BYTES:  # smaller batches: a ring would only move labels
+        if self.handoff.slots:
             self.ring = SlabRing(self.workers, self.handoff.slots, size + SLOT_SLACK)
         self.dataloader = self._new_dataloader()
 

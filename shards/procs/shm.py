@@ -36,6 +36,9 @@ SHM_PATH = "/dev/shm"
 SHM_SHARE = 0.75
 # Batches in shared memory beyond the prefetched ones: the one the loop holds, and the one being pinned.
 EXTRA_BATCHES = 2
+# Tensors smaller than this travel in the pipe, and a batch smaller than this gets no reused ring
+# (``shards.procs.slabs``): a slot buys nothing for a batch's labels.
+SLAB_MIN_BYTES = 64 << 10
 
 
 def shm_free(path: str | os.PathLike = SHM_PATH) -> int | None:
@@ -50,7 +53,8 @@ def shm_free(path: str | os.PathLike = SHM_PATH) -> int | None:
 @dataclass(frozen=True)
 class Handoff:
     """How batches leave the workers: ``prefetch_factor`` batches each ahead; ``piped``: through the result
-    queue's pipe instead of shared memory; ``note``: the one line that says why, when it differs from asked."""
+    queue's pipe instead of shared memory; ``slots``: in a reused ring of shared memory; ``note``: the one line
+    that says why, when it differs from asked."""
 
     prefetch_factor: int
     piped: bool = False
@@ -64,27 +68,28 @@ def plan_handoff(free: int | None, batch: int, workers: int, prefetch_factor: in
     if batch <= 0:
         return Handoff(prefetch_factor)
     if free is None:
-        return Handoff(prefetch_factor, slots=prefetch_factor + 1)
+        return Handoff(prefetch_factor, slots=ring_slots(None, batch, workers, prefetch_factor))
     room = int(free * SHM_SHARE)
     depth = min(prefetch_factor, (room // batch - EXTRA_BATCHES) // workers)
     if depth >= prefetch_factor:
-        return Handoff(prefetch_factor, slots=ring_slots(room // batch, workers, prefetch_factor))
+        return Handoff(prefetch_factor, slots=ring_slots(room // batch, batch, workers, prefetch_factor))
     said = (f"{SHM_PATH} has {human_bytes(free)} free and a batch takes about {human_bytes(batch)}, so {workers} "
             f"worker processes x prefetch_factor {prefetch_factor} would not fit")
     if depth >= 1:
         return Handoff(depth, note=f"{said}: each worker prepares {depth} batch(es) ahead instead",
-                       slots=ring_slots(room // batch, workers, depth))
+                       slots=ring_slots(room // batch, batch, workers, depth))
     return Handoff(1, piped=True, note=(
         f"{said}: batches come from the workers through a pipe instead of shared memory, one ahead each (slower; "
         f"a larger {SHM_PATH}, e.g. docker --shm-size, restores the default)"))
 
 
-def ring_slots(room: int, workers: int, depth: int) -> int:
-    """Slots per worker for a reused ring (``shards.procs.slabs``) when ``room`` batches fit: one beyond the
-    worker's ``depth`` in flight (the batch the loop holds), with room left for ``EXTRA_BATCHES`` made anew
-    when a loop keeps batches; 0 when that does not fit."""
+def ring_slots(room: int | None, batch: int, workers: int, depth: int) -> int:
+    """Slots per worker for a reused ring (``shards.procs.slabs``) when ``room`` batches fit (None: not measured):
+    one beyond the worker's ``depth`` in flight (the batch the loop holds), with room left for ``EXTRA_BATCHES``
+    made anew when a loop keeps batches; 0 when that does not fit, or for a batch under ``SLAB_MIN_BYTES``."""
     slots = depth + 1
-    return slots if workers * slots + EXTRA_BATCHES <= room else 0
+    fits = room is None or workers * slots + EXTRA_BATCHES <= room
+    return slots if fits and batch >= SLAB_MIN_BYTES else 0
 
 
 @dataclass(frozen=True)
@@ -112,7 +117,13 @@ def _plain_stack(batch: Any, *, collate_fn_map: Any = None) -> torch.Tensor:
     return torch.stack(batch, 0)  # no ``out=`` in shared memory, which default_collate allocates in a worker
 
 
-_PLAIN_MAP = {**default_collate_fn_map, torch.Tensor: _plain_stack}
+def collate_stacking(samples: list, collate_fn: Callable[[list], Any], stack: Callable[..., torch.Tensor]) -> Any:
+    """``collate_fn``'s batch of ``samples``, with torch's default collate stacking tensors by ``stack`` (which
+    decides where the batch's memory is) rather than into a new shared-memory file; a caller's ``collate_fn`` as
+    it is."""
+    if collate_fn is default_collate:
+        return collate(samples, collate_fn_map={**default_collate_fn_map, torch.Tensor: stack})
+    return collate_fn(samples)
 
 
 def nested_map(value: Any, leaf: Callable[[Any], Any], kind: type | tuple[type, ...]) -> Any:
@@ -136,11 +147,7 @@ class PipedCollate:
         self.collate_fn = collate_fn
 
     def __call__(self, samples: list) -> Any:
-        if self.collate_fn is default_collate:
-            batch = collate(samples, collate_fn_map=_PLAIN_MAP)
-        else:
-            batch = self.collate_fn(samples)
-        return nested_map(batch, Piped.of, torch.Tensor)
+        return nested_map(collate_stacking(samples, self.collate_fn, _plain_stack), Piped.of, torch.Tensor)
 
 
 def unpipe(batch: Any, pin: bool) -> Any:

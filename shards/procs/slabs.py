@@ -33,11 +33,9 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from shards.procs.shm import Piped, nested_map
-from shards.procs.torch_private import collate, default_collate, default_collate_fn_map, pin_nested
+from shards.procs.shm import SLAB_MIN_BYTES, Piped, collate_stacking, nested_map
+from shards.procs.torch_private import pin_nested
 
-# Tensors smaller than this travel in the pipe: a slot buys nothing for a batch's labels.
-SLAB_MIN_BYTES = 64 << 10
 ALIGN = 64  # each tensor in a slot starts on a cache line
 _FREE, _FILLED = 0, 1
 
@@ -132,7 +130,8 @@ class SlabRing:
         self.block = torch.empty(workers * slots * self.slot_bytes, dtype=torch.uint8).share_memory_()
         self.state = torch.zeros(workers * slots, dtype=torch.int32).share_memory_()
         self.token = f"{id(self)}-{next(_TOKENS)}"
-        self._bytes: np.ndarray | None = None  # the block as numpy, made once
+        self._bytes: np.ndarray | None = None  # the block and the slots' state as numpy, made once per process
+        self._state: np.ndarray | None = None
         self._held: dict[int, int] = {}  # main process: slot -> refs and tensors over it still alive
         self._lock = threading.Lock()  # finalizers run in whichever thread frees the last view
         _RINGS[self.token] = self
@@ -147,13 +146,18 @@ class SlabRing:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._held, self._lock, self._bytes = {}, threading.Lock(), None
+        self._held, self._lock, self._bytes, self._state = {}, threading.Lock(), None, None
+
+    def _flags(self) -> np.ndarray:
+        if self._state is None:
+            self._state = self.state.numpy()
+        return self._state
 
     # worker side
 
     def acquire(self, worker: int) -> int | None:
         """A free slot of ``worker``'s, now marked filled; None when all are lent."""
-        state = self.state.numpy()
+        state = self._flags()
         for slot in range(worker * self.slots, (worker + 1) * self.slots):
             if state[slot] == _FREE:
                 state[slot] = _FILLED
@@ -187,18 +191,20 @@ class SlabRing:
                 self._held[slot] = left
                 return
             self._held.pop(slot, None)
-        self.state.numpy()[slot] = _FREE
+        self.release(slot)
 
+    def release(self, slot: int) -> None:
+        """``slot`` is free for its worker again."""
+        self._flags()[slot] = _FREE
 
     def reclaim(self) -> None:
         """Free every slot no batch here holds: for when every worker that could be filling one has stopped (an
         epoch left early leaves its workers' last slots filled and never sent)."""
         with self._lock:
             held = set(self._held)
-        state = self.state.numpy()
-        for slot in range(len(state)):
+        for slot in range(len(self._flags())):
             if slot not in held:
-                state[slot] = _FREE
+                self.release(slot)
 
 
 class _SlotWriter:
@@ -236,15 +242,11 @@ class SlabCollate:
         if slot is None:
             return self.collate_fn(samples)  # all lent: a batch of its own, as a DataLoader makes it
         writer = _SlotWriter(self.ring, slot)
-        if self.collate_fn is default_collate:
-            batch = collate(samples, collate_fn_map={**default_collate_fn_map,
-                                                     torch.Tensor: _stacker(writer)})
-        else:
-            batch = self.collate_fn(samples)
+        batch = collate_stacking(samples, self.collate_fn, _stacker(writer))
         refs: list[SlabRef] = []
         batch = nested_map(batch, lambda tensor: self._placed(tensor, writer, refs), torch.Tensor)
         if not refs:
-            self.ring.state.numpy()[slot] = _FREE
+            self.ring.release(slot)
             return batch
         return nested_map(batch, lambda ref: replace(ref, parts=len(refs)), SlabRef)
 

@@ -14,9 +14,9 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 import shards
-from shards.loader import worker_processes
 from shards.loader.threads import Threads
 from shards.loader.worker_processes import WorkerProcesses
+from shards.procs import shm
 from shards.procs.shm import plan_handoff
 from shards.procs.slabs import SLAB_MIN_BYTES, BufferPool, SlabCollate, SlabRef, SlabRing, unslab
 from shards.procs.torch_private import default_collate
@@ -121,6 +121,8 @@ def test_the_plan_gives_a_ring_only_where_it_fits():
     assert plan_handoff(1 << 30, 10 * mib, 2, 4).slots == 5  # prefetch + the batch the loop holds
     assert plan_handoff(64 * mib, 9 * mib, 2, 4).slots == 0  # a shallower prefetch fits, a ring beside it not
     assert plan_handoff(64 * mib, 70 * mib, 2, 4).slots == 0  # the pipe
+    assert plan_handoff(1 << 30, SLAB_MIN_BYTES - 1, 2, 4).slots == 0  # a ring would only move labels
+    assert plan_handoff(None, 10 * mib, 2, 4).slots == 5  # /dev/shm not measurable: the ring as asked
 
 
 def test_the_buffer_pool_reuses_a_freed_batch_and_keeps_at_most_keep():
@@ -168,7 +170,7 @@ def test_worker_processes_hand_over_in_the_ring_the_batches_every_mode_gives(fol
     ring = loader.run.ring
     assert ring is not None and any(_in_ring(ring, batch[0]) for batch in got)
     _, threads = _epoch(folder, Threads(2))
-    monkeypatch.setattr(worker_processes, "SLAB_MIN_BYTES", 1 << 40)  # no ring: a new shared file per batch
+    monkeypatch.setattr(shm, "SLAB_MIN_BYTES", 1 << 40)  # no ring: a new shared file per batch
     plain_loader, plain = _epoch(folder, WorkerProcesses(2, persistent=True))
     assert plain_loader.run.ring is None
     for expected in (threads, plain):
