@@ -12,6 +12,11 @@ then as many batches as it prepares ahead (``RunMode.batches_ahead``: worker pro
 prefetch_factor`` batches queued): batches made while the loop was not yet asking come out of the queue at once,
 and a short trial that counted them would crown the deepest queue, not the fastest loader.
 
+When the two best are close (the second's mean step within ``runoff_percent`` of the first's), a runoff times both
+again for ``trial_batches`` more each, the later-tried one first (A B ... B A: a load that drifts steadily over the
+trial weighs on both alike), and the lower mean over both turns is kept (``runoff_pair``). A candidate whose run was
+closed starts a fresh one for its second turn, with its warm-up and queue untimed again.
+
 The trial changes nothing that is fed. The candidates share one epoch plan (``workers`` logical workers, the same
 saved-state layout), and a switch is the loader's own exact resume in that layout (``state_dict`` of the batches
 handed out, ``load_state_dict`` into the next candidate), so the batches are those of any one of the candidates run
@@ -23,10 +28,11 @@ at least 2, at most ``MAX_DECODE_WIDTH``), as ``Threads(n, decoders=w)`` (a pool
 worker threads) and ``WorkerProcesses(n, decoders=w // n)`` (``w // n >= 2`` threads in each process). The width is
 what differs between a worker count that starves the step and one that feeds it (with 1 logical worker on 2 CPUs
 the plain modes decode one image at a time); varying it through ``decoders``, not ``workers``, keeps the one plan,
-so the trial still changes nothing that is fed. On a free-threaded build (the GIL off) threads come first. The choice
-is a pure function of the measured step times (``choose``: the lowest mean, a tie to the earlier candidate). A candidate that
-cannot run the dataset (threads and a transform that draws from torch's global generator) is left out. The trial and the
-choice are on ``loader.mode_choice()`` (``metrics.jsonl`` and the run report carry them in ``train-from-shards``).
+so the trial still changes nothing that is fed. On a free-threaded build (the GIL off) threads come first. The
+choice is a pure function of the measured step times (``choose``: the lowest mean, a tie to the earlier candidate). A
+candidate that cannot run the dataset (threads and a transform that draws from torch's global generator) is left out.
+The trial, the runoff's two (if any) and the choice are on ``loader.mode_choice()`` (``metrics.jsonl`` and the run
+report carry them in ``train-from-shards``).
 """
 
 from __future__ import annotations
@@ -76,6 +82,23 @@ def choose(steps: dict[RunMode, list[float]]) -> RunMode:
     return min(steps, key=lambda mode: mean_step(steps[mode]))
 
 
+def runoff_pair(steps: dict[RunMode, list[float]], percent: int) -> list[RunMode]:
+    """The two candidates with the lowest mean steps, in ``steps``' order, when the second's mean is within
+    ``percent`` of the first's; empty otherwise (a clear winner, fewer than two timed, or ``percent`` 0).
+
+    Why a runoff: two modes a few percent apart swap places between 10-batch trials on shared cores (processes and
+    threads were 0-8% apart in the issue 45 rounds), and the run keeps whichever one its trial favoured for good.
+    Timing both again, in the reverse order, doubles their samples and cancels a steady drift of the machine's load
+    between the two turns."""
+    timed = [c for c in steps if steps[c]]
+    if percent <= 0 or len(timed) < 2:
+        return []
+    first, second = sorted(timed, key=lambda c: mean_step(steps[c]))[:2]  # sorted is stable: ties keep order
+    if mean_step(steps[second]) > mean_step(steps[first]) * (1 + percent / 100):
+        return []
+    return [c for c in steps if c in (first, second)]
+
+
 def mean_step(steps: list[float]) -> float:
     """The mean of a candidate's step times; infinite for one never timed."""
     return statistics.fmean(steps) if steps else float("inf")
@@ -89,6 +112,7 @@ class Auto(RunMode):
     workers: int
     trial_batches: int = 10
     warmup_batches: int = 2
+    runoff_percent: int = 10  # the two best within this many percent are timed again (0: never)
 
     kind = "auto"
     on_stall = "restart"  # a StallPolicy heals the process candidates; a thread candidate raises (Threads)
@@ -100,6 +124,8 @@ class Auto(RunMode):
             raise InputError(f"Auto warmup_batches must be an integer >= 0, got {self.warmup_batches!r}")
         if type(self.trial_batches) is not int or self.trial_batches < 1:
             raise InputError(f"Auto trial_batches must be an integer >= 1, got {self.trial_batches!r}")
+        if type(self.runoff_percent) is not int or self.runoff_percent < 0:
+            raise InputError(f"Auto runoff_percent must be an integer >= 0, got {self.runoff_percent!r}")
 
     def candidates(self, gil: bool | None = None, cpus: int | None = None) -> list[RunMode]:
         """The modes tried, in order (``gil``: whether the GIL is on, ``cpus``: usable CPUs; both default to this
@@ -124,7 +150,7 @@ class Auto(RunMode):
 
 
 class AutoRun(Run):
-    """The trial, then the chosen candidate's run (see the module docstring)."""
+    """The trial, its runoff, then the chosen candidate's run (see the module docstring)."""
 
     def __init__(self, loader: Loader, mode: Auto):
         self._loader = weakref.ref(loader)  # a reference, not a proxy: the candidates' runs take the loader itself
@@ -132,20 +158,25 @@ class AutoRun(Run):
         self.candidates = [c for c in mode.candidates() if c.unsuited(loader.dataset) is None]
         self.runs: dict[RunMode, Run] = {}
         self.steps: dict[RunMode, list[tuple[float, float]]] = {c: [] for c in self.candidates}  # (step, wait)
-        # Batches each candidate feeds untimed first: the warm-up, and what its queue held before the loop asked.
-        self.untimed = {c: mode.warmup_batches + c.batches_ahead for c in self.candidates}
+        # The trial's turns: (candidate, how many timed steps it has once the turn ends); the runoff adds two.
+        self.turns: list[tuple[RunMode, int]] = [(c, mode.trial_batches) for c in self.candidates]
+        self.runoff: list[RunMode] = []
+        # Per candidate, the batch count up to which what it feeds is untimed: the warm-up and what its queue held
+        # before the loop asked, counted again each time its run starts.
+        self.untimed = dict.fromkeys(self.candidates, 0)
         self.taken = dict.fromkeys(self.candidates, 0)  # batches each candidate fed in the trial
-        self.on_trial = 0  # index of the candidate being tried
+        self.on_trial = 0  # index of the turn being taken
         self.chosen: RunMode | None = None
 
     def _run(self, mode: RunMode) -> Run:
         if mode not in self.runs:
+            self.untimed[mode] = self.taken[mode] + self.mode.warmup_batches + mode.batches_ahead
             self.runs[mode] = mode.start(self._loader())
         return self.runs[mode]
 
     @property
     def current(self) -> RunMode:
-        return self.chosen if self.chosen is not None else self.candidates[self.on_trial]
+        return self.chosen if self.chosen is not None else self.turns[self.on_trial][0]
 
     def batches(self) -> Iterator[Any]:
         if self.chosen is not None:
@@ -153,12 +184,12 @@ class AutoRun(Run):
             return
         clock = time.perf_counter
         while self.chosen is None:
-            mode = self.candidates[self.on_trial]
+            mode, until = self.turns[self.on_trial]
             batches = self._run(mode).batches()
             timed = self.steps[mode]
             last = None  # an epoch that ended mid-trial: this candidate goes on where it stopped, timed afresh
             try:
-                while len(timed) < self.mode.trial_batches:
+                while len(timed) < until:
                     asked = clock()
                     try:
                         batch = next(batches)
@@ -172,30 +203,33 @@ class AutoRun(Run):
                     yield batch
             finally:
                 batches.close()
-            self._next_candidate(mode)
+            self._next_turn(mode)
         yield from self._run(self.chosen).batches()
 
-    def _next_candidate(self, tried: RunMode) -> None:
-        """Leave ``tried`` at the exact position: the next candidate, or once all are tried the chosen one, continues
-        the epoch from the loader's own state."""
+    def _next_turn(self, tried: RunMode) -> None:
+        """Leave ``tried`` at the exact position: the next turn's candidate, or once the trial (and its runoff) is
+        over the chosen one, continues the epoch from the loader's own state."""
         loader = self._loader()
         state = loader.position_state()
-        if self.on_trial + 1 < len(self.candidates):
+        if self.on_trial + 1 == len(self.turns) and not self.runoff:
+            self.runoff = runoff_pair(self._step_times(), self.mode.runoff_percent)
+            self.turns += [(c, 2 * self.mode.trial_batches) for c in reversed(self.runoff)]  # the later one first
+        if self.on_trial + 1 < len(self.turns):
             self.on_trial += 1
         else:
-            self.chosen = choose({c: [step for step, _ in self.steps[c]] for c in self.candidates})
+            times = self._step_times()
+            self.chosen = choose({c: times[c] for c in self.runoff} if self.runoff else times)
             log.info("run mode: %s (mean step %s)", self.chosen, ", ".join(
-                f"{c} {self._mean_step(c) * 1000:.1f} ms" for c in self.candidates))
+                f"{c} {mean_step(times[c]) * 1000:.1f} ms" for c in self.candidates))
         if self.current != tried:
-            self.runs[tried].close()
+            self.runs.pop(tried).close()  # a candidate tried again in the runoff starts a fresh run
         loader.continue_from(state)  # the next iteration, whichever run makes it, starts at this batch
         if self.chosen is not None:
-            for mode, run in self.runs.items():
-                if mode != self.chosen:
-                    run.close()
+            for mode in [mode for mode in self.runs if mode != self.chosen]:
+                self.runs.pop(mode).close()
 
-    def _mean_step(self, mode: RunMode) -> float:
-        return mean_step([step for step, _ in self.steps[mode]])
+    def _step_times(self) -> dict[RunMode, list[float]]:
+        return {c: [step for step, _ in self.steps[c]] for c in self.candidates}
 
     def loaded(self, continued: Continuation) -> None:
         for run in self.runs.values():
@@ -206,10 +240,11 @@ class AutoRun(Run):
             run.close()
 
     def choice(self) -> dict[str, Any] | None:
-        """The trial so far (per candidate: batches timed, mean step and data-wait seconds) and the mode chosen
-        (None until every candidate was tried)."""
+        """The trial so far (per candidate: batches timed, mean step and data-wait seconds), the runoff's two
+        candidates (empty when there was none, or none yet) and the mode chosen (None until the trial is over)."""
         trial = [{"mode": str(c), "batches": len(self.steps[c]),
                   "step_s": statistics.fmean(s for s, _ in self.steps[c]) if self.steps[c] else None,
                   "wait_s": statistics.fmean(w for _, w in self.steps[c]) if self.steps[c] else None}
                  for c in self.candidates]
-        return {"trial": trial, "chosen": None if self.chosen is None else str(self.chosen)}
+        return {"trial": trial, "runoff": [str(c) for c in self.runoff],
+                "chosen": None if self.chosen is None else str(self.chosen)}

@@ -1,12 +1,13 @@
 """``Auto``'s candidates and its choice as pure functions: decode widths from the CPU count, and the mode picked
-from injected step times (no timing here), the same every time for the same measurements."""
+from injected step times (no timing here), the same every time for the same measurements; which two a runoff times
+again."""
 
 from __future__ import annotations
 
 import pytest
 
 from shards.errors import InputError
-from shards.loader.auto import MAX_DECODE_WIDTH, Auto, choose, decode_widths
+from shards.loader.auto import MAX_DECODE_WIDTH, Auto, choose, decode_widths, runoff_pair
 from shards.loader.threads import Threads
 from shards.loader.worker_processes import WorkerProcesses
 
@@ -66,3 +67,24 @@ def test_choose_picks_the_best_of_many_injected_trials_every_time():
 def test_choose_with_nothing_to_choose_from_says_so():
     with pytest.raises(InputError, match="no candidate"):
         choose({})
+
+
+def test_a_runoff_takes_the_two_best_when_the_second_is_within_the_margin():
+    a, b, c = WorkerProcesses(1), Threads(1), Threads(1, decoders=2)
+    assert runoff_pair({a: [0.104], b: [0.100], c: [0.200]}, 10) == [a, b]  # in trial order, not by speed
+    assert runoff_pair({a: [0.300], b: [0.100], c: [0.1099]}, 10) == [b, c]
+    assert runoff_pair({a: [0.111], b: [0.100], c: [0.200]}, 10) == []  # 11% apart: a clear winner
+    assert runoff_pair({a: [0.111], b: [0.100], c: [0.200]}, 12) == [a, b]
+    assert runoff_pair({a: [0.100], b: [0.100]}, 0) == []  # 0: no runoff, however close
+    assert runoff_pair({a: [0.100], b: []}, 10) == []  # one timed: nothing to run off against
+    assert runoff_pair({a: [0.1], b: [0.1], c: [0.1]}, 10) == [a, b]  # a three-way tie: the first two tried
+
+
+def test_the_runoff_margin_is_a_whole_percent_in_every_spelling():
+    assert Auto(2).runoff_percent == 10
+    assert Auto.parse("auto:2,runoff_percent=0") == Auto(2, runoff_percent=0)
+    assert Auto.parse(Auto(3, runoff_percent=25).to_json()) == Auto(3, runoff_percent=25)
+    for bad in (-1, 0.5, True):
+        with pytest.raises(InputError, match="runoff_percent") as raised:
+            Auto(2, runoff_percent=bad)
+        assert "\n" not in str(raised.value)

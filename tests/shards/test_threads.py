@@ -251,10 +251,30 @@ def test_auto_feeds_exactly_the_batches_of_its_plan_through_the_trial_and_after(
     assert same(epochs(loader, 3), reference)
     choice = loader.mode_choice()
     trial = {entry["mode"]: entry for entry in choice["trial"]}
-    assert len(trial) == len(Auto(2).candidates()) and all(entry["batches"] == 5 for entry in trial.values())
-    fastest = min(trial.values(), key=lambda entry: entry["step_s"])
+    assert len(trial) == len(Auto(2).candidates())
+    assert all(entry["batches"] == (10 if mode in choice["runoff"] else 5) for mode, entry in trial.items())
+    fastest = min((trial[mode] for mode in choice["runoff"] or trial), key=lambda entry: entry["step_s"])
     assert choice["chosen"] == fastest["mode"]
     assert all(0 <= entry["wait_s"] <= entry["step_s"] for entry in trial.values())
+
+
+@pytest.mark.slow  # two runs of the trial
+@pytest.mark.parametrize("runoff_percent", [0, 1000])
+def test_a_runoff_times_the_two_best_again_and_changes_nothing_that_is_fed(folder, runoff_percent):
+    """1000%: every trial has a runoff (its second turns start fresh runs: worker processes again, with their warm-up
+    untimed); 0: none. The batches are the plan's either way."""
+    reference = epochs(shards.make_loader(fast(folder), 2, mode=Threads(2), drop_last=False), 4)
+    mode = Auto(2, trial_batches=3, warmup_batches=1, runoff_percent=runoff_percent)
+    loader = shards.make_loader(fast(folder), 2, mode=mode, drop_last=False)
+    assert same(epochs(loader, 4), reference)
+    choice = loader.mode_choice()
+    trial = {entry["mode"]: entry["batches"] for entry in choice["trial"]}
+    assert choice["chosen"] is not None
+    if runoff_percent:
+        assert len(choice["runoff"]) == 2 and choice["chosen"] in choice["runoff"]
+        assert sorted(trial.values()) == [3] * (len(trial) - 2) + [6, 6]
+    else:
+        assert choice["runoff"] == [] and set(trial.values()) == {3}
 
 
 def test_auto_is_undecided_until_every_candidate_was_tried(folder):
