@@ -1,4 +1,4 @@
-"""``pack_shards``: source files in, validated, shuffled, sequential shards and ``dataset.json`` out.
+"""``pack`` (``pack_manifest``): source files in, validated, shuffled, sequential shards and ``dataset.json`` out.
 
 The job is planned first (a pure function of the source and options, see ``preprocess.pack.plan``), then each shard is
 packed independently, by one of ``--workers`` processes and one of ``--num-tasks`` Slurm tasks, into a temp file
@@ -355,6 +355,6 @@ def _summary(cfg: PackConfig, plan: PackPlan, manifest: DatasetManifest | None, 
     return summary
 
 
-def pack_shards(cfg: PackConfig) -> DatasetManifest | None:
+def pack_manifest(cfg: PackConfig) -> DatasetManifest | None:
     """The library entry point: returns the manifest, or None when other tasks still have shards to pack."""
     return pack(cfg).manifest

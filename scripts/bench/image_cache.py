@@ -62,9 +62,9 @@ def elpv_shards(args, workdir: Path) -> Path | None:
         return source
     out = workdir / "elpv-shards"
     if not (out / "dataset.json").is_file():
-        from preprocess.pack.packer import PackConfig, pack_shards
+        from preprocess.pack.packer import PackConfig, pack_manifest
 
-        pack_shards(PackConfig(source=str(source), out=str(out), max_samples=500, quiet=True))
+        pack_manifest(PackConfig(source=str(source), out=str(out), max_samples=500, quiet=True))
     return out
 
 

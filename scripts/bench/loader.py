@@ -386,7 +386,8 @@ def main() -> None:
                         help="only the run modes against the peers, SPDL included: img/s, CPU per image, peak "
                              "memory, each pass in a fresh process (scripts/bench/loader_modes.py)")
     parser.add_argument("--passes", default=None,
-                        help="--modes: only these passes, comma-separated (no ratios then; default: all)")
+                        help="--modes: only these passes, comma-separated (the ratios their results allow; default: "
+                             "all; fast_auto0_uint8, Auto without its runoff, only when named)")
     parser.add_argument("--audit", action="store_true",
                         help="only measure what the resume audit costs per save and per resume (ms, share of a "
                              "step), per sample and on throughput, beside the audit off")

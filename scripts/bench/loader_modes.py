@@ -2,7 +2,7 @@
 peak memory, every pass in a fresh process, rounds interleaved.
 
 Run as ``python scripts/bench/loader.py --modes`` (the corpus and the packing are ``loader.py``'s): the same
-ImageNet-like JPEGs as an ImageFolder tree and as tar shards. Every pass reads three epochs, the first with the page
+ImageNet-like JPEGs as an ImageFolder tree and as tar shards. Every pass reads four epochs, the first with the page
 cache of its files dropped (``posix_fadvise(DONTNEED)``), and reports:
 
 - ``img_s``: images per second of the cold first epoch, as the consumer sees them;
@@ -11,9 +11,9 @@ cache of its files dropped (``posix_fadvise(DONTNEED)``), and reports:
 - ``peak_mb``: the largest proportional set size (PSS, so shared pages are counted once) of the process and its
   children, sampled every 200 ms over all epochs (reading ``smaps_rollup`` walks a process's page tables: more
   often, the sampling itself would take a share of the 2 cores);
-- ``step_ms``: the mean time between batches in the second and third epochs (from each epoch's first batch on), as
-  a training loop sees it (data wait plus step): what ``Auto`` minimises, and after its trial (in the first epoch)
-  the steady state.
+- ``step_ms``: the mean time between batches in the third and fourth epochs (from each epoch's first batch on), as
+  a training loop sees it (data wait plus step): what ``Auto`` minimises, and after its trial the steady state (at
+  batch 64 on 2 CPUs the trial, with a runoff, takes about 70 batches: it ends in the second epoch).
 
 Peers, as ``../shared/PEERS.md`` sets them up: torchvision's ImageFolder in a DataLoader and webdataset, both
 standard transform (Resize 256, CenterCrop 224, normalised floats) in 2 workers; SPDL 0.8 (``spdl.pipeline``: reads
@@ -50,6 +50,7 @@ FAST_MODES = ("fast_processes_uint8", "fast_threads_uint8", "fast_mtp_uint8", "f
 PEER_PASSES = ("imagefolder", "webdataset", "spdl_files", "spdl_tars")
 PASSES = PEER_PASSES + FAST_MODES + ("fast_threads_norm", "fast_processes_norm", "standard_processes",
                                      "standard_threads")
+EXTRA_PASSES = ("fast_auto0_uint8",)  # run only when --passes names them: Auto without its runoff (the before)
 
 
 # -- in the pass's own process ---------------------------------------------------------------------------------------
@@ -117,9 +118,13 @@ def live_children_cpu(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+STEADY_FROM = 2  # the first epoch whose steps count as steady: Auto's trial, runoff included, ends in epoch 1
+
+
 def measure(make_epoch: Callable[[int], Iterator[Any]], files: list[Path], expected: int,
-            epochs: int = 3) -> dict[str, float]:
-    """``epochs`` epochs of ``make_epoch(epoch)`` (each yields batches ``(inputs, labels)``): the first cold."""
+            epochs: int = 4) -> dict[str, float]:
+    """``epochs`` epochs of ``make_epoch(epoch)`` (each yields batches ``(inputs, labels)``): the first cold, the
+    steps of those from ``STEADY_FROM`` on timed."""
     import loader as bench
 
     memory = PeakMemory()
@@ -134,7 +139,8 @@ def measure(make_epoch: Callable[[int], Iterator[Any]], files: list[Path], expec
         arrivals = [time.perf_counter()]
         for _ in make_epoch(epoch):
             arrivals.append(time.perf_counter())
-        steps += [b - a for a, b in zip(arrivals[1:], arrivals[2:])]  # from the first batch on: no start-up
+        if epoch >= STEADY_FROM:
+            steps += [b - a for a, b in zip(arrivals[1:], arrivals[2:])]  # from the first batch on: no start-up
     return {"images": seen, "img_s": seen / first_s, "cpu_ms_per_img": first_cpu / seen * 1000,
             "peak_mb": memory.stop(), "step_ms": statistics.fmean(steps) * 1000}
 
@@ -207,7 +213,8 @@ def run_pass(name: str, workdir: Path, workers: int, batch_size: int, count: int
         return measure(spdl_epochs(tars if on_tars else files, on_tars, workers, batch_size), tars if on_tars
                        else files, count)
     modes = {"processes": WorkerProcesses(workers, persistent=False), "threads": Threads(workers),
-             "mtp": WorkerProcesses(max(1, workers // 2), persistent=False, decoders=2), "auto": Auto(workers)}
+             "mtp": WorkerProcesses(max(1, workers // 2), persistent=False, decoders=2), "auto": Auto(workers),
+             "auto0": Auto(workers, runoff_percent=0)}
     pipeline, mode, consumer = (name.split("_") + ["uint8"])[:3]
     if pipeline == "fast":
         dataset = shards.open_dataset(workdir / "tar", transform=bench.SPEC, decode=shards.Decode("fast"), seed=0)
@@ -225,7 +232,7 @@ def run_pass(name: str, workdir: Path, workers: int, batch_size: int, count: int
     result = measure(epoch, tars, count)
     choice = loader.mode_choice()
     if choice is not None:
-        result["chosen"] = choice["chosen"]
+        result.update(chosen=choice["chosen"], runoff=choice["runoff"], trial=choice["trial"])
     loader.close()
     return result
 
@@ -257,35 +264,46 @@ def one_pass(name: str, args: Any, count: int) -> dict[str, Any]:
 
 
 def round_ratios(rates: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """One round's ratios (see the module docstring)."""
-    peers = {name: r for name, r in rates.items() if name in PEER_PASSES}
-    best_peer = max(peers, key=lambda n: peers[n]["img_s"])
-    leanest_peer = min(peers, key=lambda n: peers[n]["cpu_ms_per_img"])
-    fixed = [name for name in FAST_MODES if name != "fast_auto_uint8"]
-    best_fast = max(fixed, key=lambda n: rates[n]["img_s"])
-    steadiest = min(fixed, key=lambda n: rates[n]["step_ms"])
-    return {
-        "best_peer": best_peer, "best_fast_mode": best_fast,
-        "fast_best_mode_vs_best_peer": rates[best_fast]["img_s"] / peers[best_peer]["img_s"],
-        "fast_threads_norm_vs_best_peer": rates["fast_threads_norm"]["img_s"] / peers[best_peer]["img_s"],
-        "fast_cpu_vs_leanest_peer": rates[best_fast]["cpu_ms_per_img"] / peers[leanest_peer]["cpu_ms_per_img"],
-        "leanest_peer": leanest_peer,
-        "auto_step_vs_best_mode_step": rates["fast_auto_uint8"]["step_ms"] / rates[steadiest]["step_ms"],
-        "auto_first_epoch_vs_best_mode": rates["fast_auto_uint8"]["img_s"] / rates[best_fast]["img_s"],
-        "best_step_mode": steadiest,
-        "standard_threads_vs_processes": rates["standard_threads"]["img_s"] / rates["standard_processes"]["img_s"],
-        "fast_threads_vs_processes": rates["fast_threads_uint8"]["img_s"] / rates["fast_processes_uint8"]["img_s"],
-    }
+    """One round's ratios (see the module docstring): those whose passes ran this round."""
+    ratios: dict[str, Any] = {}
+    fixed = [name for name in FAST_MODES if name != "fast_auto_uint8" and name in rates]
+    if "fast_processes_uint8" in rates and "fast_threads_uint8" in rates:
+        best_fast = max(fixed, key=lambda n: rates[n]["img_s"])
+        steadiest = min(fixed, key=lambda n: rates[n]["step_ms"])
+        ratios.update(best_fast_mode=best_fast, best_step_mode=steadiest,
+                      fast_threads_vs_processes=rates["fast_threads_uint8"]["img_s"]
+                      / rates["fast_processes_uint8"]["img_s"])
+        for auto in ("fast_auto_uint8", "fast_auto0_uint8"):
+            if auto in rates:
+                key = "auto" if auto == "fast_auto_uint8" else "auto_without_runoff"
+                ratios[f"{key}_step_vs_best_mode_step"] = rates[auto]["step_ms"] / rates[steadiest]["step_ms"]
+                ratios[f"{key}_first_epoch_vs_best_mode"] = rates[auto]["img_s"] / rates[best_fast]["img_s"]
+        peers = {name: r for name, r in rates.items() if name in PEER_PASSES}
+        if peers:
+            best_peer = max(peers, key=lambda n: peers[n]["img_s"])
+            leanest_peer = min(peers, key=lambda n: peers[n]["cpu_ms_per_img"])
+            ratios.update(best_peer=best_peer, leanest_peer=leanest_peer,
+                          fast_best_mode_vs_best_peer=rates[best_fast]["img_s"] / peers[best_peer]["img_s"],
+                          fast_cpu_vs_leanest_peer=rates[best_fast]["cpu_ms_per_img"]
+                          / peers[leanest_peer]["cpu_ms_per_img"])
+            if "fast_threads_norm" in rates:
+                ratios["fast_threads_norm_vs_best_peer"] = (rates["fast_threads_norm"]["img_s"]
+                                                            / peers[best_peer]["img_s"])
+    if "standard_threads" in rates and "standard_processes" in rates:
+        ratios["standard_threads_vs_processes"] = (rates["standard_threads"]["img_s"]
+                                                   / rates["standard_processes"]["img_s"])
+    return ratios
 
 
 def run_modes(args: Any, count: int, log: Any) -> dict[str, Any]:
     """Every pass once per round, every other round in reverse order; the table and ratios per round."""
     missing = spdl_available()
     chosen = args.passes.split(",") if getattr(args, "passes", None) else PASSES
-    unknown = sorted(set(chosen) - set(PASSES))
+    unknown = sorted(set(chosen) - set(PASSES) - set(EXTRA_PASSES))
     if unknown:
-        raise SystemExit(f"error: unknown pass {unknown[0]!r} (passes: {', '.join(PASSES)})")
-    passes = [name for name in PASSES if name in chosen and not (missing and name.startswith("spdl_"))]
+        raise SystemExit(f"error: unknown pass {unknown[0]!r} (passes: {', '.join(PASSES + EXTRA_PASSES)})")
+    passes = [name for name in PASSES + EXTRA_PASSES
+              if name in chosen and not (missing and name.startswith("spdl_"))]
     if missing:
         log.warning("SPDL passes left out: %s", missing)
     rounds = []
@@ -297,7 +315,7 @@ def run_modes(args: Any, count: int, log: Any) -> dict[str, Any]:
             log.info("round %d %-22s %7.1f img/s %6.2f ms CPU/img %7.0f MB peak %6.1f ms/step%s", index, name,
                      r["img_s"], r["cpu_ms_per_img"], r["peak_mb"], r["step_ms"],
                      f" (chose {r['chosen']})" if r.get("chosen") else "")
-        rounds.append({"passes": rates, "ratios": round_ratios(rates) if set(rates) == set(PASSES) else {}})
+        rounds.append({"passes": rates, "ratios": round_ratios(rates)})
         if rounds[-1]["ratios"]:
             log.info("round %d ratios: %s", index, json.dumps({k: round(v, 3) if isinstance(v, float) else v
                                                                 for k, v in rounds[-1]["ratios"].items()}))
@@ -314,9 +332,12 @@ def report(result: dict[str, Any]) -> str:
                      + f"{statistics.median(p['cpu_ms_per_img'] for p in per_round):>12.2f}"
                      + f"{max(p['peak_mb'] for p in per_round):>9.0f}"
                      + f"{statistics.median(p['step_ms'] for p in per_round):>9.1f}")
-    for key in [] if not result["rounds"][0]["ratios"] else ("fast_best_mode_vs_best_peer", "fast_threads_norm_vs_best_peer", "fast_cpu_vs_leanest_peer",
-                "auto_step_vs_best_mode_step", "auto_first_epoch_vs_best_mode", "standard_threads_vs_processes",
-                "fast_threads_vs_processes"):
+    for key in ("fast_best_mode_vs_best_peer", "fast_threads_norm_vs_best_peer", "fast_cpu_vs_leanest_peer",
+                "auto_step_vs_best_mode_step", "auto_first_epoch_vs_best_mode",
+                "auto_without_runoff_step_vs_best_mode_step", "auto_without_runoff_first_epoch_vs_best_mode",
+                "standard_threads_vs_processes", "fast_threads_vs_processes"):
+        if not all(key in r["ratios"] for r in result["rounds"]):
+            continue
         values = [r["ratios"][key] for r in result["rounds"]]
         lines.append(f"{key:<36}" + " ".join(f"{v:6.2f}x" for v in values))
     return "\n".join(lines)
@@ -326,7 +347,7 @@ def main() -> None:
     import argparse
 
     parser = argparse.ArgumentParser(description="one pass of the run-mode benchmark (driven by loader.py --modes)")
-    parser.add_argument("--one", choices=PASSES, required=True)
+    parser.add_argument("--one", choices=PASSES + EXTRA_PASSES, required=True)
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64)

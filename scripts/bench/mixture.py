@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import loader as bench  # noqa: E402  (scripts/bench/loader.py: the corpus and page-cache dropping)
 
 import shards  # noqa: E402
-from preprocess.pack.packer import PackConfig, pack_shards  # noqa: E402
+from preprocess.pack.packer import PackConfig, pack_manifest  # noqa: E402
 from shards.jobs.progress import setup_logging  # noqa: E402
 from shards.stream.dataset import ShardDataset  # noqa: E402
 from shards.loader.loader import workers_mode  # noqa: E402
@@ -103,8 +103,8 @@ def split_tree(files_by_class: dict[str, list[Path]], first: Path, second: Path,
 
 def pack_tree(source: Path, out: Path, per_shard: int, shuffle: bool = True) -> Path:
     if not (out / "dataset.json").is_file():
-        pack_shards(PackConfig(source=str(source), out=str(out), max_samples=per_shard, shuffle=shuffle, workers=2,
-                               quiet=True))
+        pack_manifest(PackConfig(source=str(source), out=str(out), max_samples=per_shard, shuffle=shuffle, workers=2,
+                                 quiet=True))
     return out
 
 

@@ -53,10 +53,10 @@ def _image_folder(seeds: Seeds, out: Path) -> None:
 
 def _packed(storage: str) -> Callable[[Seeds, Path], None]:
     def build(seeds: Seeds, out: Path) -> None:
-        from preprocess.pack.packer import PackConfig, pack_shards
+        from preprocess.pack.packer import PackConfig, pack_manifest
 
-        pack_shards(PackConfig(str(seeds.path("images")), str(out), storage=storage, max_samples=2,
-                               val_fraction=0.34, quiet=True))
+        pack_manifest(PackConfig(str(seeds.path("images")), str(out), storage=storage, max_samples=2,
+                                 val_fraction=0.34, quiet=True))
         shutil.rmtree(out / ".pack", ignore_errors=True)  # the packer's own bookkeeping: not read by readers
     return build
 

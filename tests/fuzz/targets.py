@@ -96,11 +96,11 @@ def _run_events(data: bytes, seeds: Seeds, work: Path) -> None:
 
 # -- pack-shards inputs: lists, Parquet, Arrow ------------------------------------------------------------------------
 def _scan_and_pack(source: Path, work: Path) -> None:
-    from preprocess.pack.packer import PackConfig, pack_shards
+    from preprocess.pack.packer import PackConfig, pack_manifest
     from preprocess.pack.sources.scan import scan_source
 
     scan_source(source)
-    pack_shards(PackConfig(str(source), str(work / "out"), max_samples=2, quiet=True))
+    pack_manifest(PackConfig(str(source), str(work / "out"), max_samples=2, quiet=True))
 
 
 def _mutate_csv(draw: Draw, seed: bytes) -> bytes:

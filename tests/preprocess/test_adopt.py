@@ -340,7 +340,7 @@ def test_adopted_tars_stream_over_http_by_ranges_or_as_one_stream(adopted, range
 
 
 def test_an_index_mixes_with_a_packed_dataset_each_source_read_from_its_own_place(adopted, tmp_path):
-    from preprocess.pack.packer import PackConfig, pack_shards
+    from preprocess.pack.packer import PackConfig, pack_manifest
 
     src, index, _, _ = adopted
     other = tmp_path / "other"
@@ -349,8 +349,8 @@ def test_an_index_mixes_with_a_packed_dataset_each_source_read_from_its_own_plac
         for i in range(4):
             writer.write({"__key__": f"p{i:03d}", "jpg": class_image(i % 2, 400 + i, size=(12, 10)),
                           "cls": (2, 10)[i % 2]})
-    pack_shards(PackConfig(source=str(other / "p-000.tar"), out=str(tmp_path / "packed"), val_fraction=0.0,
-                           quiet=True, source_fields=SourceFields(label_member="cls")))
+    pack_manifest(PackConfig(source=str(other / "p-000.tar"), out=str(tmp_path / "packed"), val_fraction=0.0,
+                             quiet=True, source_fields=SourceFields(label_member="cls")))
     mixed = shards.open_dataset([shards.SourceSpec(str(index), source=str(src)), str(tmp_path / "packed")],
                                 return_keys=True, decode=shards.Decode(decoder=raw),
                                 sampling=shards.Sampling(shuffle=False))

@@ -1,4 +1,4 @@
-"""pack_shards: manifest contents, determinism, resume, task arrays, refusal, and readability without shardcache."""
+"""pack_manifest: manifest contents, determinism, resume, task arrays, refusal, and readability without shardcache."""
 
 import json
 from collections import Counter
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import preprocess.pack.packer as pack_module
-from preprocess.pack.packer import PackConfig, pack, pack_shards
+from preprocess.pack.packer import PackConfig, pack, pack_manifest
 from preprocess.pack.merge import merge_parts
 from preprocess.pack.parts import INDEX_FILE
 from shards.errors import CorruptDataError, InputError, OutputExistsError, ShardcacheError
@@ -36,7 +36,7 @@ def manifest_without_time(out: Path) -> dict:
 
 def test_mixed_tree_packs_good_images_and_lists_broken_ones(tmp_path):
     made = write_mixed_tree(tmp_path / "src")
-    manifest = pack_shards(PackConfig(str(tmp_path / "src"), str(tmp_path / "out"), quiet=True))
+    manifest = pack_manifest(PackConfig(str(tmp_path / "src"), str(tmp_path / "out"), quiet=True))
     good = [p for p, kind in made.items() if kind not in BROKEN_KINDS]
     assert manifest.classes == ("animals", "plants")
     assert manifest.splits["train"].samples == len(good)
@@ -57,7 +57,7 @@ def test_mixed_tree_packs_good_images_and_lists_broken_ones(tmp_path):
 
 def test_manifest_keys_classes_counts_and_source_index(tree, tmp_path):
     out = tmp_path / "out"
-    manifest = pack_shards(PackConfig(str(tree), str(out), max_samples=5, val_fraction=0.25, seed=3, quiet=True))
+    manifest = pack_manifest(PackConfig(str(tree), str(out), max_samples=5, val_fraction=0.25, seed=3, quiet=True))
     data = json.loads((out / "dataset.json").read_text())
     assert data["classes"] == CLASSES and data["storage"] == "tar"
     assert data["splits"]["train"]["class_counts"] == [6, 6, 6] and data["splits"]["val"]["class_counts"] == [2, 2, 2]
@@ -78,7 +78,7 @@ def test_manifest_keys_classes_counts_and_source_index(tree, tmp_path):
 def test_val_split_is_stratified_and_seeded(tree, tmp_path):
     def val_keys(seed, name):
         out = tmp_path / name
-        pack_shards(PackConfig(str(tree), str(out), val_fraction=0.25, seed=seed, quiet=True))
+        pack_manifest(PackConfig(str(tree), str(out), val_fraction=0.25, seed=seed, quiet=True))
         return {row["path"] for row in map(json.loads, (out / INDEX_FILE).read_text().splitlines())
                 if row["split"] == "val"}
 
@@ -89,8 +89,8 @@ def test_val_split_is_stratified_and_seeded(tree, tmp_path):
 
 def test_shuffle_mixes_classes_and_no_shuffle_keeps_source_order(tree, tmp_path):
     def labels(shuffle, name):
-        manifest = pack_shards(PackConfig(str(tree), str(tmp_path / name), max_samples=8, shuffle=shuffle,
-                                          quiet=True))
+        manifest = pack_manifest(PackConfig(str(tree), str(tmp_path / name), max_samples=8, shuffle=shuffle,
+                                            quiet=True))
         return [[s.label for s in STORAGES["tar"].read(tmp_path / name / shard.path)]
                 for shard in manifest.splits["train"].shards]
 
@@ -99,14 +99,14 @@ def test_shuffle_mixes_classes_and_no_shuffle_keeps_source_order(tree, tmp_path)
 
 
 def test_max_bytes_cuts_shards(tree, tmp_path):
-    manifest = pack_shards(PackConfig(str(tree), str(tmp_path / "out"), max_bytes=4 * 4096, quiet=True))
+    manifest = pack_manifest(PackConfig(str(tree), str(tmp_path / "out"), max_bytes=4 * 4096, quiet=True))
     sizes = manifest.splits["train"].shard_sizes
     assert len(sizes) > 3 and sum(sizes) == 24 and max(sizes) < 8
 
 
 def test_same_inputs_give_byte_identical_output_with_any_worker_count(tree, tmp_path):
-    one = pack_shards(PackConfig(str(tree), str(tmp_path / "one"), max_samples=5, quiet=True))
-    two = pack_shards(PackConfig(str(tree), str(tmp_path / "two"), max_samples=5, workers=2, quiet=True))
+    one = pack_manifest(PackConfig(str(tree), str(tmp_path / "one"), max_samples=5, quiet=True))
+    two = pack_manifest(PackConfig(str(tree), str(tmp_path / "two"), max_samples=5, workers=2, quiet=True))
     assert shard_bytes(tmp_path / "one") == shard_bytes(tmp_path / "two")
     assert len(shard_bytes(tmp_path / "one")) == 5
     assert manifest_without_time(tmp_path / "one") == manifest_without_time(tmp_path / "two")
@@ -125,7 +125,7 @@ def test_rerun_of_a_finished_job_changes_nothing(tree, tmp_path):
 
 def test_killed_run_resumes_to_identical_output(tree, tmp_path, monkeypatch):
     cfg = PackConfig(str(tree), str(tmp_path / "ref"), max_samples=5, quiet=True)
-    pack_shards(cfg)
+    pack_manifest(cfg)
     expected = shard_bytes(tmp_path / "ref")
 
     calls = {"n": 0}
@@ -140,7 +140,7 @@ def test_killed_run_resumes_to_identical_output(tree, tmp_path, monkeypatch):
     out = tmp_path / "out"
     monkeypatch.setattr(pack_module, "read_and_validate", dies_mid_run)
     with pytest.raises(KeyboardInterrupt):
-        pack_shards(PackConfig(str(tree), str(out), max_samples=5, quiet=True))
+        pack_manifest(PackConfig(str(tree), str(out), max_samples=5, quiet=True))
     monkeypatch.undo()
     assert not (out / "dataset.json").exists()
     assert sorted(shard_bytes(out)) == ["train-000000.tar", "train-000001.tar"]
@@ -155,7 +155,7 @@ def test_killed_run_resumes_to_identical_output(tree, tmp_path, monkeypatch):
 
 def test_corrupted_finished_shard_is_repacked(tree, tmp_path):
     cfg = PackConfig(str(tree), str(tmp_path / "out"), max_samples=5, quiet=True)
-    pack_shards(cfg)
+    pack_manifest(cfg)
     expected = shard_bytes(tmp_path / "out")
     shard = tmp_path / "out" / "train-000002.tar"
     data = bytearray(shard.read_bytes())
@@ -166,7 +166,7 @@ def test_corrupted_finished_shard_is_repacked(tree, tmp_path):
 
 
 def test_two_tasks_merge_into_the_same_dataset_as_one_run(tree, tmp_path):
-    pack_shards(PackConfig(str(tree), str(tmp_path / "single"), max_samples=5, val_fraction=0.25, quiet=True))
+    pack_manifest(PackConfig(str(tree), str(tmp_path / "single"), max_samples=5, val_fraction=0.25, quiet=True))
     out = tmp_path / "array"
     common = dict(max_samples=5, val_fraction=0.25, num_tasks=2, quiet=True)
     first = pack(PackConfig(str(tree), str(out), task_index=1, **common))
@@ -184,12 +184,12 @@ def test_two_tasks_merge_into_the_same_dataset_as_one_run(tree, tmp_path):
 
 def test_different_dataset_in_out_is_refused_without_overwrite(tree, tmp_path):
     out = tmp_path / "out"
-    pack_shards(PackConfig(str(tree), str(out), max_samples=3, quiet=True))
+    pack_manifest(PackConfig(str(tree), str(out), max_samples=3, quiet=True))
     with pytest.raises(OutputExistsError, match="different dataset"):
-        pack_shards(PackConfig(str(tree), str(out), max_samples=12, quiet=True))
+        pack_manifest(PackConfig(str(tree), str(out), max_samples=12, quiet=True))
     assert len(shard_bytes(out)) == 8  # untouched
     (out / "notes.txt").write_text("mine")
-    manifest = pack_shards(PackConfig(str(tree), str(out), max_samples=12, overwrite=True, quiet=True))
+    manifest = pack_manifest(PackConfig(str(tree), str(out), max_samples=12, overwrite=True, quiet=True))
     assert sorted(shard_bytes(out)) == ["train-000000.tar", "train-000001.tar"]  # stale shards removed
     assert manifest.splits["train"].shard_sizes == [12, 12]
     assert (out / "notes.txt").read_text() == "mine"
@@ -200,14 +200,14 @@ def test_foreign_folder_is_refused(tree, tmp_path):
     out.mkdir()
     (out / "thesis.pdf").write_bytes(b"precious")
     with pytest.raises(OutputExistsError, match="not empty"):
-        pack_shards(PackConfig(str(tree), str(out), quiet=True))
+        pack_manifest(PackConfig(str(tree), str(out), quiet=True))
     assert sorted(p.name for p in out.iterdir()) == ["thesis.pdf"]
 
 
 def test_strict_makes_the_first_broken_file_fatal(tree, tmp_path):
     (tree / "bee" / "broken.jpg").write_bytes(b"nope")
     with pytest.raises(CorruptDataError, match="broken.jpg"):
-        pack_shards(PackConfig(str(tree), str(tmp_path / "out"), strict=True, quiet=True))
+        pack_manifest(PackConfig(str(tree), str(tmp_path / "out"), strict=True, quiet=True))
     assert not (tmp_path / "out" / "dataset.json").exists()
 
 
@@ -223,16 +223,16 @@ def test_val_fraction_with_an_existing_val_split_is_refused(tmp_path):
     write_image_folder(tmp_path / "src" / "train", ["a"], 3)
     write_image_folder(tmp_path / "src" / "val", ["a"], 1)
     with pytest.raises(InputError, match="already has a val split"):
-        pack_shards(PackConfig(str(tmp_path / "src"), str(tmp_path / "out"), val_fraction=0.2, quiet=True))
+        pack_manifest(PackConfig(str(tmp_path / "src"), str(tmp_path / "out"), val_fraction=0.2, quiet=True))
     assert not (tmp_path / "out").exists()
-    manifest = pack_shards(PackConfig(str(tmp_path / "src"), str(tmp_path / "out"), quiet=True))
+    manifest = pack_manifest(PackConfig(str(tmp_path / "src"), str(tmp_path / "out"), quiet=True))
     assert {name: s.samples for name, s in manifest.splits.items()} == {"train": 3, "val": 1}
 
 
 def test_plain_webdataset_reads_the_output(tree, tmp_path):
     import webdataset as wds
 
-    manifest = pack_shards(PackConfig(str(tree), str(tmp_path / "out"), max_samples=10, quiet=True))
+    manifest = pack_manifest(PackConfig(str(tree), str(tmp_path / "out"), max_samples=10, quiet=True))
     urls = [str(tmp_path / "out" / s.path) for s in manifest.splits["train"].shards]
     rows = list(wds.WebDataset(urls, shardshuffle=False).decode("pil").to_tuple("jpg;png;webp", "cls", "json"))
     assert len(rows) == 24
@@ -243,8 +243,8 @@ def test_plain_webdataset_reads_the_output(tree, tmp_path):
 def test_hdf5_output_reads_with_plain_h5py(tree, tmp_path):
     import h5py
 
-    manifest = pack_shards(PackConfig(str(tree), str(tmp_path / "out"), storage="hdf5", max_samples=10,
-                                      quiet=True))
+    manifest = pack_manifest(PackConfig(str(tree), str(tmp_path / "out"), storage="hdf5", max_samples=10,
+                                        quiet=True))
     assert [s.path for s in manifest.splits["train"].shards] == ["train-000000.h5", "train-000001.h5",
                                                                  "train-000002.h5"]
     labels = []
@@ -260,8 +260,8 @@ def test_hdf5_output_reads_with_plain_h5py(tree, tmp_path):
 
 def test_re_encoding_is_recorded_and_bounds_every_image(tmp_path):
     write_mixed_tree(tmp_path / "src")
-    manifest = pack_shards(PackConfig(str(tmp_path / "src"), str(tmp_path / "out"), resize_max_side=16,
-                                      quiet=True))
+    manifest = pack_manifest(PackConfig(str(tmp_path / "src"), str(tmp_path / "out"), resize_max_side=16,
+                                        quiet=True))
     assert manifest.packing["reencode"] == {"format": "jpg", "max_side": 16, "quality": 90}
     samples = [s for shard in manifest.splits["train"].shards
                for s in STORAGES["tar"].read(tmp_path / "out" / shard.path)]

@@ -13,7 +13,7 @@ import pytest
 
 import shards.formats.column_writer as columns_module
 from preprocess.pack.append import append
-from preprocess.pack.packer import PackConfig, pack_shards
+from preprocess.pack.packer import PackConfig, pack_manifest
 from preprocess.pack.merge import merge_parts
 from preprocess.pack.parts import STATE_DIR
 from shards.check.verify import verify_dataset
@@ -61,8 +61,8 @@ def assert_columns_match_index(out: Path) -> None:
 def test_pack_writes_each_splits_columns_equal_to_its_source_index(tmp_path):
     write_image_folder(tmp_path / "src", CLASSES, 8, size=(32, 24))
     out = tmp_path / "out"
-    manifest = pack_shards(PackConfig(str(tmp_path / "src"), str(out), max_samples=5, val_fraction=0.25, seed=3,
-                                      quiet=True))
+    manifest = pack_manifest(PackConfig(str(tmp_path / "src"), str(out), max_samples=5, val_fraction=0.25, seed=3,
+                                        quiet=True))
     assert set(manifest.splits) == {"train", "val"}
     entry = manifest.extra[COLUMNS_KEY]
     assert entry == load_dataset_manifest(out).extra[COLUMNS_KEY] and entry["format"] == "npy-1"
@@ -73,7 +73,7 @@ def test_pack_writes_each_splits_columns_equal_to_its_source_index(tmp_path):
 def test_skipped_files_have_no_row(tmp_path):
     made = write_mixed_tree(tmp_path / "src")
     out = tmp_path / "out"
-    manifest = pack_shards(PackConfig(str(tmp_path / "src"), str(out), max_samples=4, quiet=True))
+    manifest = pack_manifest(PackConfig(str(tmp_path / "src"), str(out), max_samples=4, quiet=True))
     assert_columns_match_index(out)
     paths = {p.decode() for p in open_columns(out, manifest, "train").column("path")}
     assert paths == {p for p, kind in made.items() if kind not in BROKEN_KINDS}
@@ -84,7 +84,7 @@ def test_append_and_prune_rebuild_the_changed_splits_columns(tmp_path):
     write_image_folder(src, CLASSES, 6, size=(24, 24))
     cfg = PackConfig(str(src), str(tmp_path / "out"), max_samples=4, val_fraction=0.25, seed=5, quiet=True)
     out = Path(cfg.out)
-    before = pack_shards(cfg).extra[COLUMNS_KEY]
+    before = pack_manifest(cfg).extra[COLUMNS_KEY]
     for i in range(5):
         (src / "bee" / f"new_{i:03d}.jpg").write_bytes(class_image(1, 1000 + i, (24, 24)))
     append(cfg)
@@ -110,7 +110,7 @@ def test_a_dataset_packed_without_columns_gets_them_on_append(tmp_path):
     write_image_folder(src, CLASSES, 4, size=(24, 24))
     cfg = PackConfig(str(src), str(tmp_path / "out"), max_samples=4, val_fraction=0.25, seed=5, quiet=True)
     out = Path(cfg.out)
-    manifest = pack_shards(cfg)
+    manifest = pack_manifest(cfg)
     shutil.rmtree(out / "columns")
     data = manifest.to_dict()
     del data[COLUMNS_KEY]
@@ -123,10 +123,10 @@ def test_a_dataset_packed_without_columns_gets_them_on_append(tmp_path):
 def test_overwrite_removes_the_old_column_files_and_nothing_else(tmp_path):
     write_image_folder(tmp_path / "src", CLASSES, 6, size=(24, 24))
     out = tmp_path / "out"
-    pack_shards(PackConfig(str(tmp_path / "src"), str(out), max_samples=3, val_fraction=0.3, quiet=True))
+    pack_manifest(PackConfig(str(tmp_path / "src"), str(out), max_samples=3, val_fraction=0.3, quiet=True))
     (out / "columns" / "notes.txt").write_text("mine")
     (out / "columns" / "train" / "c900.npy").write_bytes(b"not named by the manifest")
-    pack_shards(PackConfig(str(tmp_path / "src"), str(out), max_samples=12, overwrite=True, quiet=True))
+    pack_manifest(PackConfig(str(tmp_path / "src"), str(out), max_samples=12, overwrite=True, quiet=True))
     assert_columns_match_index(out)
     assert (out / "columns" / "notes.txt").read_text() == "mine"
     assert (out / "columns" / "train" / "c900.npy").read_bytes() == b"not named by the manifest"
@@ -136,7 +136,7 @@ def test_overwrite_removes_the_old_column_files_and_nothing_else(tmp_path):
 def test_a_killed_merge_leaves_no_column_file_under_a_final_name(tmp_path, monkeypatch):
     write_image_folder(tmp_path / "src", CLASSES, 4, size=(24, 24))
     out = tmp_path / "out"
-    pack_shards(PackConfig(str(tmp_path / "src"), str(out), max_samples=3, quiet=True))
+    pack_manifest(PackConfig(str(tmp_path / "src"), str(out), max_samples=3, quiet=True))
     shutil.rmtree(out / "columns")
     (out / "dataset.json").unlink()
     finished = []
@@ -195,7 +195,7 @@ def test_merge_memory_does_not_grow_with_the_number_of_samples(tmp_path, monkeyp
     monkeypatch.setattr(columns_module, "CHUNK_ROWS", 256)  # both sizes span many chunks
     write_image_folder(tmp_path / "src", CLASSES, 2, size=(16, 16))
     template = tmp_path / "template"
-    pack_shards(PackConfig(str(tmp_path / "src"), str(template), max_samples=3, quiet=True))
+    pack_manifest(PackConfig(str(tmp_path / "src"), str(template), max_samples=3, quiet=True))
     small, large = tmp_path / "small", tmp_path / "large"
     _synthetic(small, 4, 300, template)
     _synthetic(large, 24, 300, template)  # 6x the samples, each shard (part) the same size
@@ -258,7 +258,7 @@ def test_a_merge_killed_by_a_signal_leaves_temp_files_only_and_reruns_cleanly(tm
 
     write_image_folder(tmp_path / "src", CLASSES, 4, size=(24, 24))
     out = tmp_path / "out"
-    pack_shards(PackConfig(str(tmp_path / "src"), str(out), max_samples=3, quiet=True))
+    pack_manifest(PackConfig(str(tmp_path / "src"), str(out), max_samples=3, quiet=True))
     shutil.rmtree(out / "columns")
     (out / "dataset.json").unlink()
     flag = tmp_path / "writing"

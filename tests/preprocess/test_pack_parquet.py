@@ -20,7 +20,7 @@ import shards  # noqa: E402
 from preprocess.pack.append import append_shards  # noqa: E402
 from preprocess.pack.cli import pack_shards_command  # noqa: E402
 from preprocess.pack.sources.members import SourceFields  # noqa: E402
-from preprocess.pack.packer import PackConfig, pack_shards  # noqa: E402
+from preprocess.pack.packer import PackConfig, pack_manifest  # noqa: E402
 from preprocess.pack.plan import make_plan  # noqa: E402
 from preprocess.pack.sources.scan import scan_source  # noqa: E402
 from shards.errors import InputError  # noqa: E402
@@ -62,7 +62,7 @@ def hub_folder(root: Path) -> Path:
 
 
 def pack(source, out, **options):
-    return pack_shards(PackConfig(source=str(source), out=str(out), quiet=True, **options))
+    return pack_manifest(PackConfig(source=str(source), out=str(out), quiet=True, **options))
 
 
 def packed_samples(out: Path) -> dict[str, tuple[int, bytes, dict]]:

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from preprocess.pack.append import append_shards
 from preprocess.pack.cli import pack_shards_command
 from preprocess.pack.sources.members import SourceFields
-from preprocess.pack.packer import PackConfig, pack_shards
+from preprocess.pack.packer import PackConfig, pack_manifest
 from shards.transport.listing import expand_braces
 from preprocess.pack.sources.scan import scan_source
 from shards.check.verify import verify_dataset
@@ -38,7 +38,7 @@ def write_wds(folder: Path, tars: int = 3, per_tar: int = 4) -> str:
 
 
 def pack(source, out, **options):
-    return pack_shards(PackConfig(source=str(source), out=str(out), quiet=True, **options))
+    return pack_manifest(PackConfig(source=str(source), out=str(out), quiet=True, **options))
 
 
 def members_of(shard: Path) -> dict[str, dict[str, bytes]]:

@@ -12,7 +12,7 @@ import pytest
 
 from preprocess.features.featurize import FeatureConfig, precompute_features
 from preprocess.pack.append import append
-from preprocess.pack.packer import PackConfig, pack, pack_shards
+from preprocess.pack.packer import PackConfig, pack, pack_manifest
 from preprocess.pack.parts import INDEX_FILE
 from preprocess.pack.table.pack import pack_table
 from preprocess.pack.table.config import TableConfig
@@ -52,7 +52,7 @@ def assert_counts_match_shards(out: Path, manifest: DatasetManifest) -> None:
 @pytest.mark.parametrize("storage", ["tar", "hdf5"])
 def test_every_packed_shard_records_the_labels_it_holds(tree, tmp_path, storage):
     out = tmp_path / "out"
-    manifest = pack_shards(_config(tree, out, storage=storage))
+    manifest = pack_manifest(_config(tree, out, storage=storage))
     assert sum(len(s.shards) for s in manifest.splits.values()) > 2
     assert_counts_match_shards(out, manifest)
     data = json.loads((out / "dataset.json").read_text())
@@ -62,7 +62,7 @@ def test_every_packed_shard_records_the_labels_it_holds(tree, tmp_path, storage)
 
 
 def test_a_task_array_merge_records_them_as_one_run_does(tree, tmp_path):
-    single = pack_shards(_config(tree, tmp_path / "single"))
+    single = pack_manifest(_config(tree, tmp_path / "single"))
     out = tmp_path / "array"
     assert pack(_config(tree, out, num_tasks=2, task_index=1)).manifest is None
     merged = pack(_config(tree, out, num_tasks=2, task_index=0)).manifest
@@ -73,7 +73,7 @@ def test_a_task_array_merge_records_them_as_one_run_does(tree, tmp_path):
 
 def test_appended_and_pruned_shards_record_them_too(tree, tmp_path):
     cfg = _config(tree, tmp_path / "out")
-    before = pack_shards(cfg)
+    before = pack_manifest(cfg)
     for i in range(5):
         (tree / "bee" / f"new_{i}.jpg").write_bytes(class_image(1, 500 + i, SIZE))
     appended = append(cfg).manifest
@@ -90,7 +90,7 @@ def test_appended_and_pruned_shards_record_them_too(tree, tmp_path):
 def test_source_index_rows_carry_the_sample_metadata(tree, tmp_path):
     (tree / "cat" / "broken.jpg").write_bytes(b"not an image")
     cfg = _config(tree, tmp_path / "out")
-    manifest = pack_shards(cfg)
+    manifest = pack_manifest(cfg)
     out = Path(cfg.out)
     rows = {row["path"]: row for row in map(json.loads, (out / INDEX_FILE).read_text().splitlines())}
     assert "meta" not in rows["cat/broken.jpg"] and rows["cat/broken.jpg"]["shard"] is None
@@ -112,7 +112,7 @@ def test_source_index_rows_carry_the_sample_metadata(tree, tmp_path):
 @pytest.mark.slow  # over half a second in the quick loop
 def test_features_json_shards_carry_the_image_shards_counts(tree, tmp_path):
     data_dir = tmp_path / "out"
-    dataset = pack_shards(_config(tree, data_dir))
+    dataset = pack_manifest(_config(tree, data_dir))
     features = precompute_features(FeatureConfig(data_dir=data_dir, out_dir=tmp_path / "feat", backbone="resnet18",
                                                  weights="none", resize=40, crop=32, batch_size=8, workers=0,
                                                  quiet=True))
@@ -160,7 +160,7 @@ def _rewrite_first_shard(out: Path, change) -> None:
 
 def test_a_manifest_without_shard_counts_loads_as_before(tree, tmp_path):
     out = tmp_path / "out"
-    pack_shards(_config(tree, out))
+    pack_manifest(_config(tree, out))
     _rewrite_first_shard(out, lambda shard: shard.pop("class_counts"))
     manifest = load_dataset_manifest(out)
     assert manifest.splits["train"].shards[0].class_counts is None
@@ -171,7 +171,7 @@ def test_a_manifest_without_shard_counts_loads_as_before(tree, tmp_path):
 @pytest.mark.parametrize("value", ["3", [1, -1, 3], [1.0, 2, 1], [True, 3], {"ant": 4}, [0, 0, 1]])
 def test_malformed_shard_counts_are_one_line_manifest_errors(tree, tmp_path, value):
     out = tmp_path / "out"
-    pack_shards(_config(tree, out))
+    pack_manifest(_config(tree, out))
     _rewrite_first_shard(out, lambda shard: shard.update(class_counts=value))
     with pytest.raises(ManifestError, match="class_counts") as caught:
         load_dataset_manifest(out)

@@ -28,7 +28,7 @@ from click.testing import CliRunner
 
 import shards
 from preprocess.pack.source_diff import read_index
-from preprocess.pack.packer import PackConfig, pack_shards
+from preprocess.pack.packer import PackConfig, pack_manifest
 from shards.check.verify import verify_dataset
 from shards.cli.main import main as shards_cli
 from shards.errors import CorruptDataError, ManifestError
@@ -261,7 +261,7 @@ def test_a_listed_hosts_redirect_back_to_the_manifests_origin_is_followed(server
 def packed_once(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("packed")
     tree = write_image_folder(root / "src", ["cat", "dog"], per_class=6, size=(20, 16))
-    pack_shards(PackConfig(str(tree), str(root / "out"), max_samples=4, val_fraction=0.25, seed=1, quiet=True))
+    pack_manifest(PackConfig(str(tree), str(root / "out"), max_samples=4, val_fraction=0.25, seed=1, quiet=True))
     return root / "out"
 
 

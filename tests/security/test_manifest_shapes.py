@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from preprocess.pack.cli import pack_shards_command
-from preprocess.pack.packer import PackConfig, pack, pack_shards
+from preprocess.pack.packer import PackConfig, pack, pack_manifest
 from preprocess.pack.parts import STATE_DIR, load_part, part_path, read_plan_doc
 from shards.cli.main import main as shards_cli
 from shards.errors import InputError, ManifestError
@@ -40,7 +40,7 @@ def packed(tmp_path_factory) -> Path:
     src = write_image_folder(root / "src", ["ant", "bee"], 6, size=(16, 16))
     (src / "ant" / "broken.jpg").write_bytes(b"not an image")
     out = root / "out"
-    pack_shards(PackConfig(str(src), str(out), max_samples=3, val_fraction=0.25, quiet=True))
+    pack_manifest(PackConfig(str(src), str(out), max_samples=3, val_fraction=0.25, quiet=True))
     return out
 
 
@@ -418,9 +418,9 @@ def pack_config(src: Path, out: Path) -> PackConfig:
 def test_a_part_of_another_shape_is_packed_again(src: Path, tmp_path: Path, at: tuple, value: Any):
     """A part manifest is the resume state of its shard: one that does not read as one is not trusted, and the
     shard is packed again, giving the very dataset a clean run gives."""
-    clean = pack_shards(pack_config(src, tmp_path / "clean"))
+    clean = pack_manifest(pack_config(src, tmp_path / "clean"))
     out = tmp_path / "out"
-    pack_shards(pack_config(src, out))
+    pack_manifest(pack_config(src, out))
     (out / "dataset.json").unlink()
     part = part_path(out, "train-000000.tar")
     tamper(part, at, value)
@@ -436,7 +436,7 @@ def test_a_part_of_another_shape_is_packed_again(src: Path, tmp_path: Path, at: 
                                       (("plan_sha256",), None), (("packing",), [])], ids=str)
 def test_merge_refuses_a_plan_of_another_shape(src: Path, tmp_path: Path, at: tuple, value: Any):
     out = tmp_path / "out"
-    pack_shards(pack_config(src, out))
+    pack_manifest(pack_config(src, out))
     plan = out / STATE_DIR / "plan.json"
     tamper(plan, at, value)
     result = CliRunner().invoke(pack_shards_command, ["--merge", str(out), "--quiet"])
@@ -462,7 +462,7 @@ def test_integer_labels_in_a_jsonl_list_name_their_classes(src: Path, tmp_path: 
     listing = src / "list.jsonl"
     listing.write_text("".join(json.dumps({"path": f"{c}/img_000{i}.jpg", "label": n}) + "\n"
                                for n, c in enumerate(["ant", "bee"]) for i in range(2)))
-    assert pack_shards(PackConfig(str(listing), str(tmp_path / "out"), quiet=True)).classes == ("0", "1")
+    assert pack_manifest(PackConfig(str(listing), str(tmp_path / "out"), quiet=True)).classes == ("0", "1")
 
 
 # -- what the commands print agrees with what they wrote -------------------------------------------------------------

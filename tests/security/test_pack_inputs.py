@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from preprocess.pack import validate as validate_module
-from preprocess.pack.packer import PackConfig, pack_shards
+from preprocess.pack.packer import PackConfig, pack_manifest
 from preprocess.pack.sources.scan import scan_source
 from preprocess.pack.validate import InvalidImage, ValidateOptions, read_and_validate
 from shards.errors import InputError
@@ -140,7 +140,7 @@ def test_csv_and_jsonl_saved_with_a_byte_order_mark_are_read(tmp_path):
         scan = scan_source(tmp_path / name)
         assert scan.classes == ("cat", "dog")
         assert [s.rel_path for s in scan.samples] == [p for p, _ in rows]
-    manifest = pack_shards(PackConfig(str(tmp_path / "excel.csv"), str(tmp_path / "out"), quiet=True))
+    manifest = pack_manifest(PackConfig(str(tmp_path / "excel.csv"), str(tmp_path / "out"), quiet=True))
     assert manifest.splits["train"].samples == 2
 
 

@@ -163,13 +163,13 @@ def sparse(path: Path, size: int) -> Path:
 
 @pytest.mark.slow
 def test_an_imagefolder_file_over_max_bytes_is_skipped_by_its_size_unread(tmp_path):
-    from preprocess.pack.packer import PackConfig, pack_shards
+    from preprocess.pack.packer import PackConfig, pack_manifest
     from tests.helpers import write_image_folder
 
     source = write_image_folder(tmp_path / "src", ["a", "b"], 2, size=(16, 16))
     sparse(source / "a" / "huge.jpg", 3 * GIB)
     tracemalloc.start()
-    manifest = pack_shards(PackConfig(str(source), str(tmp_path / "out"), quiet=True))
+    manifest = pack_manifest(PackConfig(str(source), str(tmp_path / "out"), quiet=True))
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     reasons = {s.path: s.reason for s in manifest.source.skipped}

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from preprocess.pack.sources.members import SourceFields
-from preprocess.pack.packer import PackConfig, pack_shards
+from preprocess.pack.packer import PackConfig, pack_manifest
 from preprocess.pack.sources.scan import scan_source
 from shards.errors import CorruptDataError, InputError
 from shards.formats.tar import iter_tar_shard
@@ -78,8 +78,8 @@ def report(read):
 def pack_images(folder: Path) -> Path:
     """A small packed dataset (tar shards with their sidecars and columns): 3 shards of 4 samples."""
     write_image_folder(folder / "src", ["ant", "bee", "cat"], 4, size=(16, 12))
-    pack_shards(PackConfig(source=str(folder / "src"), out=str(folder / "ds"), max_samples=4, val_fraction=0,
-                           quiet=True))
+    pack_manifest(PackConfig(source=str(folder / "src"), out=str(folder / "ds"), max_samples=4, val_fraction=0,
+                             quiet=True))
     return folder / "ds"
 
 
@@ -284,9 +284,9 @@ def test_a_huge_member_is_skipped_by_its_declared_size_never_read(tmp_path, big_
 import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (3 << 29, 3 << 29))
 from preprocess.pack.sources.members import SourceFields
-from preprocess.pack.packer import PackConfig, pack_shards
-manifest = pack_shards(PackConfig(source=sys.argv[1], out=sys.argv[2], quiet=True, val_fraction=0,
-                                  source_fields=SourceFields(label_member="cls")))
+from preprocess.pack.packer import PackConfig, pack_manifest
+manifest = pack_manifest(PackConfig(source=sys.argv[1], out=sys.argv[2], quiet=True, val_fraction=0,
+                                    source_fields=SourceFields(label_member="cls")))
 print(manifest.splits["train"].samples, [s.reason.split(":")[0] for s in manifest.source.skipped])
 """, path, tmp_path / "out", timeout=120)
     assert "2 ['too large']" in out.splitlines(), out
@@ -315,8 +315,8 @@ def empty_members_tar(path: Path, empty: int, *, same_key: bool = False) -> None
 def _pack_peak(source: Path, out: Path) -> tuple[int, object]:
     tracemalloc.start()
     try:
-        manifest = pack_shards(PackConfig(source=str(source), out=str(out), quiet=True, val_fraction=0,
-                                          source_fields=SourceFields(label_member="cls")))
+        manifest = pack_manifest(PackConfig(source=str(source), out=str(out), quiet=True, val_fraction=0,
+                                            source_fields=SourceFields(label_member="cls")))
         return tracemalloc.get_traced_memory()[1], manifest
     finally:
         tracemalloc.stop()

@@ -14,7 +14,7 @@ import pytest
 from preprocess.features.featurize import FeatureConfig, merge_features, run_precompute
 from preprocess.features import state as feature_state
 from preprocess.pack import parts
-from preprocess.pack.packer import PackConfig, pack_shards
+from preprocess.pack.packer import PackConfig, pack_manifest
 from shards import atomic
 from shards.lock import OutputLockedError, output_lock
 from shards.manifest import load_dataset_manifest, load_feature_manifest
@@ -73,7 +73,7 @@ def test_second_pack_into_a_locked_folder_exits_2_and_writes_nothing(src, tmp_pa
                                    pytest.param(["--overwrite"], marks=pytest.mark.slow)])
 def test_pack_append_and_overwrite_are_refused_while_an_append_holds_the_folder(src, tmp_path, extra):
     out = tmp_path / "out"
-    pack_shards(PackConfig(str(src), str(out), max_samples=5, quiet=True))
+    pack_manifest(PackConfig(str(src), str(out), max_samples=5, quiet=True))
     if extra:
         write_image_folder(src, ["cat"], 8, size=(24, 16))  # something new, so append and overwrite have work
     before = listing(out)
@@ -86,7 +86,7 @@ def test_pack_append_and_overwrite_are_refused_while_an_append_holds_the_folder(
 @pytest.mark.slow
 def test_merge_and_append_refuse_while_a_task_is_packing(src, tmp_path):
     out = tmp_path / "out"
-    pack_shards(PackConfig(str(src), str(out), max_samples=5, quiet=True))
+    pack_manifest(PackConfig(str(src), str(out), max_samples=5, quiet=True))
     before = listing(out)
     with output_lock(out, ".pack/lock", shared=True):  # what every running task holds
         for args in (["--merge", out], [src, "--out", out, "--append"]):
@@ -105,7 +105,7 @@ def test_two_concurrent_packs_never_crash_and_leave_one_good_dataset(src, tmp_pa
         assert "Traceback" not in stderr
         if code == 2:
             assert len(error_lines(stderr)) == 1
-    pack_shards(PackConfig(str(src), str(tmp_path / "ref"), max_samples=2, quiet=True))
+    pack_manifest(PackConfig(str(src), str(tmp_path / "ref"), max_samples=2, quiet=True))
     shards = lambda folder: {p.name: p.read_bytes() for p in folder.glob("*.tar")}  # noqa: E731
     assert shards(out) == shards(tmp_path / "ref")
     assert load_dataset_manifest(out).splits == load_dataset_manifest(tmp_path / "ref").splits
@@ -142,10 +142,10 @@ def test_a_killed_holder_leaves_no_stale_lock(src, tmp_path):
 
 def test_overwrite_never_deletes_lock_files(src, tmp_path):
     out = tmp_path / "out"
-    pack_shards(PackConfig(str(src), str(out), max_samples=5, quiet=True))
+    pack_manifest(PackConfig(str(src), str(out), max_samples=5, quiet=True))
     lock_files = {p.name for p in (out / ".pack").glob("lock*")}
     assert "lock" in lock_files and "lock.task-0-of-1" in lock_files
-    pack_shards(PackConfig(str(src), str(out), max_samples=3, overwrite=True, quiet=True))
+    pack_manifest(PackConfig(str(src), str(out), max_samples=3, overwrite=True, quiet=True))
     assert lock_files <= {p.name for p in (out / ".pack").glob("lock*")}
 
 
@@ -163,15 +163,15 @@ def test_temp_names_are_unique_per_host_process_and_call(tmp_path):
 
 def test_leftover_temp_files_of_a_killed_run_are_cleaned_by_the_rerun(src, tmp_path):
     out = tmp_path / "out"
-    pack_shards(PackConfig(str(src), str(out), max_samples=5, quiet=True))
+    pack_manifest(PackConfig(str(src), str(out), max_samples=5, quiet=True))
     (out / "dataset.json").unlink()
     (out / "train-000001.tar.node7.4242.0badc0de.tmp").write_bytes(b"half a shard")
     (out / "train-000002.tar.tmp").write_bytes(b"a user's own file")
-    pack_shards(PackConfig(str(src), str(out), max_samples=5, quiet=True))
+    pack_manifest(PackConfig(str(src), str(out), max_samples=5, quiet=True))
     assert [p.name for p in out.glob("*.tmp")] == ["train-000002.tar.tmp"]
     (out / "train-000002.tar.tmp").unlink()
     (out / "dataset.json.node7.4242.0badc0de.tmp").write_text("{")
-    pack_shards(PackConfig(str(src), str(out), max_samples=3, overwrite=True, quiet=True))
+    pack_manifest(PackConfig(str(src), str(out), max_samples=3, overwrite=True, quiet=True))
     assert not list(out.glob("*.tmp"))
 
 

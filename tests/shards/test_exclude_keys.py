@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import shards
-from preprocess.pack.packer import PackConfig, pack_shards
+from preprocess.pack.packer import PackConfig, pack_manifest
 from shards.errors import InputError
 from shards.select.columns import open_columns
 from shards.manifest import load_manifest
@@ -65,7 +65,7 @@ def test_subset_exclude_keys_over_columns_equals_the_row_path(tmp_path):
 
 def test_excluded_rows_from_columns_and_from_shards_agree(tmp_path):
     tree = write_image_folder(tmp_path / "src", ["cat", "dog"], per_class=5, size=(12, 12))
-    pack_shards(PackConfig(str(tree), str(tmp_path / "out"), max_samples=3, seed=1, quiet=True))
+    pack_manifest(PackConfig(str(tree), str(tmp_path / "out"), max_samples=3, seed=1, quiet=True))
     dataset = shards.open_dataset(tmp_path / "out", "train", return_keys=True)
     every = [sample.key for shard, info in enumerate(dataset.split_info.shards)
              for sample in dataset.read_slice(ShardSlice(shard, 0, info.samples))]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import shards
-from preprocess.pack.packer import PackConfig, pack_shards
+from preprocess.pack.packer import PackConfig, pack_manifest
 from shards.errors import InputError
 from shards.formats.features import FeatureShard, feature_shard_name, write_feature_shard
 from shards.formats.sample import RawSample
@@ -285,7 +285,7 @@ def test_packed_datasets_filter_from_their_source_index_without_reading_shards(t
     tree = write_image_folder(tmp_path / "src", ["cat", "dog", "eel"], per_class=6, size=(20, 16))
     for i in range(3):  # wider images
         (tree / "dog" / f"wide_{i}.jpg").write_bytes(class_image(1, 100 + i, (64, 16)))
-    pack_shards(PackConfig(str(tree), str(tmp_path / "out"), max_samples=5, seed=1, quiet=True))
+    pack_manifest(PackConfig(str(tree), str(tmp_path / "out"), max_samples=5, seed=1, quiet=True))
     wide = shards.open_dataset(SourceSpec(tmp_path / "out", subset=Subset(where="width >= 64")), "train",
                                return_keys=True, decode=shards.Decode(decoder=zero))
     assert read_log == []  # rows came from source-index.jsonl
@@ -394,7 +394,7 @@ def test_a_malformed_source_index_is_a_manifest_error_naming_the_line(tmp_path):
     from shards.errors import ManifestError
 
     tree = write_image_folder(tmp_path / "src", ["cat", "dog"], per_class=3, size=(20, 16))
-    pack_shards(PackConfig(str(tree), str(tmp_path / "out"), seed=1, quiet=True))
+    pack_manifest(PackConfig(str(tree), str(tmp_path / "out"), seed=1, quiet=True))
     index = tmp_path / "out" / "source-index.jsonl"
     lines = index.read_text(encoding="utf-8").splitlines()
     index.write_text("\n".join([lines[0], '{"shard": "train-000000.tar", "row": 1, "key": 7}', *lines[2:]]) + "\n")

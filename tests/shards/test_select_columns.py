@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import shards
-from preprocess.pack.packer import PackConfig, pack_shards
+from preprocess.pack.packer import PackConfig, pack_manifest
 from shards.errors import CorruptDataError, InputError, ManifestError
 from shards.formats.column_writer import write_split_columns
 from shards.formats.columns import FORMAT
@@ -123,7 +123,7 @@ def test_both_paths_agree_on_random_subsets(tmp_path, mixed):
 
 def test_a_packed_dataset_subsets_from_its_columns_alone(tmp_path):
     tree = write_image_folder(tmp_path / "src", ["cat", "dog", "eel"], per_class=6, size=(20, 16))
-    pack_shards(PackConfig(str(tree), str(tmp_path / "out"), max_samples=5, seed=1, quiet=True))
+    pack_manifest(PackConfig(str(tree), str(tmp_path / "out"), max_samples=5, seed=1, quiet=True))
     (tmp_path / "out" / "source-index.jsonl").unlink()  # the columns are enough; the shards are not opened
     cats = shards.open_dataset(SourceSpec(tmp_path / "out", subset=Subset(classes=["cat"], where="width == 20")),
                                "train", return_keys=True)
