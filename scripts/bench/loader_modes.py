@@ -27,7 +27,10 @@ do it on this CPU) in each run mode, ``WorkerProcesses(2)``, ``Threads(2)``, ``W
 
 Ratios are taken within each round, so machine noise hits both sides of one ratio: the fast path's best mode against
 the best peer (img/s, and CPU per image against the leanest peer), ``Auto``'s steady step time against the best fixed
-mode's, the standard path in threads against processes.
+mode's, the standard path in threads against processes. Two passes of the same mode differ by up to about 8% on
+the shared 2-core box, so ``Auto``'s choice is also rated alone: the step of the fixed pass that runs the mode it
+chose against the best fixed mode's (``auto_choice_step_vs_best_mode_step``). ``fast_auto0_uint8`` (only when
+``--passes`` names it) is ``Auto`` without its runoff, the before of issue 45's runoff.
 """
 
 from __future__ import annotations
@@ -263,6 +266,13 @@ def one_pass(name: str, args: Any, count: int) -> dict[str, Any]:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def fixed_pass(chosen: str | None) -> str | None:
+    """The fixed-mode pass that runs the mode ``Auto`` chose (None for one no pass runs: a wider decode)."""
+    if chosen and "decoders=0" in chosen:
+        return {"Threads": "fast_threads_uint8", "WorkerProcesses": "fast_processes_uint8"}.get(chosen.split("(")[0])
+    return None
+
+
 def round_ratios(rates: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """One round's ratios (see the module docstring): those whose passes ran this round."""
     ratios: dict[str, Any] = {}
@@ -278,6 +288,10 @@ def round_ratios(rates: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 key = "auto" if auto == "fast_auto_uint8" else "auto_without_runoff"
                 ratios[f"{key}_step_vs_best_mode_step"] = rates[auto]["step_ms"] / rates[steadiest]["step_ms"]
                 ratios[f"{key}_first_epoch_vs_best_mode"] = rates[auto]["img_s"] / rates[best_fast]["img_s"]
+                same = fixed_pass(rates[auto].get("chosen"))
+                if same in rates:  # the choice alone: its own fixed pass, free of the noise between two passes
+                    ratios[f"{key}_choice_step_vs_best_mode_step"] = (rates[same]["step_ms"]
+                                                                      / rates[steadiest]["step_ms"])
         peers = {name: r for name, r in rates.items() if name in PEER_PASSES}
         if peers:
             best_peer = max(peers, key=lambda n: peers[n]["img_s"])
@@ -334,7 +348,8 @@ def report(result: dict[str, Any]) -> str:
                      + f"{statistics.median(p['step_ms'] for p in per_round):>9.1f}")
     for key in ("fast_best_mode_vs_best_peer", "fast_threads_norm_vs_best_peer", "fast_cpu_vs_leanest_peer",
                 "auto_step_vs_best_mode_step", "auto_first_epoch_vs_best_mode",
-                "auto_without_runoff_step_vs_best_mode_step", "auto_without_runoff_first_epoch_vs_best_mode",
+                "auto_choice_step_vs_best_mode_step", "auto_without_runoff_step_vs_best_mode_step",
+                "auto_without_runoff_first_epoch_vs_best_mode", "auto_without_runoff_choice_step_vs_best_mode_step",
                 "standard_threads_vs_processes", "fast_threads_vs_processes"):
         if not all(key in r["ratios"] for r in result["rounds"]):
             continue
