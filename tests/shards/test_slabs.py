@@ -107,12 +107,9 @@ def test_a_slot_with_two_tensors_waits_for_both():
             for start in (0, SLAB_MIN_BYTES)]
     first, second = unslab(refs, pin=False)
     del refs
-    gc.collect()
     del first
-    gc.collect()
     assert ring.acquire(0) is None  # the second tensor still views the slot
     del second
-    gc.collect()
     assert ring.acquire(0) == slot
 
 
@@ -130,13 +127,11 @@ def test_the_buffer_pool_reuses_a_freed_batch_and_keeps_at_most_keep():
     first = pool.tensor(torch.float32, (4, 5))
     pointer = first.data_ptr()
     del first
-    gc.collect()
     again = pool.tensor(torch.float32, (4, 5))
     assert again.data_ptr() == pointer and again.shape == (4, 5) and again.dtype == torch.float32
     other = pool.tensor(torch.float32, (4, 5))  # the pool is empty: a new buffer
     assert other.data_ptr() != pointer
     del again, other
-    gc.collect()
     assert sum(map(len, pool._free.values())) == 1
 
 
