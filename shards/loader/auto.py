@@ -14,8 +14,8 @@ and a short trial that counted them would crown the deepest queue, not the faste
 
 When the two best are close (the second's mean step within ``runoff_percent`` of the first's), a runoff times both
 again for ``trial_batches`` more each, the later-tried one first (A B ... B A: a load that drifts steadily over the
-trial weighs on both alike), and the lower mean over both turns is kept (``runoff_pair``). A candidate whose run was
-closed starts a fresh one for its second turn, with its warm-up and queue untimed again.
+trial weighs on both alike), and the lower mean over both turns is kept (``runoff_pair``). Every turn starts with
+its warm-up untimed; a candidate whose run was closed starts a fresh one for its second turn, its queue untimed too.
 
 The trial changes nothing that is fed. The candidates share one epoch plan (``workers`` logical workers, the same
 saved-state layout), and a switch is the loader's own exact resume in that layout (``state_dict`` of the batches
@@ -161,18 +161,23 @@ class AutoRun(Run):
         # The trial's turns: (candidate, how many timed steps it has once the turn ends); the runoff adds two.
         self.turns: list[tuple[RunMode, int]] = [(c, mode.trial_batches) for c in self.candidates]
         self.runoff: list[RunMode] = []
-        # Per candidate, the batch count up to which what it feeds is untimed: the warm-up and what its queue held
-        # before the loop asked, counted again each time its run starts.
+        # Per candidate, the batch count up to which what it feeds is untimed: at each turn's start the warm-up, and
+        # when its run starts anew what its queue held before the loop asked.
         self.untimed = dict.fromkeys(self.candidates, 0)
         self.taken = dict.fromkeys(self.candidates, 0)  # batches each candidate fed in the trial
         self.on_trial = 0  # index of the turn being taken
+        self.started = -1  # index of the last turn started (an epoch's end inside a turn does not start it again)
         self.chosen: RunMode | None = None
 
     def _run(self, mode: RunMode) -> Run:
         if mode not in self.runs:
-            self.untimed[mode] = self.taken[mode] + self.mode.warmup_batches + mode.batches_ahead
             self.runs[mode] = mode.start(self._loader())
         return self.runs[mode]
+
+    def _start_turn(self, mode: RunMode) -> None:
+        ahead = mode.batches_ahead if mode not in self.runs else 0  # a run going on asks for its batches as they come
+        self.untimed[mode] = self.taken[mode] + self.mode.warmup_batches + ahead
+        self.started = self.on_trial
 
     @property
     def current(self) -> RunMode:
@@ -185,6 +190,8 @@ class AutoRun(Run):
         clock = time.perf_counter
         while self.chosen is None:
             mode, until = self.turns[self.on_trial]
+            if self.started != self.on_trial:
+                self._start_turn(mode)
             batches = self._run(mode).batches()
             timed = self.steps[mode]
             last = None  # an epoch that ended mid-trial: this candidate goes on where it stopped, timed afresh
