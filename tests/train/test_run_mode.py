@@ -24,9 +24,9 @@ def run(folder: Path, out: Path, *options: str, epochs: int = 2) -> tuple[dict, 
 
 
 def test_auto_records_its_trial_and_choice_and_trains_the_model_of_its_plan(image_folder: Path, tmp_path: Path):
-    # 12 batches an epoch; on 2 CPUs 4 candidates of about 17 batches each, and a runoff of two of them when they
-    # are close (about 32 more): the trial ends by epoch 11
-    summary, rows = run(image_folder, tmp_path / "auto", "--workers", "auto", epochs=11)
+    # Batches of 2: 24 an epoch; on 2 CPUs 4 candidates of about 17 batches each, and a runoff of two of them when
+    # they are close (about 34 more): the trial ends by epoch 5
+    summary, rows = run(image_folder, tmp_path / "auto", "--workers", "auto", "--batch-size", "2", epochs=6)
     last = rows[-1]["run_mode"]
     assert last["mode"].startswith("Auto(workers=")
     trial = {entry["mode"]: entry for entry in last["trial"]}
@@ -38,7 +38,8 @@ def test_auto_records_its_trial_and_choice_and_trains_the_model_of_its_plan(imag
     assert "Run mode (auto)" in report and last["chosen"] in report
     # Auto feeds the batches of its plan: the same model as the default mode of the same worker count.
     workers = int(last["mode"].split("workers=")[1].split(",")[0])
-    fixed, fixed_rows = run(image_folder, tmp_path / "fixed", "--workers", str(workers), epochs=11)
+    fixed, fixed_rows = run(image_folder, tmp_path / "fixed", "--workers", str(workers), "--batch-size", "2",
+                            epochs=6)
     assert fixed_rows[-1]["run_mode"] == {"mode": f"WorkerProcesses(workers={workers}, prefetch=4, "
                                                   "persistent=True, decoders=0)"}
     assert [r["train_loss"] for r in fixed_rows] == [r["train_loss"] for r in rows]
