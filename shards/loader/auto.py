@@ -23,8 +23,8 @@ handed out, ``load_state_dict`` into the next candidate), so the batches are tho
 alone. An epoch that ends inside the trial continues it in the next epoch.
 
 Candidates: each kind (``Threads``, ``WorkerProcesses``) at each decode width, the number of threads or processes
-decoding at once: its plain width (``n``, one per logical worker) and half and all of the usable CPUs (``decode_widths``:
-at least 2, at most ``MAX_DECODE_WIDTH``), as ``Threads(n, decoders=w)`` (a pool of ``w`` decoding for the ``n``
+decoding at once: its plain width (``n``, one per logical worker) and half and all of the usable CPUs
+(``decode_widths``: at least 2, at most ``MAX_DECODE_WIDTH``), as ``Threads(n, decoders=w)`` (a pool of ``w`` decoding for the ``n``
 worker threads) and ``WorkerProcesses(n, decoders=w // n)`` (``w // n >= 2`` threads in each process). The width is
 what differs between a worker count that starves the step and one that feeds it (with 1 logical worker on 2 CPUs
 the plain modes decode one image at a time); varying it through ``decoders``, not ``workers``, keeps the one plan,
