@@ -226,8 +226,10 @@ class AutoRun(Run):
         else:
             times = self._step_times()
             self.chosen = choose({c: times[c] for c in self.runoff} if self.runoff else times)
-            log.info("run mode: %s (mean step %s)", self.chosen, ", ".join(
-                f"{c} {mean_step(times[c]) * 1000:.1f} ms" for c in self.candidates))
+            against = [c for c in self.runoff if c != self.chosen]
+            log.info("run mode: %s%s (mean step %s)", self.chosen,
+                     f", after a runoff against {against[0]}" if against else "",
+                     ", ".join(f"{c} {mean_step(times[c]) * 1000:.1f} ms" for c in self.candidates))
         if self.current != tried:
             self.runs.pop(tried).close()  # a candidate tried again in the runoff starts a fresh run
         loader.continue_from(state)  # the next iteration, whichever run makes it, starts at this batch

@@ -260,13 +260,16 @@ def test_auto_feeds_exactly_the_batches_of_its_plan_through_the_trial_and_after(
 
 @pytest.mark.slow  # two runs of the trial
 @pytest.mark.parametrize("runoff_percent", [0, 1000])
-def test_a_runoff_times_the_two_best_again_and_changes_nothing_that_is_fed(folder, runoff_percent):
+def test_a_runoff_times_the_two_best_again_and_changes_nothing_that_is_fed(folder, runoff_percent, caplog):
     """1000%: every trial has a runoff (its second turns start fresh runs: worker processes again, with their warm-up
-    untimed); 0: none. The batches are the plan's either way."""
+    untimed); 0: none. The batches are the plan's either way, and the log line of the choice says which it was."""
     reference = epochs(shards.make_loader(fast(folder), 2, mode=Threads(2), drop_last=False), 4)
     mode = Auto(2, trial_batches=3, warmup_batches=1, runoff_percent=runoff_percent)
     loader = shards.make_loader(fast(folder), 2, mode=mode, drop_last=False)
-    assert same(epochs(loader, 4), reference)
+    with caplog.at_level("INFO", logger="shards.loader.auto"):
+        assert same(epochs(loader, 4), reference)
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("run mode: ")]
+    assert ("after a runoff against" in line) == bool(runoff_percent)
     choice = loader.mode_choice()
     trial = {entry["mode"]: entry["batches"] for entry in choice["trial"]}
     assert choice["chosen"] is not None
