@@ -114,7 +114,6 @@ def test_the_thread_ends_when_the_training_step_raises(folder):
 
     with pytest.raises(RuntimeError, match="training step"):
         train_until_a_failure()
-    gc.collect()
     assert not prefetch_threads()
 
 
