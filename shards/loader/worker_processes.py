@@ -19,6 +19,7 @@ A loader with a ``StallPolicy`` runs its batches through the watchdog (``shards.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -34,8 +35,8 @@ from shards.loader.base import Loader, Run, RunMode, restarted_by_watchdog
 from shards.procs import torch_private
 from shards.loader.watchdog import StallPolicy, Watchdog
 from shards.loader.budget import BudgetParts, batch_bytes, dataset_read_ahead, fit_depth, split_budget
-from shards.procs.shm import EXTRA_BATCHES, Handoff, PipedCollate, announce, plan_handoff, shm_free, unpipe
-from shards.procs.slabs import SlabCollate, SlabRing, unslab
+from shards.procs.shm import EXTRA_BATCHES, Handoff, PipedCollate, announce, plan_handoff, received, shm_free
+from shards.procs.slabs import SlabCollate, SlabRing
 from shards.procs.stage_times import SharedStageTimes, TimedCollate
 from shards.procs.worker_status import WorkerStatus
 from shards.position.elastic import Continuation
@@ -223,7 +224,7 @@ class DataLoaderRun(Run):
         if self.handoff is not None:
             options["prefetch_factor"] = self.handoff.prefetch_factor
             if self.handoff.piped:
-                collate_fn, options["pin_memory"] = PipedCollate(collate_fn), False  # ``unpipe`` pins
+                collate_fn, options["pin_memory"] = PipedCollate(collate_fn), False  # ``received`` pins
             elif self.ring is not None:
                 collate_fn = SlabCollate(collate_fn, self.ring)
         if self._times is not None:
@@ -270,10 +271,9 @@ class DataLoaderRun(Run):
             self.ring.reclaim()  # no worker of an earlier iteration is left to fill a slot
         iterator = iter(self.dataloader)
         self._iterators.add(iterator)
-        if self.handoff is not None and self.handoff.piped:
-            return _Received(iterator, lambda batch: unpipe(batch, self.loader.pin_memory))
-        if self.ring is not None:
-            return _Received(iterator, lambda batch: unslab(batch, False))  # the pin thread pins its own
+        piped = self.handoff is not None and self.handoff.piped
+        if piped or self.ring is not None:  # a ring's batches the pin thread pins itself
+            return _Received(iterator, functools.partial(received, pin=piped and self.loader.pin_memory))
         return iterator
 
     def restart(self) -> None:

@@ -10,8 +10,8 @@ So the worker-process run measures the space ``/dev/shm`` has free when it start
 of a batch (``shards.loader.budget.batch_bytes``), and ``plan_handoff``
 picks the deepest prefetch whose batches fit in a share of that space. When not even one batch per worker fits,
 the workers send their batches through the result queue's pipe instead (``PipedCollate`` turns a batch's tensors
-into plain byte arrays that pickle in-band, never into shared memory; ``unpipe`` makes them tensors again in the
-main process): slower, but the epoch completes. Either fallback is said in one logged line. The hand-off changes
+into plain byte arrays that pickle in-band, never into shared memory; ``received`` makes them tensors again in
+the main process): slower, but the epoch completes. Either fallback is said in one logged line. The hand-off changes
 no sample and no order: only how many batches wait and which way they travel (docs/streaming.md).
 """
 
@@ -92,8 +92,20 @@ def ring_slots(room: int | None, batch: int, workers: int, depth: int) -> int:
     return slots if fits and batch >= SLAB_MIN_BYTES else 0
 
 
+class Sent:
+    """What a worker sends in a tensor's place (``Piped`` here, ``shards.procs.slabs.SlabRef``): ``tensor()`` is the
+    tensor again in the main process, and the DataLoader's pin thread, which calls ``pin_memory()`` on whatever it
+    finds in a batch, gets its pinned copy."""
+
+    def tensor(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def pin_memory(self, device: Any = None) -> torch.Tensor:
+        return self.tensor().pin_memory()
+
+
 @dataclass(frozen=True)
-class Piped:
+class Piped(Sent):
     """A tensor's bytes as a numpy array, which pickles in-band through the worker's result pipe (a tensor would
     be moved to shared memory); ``dtype`` and ``shape`` make it the same tensor again."""
 
@@ -108,9 +120,6 @@ class Piped:
 
     def tensor(self) -> torch.Tensor:
         return torch.from_numpy(self.data).view(getattr(torch, self.dtype)).reshape(self.shape)
-
-    def pin_memory(self, device: Any = None) -> torch.Tensor:  # the DataLoader's pin thread calls this
-        return self.tensor().pin_memory()
 
 
 def _plain_stack(batch: Any, *, collate_fn_map: Any = None) -> torch.Tensor:
@@ -150,9 +159,10 @@ class PipedCollate:
         return nested_map(collate_stacking(samples, self.collate_fn, _plain_stack), Piped.of, torch.Tensor)
 
 
-def unpipe(batch: Any, pin: bool) -> Any:
-    """A piped batch's tensors again (in page-locked memory when ``pin``: its DataLoader does not pin it)."""
-    batch = nested_map(batch, Piped.tensor, Piped)
+def received(batch: Any, pin: bool) -> Any:
+    """A batch that came piped or in ring slots, as tensors again (in page-locked memory when ``pin``: a piped
+    batch's DataLoader does not pin it; what the pin thread already pinned is a tensor and stays as it is)."""
+    batch = nested_map(batch, lambda sent: sent.tensor(), Sent)
     return pin_nested(batch) if pin else batch
 
 

@@ -33,8 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from shards.procs.shm import SLAB_MIN_BYTES, Piped, collate_stacking, nested_map
-from shards.procs.torch_private import pin_nested
+from shards.procs.shm import SLAB_MIN_BYTES, Piped, Sent, collate_stacking, nested_map
 
 ALIGN = 64  # each tensor in a slot starts on a cache line
 _FREE, _FILLED = 0, 1
@@ -82,7 +81,7 @@ class BufferPool:
 
 
 @dataclass(frozen=True)
-class SlabRef:
+class SlabRef(Sent):
     """Where one tensor of a batch lies: ring ``token``, ``slot``, byte ``start``; ``parts``: how many tensors of
     the batch share the slot. In the main process a ref holds its slot until it is dropped or made a tensor, and
     the tensor then holds it: a batch torch discards unread (a stale one after an epoch left early) frees its slot
@@ -102,11 +101,7 @@ class SlabRef:
         ring = _RINGS.get(self.token)
         if ring is None:
             raise RuntimeError(f"a batch arrived for a loader run that has ended (ring {self.token})")
-        return ring.receive(self)
-
-    def pin_memory(self, device: Any = None) -> torch.Tensor:
-        """Called by the DataLoader's pin thread: the pinned copy, the slot given back as soon as it is made."""
-        return self.tensor().pin_memory()
+        return ring.receive(self)  # pinned by the pin thread (``Sent.pin_memory``), the slot is back at once
 
 
 def _arrived(*fields: Any) -> SlabRef:
@@ -272,8 +267,3 @@ def _stacker(writer: _SlotWriter) -> Callable[..., torch.Tensor]:
         return torch.stack(batch, 0) if out is None else torch.stack(batch, 0, out=out)
     return stack
 
-
-def unslab(batch: Any, pin: bool) -> Any:
-    """A batch from the ring as tensors in the main process (already tensors where the pin thread made them)."""
-    batch = nested_map(batch, lambda item: item.tensor(), (SlabRef, Piped))
-    return pin_nested(batch) if pin else batch

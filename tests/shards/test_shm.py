@@ -16,7 +16,7 @@ import torch
 import shards
 from shards.loader import worker_processes
 from shards.loader.budget import sample_bytes
-from shards.procs.shm import Piped, PipedCollate, plan_handoff, shm_free, unpipe
+from shards.procs.shm import Piped, PipedCollate, plan_handoff, received, shm_free
 from shards.loader.worker_processes import WorkerProcesses
 from tests.helpers import make_shard_dataset
 from tests.shards.budget_helpers import label_decoder, write_small_dataset
@@ -51,11 +51,11 @@ def test_a_piped_tensor_is_the_same_tensor(dtype):
     assert back.dtype == dtype and back.shape == tensor.shape and torch.equal(back, tensor)
 
 
-def test_piped_collate_makes_no_tensor_and_unpipe_restores_the_batch():
+def test_piped_collate_makes_no_tensor_and_received_restores_the_batch():
     samples = [(torch.full((3, 2), float(i)), i) for i in range(4)]
     piped = PipedCollate(torch.utils.data.default_collate)(samples)
     assert not any(isinstance(part, torch.Tensor) for part in piped)
-    images, labels = unpipe(piped, pin=False)
+    images, labels = received(piped, pin=False)
     assert torch.equal(images, torch.stack([s[0] for s in samples])) and labels.tolist() == [0, 1, 2, 3]
     assert sample_bytes(samples[0]) == 3 * 2 * 4 + 8
 

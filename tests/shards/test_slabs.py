@@ -18,7 +18,8 @@ from shards.loader.threads import Threads
 from shards.loader.worker_processes import WorkerProcesses
 from shards.procs import shm
 from shards.procs.shm import plan_handoff
-from shards.procs.slabs import SLAB_MIN_BYTES, BufferPool, SlabCollate, SlabRef, SlabRing, unslab
+from shards.procs.shm import received
+from shards.procs.slabs import SLAB_MIN_BYTES, BufferPool, SlabCollate, SlabRef, SlabRing
 from shards.procs.torch_private import default_collate
 from tests.helpers import make_shard_dataset
 
@@ -55,7 +56,7 @@ def test_a_batch_lands_in_the_ring_and_its_slot_is_free_when_dropped():
     ring = SlabRing(workers=2, slots=3, slot_bytes=8 * 3 * 48 * 64)
     seen = 0
     for batch in _loader(ring):
-        images, labels = unslab(batch, pin=False)
+        images, labels = received(batch, pin=False)
         assert _in_ring(ring, images) and images.shape == (8, *SHAPE) and _expected(images, labels)
         assert isinstance(labels, torch.Tensor) and labels.dtype == torch.int64  # came through the pipe
         seen += len(labels)
@@ -67,7 +68,7 @@ def test_a_batch_lands_in_the_ring_and_its_slot_is_free_when_dropped():
 
 def test_a_loop_that_keeps_every_batch_gets_them_unchanged():
     ring = SlabRing(workers=2, slots=2, slot_bytes=8 * 3 * 48 * 64)
-    kept = [unslab(batch, pin=False) for batch in _loader(ring, count=64)]
+    kept = [received(batch, pin=False) for batch in _loader(ring, count=64)]
     assert sum(len(labels) for _, labels in kept) == 64
     assert all(_expected(images, labels) for images, labels in kept)  # no slot was refilled under a kept batch
     in_ring = [_in_ring(ring, images) for images, _ in kept]
@@ -83,7 +84,7 @@ def test_a_callers_collate_output_is_copied_into_a_slot():
         return {"image": batch[0], "label": batch[1], "note": "kept"}
 
     ring = SlabRing(workers=2, slots=2, slot_bytes=8 * 3 * 48 * 64)
-    batches = [unslab(batch, pin=False) for batch in _loader(ring, as_dict, count=32)]
+    batches = [received(batch, pin=False) for batch in _loader(ring, as_dict, count=32)]
     assert [b["note"] for b in batches] == ["kept"] * 4
     assert all(_expected(b["image"], b["label"]) for b in batches)
     assert _in_ring(ring, batches[0]["image"])
@@ -103,7 +104,7 @@ def test_a_slot_with_two_tensors_waits_for_both():
     slot = ring.acquire(0)
     refs = [pickle.loads(pickle.dumps(SlabRef(ring.token, slot, start, "uint8", (SLAB_MIN_BYTES,), 2)))
             for start in (0, SLAB_MIN_BYTES)]
-    first, second = unslab(refs, pin=False)
+    first, second = received(refs, pin=False)
     del refs
     del first
     assert ring.acquire(0) is None  # the second tensor still views the slot
