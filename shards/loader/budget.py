@@ -26,6 +26,7 @@ import torch
 
 from shards.cache.memory_budget import MemoryView, memory_view
 from shards.errors import InputError
+from shards.jobs.parallel import start_context
 from shards.stream.worker_stream import StreamJob
 from shards.units import human_bytes, parse_size
 
@@ -159,11 +160,9 @@ def _probe_child(dataset: Any, job: StreamJob, out: Any) -> None:
 
 def _probe_in_child(dataset: Any, job: StreamJob) -> int:
     """``_probe`` in a forked child (as DataLoader workers start); the answer comes back as 8 bytes, unpickled."""
-    import multiprocessing
-
-    if "fork" not in multiprocessing.get_all_start_methods():
+    context = start_context()
+    if context.get_start_method() != "fork":
         return 0
-    context = multiprocessing.get_context("fork")
     reader, writer = context.Pipe(duplex=False)
     child = context.Process(target=_probe_child, args=(dataset, job, writer), daemon=True)
     child.start()

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from shards.errors import InputError
+from shards.jobs.parallel import start_context
 from shards.lock import pid_alive
 from shards.loader.base import Loader, Run, RunMode, restarted_by_watchdog
 from shards.procs import torch_private
@@ -207,6 +208,8 @@ class DataLoaderRun(Run):
         self.ring: SlabRing | None = None  # the workers' reused batch slots, when the hand-off has them
         options = dict(loader.dataloader_options)
         if workers > 0:
+            if options.get("multiprocessing_context") is None:  # never the interpreter's default (3.14: forkserver)
+                options["multiprocessing_context"] = start_context()
             init = options.get("worker_init_fn")
             if watchdog is not None:
                 init = watchdog.worker_init(init)

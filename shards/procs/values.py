@@ -9,20 +9,21 @@ instead and gets a block of its own. Subclasses keep their block in ``self._arra
 
 from __future__ import annotations
 
-import multiprocessing
 from multiprocessing import context as mp_context
 from multiprocessing.context import BaseContext
+
+from shards.jobs.parallel import start_context
 
 MAX_WORKERS = 256  # DataLoader workers per loader that shared blocks (and saved states) have room for
 
 
 class SharedValues:
     """Owner of ``self._array``: ``length`` numbers of ``typecode`` in shared memory, with a lock unless ``lock`` is
-    False (one writer per slot needs none), made by ``context`` (a ``spawn`` DataLoader needs a ``spawn`` one)."""
+    False (one writer per slot needs none), made by ``context`` (default: ``start_context()``, the workers' own)."""
 
     def __init__(self, typecode: str, length: int, *, lock: bool = True, context: BaseContext | None = None):
         self._typecode, self._locked = typecode, lock
-        self._array = (context or multiprocessing).Array(typecode, length, lock=lock)
+        self._array = (context or start_context()).Array(typecode, length, lock=lock)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -35,5 +36,5 @@ class SharedValues:
         self.__dict__.update(state)
         if isinstance(self._array, list):
             values = self._array
-            self._array = multiprocessing.Array(self._typecode, len(values), lock=self._locked)
+            self._array = start_context().Array(self._typecode, len(values), lock=self._locked)
             self._array[:] = values

@@ -37,6 +37,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
 from shards.errors import CorruptDataError, InputError, MissingInputError
+from shards.jobs.parallel import start_context
 from shards.transport.parallel_parts import (
     DEFAULT_CONCURRENCY, DEFAULT_MIN_RATE, DEFAULT_RATE_WINDOW_S, DEFAULT_READ_AHEAD_BYTES,
     DEFAULT_REQUEST_DEADLINE_S, TransferLimits)
@@ -236,10 +237,9 @@ class FetchStats:
         self._lock = threading.Lock()  # the parts of a parallel read count from several threads
 
     def share(self) -> None:
-        import multiprocessing
-
-        self._bytes = multiprocessing.Value("q", self._local[0])
-        self._requests = multiprocessing.Value("q", self._local[1])
+        context = start_context()  # the workers' start method: forked workers inherit the counters
+        self._bytes = context.Value("q", self._local[0])
+        self._requests = context.Value("q", self._local[1])
 
     def add(self, nbytes: int = 0, requests: int = 0) -> None:
         if self._bytes is None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 import inspect
 import multiprocessing
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -145,6 +147,35 @@ def test_worker_init_fn_and_multiprocessing_context_only_where_worker_processes_
     for context in ("spawn", multiprocessing.get_context("forkserver")):  # the shared blocks' locks: fork only
         message = refusal(images, num_workers=1, multiprocessing_context=context)
         assert "start by fork only" in message and "\n" not in message
+
+
+FORKSERVER_DEFAULT = """
+import multiprocessing, sys
+from multiprocessing import resource_tracker
+multiprocessing.set_start_method("forkserver", force=True)  # Python 3.14's default on Linux
+import shards
+from shards.loader.loader import make_loader
+from shards.procs.values import SharedValues
+
+loader = make_loader(shards.open_dataset(sys.argv[1], "train", seed=1, transform="eval"), batch_size=4,
+                     num_workers=2, drop_last=False)
+labels = [label.tolist() for _ in range(2) for _, label in loader]
+print(loader.run.dataloader.multiprocessing_context.get_start_method(), resource_tracker._resource_tracker._fd,
+      SharedValues("q", 1)._array.get_lock()._semlock.name, sum(len(b) for b in labels))
+"""
+
+
+def test_workers_start_by_fork_whatever_the_interpreters_default(tmp_path):
+    # Python 3.14 starts processes by forkserver unless told: the workers and the shared blocks would then need
+    # named semaphores and the resource tracker, which a whole-job SIGUSR1 kills. The loader names fork itself.
+    make_shard_dataset(tmp_path / "ds", shard_sizes={"train": [5, 4]}, size=(20, 16))
+    script = tmp_path / "forkserver_default.py"
+    script.write_text(FORKSERVER_DEFAULT)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "ds")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    method, tracker, semaphore, samples = done.stdout.split()
+    assert (method, tracker, semaphore, samples) == ("fork", "None", "None", "18")
 
 
 def test_generator_seeds_the_dataloader_and_defaults_to_the_dataset_seed(images, features):
