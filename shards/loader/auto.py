@@ -12,6 +12,10 @@ then as many batches as it prepares ahead (``RunMode.batches_ahead``: worker pro
 prefetch_factor`` batches queued): batches made while the loop was not yet asking come out of the queue at once,
 and a short trial that counted them would crown the deepest queue, not the fastest loader.
 
+A candidate clearly slower than one already timed is cut short: once it has ``CUT_AFTER`` timed steps whose mean
+is over ``CUT_RATIO`` times the best finished candidate's (``cut_short``), its turn ends there. On a big node a
+trial tries up to six candidates, each behind its warm-up and queue; the ones that cannot win stop paying for it.
+
 When the two best are close (the second's mean step within ``runoff_percent`` of the first's), a runoff times both
 again for ``trial_batches`` more each, the later-tried one first (A B ... B A: a load that drifts steadily over the
 trial weighs on both alike), and the lower mean over both turns is kept (``runoff_pair``). Every turn starts with
@@ -99,6 +103,22 @@ def runoff_pair(steps: dict[RunMode, list[float]], percent: int) -> list[RunMode
     return [c for c in steps if c in (first, second)]
 
 
+CUT_AFTER = 3  # timed steps a candidate gets before it may be cut short
+CUT_RATIO = 1.5  # ... when its mean is over this many times the best finished candidate's
+
+
+def cut_short(timed: list[float], finished: list[list[float]]) -> bool:
+    """Whether a candidate's turn ends before its ``trial_batches``: it has ``CUT_AFTER`` timed steps, and their mean
+    is over ``CUT_RATIO`` times the lowest mean among ``finished`` (the candidates that took their whole turn).
+
+    Why 1.5x after 3: a cut candidate can never win (``choose`` keeps the lowest mean, and a runoff only takes two
+    within ``runoff_percent``), so the cut must be far beyond the noise of three steps on shared cores (two passes of
+    one mode differ by up to 8%, once 16%, in the issue 45 rounds); a candidate half again as slow as another is a
+    kind or width that does not suit this node, and the rest of its turn would only delay the run."""
+    best = min((mean_step(steps) for steps in finished if steps), default=float("inf"))
+    return len(timed) >= CUT_AFTER and mean_step(timed) > CUT_RATIO * best
+
+
 def mean_step(steps: list[float]) -> float:
     """The mean of a candidate's step times; infinite for one never timed."""
     return statistics.fmean(steps) if steps else float("inf")
@@ -161,6 +181,7 @@ class AutoRun(Run):
         # The trial's turns: (candidate, how many timed steps it has once the turn ends); the runoff adds two.
         self.turns: list[tuple[RunMode, int]] = [(c, mode.trial_batches) for c in self.candidates]
         self.runoff: list[RunMode] = []
+        self.cut: list[RunMode] = []  # the candidates whose turn ended early (``cut_short``)
         # Per candidate, the batch count up to which what it feeds is untimed: at each turn's start the warm-up, and
         # when its run starts anew what its queue held before the loop asked.
         self.untimed = dict.fromkeys(self.candidates, 0)
@@ -208,6 +229,9 @@ class AutoRun(Run):
                     last = got
                     self.taken[mode] += 1
                     yield batch
+                    if not self.runoff and cut_short(*self._against(mode)):
+                        self.cut.append(mode)
+                        break
             finally:
                 batches.close()
             self._next_turn(mode)
@@ -229,13 +253,20 @@ class AutoRun(Run):
             against = [c for c in self.runoff if c != self.chosen]
             log.info("run mode: %s%s (mean step %s)", self.chosen,
                      f", after a runoff against {against[0]}" if against else "",
-                     ", ".join(f"{c} {mean_step(times[c]) * 1000:.1f} ms" for c in self.candidates))
+                     ", ".join(f"{c} {mean_step(times[c]) * 1000:.1f} ms{' (cut short)' if c in self.cut else ''}"
+                               for c in self.candidates))
         if self.current != tried:
             self.runs.pop(tried).close()  # a candidate tried again in the runoff starts a fresh run
         loader.continue_from(state)  # the next iteration, whichever run makes it, starts at this batch
         if self.chosen is not None:
             for mode in [mode for mode in self.runs if mode != self.chosen]:
                 self.runs.pop(mode).close()
+
+    def _against(self, mode: RunMode) -> tuple[list[float], list[list[float]]]:
+        """``mode``'s timed steps, and those of the candidates that finished their turn before it."""
+        times = self._step_times()
+        finished = [times[c] for c, _ in self.turns[:self.on_trial] if c not in self.cut]
+        return times[mode], finished
 
     def _step_times(self) -> dict[RunMode, list[float]]:
         return {c: [step for step, _ in self.steps[c]] for c in self.candidates}
@@ -249,11 +280,12 @@ class AutoRun(Run):
             run.close()
 
     def choice(self) -> dict[str, Any] | None:
-        """The trial so far (per candidate: batches timed, mean step and data-wait seconds), the runoff's two
-        candidates (empty when there was none, or none yet) and the mode chosen (None until the trial is over)."""
+        """The trial so far (per candidate: batches timed, mean step and data-wait seconds), the candidates cut
+        short, the runoff's two (empty when there was none, or none yet) and the mode chosen (None until the trial
+        is over)."""
         trial = [{"mode": str(c), "batches": len(self.steps[c]),
                   "step_s": statistics.fmean(s for s, _ in self.steps[c]) if self.steps[c] else None,
                   "wait_s": statistics.fmean(w for _, w in self.steps[c]) if self.steps[c] else None}
                  for c in self.candidates]
-        return {"trial": trial, "runoff": [str(c) for c in self.runoff],
+        return {"trial": trial, "runoff": [str(c) for c in self.runoff], "cut": [str(c) for c in self.cut],
                 "chosen": None if self.chosen is None else str(self.chosen)}

@@ -89,7 +89,7 @@ class RunMode(ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if cls.kind:
+        if cls.__dict__.get("kind"):  # a class naming its own kind; a subclass of a mode never takes its place
             RunMode.KINDS[cls.kind] = cls
 
     @classmethod

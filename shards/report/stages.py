@@ -186,7 +186,7 @@ def first_batch_table(rows: Sequence[Mapping[str, Any]]) -> Markup:
 
 def run_mode_table(rows: Sequence[Mapping[str, Any]]) -> Markup:
     """The train loader's run mode, and with ``Auto`` the trial that chose it: per candidate the batches timed
-    and the mean step and data-wait seconds, and which two ran off (``shards.loader.auto``). Nothing for runs from
+    and the mean step and data-wait seconds, which were cut short and which two ran off (``shards.loader.auto``). Nothing for runs from
     before it was recorded."""
     recorded = [row["run_mode"] for row in rows if isinstance(row.get("run_mode"), Mapping)]
     if not recorded:
@@ -198,15 +198,20 @@ def run_mode_table(rows: Sequence[Mapping[str, Any]]) -> Markup:
     chosen = last.get("chosen")
     listed = last.get("runoff") if isinstance(last.get("runoff"), list) else []  # older runs have none
     runoff = [mode for mode in listed if isinstance(mode, str)]
+    listed = last.get("cut") if isinstance(last.get("cut"), list) else []
+    cut = [mode for mode in listed if isinstance(mode, str)]
 
     def role(mode: Any) -> str:
-        return ", ".join(word for word, yes in (("ran off", mode in runoff), ("chosen", mode == chosen)) if yes)
+        return ", ".join(word for word, yes in (("cut short", mode in cut), ("ran off", mode in runoff),
+                                                ("chosen", mode == chosen)) if yes)
 
     body = [[str(entry.get("mode")), num_cell(entry.get("batches")), num_cell(number(entry.get("step_s")), seconds),
              num_cell(number(entry.get("wait_s")), seconds), role(entry.get("mode"))]
             for entry in trial if isinstance(entry, Mapping)]
     over = (" of the two ran off (within the runoff margin of each other, both timed again in the reverse order)"
             if len(runoff) == 2 else "")
+    if cut:
+        over += "; a candidate cut short was half again as slow as one timed before it, after 3 batches"
     verdict = (f"Chosen: {chosen}, the lowest mean step time (data wait plus step) over the batches timed{over}."
                if chosen else "Every candidate had not been timed yet when the run ended: no mode was chosen.")
     return (tag("h3", "Run mode (auto)")

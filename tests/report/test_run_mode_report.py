@@ -1,5 +1,6 @@
-"""The run report's run-mode table: with ``Auto``, each candidate's trial, which two ran off and which was chosen,
-from what metrics.jsonl holds (older runs without a runoff, and malformed records, read as far as they go)."""
+"""The run report's run-mode table: with ``Auto``, each candidate's trial, which were cut short, which two ran off
+and which was chosen, from what metrics.jsonl holds (older runs without a runoff or a cut, and malformed records,
+read as far as they go)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,15 @@ def test_a_trial_without_a_runoff_or_from_before_it_marks_only_the_choice(run_co
         table = parse(html).table(*HEADER)
         assert [row[4] for row in table] == ["", "chosen", ""]
         assert "ran off" not in html
+
+
+def test_a_candidate_cut_short_is_marked_and_said_why(run_copy: Path):
+    html = with_run_mode(run_copy, {"mode": "Auto(workers=2)", "trial": trial(10, 10, 3), "cut": [WIDE],
+                                    "runoff": [], "chosen": PROCESSES})
+    table = parse(html).table(*HEADER)
+    assert [(row[1], row[4]) for row in table] == [("10", "chosen"), ("10", ""), ("3", "cut short")]
+    assert "half again as slow" in html
+    for extra in ({}, {"cut": "not a list"}, {"cut": [7]}):  # runs from before the cut, or malformed
+        html = with_run_mode(run_copy, {"mode": "Auto(workers=2)", "trial": trial(10, 10, 10), "chosen": THREADS,
+                                        **extra})
+        assert [row[4] for row in parse(html).table(*HEADER)] == ["", "chosen", ""] and "cut short" not in html

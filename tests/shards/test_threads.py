@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from torch.utils.data._utils.collate import default_collate
 
 import shards
 from shards.errors import CorruptDataError, InputError
-from shards.loader.auto import Auto, gil_enabled
+from shards.loader.auto import CUT_AFTER, Auto, cut_short, gil_enabled
 from shards.loader.batch_fill import BatchFill
 from shards.loader.in_process import InProcess
 from shards.loader.loader import pad_collate
@@ -252,7 +253,9 @@ def test_auto_feeds_exactly_the_batches_of_its_plan_through_the_trial_and_after(
     choice = loader.mode_choice()
     trial = {entry["mode"]: entry for entry in choice["trial"]}
     assert len(trial) == len(Auto(2).candidates())
-    assert all(entry["batches"] == (10 if mode in choice["runoff"] else 5) for mode, entry in trial.items())
+    cut = choice["cut"]  # a candidate half again as slow as one before it (a busy box) stops after 3
+    assert all(entry["batches"] == (3 if mode in cut else 10 if mode in choice["runoff"] else 5)
+               for mode, entry in trial.items())
     fastest = min((trial[mode] for mode in choice["runoff"] or trial), key=lambda entry: entry["step_s"])
     assert choice["chosen"] == fastest["mode"]
     assert all(0 <= entry["wait_s"] <= entry["step_s"] for entry in trial.values())
@@ -273,11 +276,64 @@ def test_a_runoff_times_the_two_best_again_and_changes_nothing_that_is_fed(folde
     choice = loader.mode_choice()
     trial = {entry["mode"]: entry["batches"] for entry in choice["trial"]}
     assert choice["chosen"] is not None
+    assert set(trial.values()) - {3, 6} == set()  # a candidate cut short after 3 (CUT_AFTER) has 3 too
     if runoff_percent:
         assert len(choice["runoff"]) == 2 and choice["chosen"] in choice["runoff"]
         assert sorted(trial.values()) == [3] * (len(trial) - 2) + [6, 6]
     else:
         assert choice["runoff"] == [] and set(trial.values()) == {3}
+
+
+@dataclass(frozen=True)
+class SlowThreads(Threads):
+    """``Threads`` whose every batch comes 0.1 s late: a candidate that does not suit the node."""
+
+    def start(self, loader):
+        run = super().start(loader)
+        batches = run.batches
+
+        def late():
+            for batch in batches():
+                time.sleep(0.1)
+                yield batch
+
+        run.batches = late
+        return run
+
+
+@dataclass(frozen=True)
+class TwoSpeeds(Auto):
+    order: tuple = ("fast", "slow")
+
+    def candidates(self, gil=None, cpus=None):
+        made = {"fast": Threads(self.workers), "slow": SlowThreads(self.workers)}
+        return [made[name] for name in self.order]
+
+
+@pytest.mark.slow  # two trials beside a candidate at 0.1 s a batch: 2.5 s
+def test_a_candidate_half_again_as_slow_as_one_timed_before_it_is_cut_short(folder):
+    """Cut after CUT_AFTER timed steps, and still the plan's batches; the first candidate has nothing to be cut
+    against, so a slow first one takes its whole turn."""
+    reference = epochs(shards.make_loader(fast(folder), 2, mode=Threads(2), drop_last=False), 2)
+    for order, batches in ((("fast", "slow"), {"fast": 6, "slow": CUT_AFTER}), (("slow", "fast"), None)):
+        mode = TwoSpeeds(2, trial_batches=6, warmup_batches=1, order=order)
+        loader = shards.make_loader(fast(folder), 2, mode=mode, drop_last=False)
+        assert same(epochs(loader, 2), reference)
+        choice = loader.mode_choice()
+        timed = {entry["mode"].split("(")[0]: entry["batches"] for entry in choice["trial"]}
+        assert choice["chosen"] == str(Threads(2)) and choice["runoff"] == []
+        if batches is not None:
+            assert choice["cut"] == [str(SlowThreads(2))] and timed == {"Threads": 6, "SlowThreads": CUT_AFTER}
+        else:
+            assert choice["cut"] == [] and timed == {"SlowThreads": 6, "Threads": 6}
+
+
+def test_cut_short_needs_its_steps_and_a_finished_candidate_half_again_as_fast():
+    assert not cut_short([0.9, 0.9], [[0.1]])  # fewer than CUT_AFTER steps: not yet
+    assert cut_short([0.16] * CUT_AFTER, [[0.2, 0.2], [0.1]])  # 1.6x the best finished one
+    assert not cut_short([0.15] * CUT_AFTER, [[0.1]])  # 1.5x exactly: kept
+    assert not cut_short([0.9] * CUT_AFTER, [])  # nothing finished before it
+    assert not cut_short([0.9] * CUT_AFTER, [[]])  # nor anything timed
 
 
 def test_auto_is_undecided_until_every_candidate_was_tried(folder):
