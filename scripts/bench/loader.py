@@ -387,7 +387,9 @@ def main() -> None:
                              "memory, each pass in a fresh process (scripts/bench/loader_modes.py)")
     parser.add_argument("--passes", default=None,
                         help="--modes: only these passes, comma-separated (the ratios their results allow; default: "
-                             "all; fast_auto0_uint8, Auto without its runoff, only when named)")
+                             "all; fast_auto0_uint8, Auto without its runoff, and fast_autowide_uint8 / "
+                             "fast_autowidenocut_uint8, Auto over half the workers with and without its cut, only "
+                             "when named)")
     parser.add_argument("--audit", action="store_true",
                         help="only measure what the resume audit costs per save and per resume (ms, share of a "
                              "step), per sample and on throughput, beside the audit off")

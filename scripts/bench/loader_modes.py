@@ -30,7 +30,10 @@ the best peer (img/s, and CPU per image against the leanest peer), ``Auto``'s st
 mode's, the standard path in threads against processes. Two passes of the same mode differ by up to about 8% on
 the shared 2-core box, so ``Auto``'s choice is also rated alone: the step of the fixed pass that runs the mode it
 chose against the best fixed mode's (``auto_choice_step_vs_best_mode_step``). ``fast_auto0_uint8`` (only when
-``--passes`` names it) is ``Auto`` without its runoff, the before of issue 45's runoff.
+``--passes`` names it) is ``Auto`` without its runoff, the before of issue 45's runoff. ``fast_autowide_uint8`` and
+``fast_autowidenocut_uint8`` (also only when named) run ``Auto`` over half the workers (on 2 CPUs ``Auto(1)``: four
+candidates, two decoding one image at a time) with and without cutting a clearly slower candidate short: the
+cut's gain is the time of the first two epochs, which hold the trial (``auto_cut_first_two_epochs_speedup``).
 """
 
 from __future__ import annotations
@@ -53,7 +56,9 @@ FAST_MODES = ("fast_processes_uint8", "fast_threads_uint8", "fast_mtp_uint8", "f
 PEER_PASSES = ("imagefolder", "webdataset", "spdl_files", "spdl_tars")
 PASSES = PEER_PASSES + FAST_MODES + ("fast_threads_norm", "fast_processes_norm", "standard_processes",
                                      "standard_threads")
-EXTRA_PASSES = ("fast_auto0_uint8",)  # run only when --passes names them: Auto without its runoff (the before)
+# Run only when --passes names them: Auto without its runoff (the before), and Auto over half the workers (on 2 CPUs
+# Auto(1): four candidates, two of them decoding one image at a time) with and without its cut (the before).
+EXTRA_PASSES = ("fast_auto0_uint8", "fast_autowide_uint8", "fast_autowidenocut_uint8")
 
 
 # -- in the pass's own process ---------------------------------------------------------------------------------------
@@ -137,15 +142,16 @@ def measure(make_epoch: Callable[[int], Iterator[Any]], files: list[Path], expec
     first_s, first_cpu = time.perf_counter() - start, cpu_seconds() - cpu
     if seen != expected:
         raise RuntimeError(f"saw {seen} images in the first epoch, expected {expected}")
-    steps = []
+    steps, epoch_s = [], [first_s]
     for epoch in range(1, epochs):
         arrivals = [time.perf_counter()]
         for _ in make_epoch(epoch):
             arrivals.append(time.perf_counter())
+        epoch_s.append(arrivals[-1] - arrivals[0])
         if epoch >= STEADY_FROM:
             steps += [b - a for a, b in zip(arrivals[1:], arrivals[2:])]  # from the first batch on: no start-up
     return {"images": seen, "img_s": seen / first_s, "cpu_ms_per_img": first_cpu / seen * 1000,
-            "peak_mb": memory.stop(), "step_ms": statistics.fmean(steps) * 1000}
+            "peak_mb": memory.stop(), "step_ms": statistics.fmean(steps) * 1000, "epoch_s": epoch_s}
 
 
 def spdl_epochs(sources: list[Path], tars: bool, workers: int, batch_size: int) -> Callable[[int], Iterator]:
@@ -217,7 +223,12 @@ def run_pass(name: str, workdir: Path, workers: int, batch_size: int, count: int
                        else files, count)
     modes = {"processes": WorkerProcesses(workers, persistent=False), "threads": Threads(workers),
              "mtp": WorkerProcesses(max(1, workers // 2), persistent=False, decoders=2), "auto": Auto(workers),
-             "auto0": Auto(workers, runoff_percent=0)}
+             "auto0": Auto(workers, runoff_percent=0), "autowide": Auto(max(1, workers // 2)),
+             "autowidenocut": Auto(max(1, workers // 2))}
+    if name == "fast_autowidenocut_uint8":
+        import shards.loader.auto
+
+        shards.loader.auto.CUT_RATIO = float("inf")  # the before: every candidate takes its whole turn
     pipeline, mode, consumer = (name.split("_") + ["uint8"])[:3]
     if pipeline == "fast":
         dataset = shards.open_dataset(workdir / "tar", transform=bench.SPEC, decode=shards.Decode("fast"), seed=0)
@@ -235,7 +246,7 @@ def run_pass(name: str, workdir: Path, workers: int, batch_size: int, count: int
     result = measure(epoch, tars, count)
     choice = loader.mode_choice()
     if choice is not None:
-        result.update(chosen=choice["chosen"], runoff=choice["runoff"], trial=choice["trial"])
+        result.update(chosen=choice["chosen"], runoff=choice["runoff"], cut=choice["cut"], trial=choice["trial"])
     loader.close()
     return result
 
@@ -303,6 +314,10 @@ def round_ratios(rates: dict[str, dict[str, Any]]) -> dict[str, Any]:
             if "fast_threads_norm" in rates:
                 ratios["fast_threads_norm_vs_best_peer"] = (rates["fast_threads_norm"]["img_s"]
                                                             / peers[best_peer]["img_s"])
+    if "fast_autowide_uint8" in rates and "fast_autowidenocut_uint8" in rates:  # the cut's gain: the trial's epochs
+        cut, whole = (rates[name] for name in ("fast_autowide_uint8", "fast_autowidenocut_uint8"))
+        ratios["auto_cut_first_two_epochs_speedup"] = sum(whole["epoch_s"][:2]) / sum(cut["epoch_s"][:2])
+        ratios["auto_cut_step_vs_without"] = cut["step_ms"] / whole["step_ms"]
     if "standard_threads" in rates and "standard_processes" in rates:
         ratios["standard_threads_vs_processes"] = (rates["standard_threads"]["img_s"]
                                                    / rates["standard_processes"]["img_s"])
@@ -350,6 +365,7 @@ def report(result: dict[str, Any]) -> str:
                 "auto_step_vs_best_mode_step", "auto_first_epoch_vs_best_mode",
                 "auto_choice_step_vs_best_mode_step", "auto_without_runoff_step_vs_best_mode_step",
                 "auto_without_runoff_first_epoch_vs_best_mode", "auto_without_runoff_choice_step_vs_best_mode_step",
+                "auto_cut_first_two_epochs_speedup", "auto_cut_step_vs_without",
                 "standard_threads_vs_processes", "fast_threads_vs_processes"):
         if not all(key in r["ratios"] for r in result["rounds"]):
             continue
