@@ -33,7 +33,7 @@ from shards.units import human_bytes
 
 TMP_SUFFIX = ".tmp"
 # ``<final>.<host>.<pid>.<token>.tmp``: host is reduced to [A-Za-z0-9-] so the pattern below can parse it.
-_UNIQUE_TMP = re.compile(r"^(?P<final>.+)\.[A-Za-z0-9-]{1,32}\.\d+\.[0-9a-f]{8}" + re.escape(TMP_SUFFIX) + "$")
+_UNIQUE_TMP = re.compile(r"^(?P<final>.+)\.[A-Za-z0-9-]{1,32}\.\d+\.[0-9a-f]{8}" + re.escape(TMP_SUFFIX) + r"\Z")
 _HOST_CHARS = re.compile(r"[^A-Za-z0-9-]+")
 _URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
 

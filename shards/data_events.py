@@ -34,7 +34,7 @@ from shards.runrecord import EVENTS_FILE
 # after a resume (the audit of the state itself is the resume's layout event's ``"resume_audit"``).
 LAYOUT, EXCLUDE, RESTART, QUARANTINE, RESUME_AUDIT = "layout", "exclude", "restart", "quarantine", "resume_audit"
 AUDITED = ("ok", "mismatch")  # the results of an audit that compared something
-_EVENTS_NAME = re.compile(r"^data-events(\.rank(\d+))?\.jsonl$")
+_EVENTS_NAME = re.compile(r"^data-events(\.rank(\d+))?\.jsonl\Z")
 MAX_EVENTS_BYTES = 256 << 20  # one event is ~200 bytes: a million events fit; more means the file is not ours
 
 log = logging.getLogger(__name__)

@@ -45,7 +45,7 @@ MODEL_FILE = "model.pt"
 CHECKPOINT_FILES = (LAST_FILE, BEST_FILE, MODEL_FILE)
 # A key list a layout left out, copied into the run folder under a name from its sha256 (kept_keys_name), so
 # lineage reads the list a layout used even after the original changes, and never a path outside the folder.
-KEPT_KEYS_FILE = re.compile(r"^exclude-keys-[0-9a-f]{16}\.txt$")
+KEPT_KEYS_FILE = re.compile(r"^exclude-keys-[0-9a-f]{16}\.txt\Z")
 RUN_FILES = (CONFIG_FILE, RECORD_FILE, METRICS_FILE, EVENTS_FILE, KEYS_FILE, CURVES_FILE, REPORT_FILE, SCALE_FILE,
              *CHECKPOINT_FILES)
 

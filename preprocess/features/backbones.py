@@ -50,7 +50,7 @@ FAMILIES: dict[str, str] = {
     "swin": "head",
 }
 
-_HUB_NAME = re.compile(r"^(?P<stem>.+)-(?P<hash>[0-9a-f]{6,})\.(pth|pt)$")
+_HUB_NAME = re.compile(r"^(?P<stem>.+)-(?P<hash>[0-9a-f]{6,})\.(pth|pt)\Z")
 
 
 @dataclass(frozen=True)

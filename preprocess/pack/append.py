@@ -44,7 +44,7 @@ from shards.lock import claim_output
 from shards.jobs.owned import remove_nested
 
 log = logging.getLogger("shardcache.append")
-_SHARD_INDEX = re.compile(r"-(\d{6})\.[a-z0-9]+$")
+_SHARD_INDEX = re.compile(r"-(\d{6})\.[a-z0-9]+\Z")
 
 
 @dataclass(frozen=True)

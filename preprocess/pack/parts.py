@@ -53,9 +53,9 @@ STATE_DIR = ".pack"
 PLAN_FILE = "plan.json"
 INDEX_FILE = "source-index.jsonl"
 _OWN_FILES = (DATASET_FILE, INDEX_FILE)
-_SHARD_FILE = re.compile(r"^[A-Za-z0-9_]+-\d{6}\.(tar|h5)$")
-_SHARD_INDEX_FILE = re.compile(r"^[A-Za-z0-9_]+-\d{6}\.tar\.idx$")  # the tar writer's per-sample byte index
-_APPEND_INDEX_FILE = re.compile(r"^source-index-\d{4}\.jsonl$")  # written by ``--append``
+_SHARD_FILE = re.compile(r"^[A-Za-z0-9_]+-\d{6}\.(tar|h5)\Z")
+_SHARD_INDEX_FILE = re.compile(r"^[A-Za-z0-9_]+-\d{6}\.tar\.idx\Z")  # the tar writer's per-sample byte index
+_APPEND_INDEX_FILE = re.compile(r"^source-index-\d{4}\.jsonl\Z")  # written by ``--append``
 _COLUMN_FILE = re.compile(r"columns/[^/]+/c\d{3,}\.npy")  # the column index (``shards.formats.columns``)
 
 

@@ -71,7 +71,7 @@ from shards.units import human_bytes, parse_size
 
 log = logging.getLogger("shardcache.cache")
 
-_SUFFIX = re.compile(r"^\.[a-z0-9]{1,8}$")
+_SUFFIX = re.compile(r"^\.[a-z0-9]{1,8}\Z")
 _DISK_FULL_FALLBACK = "disk-full"
 _NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP)
 NEXT_USE, LRU = "next-use", "lru"

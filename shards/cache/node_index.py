@@ -58,10 +58,10 @@ STALE_TMP_S = 3600.0  # a temp file this old is a leftover even when its writer'
 # shards each reader's plan reads in its epoch (docs/caching.md, "Counters").
 STAT_NAMES = ("hits", "misses", "fetched_bytes", "served_bytes", "refetches", "evictions", "bypasses",
               *(f"evictions_{reason}" for reason in REASONS), "bypassed_bytes", "planned_bytes")
-ENTRY_PATTERN = re.compile(r"^(?P<sha>[0-9a-f]{64})\.[a-z0-9]{1,8}$")
+ENTRY_PATTERN = re.compile(r"^(?P<sha>[0-9a-f]{64})\.[a-z0-9]{1,8}\Z")
 # Temp files of a shard and of its stamp: ``<final>.<host>.<pid>.<token>.tmp`` (``shards.atomic.unique_tmp_path``).
 _TMP = re.compile(r"^(?P<sha>[0-9a-f]{64})\.[a-z0-9]{1,8}(\.ok)?\.(?P<host>[A-Za-z0-9-]{1,32})\.(?P<pid>\d+)"
-                  r"\.[0-9a-f]{8}\.tmp$")
+                  r"\.[0-9a-f]{8}\.tmp\Z")
 MAX_RESERVATION_BYTES = 4096  # {"size": ..., "host": ..., "pid": ...} is under 100 bytes
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 

@@ -38,7 +38,7 @@ from shards.door.bounded_read import not_regular_reason, read_json_file
 
 log = logging.getLogger("shardcache.cache")
 
-SHA256_PATTERN = re.compile(r"^[0-9a-f]{64}$")
+SHA256_PATTERN = re.compile(r"^[0-9a-f]{64}\Z")
 _warned: set[str] = set()  # the files this process has warned about (a forked worker inherits the parent's)
 
 

@@ -46,7 +46,7 @@ PLANS = "plans"
 PLAN_FORMAT, PLAN_VERSION = "shardcache.cache-plan", 1
 MAX_PLAN_READS = 1 << 16
 MAX_PLAN_FILE_BYTES = 8 << 20  # 65,536 distinct keys of 70 bytes and their reads, with room to spare
-_NAME = re.compile(r"^(?P<name>[A-Za-z0-9-]{1,32}\.\d{1,10}\.[0-9a-f]{8})\.plan$")
+_NAME = re.compile(r"^(?P<name>[A-Za-z0-9-]{1,32}\.\d{1,10}\.[0-9a-f]{8})\.plan\Z")
 
 
 @dataclass(frozen=True)

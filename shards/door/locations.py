@@ -106,7 +106,7 @@ def check_shard_path(name: object, *, where: str | None = None, url_origins: Ite
     return name
 
 
-_S3_DATASET = re.compile(r"^s3://[A-Za-z0-9][A-Za-z0-9.\-_]{1,254}(/[^\s/]+)*/?$")
+_S3_DATASET = re.compile(r"^s3://[A-Za-z0-9][A-Za-z0-9.\-_]{1,254}(/[^\s/]+)*/?\Z")
 
 
 def check_dataset_dir(recorded: object, *, where: str | None = None) -> str:

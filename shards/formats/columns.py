@@ -44,7 +44,7 @@ _NPY_HEADER = re.compile(r"\{'descr': '(?P<descr>[^'\\]{1,40})', 'fortran_order'
                          r"'shape': \((?P<shape>(?:\d{1,19}(?:, \d{1,19})*,?)?)\), \} *\n")
 # The only dtypes a column may have: no objects (pickles), no big-endian or structured types.
 _FIXED = {"|b1": np.dtype(bool), "<i4": np.dtype("<i4"), "<i8": np.dtype("<i8"), "<f8": np.dtype("<f8")}
-_BYTES = re.compile(r"^\|S([1-9][0-9]{0,8})$")
+_BYTES = re.compile(r"^\|S([1-9][0-9]{0,8})\Z")
 
 
 def allowed_dtype(text: object) -> np.dtype | None:
@@ -75,7 +75,7 @@ def column_files(entry: Any) -> list[str]:
 def next_column_number(split_entry: Any) -> int:
     """One past the highest file number a split's committed ``columns`` entry uses (0 for none)."""
     numbers = [int(m.group(1)) for path in column_files({"splits": {"": split_entry}})
-               if (m := re.search(r"/c(\d+)\.npy$", path))]
+               if (m := re.search(r"/c(\d+)\.npy\Z", path))]
     return max(numbers, default=-1) + 1
 
 

@@ -28,7 +28,7 @@ def is_feature_file(name: str) -> bool:
     return bool(_FEATURE_FILE.match(name))
 
 
-_FEATURE_FILE = re.compile(r"^[A-Za-z0-9_]+-\d{6}\.(pt|h5)$")
+_FEATURE_FILE = re.compile(r"^[A-Za-z0-9_]+-\d{6}\.(pt|h5)\Z")
 
 
 def check_target(config: Mapping[str, Any], where: str | None = None) -> None:

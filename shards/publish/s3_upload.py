@@ -57,7 +57,7 @@ log = logging.getLogger("shardcache.s3")
 MULTIPART_THRESHOLD = 64 << 20
 MULTIPART_CHUNK = 64 << 20
 SHA256_META = "sha256"  # stored as x-amz-meta-sha256
-_PREFIX_CHARS = re.compile(r"^[A-Za-z0-9!\-_.*'()/]*$")
+_PREFIX_CHARS = re.compile(r"^[A-Za-z0-9!\-_.*'()/]*\Z")
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from shards.errors import CorruptDataError, InputError, ManifestError, MissingIn
 MAX_EXPANDED = 100_000  # files one pattern may name
 NOT_LISTABLE = "cannot be listed: it is not a folder, a path or brace pattern, an s3:// prefix or an http(s):// pattern"
 _BRACE = re.compile(r"\{([^{}]*)\}")
-_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
+_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)\Z")
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from shards.transport.parallel_parts import (
 TIMEOUT_S = 60.0
 MAX_REDIRECTS = 5
 READ1_BYTES = 1 << 20  # at most this per read of a body: ``read1`` allocates what it is asked for before its recv
-_CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$")
+_CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*\Z")
 
 
 class _OriginRedirects(urllib.request.HTTPRedirectHandler):

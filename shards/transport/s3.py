@@ -51,7 +51,7 @@ RANGE_CHUNK = 64 << 20  # one GET covers at most this many bytes; a longer range
 BACKOFF_BASE_S = 0.1
 BACKOFF_CAP_S = 5.0
 MAX_POOL_CONNECTIONS = 16
-_BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.\-_]{1,254}$")
+_BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.\-_]{1,254}\Z")
 _DENIED = {"AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled",
            "InvalidToken", "ExpiredToken", "AccountProblem"}
 _MISSING = {"NoSuchKey", "404", "NotFound", "NoSuchBucket"}

@@ -18,7 +18,7 @@ from typing import Iterator
 from shards.door.bounded_read import open_regular_file
 from shards.errors import InputError
 
-SPLIT_NAME = re.compile(r"^[A-Za-z0-9_]+$")  # what a split column's values may be (also shard name prefixes)
+SPLIT_NAME = re.compile(r"^[A-Za-z0-9_]+\Z")  # what a split column's values may be (also shard name prefixes)
 
 
 def read_csv_records(path: str | Path, expected: str) -> tuple[list[str], list[tuple[int, list[str]]]]:

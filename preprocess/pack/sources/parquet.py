@@ -43,7 +43,7 @@ from shards.door.shape import as_list, as_object, as_str, field
 log = logging.getLogger("shardcache.sources")
 
 SPLIT_COLUMN = "split"
-HUB_FILE = re.compile(r"^(?P<split>[A-Za-z0-9_]+?)-\d+-of-\d+(?:-[0-9a-f]+)?\.parquet$")
+HUB_FILE = re.compile(r"^(?P<split>[A-Za-z0-9_]+?)-\d+-of-\d+(?:-[0-9a-f]+)?\.parquet\Z")
 SPLIT_ALIASES = {"validation": "val"}  # the Hub's name for what every shardcache stage calls val
 NO_LABEL = "no label"
 HF_METADATA = "schema metadata 'huggingface'"

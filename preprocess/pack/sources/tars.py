@@ -44,7 +44,7 @@ from shards.units import human_bytes
 
 MAX_LABEL_BYTES = 1 << 20  # a label member or .json member is text, not data
 MAX_CLASS_CHARS = 256  # a class name, as the manifest records it
-KEY = re.compile(r"^[A-Za-z0-9_-]+(/[A-Za-z0-9_-]+)*$")
+KEY = re.compile(r"^[A-Za-z0-9_-]+(/[A-Za-z0-9_-]+)*\Z")
 MAX_NAME_BYTES = 100  # a ustar header's name field: each member the packer writes must fit it
 MAX_SAMPLE_MEMBERS = 1024  # members of one sample: a WebDataset sample has a handful
 MAX_LISTED_SKIPS = 1000  # skipped samples named one by one in the scan (and the manifest); the rest are counted

@@ -33,8 +33,8 @@ UNKNOWN_CODE = -1  # a category the train split never had (or a missing one, wit
 MISSING_CELLS = frozenset({"", "na", "n/a", "#n/a", "nan", "null", "?"})
 # float() would also take inf, nan and 1_000. One way to match each digit, so a long cell that is no number fails
 # in linear time (``\d+\.?\d*`` backtracks quadratically: seconds for a 10,000-digit cell).
-_NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
-_INTEGER = re.compile(r"^[+-]?\d{1,4000}$")  # int() refuses more than 4,300 digits; a longer one is a float
+_NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?\Z")
+_INTEGER = re.compile(r"^[+-]?\d{1,4000}\Z")  # int() refuses more than 4,300 digits; a longer one is a float
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # feature and target shards store float32
 
 
