@@ -28,6 +28,7 @@ from typing import Iterable, Iterator, NamedTuple, overload
 import numpy as np
 
 from preprocess.pack.sources.members import member_key
+from shards.errors import InputError
 
 _BATCH = 4096  # rows converted to Python values at a time when iterating
 NO_SPLIT = -1  # split code of a file whose source has no split (the packer assigns one)
@@ -182,6 +183,21 @@ class SourceSamples(Sequence):
                         None if c.block is None else c.block[rows])
 
 
+def printable_name(name: str) -> str:
+    """``name`` as a message can print it: bytes that are not UTF-8 (which Python's file names carry as surrogate
+    escapes) as ``\\xNN``."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def is_utf8_name(name: str) -> bool:
+    """Whether ``name`` is valid UTF-8 (no surrogate escapes), as a manifest must hold it."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class SamplesBuilder:
     """Collects scanned files row by row into growable typed arrays (no per-file Python object is kept)."""
 
@@ -202,7 +218,11 @@ class SamplesBuilder:
 
     def add(self, rel_path: str, label: int, split: str | None, size: int, mtime_ns: int, offset: int = -1,
             block: int = -1) -> None:
-        self._paths += rel_path.encode("utf-8")
+        try:
+            self._paths += rel_path.encode("utf-8")
+        except UnicodeEncodeError:  # a name the file system gave as bytes (surrogate escapes): no manifest holds it
+            raise InputError("name is not valid UTF-8 (rename it)",
+                             path=printable_name(os.path.join(self.base, rel_path))) from None
         self._offsets.append(len(self._paths))
         self._label.append(label)
         self._split.append(NO_SPLIT if split is None else self._split_code(split))

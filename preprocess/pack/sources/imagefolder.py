@@ -12,7 +12,7 @@ import logging
 import os
 from pathlib import Path
 
-from preprocess.pack.sources.columns import SamplesBuilder
+from preprocess.pack.sources.columns import SamplesBuilder, is_utf8_name, printable_name
 from preprocess.pack.sources.kind import KindScan, ScanRequest, SkippedSource, add_file, found
 from shards.errors import InputError
 from shards.formats.sample import IMAGE_EXTENSIONS
@@ -70,6 +70,9 @@ def _image_files(class_dir: str, class_rel: str) -> list[str]:
 
 def _class_dirs(root: Path) -> list[str]:
     class_dirs = [p.name for p in _visible_dirs(root)]
+    for name in class_dirs:
+        if not is_utf8_name(name):  # a class name is in the manifest: it must be text
+            raise InputError("class folder name is not valid UTF-8 (rename it)", path=printable_name(str(root / name)))
     if not class_dirs:
         raise InputError("holds no class folders (expected <root>/<class>/<image files>)", path=str(root))
     loose = [p.name for p in root.iterdir() if p.is_file() and is_image_name(p.name)]

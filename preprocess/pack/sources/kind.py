@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, NamedTuple
 
-from preprocess.pack.sources.columns import SamplesBuilder, SourceSamples
+from preprocess.pack.sources.columns import SamplesBuilder, SourceSamples, is_utf8_name, printable_name
 from preprocess.pack.sources.members import DEFAULT_MAX_BYTES, MemberSpec, SourceFields, too_large
 from shards.door.bounded_read import not_regular_reason
 from shards.errors import InputError
@@ -115,6 +115,9 @@ def add_file(builder: SamplesBuilder, skipped: list[SkippedSource], rel_path: st
     """One file of a tree or list: a sample if it is a regular file of at most ``max_bytes`` (``--max-bytes``: the
     packer holds a file whole, so a larger one, a sparse 3 GiB file, is skipped by its size, unread), else a
     skipped file with its reason."""
+    if not is_utf8_name(rel_path):  # one file from an old archive, named in Latin-1: the rest still packs
+        skipped.append(SkippedSource(printable_name(rel_path), "file name is not valid UTF-8 (rename it)"))
+        return
     info = stat_file(os.path.join(builder.base, rel_path), rel_path)
     if isinstance(info, SkippedSource):
         skipped.append(info)

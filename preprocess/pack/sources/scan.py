@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from preprocess.pack.sources.columns import NO_SPLIT, SourceSamples, as_samples
+from preprocess.pack.sources.columns import NO_SPLIT, SourceSamples, as_samples, is_utf8_name, printable_name
 from preprocess.pack.sources.kind import ScanRequest, SkippedSource, SourceKind
 from preprocess.pack.sources.members import DEFAULT_MAX_BYTES, MemberSpec, SourceFields
 from preprocess.pack.sources.registry import check_fields, recognise, source_kind
@@ -60,6 +60,9 @@ def scan_source(source: str | os.PathLike, *, allow_empty_classes: bool = False,
     what a container may make a reader decode at once (a sample, a row group), judged from what it declares
     before anything is read."""
     source = os.fspath(source)
+    if not is_utf8_name(source):  # the manifest and the plan record the source's path
+        raise InputError("path is not valid UTF-8 (rename it, or pack from a link with a UTF-8 name)",
+                         path=printable_name(source))
     request = ScanRequest(allow_empty_classes, fields or SourceFields(), max_bytes)
     kind = recognise(source)
     check_fields(kind, request.fields, str(Path(source)))
