@@ -151,6 +151,28 @@ def test_links_dot_dot_names_missing_labels_and_duplicate_keys_are_skipped(tmp_p
     assert manifest.classes == ("0", "1")
 
 
+def test_members_that_would_be_kept_under_one_name_skip_their_sample(tmp_path):
+    """The source's own .json is kept as .source.json: beside a .source.json member the shard would hold that name
+    twice, which webdataset refuses to read. Names that differ only in case count as one."""
+    image = class_image(0, 0, size=(8, 8))
+    hostile_tar(tmp_path / "a.tar", [
+        ("two.jpg", image, None), ("two.cls", b"0", None), ("two.json", b"{}", None),
+        ("two.source.json", b"{}", None),
+        ("pngs.jpg", image, None), ("pngs.cls", b"0", None), ("pngs.png", image, None),
+        ("pngs.source.PNG", image, None),
+        ("fine.jpg", image, None), ("fine.cls", b"1", None), ("fine.json", b"{}", None), ("fine.png", image, None),
+    ])
+    manifest = pack(str(tmp_path / "a.tar"), tmp_path / "out")
+    assert {s.path: s.reason for s in manifest.source.skipped} == {
+        "a.tar#two": "members .json and .source.json would both be kept as .source.json (a tar that holds a name "
+                     "twice is refused by its readers)",
+        "a.tar#pngs": "members .png and .source.PNG would both be kept as .source.PNG (a tar that holds a name "
+                      "twice is refused by its readers)"}
+    kept = all_members(tmp_path / "out")
+    assert sorted(kept) == ["fine"] and {"source.json", "source.png"} <= set(kept["fine"])
+    assert len(list(wds.WebDataset(str(next((tmp_path / "out").glob("*.tar"))), shardshuffle=False))) == 1
+
+
 def test_hdf5_output_keeps_image_and_label_and_says_so(tmp_path, caplog):
     pattern = write_wds(tmp_path / "in", tars=1)
     manifest = pack(pattern, tmp_path / "out", storage="hdf5")

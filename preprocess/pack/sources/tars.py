@@ -160,10 +160,31 @@ def _problem(sample: _Sample, first_tar: dict[str, str], max_bytes: int) -> str 
     longest = max(len(f"{sample.key}.{output_ext(ext)}".encode("utf-8", "surrogateescape")) for ext in sample.exts)
     if longest > MAX_NAME_BYTES:
         return f"member names too long ({longest} bytes; a tar shard's names hold {MAX_NAME_BYTES})"
+    clash = _kept_twice(sample.exts)
+    if clash is not None:
+        return (f"members .{clash[0]} and .{clash[1]} would both be kept as .{output_ext(clash[1])} (a tar that "
+                "holds a name twice is refused by its readers)")
     if sample.key in first_tar:
         return f"duplicate key (first in {first_tar[sample.key]})"
     if not any(ext.lower() in IMAGE_EXTENSIONS for ext in sample.exts):
         return f"no image member (found: {', '.join(sorted(set(sample.exts))) or 'nothing'})"
+    return None
+
+
+def _kept_twice(exts: Sequence[str]) -> tuple[str, str] | None:
+    """Two members whose kept names would be one (``.json`` and ``.source.json``: the first is kept as the second;
+    names that differ only in case count as one too), or None. The image member is not kept as an extra."""
+    image = next((ext for ext in IMAGE_EXTENSIONS if any(e.lower() == ext for e in exts)), None)
+    seen: dict[str, str] = {}
+    skipped_image = False
+    for ext in exts:
+        if not skipped_image and ext.lower() == image:
+            skipped_image = True
+            continue
+        kept = output_ext(ext).casefold()
+        if kept in seen:
+            return seen[kept], ext
+        seen[kept] = ext
     return None
 
 
