@@ -18,7 +18,9 @@ from typing import Iterator
 from shards.door.bounded_read import open_regular_file
 from shards.errors import InputError
 
-SPLIT_NAME = re.compile(r"^[A-Za-z0-9_]+\Z")  # what a split column's values may be (also shard name prefixes)
+# What a split column's values may be: also shard name prefixes, so short enough for a file name with its suffix.
+SPLIT_NAME = re.compile(r"^[A-Za-z0-9_]{1,64}\Z")
+SPLIT_NAME_RULE = "a plain name: letters, digits, _, at most 64 characters"
 
 
 def read_csv_records(path: str | Path, expected: str) -> tuple[list[str], list[tuple[int, list[str]]]]:

@@ -28,6 +28,8 @@ from shards.errors import InputError
 
 log = logging.getLogger("shardcache.sources")
 
+MAX_CLASS_CHARS = 256  # a class name (a label), as the manifest and the plan record it: text, not data
+
 
 class SkippedSource(NamedTuple):
     """A file found in the source that cannot be packed (not a regular file, a broken link), and why."""

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from preprocess.pack.sources.columns import SamplesBuilder
-from preprocess.pack.sources.csv_records import SPLIT_NAME, iter_csv_records
-from preprocess.pack.sources.kind import KindScan, ScanRequest, SkippedSource, add_file, found
+from preprocess.pack.sources.csv_records import SPLIT_NAME, SPLIT_NAME_RULE, iter_csv_records
+from preprocess.pack.sources.kind import MAX_CLASS_CHARS, KindScan, ScanRequest, SkippedSource, add_file, found
 from shards.door.bounded_read import read_regular_file
 from shards.door.jsonlines import json_lines
 from shards.door.shape import as_str
@@ -104,9 +104,12 @@ def _scan_list(path: Path, read_rows: Callable[[Path], Rows], max_bytes: int) ->
             raise InputError(f"{where}: empty path", path=str(path))
         if not row.get("label"):
             raise InputError(f"{where}: empty label", path=str(path))
+        if len(row["label"]) > MAX_CLASS_CHARS:
+            raise InputError(f"{where}: label longer than {MAX_CLASS_CHARS} characters ({len(row['label']):,})",
+                             path=str(path))
         split = row.get("split") if "split" in row else None
         if split is not None and not SPLIT_NAME.match(split):
-            raise InputError(f"{where}: split {split!r} is not a plain name (letters, digits, _)", path=str(path))
+            raise InputError(f"{where}: split {split[:80]!r} is not {SPLIT_NAME_RULE}", path=str(path))
         file_path = Path(row["path"]) if Path(row["path"]).is_absolute() else base / row["path"]
         if not os.path.lexists(file_path):  # a dangling link is a skipped file, a missing one a typo in the list
             raise MissingInputError(f"{where}: no such file {row['path']!r}", path=str(path))

@@ -32,8 +32,8 @@ from typing import Any, Iterator, Sequence
 from preprocess.pack.sources.arrow_files import (TableFile, arrow_guard, cell_sizes, check_label_type, check_split_type,
                                                  column_error, image_cell_kind, image_cells, is_scalar,
                                                  json_scalar, missing_image_reason, pyarrow)
-from preprocess.pack.sources.csv_records import SPLIT_NAME
-from preprocess.pack.sources.kind import KindScan, ScanRequest, member_scan
+from preprocess.pack.sources.csv_records import SPLIT_NAME, SPLIT_NAME_RULE
+from preprocess.pack.sources.kind import MAX_CLASS_CHARS, KindScan, ScanRequest, member_scan
 from preprocess.pack.sources.members import DEFAULT_MAX_BYTES, RESERVED_META, MemberBytes, MemberSpec, member_path
 from preprocess.pack.sources.columns import SamplesBuilder, SourceSample
 from shards.door.bounded_read import JSONError, parse_json, read_json_file
@@ -104,7 +104,7 @@ def _dataset_dict_splits(path: Path) -> list[str]:
     names = [as_str(split, f"splits[{i}]", where=where) for i, split in enumerate(splits)]
     for i, name in enumerate(names):
         if not SPLIT_NAME.match(name):
-            raise ManifestError(f"splits[{i}] is {name!r}: not a plain name (letters, digits, _)", path=where)
+            raise ManifestError(f"splits[{i}] is {name[:80]!r}: not {SPLIT_NAME_RULE}", path=where)
     if len(set(names)) != len(names):  # each listed split is read whole: a name listed twice would pack it twice
         twice = next(name for i, name in enumerate(names) if name in names[:i])
         raise ManifestError(f"split {twice!r} is listed twice", path=where)
@@ -182,7 +182,9 @@ def _label_names(features: Any, column: str, what: str, where: str,
     seen: set[str] = set()
     for i, name in enumerate(names):
         if as_str(name, f"{what}.names[{i}]", where=where, error=error) in seen:
-            raise error(f"ClassLabel name {name!r} appears twice in {what}.names", path=where)
+            raise error(f"ClassLabel name {name[:80]!r} appears twice in {what}.names", path=where)
+        if len(name) > MAX_CLASS_CHARS:
+            raise error(f"{what}.names[{i}] is longer than {MAX_CLASS_CHARS} characters ({len(name):,})", path=where)
         seen.add(name)
     return tuple(names) or None
 
@@ -215,8 +217,11 @@ class _Labels:
                                                             f"{len(self.names)} ClassLabel names")
                 value = self.names[value]
             elif value not in self.numbers:
-                raise column_error(path, group, column, f"label {value!r} is not a ClassLabel name")
-        return self.numbers.setdefault(str(value), len(self.numbers))
+                raise column_error(path, group, column, f"label {str(value)[:80]!r} is not a ClassLabel name")
+        name = str(value)
+        if len(name) > MAX_CLASS_CHARS:
+            raise column_error(path, group, column, f"label longer than {MAX_CLASS_CHARS} characters ({len(name):,})")
+        return self.numbers.setdefault(name, len(self.numbers))
 
     def classes(self) -> tuple[str, ...]:
         return tuple(sorted(self.numbers))
@@ -296,7 +301,7 @@ def _group_rows(pa: Any, data: Any, image_kind: str, columns: list[str], first: 
 
 def _checked_split(value: Any, path: str, group: int) -> str:
     if not isinstance(value, str) or not SPLIT_NAME.match(_split_name(value)):
-        raise column_error(path, group, SPLIT_COLUMN, f"split {value!r} is not a plain name (letters, digits, _)")
+        raise column_error(path, group, SPLIT_COLUMN, f"split {str(value)[:80]!r} is not {SPLIT_NAME_RULE}")
     return _split_name(value)
 
 

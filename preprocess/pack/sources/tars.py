@@ -34,7 +34,7 @@ from typing import Iterator, Mapping, NamedTuple, Sequence
 from preprocess.pack.sources.members import (DEFAULT_MAX_BYTES, MemberBytes, MemberSpec, SourceFields, member_key,
                                              member_path)
 from preprocess.pack.sources.columns import SamplesBuilder, SourceSample
-from preprocess.pack.sources.kind import KindScan, ScanRequest, member_scan
+from preprocess.pack.sources.kind import MAX_CLASS_CHARS, KindScan, ScanRequest, member_scan
 from shards.door.bounded_read import open_regular_file, parse_json
 from shards.errors import CorruptDataError, InputError
 from shards.formats.sample import IMAGE_EXTENSIONS
@@ -43,7 +43,6 @@ from shards.transport.listing import local_files, spells_files
 from shards.units import human_bytes
 
 MAX_LABEL_BYTES = 1 << 20  # a label member or .json member is text, not data
-MAX_CLASS_CHARS = 256  # a class name, as the manifest records it
 KEY = re.compile(r"^[A-Za-z0-9_-]+(/[A-Za-z0-9_-]+)*\Z")
 MAX_NAME_BYTES = 100  # a ustar header's name field: each member the packer writes must fit it
 MAX_SAMPLE_MEMBERS = 1024  # members of one sample: a WebDataset sample has a handful

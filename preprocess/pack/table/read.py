@@ -18,7 +18,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from shards.atomic import sha256_file
-from preprocess.pack.sources.csv_records import SPLIT_NAME, read_csv_records
+from preprocess.pack.sources.csv_records import SPLIT_NAME, SPLIT_NAME_RULE, read_csv_records
 from preprocess.pack.plan import stratified_val
 from preprocess.pack.table.config import TableConfig
 from shards.errors import InputError, MissingInputError
@@ -190,7 +190,7 @@ def assign_splits(table: Table, layout: Layout, target: Target, cfg: TableConfig
             if _is_missing(name):
                 raise table.error(i, layout.split_column, "no split name; give every row one (train, val...)")
             if not SPLIT_NAME.match(name):
-                raise table.error(i, layout.split_column, f"split {name!r} is not a plain name (letters, digits, _)")
+                raise table.error(i, layout.split_column, f"split {name[:80]!r} is not {SPLIT_NAME_RULE}")
         split_of = np.array(names)
         fraction = cfg.val_fraction or 0.0
         if fraction and "val" in names:
