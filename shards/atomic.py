@@ -24,6 +24,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 from pathlib import Path
 from typing import Any, Collection, Iterator
 
@@ -118,6 +119,32 @@ def check_local_output(out: str | os.PathLike, option: str = "--out") -> None:
         scheme = text.split(":", 1)[0] + ":"
         raise InputError(f"{option} {text!r}: writing to {scheme} locations is not supported (yet); write to a local "
                          "or mounted folder, then copy the result there")
+
+
+def owned_folder(out: str | os.PathLike, rel: str) -> Path:
+    """``out / rel`` (a ``/``-separated folder name), each level made here or found as a real folder, never a
+    symlink; ``rel`` empty: ``out`` itself (which the user named, and may be a link).
+
+    Why: an output folder may sit where others can write (a shared project folder), and the folders a run writes
+    below it (its state folder, ``columns``, an index's parts) have fixed or source-given names. A planted
+    ``OUT/.pack`` symlink must not carry plans, locks or part files outside ``--out``; one that exists is used only
+    if ``lstat`` says it is a real folder, else ``InputError`` naming it."""
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    for part in (p for p in rel.split("/") if p):
+        if part in (".", ".."):
+            raise InputError(f"names the folder {rel!r}, which leaves the output folder", path=str(out))
+        folder = folder / part
+        try:
+            os.mkdir(folder)
+        except FileExistsError:
+            pass
+        mode = os.lstat(folder).st_mode
+        if not stat.S_ISDIR(mode):
+            what = "a symbolic link" if stat.S_ISLNK(mode) else "not a folder"
+            raise InputError(f"is {what}; shardcache writes only real folders inside its output folder (remove it "
+                             "and run again)", path=str(folder))
+    return folder
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

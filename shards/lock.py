@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
+from shards.atomic import owned_folder
 from shards.errors import InputError
 
 log = logging.getLogger("shardcache.lock")
@@ -124,8 +125,8 @@ def _flock(fd: int, flags: int, folder: Path, path: Path, what: str) -> None:
                                 f"finish or choose another --out", path=str(folder)) from None
 
 
-def _open_lock_file(path: Path) -> int:
-    path.parent.mkdir(parents=True, exist_ok=True)
+def _open_lock_file(folder: Path, name: str) -> int:
+    path = owned_folder(folder, name.rpartition("/")[0]) / name.rpartition("/")[2]  # a state folder, never a link
     # O_NOFOLLOW: a symlink planted in the output folder must not make us create or truncate a file elsewhere.
     return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
 
@@ -135,7 +136,7 @@ def acquire(folder: str | os.PathLike, name: str = LOCK_NAME, *, shared: bool = 
     """Take the lock ``folder/name``; wait up to ``wait_s`` seconds for it (0: do not wait)."""
     folder = Path(folder)
     path = folder / name
-    fd = _open_lock_file(path)
+    fd = _open_lock_file(folder, name)
     flags = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB
     deadline = time.monotonic() + wait_s
     try:

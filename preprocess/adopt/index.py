@@ -30,7 +30,7 @@ silently; a moved version with the same bytes is recorded. Labels are places amo
 tars bringing a class the index does not have are refused (index into a new ``--out``). A rerun with other
 labelling or split options is refused. Each run writes the new row indexes, then a new source index and
 columns, then ``dataset.json`` last (atomically), then removes what the old manifest named and the new one does
-not. Every folder it writes under ``INDEX`` is made without following links (``preprocess.adopt.folders``); local
+not. Every folder it writes under ``INDEX`` is made without following links (``shards.atomic.owned_folder``); local
 tars resolving outside the source are refused unread (``preprocess.adopt.sources``).
 """
 
@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from preprocess.adopt.folders import owned_folder
 from preprocess.adopt.scan import ScannedTar, scan_tar
 from preprocess.adopt.sources import same_bytes, source_tars, stage
 from preprocess.adopt.splits import SplitRule
@@ -52,7 +51,7 @@ from preprocess.pack.merge import index_file_rows, write_columns
 from preprocess.pack.parts import column_file_names
 from preprocess.pack.sources.members import DEFAULT_MAX_BYTES, SourceFields
 from preprocess.pack.sources.tars import Skips
-from shards.atomic import atomic_output, sha256_file, write_bytes_atomic
+from shards.atomic import atomic_output, owned_folder, sha256_file, write_bytes_atomic
 from shards.door.shape import as_int, as_object, as_str
 from shards.errors import ChecksumError, InputError, ManifestError
 from shards.formats.adopted import IndexedRow, rows_bytes, rows_name

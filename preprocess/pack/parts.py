@@ -34,7 +34,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from shards.atomic import sha256_file, tmp_target, write_bytes_atomic, write_json_shared
+from shards.atomic import owned_folder, sha256_file, tmp_target, write_bytes_atomic, write_json_shared
 from shards.door.bounded_read import read_json_file
 from shards.errors import ManifestError, OutputExistsError, ShardcacheError
 from shards.formats.columns import COLUMNS_KEY, column_files
@@ -176,7 +176,7 @@ def prepare_output(out: Path, plan_doc: Mapping[str, Any], overwrite: bool,
         if folder_lock is not None:
             folder_lock.exclusive()
         remove_owned(out, recorded_names(out), STATE_DIR, nested=recorded_column_files(out))
-    (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
+    owned_folder(out, STATE_DIR)
     plan_file = out / STATE_DIR / PLAN_FILE
     if not plan_file.is_file():
         write_json_shared(plan_file, dict(plan_doc))

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
-from shards.atomic import fsync_dir, remove_stale_tmp, unique_tmp_path
+from shards.atomic import fsync_dir, owned_folder, remove_stale_tmp, unique_tmp_path
 from shards.errors import ManifestError, ShardcacheError
 from shards.formats.columns import FOLDER
 
@@ -239,7 +239,7 @@ def write_split_columns(out: Path, split: str, rows: Callable[[], Iterable[Mappi
     if count != expected_rows:
         raise ShardcacheError(f"the source index has {count} rows for split {split!r}, the manifest counts "
                               f"{expected_rows} samples", path=str(out))
-    folder.mkdir(parents=True, exist_ok=True)
+    owned_folder(out, f"{FOLDER}/{split}")  # never through a planted link
     columns, layout, unindexed = _plan(folder, key_width, fields, count, first)
     remove_stale_tmp(folder, {c.final.name for c in columns})  # what a killed writer of these names left
     try:
