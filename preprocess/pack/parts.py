@@ -43,7 +43,7 @@ from shards.formats.tarindex import index_name
 from shards.lock import FolderLock
 from shards.manifest import DATASET_FILE, ShardInfo, load_dataset_manifest
 from shards.provenance import SkippedFile, SourceInfo
-from shards.jobs.owned import manifest_names, nested_names, plain_names, refuse_clobber, remove_owned
+from shards.jobs.owned import declares_ours, manifest_names, nested_names, plain_names, refuse_clobber, remove_owned
 from shards.door.shape import as_int, as_int_list, as_list, as_object, as_str, field as get
 from shards.publish.s3_upload import PublishSpec
 
@@ -68,15 +68,26 @@ def existing_plan_digest(out: Path) -> str | None:
     plan_file = out / STATE_DIR / PLAN_FILE
     if plan_file.is_file():
         try:
-            return plan_shape(read_json_file(plan_file), str(plan_file))["plan_sha256"]
+            digest = plan_shape(read_json_file(plan_file), str(plan_file))["plan_sha256"]
         except ValueError:  # unreadable or of another shape (a ManifestError is a ValueError)
             return ""
+        if (out / DATASET_FILE).is_file() and _unreadable_manifest(out):
+            return ""  # a damaged manifest over a finished plan: only --overwrite repairs it (a rerun would stop)
+        return digest
     if (out / DATASET_FILE).is_file():
         try:
             return str(load_dataset_manifest(out).packing.get("plan_sha256", ""))
         except ShardcacheError:
-            return ""
+            return "" if declares_ours(out / DATASET_FILE) else None  # a damaged one of ours, or the user's file
     return None
+
+
+def _unreadable_manifest(out: Path) -> bool:
+    try:
+        load_dataset_manifest(out)
+    except ShardcacheError:
+        return True
+    return False
 
 
 def is_published_name(name: str) -> bool:

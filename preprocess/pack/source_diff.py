@@ -70,7 +70,8 @@ def describe_change(out: Path, scan: SourceScan, packing: Mapping[str, Any]) -> 
         manifest = load_dataset_manifest(out)
         index = read_index(out, manifest)
     except (ShardcacheError, OSError):
-        return "other source files or options (it records no source index to compare with)"
+        return ("other source files or options (it records no source index to compare with); pass --overwrite "
+                "to replace it")
     to_label = {name: i for i, name in enumerate(manifest.classes)}
     samples = [s._replace(label=to_label.get(scan.classes[s.label], -1)) for s in scan.samples]
     diff = diff_source(samples, index)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Collection, Iterable
 
 from shards.atomic import remove_stale_tmp
+from shards.door.bounded_read import read_json_file
 from shards.errors import OutputExistsError, ShardcacheError
 from shards.lock import is_lock_file
 
@@ -43,15 +44,26 @@ def plain_names(names: Iterable[object]) -> set[str]:
 
 def manifest_names(folder: Path, manifest_file: str, load: Callable[[Path], Any],
                    names_of: Callable[[Any], Iterable[object]]) -> list[object]:
-    """The manifest file of ``folder`` and what ``names_of`` finds in it, once ``load`` reads it; an unreadable
-    manifest names only itself (it is replaced, what it may have named stays)."""
+    """The manifest file of ``folder`` and what ``names_of`` finds in it, once ``load`` reads it. An unreadable
+    manifest names only itself (it is replaced, what it may have named stays), and only if it says it is one of
+    ours (``"format": "shardcache...."``: a damaged one); a ``dataset.json`` of the user's own is not ours, so it
+    is refused, never replaced."""
     if not (folder / manifest_file).is_file():
         return []
     try:
         manifest = load(folder)
     except ShardcacheError:
-        return [manifest_file]
+        return [manifest_file] if declares_ours(folder / manifest_file) else []
     return [manifest_file, *names_of(manifest)]
+
+
+def declares_ours(path: Path) -> bool:
+    """Whether the JSON object in ``path`` (read through the door: bounded) names a shardcache format."""
+    try:
+        data = read_json_file(path)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("format"), str) and data["format"].startswith("shardcache.")
 
 
 def shown(names: Collection[str]) -> str:
