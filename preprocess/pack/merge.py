@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 from preprocess.pack.parts import INDEX_FILE, load_part, planned_names, read_plan_doc
 from shards.atomic import atomic_output, remove_stale_tmp, write_json_shared
 from shards.door.bounded_read import parse_json
-from shards.errors import ShardcacheError
+from shards.errors import CorruptDataError, ShardcacheError
 from shards.formats.column_writer import Survey, manifest_order, write_split_columns
 from shards.formats.columns import COLUMNS_KEY, FORMAT as COLUMNS_FORMAT, next_column_number
 from shards.manifest import DATASET_FILE, DatasetManifest, ShardInfo, SplitInfo
@@ -123,6 +123,11 @@ def merge_parts(out: str | os.PathLike) -> DatasetManifest:
     plan_doc = read_plan_doc(out)
     parts, index, surveys = _merge_index(out, plan_doc)
     manifest = build_manifest(plan_doc, parts)
+    if not any(split.samples for split in manifest.splits.values()):
+        skipped = manifest.source.skipped
+        first = f" (the first: {skipped[0].path}: {skipped[0].reason})" if skipped else ""
+        raise CorruptDataError(f"no sample could be packed: all {manifest.source.files_seen:,} source files were "
+                               f"skipped{first}; no dataset.json is written", path=str(out))
     columns = write_columns(out, manifest, lambda split: index_file_rows(out / INDEX_FILE, split), surveys=surveys)
     manifest = manifest.replace(extra={"source_index": index, COLUMNS_KEY: columns})
     write_json_shared(out / DATASET_FILE, manifest.to_dict())

@@ -234,21 +234,34 @@ def _finish(out: Path, plan: PackPlan, wrote: int) -> DatasetManifest | None:
         return merge_parts(out)
 
 
+def empty_classes_note(manifest: DatasetManifest) -> str:
+    """The classes no sample was packed for, every file of theirs skipped, for the skipped files' warning ("" when
+    none; a folder with no image file at all is refused by the scan instead). The dataset keeps them, as
+    ``--allow-empty-classes`` would, so class numbers do not shift; a model trained on it never sees them."""
+    counts = [sum(split.class_counts[i] for split in manifest.splits.values()) for i in range(len(manifest.classes))]
+    empty = [name for name, count in zip(manifest.classes, counts) if count == 0]
+    if not empty:
+        return ""
+    return (f"; {len(empty)} class(es) got no sample at all: {', '.join(map(repr, empty[:5]))}"
+            f"{', ...' if len(empty) > 5 else ''} (--allow-empty-classes: expected)")
+
+
 def skip_kind(reason: str) -> str:
     """What a skip reason says before its particulars: ``too large: 9000x9000 = ...`` -> ``too large``."""
     return re.split(r":| \(", reason, maxsplit=1)[0].strip() or reason
 
 
-def log_skipped(skipped: Sequence[tuple[str, str]], files_seen: int) -> None:
+def log_skipped(skipped: Sequence[tuple[str, str]], files_seen: int, also: str = "") -> None:
     """One warning line for the files left out (``(path, reason)``): how many, by reason, and the first few
-    paths; ``dataset.json``'s ``source.skipped`` lists them all. Nothing when none were."""
+    paths; ``dataset.json``'s ``source.skipped`` lists them all; ``also``: what else the line says (classes left
+    empty). Nothing when none were."""
     if not skipped:
         return
     kinds = Counter(skip_kind(reason) for _, reason in skipped)
     paths = [path for path, _ in skipped[:SHOWN_SKIPPED]] + (["..."] if len(skipped) > SHOWN_SKIPPED else [])
-    log.warning("skipped %d of %d source files: %s (%s); dataset.json lists them all in source.skipped",
+    log.warning("skipped %d of %d source files: %s (%s); dataset.json lists them all in source.skipped%s",
                 len(skipped), files_seen, ", ".join(f"{n} {kind}" for kind, n in kinds.most_common()),
-                ", ".join(paths))
+                ", ".join(paths), also)
 
 
 def check_strict(scan: SourceScan, strict: bool) -> None:
@@ -317,7 +330,8 @@ def _pack_claimed(cfg: PackConfig, plan: PackPlan, out: Path, started: float) ->
     manifest = _finish(out, plan, len(todo))
     summary = _summary(cfg, plan, manifest, mine, todo, packed, time.monotonic() - started)
     if manifest is not None:  # the whole dataset's
-        log_skipped([(s.path, s.reason) for s in manifest.source.skipped], manifest.source.files_seen)
+        log_skipped([(s.path, s.reason) for s in manifest.source.skipped], manifest.source.files_seen,
+                    also="" if cfg.allow_empty_classes else empty_classes_note(manifest))
     else:  # what the scan refused and what this task's shards left out
         log_skipped([(s.rel_path, s.reason) for s in scan.skipped]
                     + [(s["path"], s["reason"]) for part in packed for s in part["skipped"]],
