@@ -79,20 +79,32 @@ def _deeper_than(value: Any, limit: int) -> bool:
     return False
 
 
-def parse_json(text: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """The value of JSON ``text`` (bytes must be UTF-8); ``JSONError`` when malformed, not UTF-8 or too deep."""
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        twice = next(key for i, (key, _) in enumerate(pairs) if any(key == k for k, _ in pairs[:i]))
+        raise ValueError(f"key {twice[:80]!r} appears twice in one object")
+    return value
+
+
+def parse_json(text: str | bytes, *, max_depth: int = MAX_JSON_DEPTH, unique_keys: bool = False) -> Any:
+    """The value of JSON ``text`` (bytes must be UTF-8); ``JSONError`` when malformed, not UTF-8 or too deep.
+    ``unique_keys``: an object with a key twice is malformed too (for rows a person wrote, where the last value
+    silently winning would pack something else than they meant; off where the cost counts: indexes, metrics)."""
     if isinstance(text, (bytes, bytearray)):
         try:
             text = text.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise JSONError(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_pairs_hook=_unique_keys) if unique_keys else json.loads(text)
         # A text with no more brackets than the limit cannot nest deeper: most JSON Lines rows skip the walk.
         too_deep = text.count("[") + text.count("{") > max_depth and _deeper_than(value, max_depth)
     except json.JSONDecodeError as exc:
         raise JSONError(f"not valid JSON ({exc})", exc.msg) from None
-    except ValueError as exc:  # an integer of more digits than int() converts (4,300)
+    except ValueError as exc:  # an integer of more digits than int() converts (4,300), or a key twice
+        if "appears twice" in str(exc):
+            raise JSONError(f"not valid JSON here ({exc})", str(exc)) from None
         raise JSONError(f"not valid JSON ({exc})".split(";")[0] + ")", "number too long") from None
     except RecursionError:  # deeper than the interpreter's limit, so deeper than ours
         too_deep = True

@@ -12,13 +12,14 @@ from typing import Any, Iterator
 from shards.door.bounded_read import JSONError, parse_json
 
 
-def json_lines(text: str) -> Iterator[tuple[int, Any, str | None]]:
+def json_lines(text: str, *, unique_keys: bool = False) -> Iterator[tuple[int, Any, str | None]]:
     """``(line number, value, None)`` for each non-blank line, or ``(line number, None, why)`` when it is not
-    JSON shardcache reads (malformed, or nested too deep); line numbers count from 1, blank lines included."""
+    JSON shardcache reads (malformed, nested too deep, or with ``unique_keys`` an object naming a key twice); line
+    numbers count from 1, blank lines included."""
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            yield number, parse_json(line), None
+            yield number, parse_json(line, unique_keys=unique_keys), None
         except JSONError as exc:
             yield number, None, exc.msg

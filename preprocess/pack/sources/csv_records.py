@@ -41,6 +41,9 @@ def iter_csv_records(path: str | Path, expected: str) -> tuple[list[str], Iterat
             header = [name.strip() for name in next(reader, [])]
         if not header:
             raise InputError(f"empty file (expected a header row {expected})", path=where)
+        twice = next((name for i, name in enumerate(header) if name in header[:i]), None)
+        if twice is not None:  # which of the two would a row's cell be? refused, not the last one silently
+            raise InputError(f"row 1: column {twice[:80]!r} appears twice in the header", path=where)
     except BaseException:
         handle.close()
         raise

@@ -61,7 +61,7 @@ def _jsonl_rows(path: Path) -> Rows:
         text = read_regular_file(path).decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise InputError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", path=str(path)) from None
-    for line_num, row, bad in json_lines(text):
+    for line_num, row, bad in json_lines(text, unique_keys=True):
         if bad is not None:
             raise InputError(f"line {line_num}: not valid JSON ({bad})", path=str(path))
         if not isinstance(row, dict):
@@ -113,7 +113,7 @@ def _scan_list(path: Path, read_rows: Callable[[Path], Rows], max_bytes: int) ->
         file_path = Path(row["path"]) if Path(row["path"]).is_absolute() else base / row["path"]
         if not os.path.lexists(file_path):  # a dangling link is a skipped file, a missing one a typo in the list
             raise MissingInputError(f"{where}: no such file {row['path']!r}", path=str(path))
-        rel_path = _relative_name(file_path, base)
+        rel_path = _relative_name(file_path, base)  # normalised: imgs/../imgs/x.jpg and ./imgs/x.jpg are imgs/x.jpg
         if rel_path in seen:
             raise InputError(f"{where}: {row['path']!r} is listed twice (first on line {seen[rel_path]})",
                              path=str(path))
@@ -134,7 +134,7 @@ def _scan_list(path: Path, read_rows: Callable[[Path], Rows], max_bytes: int) ->
 
 
 def _relative_name(file_path: Path, base: Path) -> str:
-    resolved = file_path.absolute()
+    resolved = Path(os.path.normpath(file_path.absolute()))
     try:
         return resolved.relative_to(base).as_posix()
     except ValueError:
