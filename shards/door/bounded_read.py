@@ -82,7 +82,8 @@ def _deeper_than(value: Any, limit: int) -> bool:
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     value = dict(pairs)
     if len(value) != len(pairs):
-        twice = next(key for i, (key, _) in enumerate(pairs) if any(key == k for k, _ in pairs[:i]))
+        seen: set[str] = set()
+        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
         raise ValueError(f"key {twice[:80]!r} appears twice in one object")
     return value
 

@@ -41,13 +41,22 @@ def iter_csv_records(path: str | Path, expected: str) -> tuple[list[str], Iterat
             header = [name.strip() for name in next(reader, [])]
         if not header:
             raise InputError(f"empty file (expected a header row {expected})", path=where)
-        twice = next((name for i, name in enumerate(header) if name in header[:i]), None)
+        twice = _first_repeat(header)
         if twice is not None:  # which of the two would a row's cell be? refused, not the last one silently
             raise InputError(f"row 1: column {twice[:80]!r} appears twice in the header", path=where)
     except BaseException:
         handle.close()
         raise
     return header, _records(handle, reader, header, where)
+
+
+def _first_repeat(names: list[str]) -> str | None:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            return name
+        seen.add(name)
+    return None
 
 
 def _records(handle: io.TextIOWrapper, reader, header: list[str], where: str) -> Iterator[tuple[int, list[str]]]:
