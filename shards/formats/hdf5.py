@@ -2,7 +2,7 @@
 
 Layout of one ``<split>-NNNNNN.h5`` file (plain h5py reads it)::
 
-    data                    uint8[total_bytes]  every sample's encoded bytes, concatenated (chunked, contiguous reads)
+    data                    uint8[total_bytes]  every sample's encoded bytes, concatenated (contiguous)
     offsets                 int64[N + 1]        sample i is data[offsets[i]:offsets[i + 1]]
     labels                  int64[N]
     key_bytes, key_ends     text[N]             the keys
@@ -39,7 +39,6 @@ from shards.formats.sample import RawSample
 
 HDF5_FORMAT = "shardcache.hdf5"
 HDF5_VERSION = 2
-CHUNK_BYTES = 1 << 20
 TEXT_COLUMNS = ("key", "ext", "meta")  # one row per sample, beside ``labels``, ``offsets`` (one more) and ``data``
 UNREADABLE = "unreadable HDF5 shard"
 CORRUPT = "corrupt HDF5 shard"
@@ -87,8 +86,8 @@ class Hdf5ShardWriter:
                 f.attrs["format"] = HDF5_FORMAT
                 f.attrs[VERSION_ATTR] = HDF5_VERSION
                 f.attrs.create("classes", np.array(self.classes, dtype=object), dtype=text)
-                chunk = (max(1, min(CHUNK_BYTES, len(data))),)
-                f.create_dataset("data", data=data, chunks=chunk if len(data) else None, track_times=False)
+                # Contiguous: chunks of 1 MiB allocated the last one whole, so shards went past --max-bytes.
+                f.create_dataset("data", data=data, track_times=False)
                 f.create_dataset("offsets", data=offsets, track_times=False)
                 f.create_dataset("labels", data=np.array([r.label for r in rows], dtype=np.int64), track_times=False)
                 write_text_column(f, "key", (r.key for r in rows))

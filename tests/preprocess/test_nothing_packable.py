@@ -22,6 +22,7 @@ def broken_class(folder: Path, count: int = 3) -> None:
         (folder / f"{i}.jpg").write_text("not a jpeg")
 
 
+@pytest.mark.slow  # two runs of the command in a fresh interpreter
 def test_a_source_with_no_packable_file_fails_in_one_line_and_writes_no_manifest(tmp_path):
     broken_class(tmp_path / "src" / "a")
     with pytest.raises(CorruptDataError, match=r"no sample could be packed: all 3 source files were skipped "

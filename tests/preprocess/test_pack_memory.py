@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from preprocess.pack import validate as validate_module
-from preprocess.pack.plan import SAMPLE_OVERHEAD_BYTES, make_plan, split_order_key, stratified_val
+from preprocess.pack.plan import SAMPLE_OVERHEAD_BYTES, SHARD_OVERHEAD_BYTES, make_plan, split_order_key, stratified_val
 from preprocess.pack.sources.columns import SourceSample, sample_key
 from preprocess.pack.sources.scan import SourceScan, scan_source
 from preprocess.pack.validate import InvalidImage, read_ahead, read_file
@@ -86,7 +86,7 @@ def _reference_plan(scan: SourceScan, packing: dict) -> tuple[list, str]:
         for s in ordered + [None]:
             cost = 0 if s is None else s.size + SAMPLE_OVERHEAD_BYTES
             if current and (s is None or len(current) >= packing["max_samples"]
-                            or current_bytes + cost > packing["max_bytes"]):
+                            or current_bytes + cost > packing["max_bytes"] - SHARD_OVERHEAD_BYTES):
                 shards.append((shard_name(split, count, "tar"), split, current))
                 current, current_bytes, count = [], 0, count + 1
             if s is not None:
