@@ -169,8 +169,10 @@ class Watchdog:
         # Worker deaths are ours to handle: torch's SIGCHLD handler would raise wherever the main thread is.
         torch_private.release_sigchld(iterator)
         # A proxy: the iterator holding a strong reference to itself would outlive its last user until a cyclic
-        # collection, workers and all.
-        torch_private.replace_get_data(iterator, functools.partial(self._get_data, weakref.proxy(iterator)))
+        # collection, workers and all. Of torch's iterator, not of a wrapper around it (``_Received``, one per
+        # epoch): a persistent iterator calls its ``_get_data`` at the next epoch's start, the wrapper gone by then.
+        target = getattr(iterator, "torch_iterator", iterator)
+        torch_private.replace_get_data(target, functools.partial(self._get_data, weakref.proxy(target)))
 
     def _get_data(self, iterator: Any) -> Any:
         """What ``iterator._get_data`` does, in short polls: a worker gone or ``timeout_s`` without the awaited

@@ -186,3 +186,21 @@ def test_with_on_error_raise_a_stall_is_one_line_naming_key_and_frame(data, refe
     message = str(raised.value)
     assert "\n" not in message
     assert f"[sample {bad}]" in message and "hang_forever" in message and ".tar" in message
+
+
+@pytest.mark.slow  # two loaders' worker processes over three epochs
+def test_persistent_workers_with_batches_in_ring_slots_run_every_epoch(tmp_path):
+    """Batches large enough for the reused slots (``shards.procs.slabs``) come through a per-epoch wrapper; the
+    watchdog's hook on the persistent iterator outlives it, and the next epoch's start called the hook through a
+    proxy of the gone wrapper (ReferenceError at epoch 2)."""
+    root = tmp_path / "big"
+    make_shard_dataset(root, shard_sizes={"train": [8, 8]}, size=(64, 64))
+    dataset = shards.open_dataset(root, "train", transform=shards.TransformSpec(preset="eval", size=64), seed=0)
+    plain = shards.make_loader(dataset, 8, num_workers=WORKERS, drop_last=False)
+    watched = shards.make_loader(dataset, 8, num_workers=WORKERS, drop_last=False, stall=StallPolicy(60))
+    for epoch in range(3):
+        dataset.set_epoch(epoch)
+        expected = [labels.tolist() for _, labels in plain]
+        got = [labels.tolist() for _, labels in watched]
+        assert got == expected and sum(map(len, got)) == 16
+    assert watched.run.ring is not None  # the batches did go through the ring
