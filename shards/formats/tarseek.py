@@ -97,9 +97,10 @@ class _SampleReader:
             yield self._error(self.damage, key)
             return
         try:
-            yield _assemble(key, self.parts, self.source.where)
+            sample: RawSample | CorruptDataError = _assemble(key, self.parts, self.source.where)
         except CorruptDataError as exc:
-            yield exc
+            sample = exc
+        yield sample  # outside the try: a generator closed at interpreter exit never evaluates the except clause
 
     def _next_position(self) -> bool:
         """Count one more sample; False when it is past ``stop``."""

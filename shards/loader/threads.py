@@ -25,6 +25,7 @@ stacks go to a dump file); it cannot restart anything. Decoders that may hang or
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
@@ -53,6 +54,18 @@ from shards.stream.decode_ahead import AHEAD_PER_THREAD, DecodeAhead, one_intrao
 from shards.stream.worker_stream import StreamJob
 
 log = logging.getLogger(__name__)
+
+# The iterations whose threads may still run, stopped at interpreter exit (``_stop_at_exit``): a script that leaves
+# an iterator unfinished (``next(iter(loader))``) otherwise ends while daemon threads are inside torch, which aborts
+# the process ("terminate called without an active exception", exit 134), and the generator's own cleanup runs
+# during module teardown, when the names it needs are gone.
+_LIVE: "weakref.WeakSet[_Epoch]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    for epoch in list(_LIVE):
+        epoch.stop()
 
 THREAD_NAME = "shardcache-loader"
 
@@ -179,6 +192,8 @@ class _Epoch:
         self.threads = [threading.Thread(
             target=self._work, name=f"{THREAD_NAME}-{w}", daemon=True,
             args=(w, epoch, resume.skips[w] if resume is not None else 0, left, quarantine)) for w in range(self.workers)]
+        self.stopped = False
+        _LIVE.add(self)
         for thread in self.threads:
             thread.start()
 
@@ -283,7 +298,12 @@ class _Epoch:
         return path
 
     def stop(self, wait: bool = True) -> None:
-        """Stop the threads: each ends after its current sample (a hung one never does; it is left, a daemon)."""
+        """Stop the threads: each ends after its current sample (a hung one never does; it is left, a daemon).
+        Once: a second call (the generator's cleanup after the exit handler) touches nothing."""
+        if self.stopped:
+            return
+        self.stopped = True
+        _LIVE.discard(self)
         self.stopping.set()
         for q in self.queues:  # a thread blocked on a full queue sees the stop at its next try
             while True:
