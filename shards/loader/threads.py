@@ -50,7 +50,7 @@ from shards.position.resume import STREAM
 from shards.procs.stage_times import COLLATE
 from shards.procs.values import MAX_WORKERS
 from shards.procs.worker_status import WorkerStatus
-from shards.stream.decode_ahead import AHEAD_PER_THREAD, DecodeAhead, one_intraop_thread
+from shards.stream.decode_ahead import AHEAD_PER_THREAD, DecodeAhead, intraop_threads, one_intraop_thread
 from shards.stream.worker_stream import StreamJob
 
 log = logging.getLogger(__name__)
@@ -193,6 +193,7 @@ class _Epoch:
             target=self._work, name=f"{THREAD_NAME}-{w}", daemon=True,
             args=(w, epoch, resume.skips[w] if resume is not None else 0, left, quarantine)) for w in range(self.workers)]
         self.stopped = False
+        self.keep = intraop_threads()  # the consumer's torch thread count, which the loader threads leave as it is
         _LIVE.add(self)
         for thread in self.threads:
             thread.start()
@@ -201,7 +202,7 @@ class _Epoch:
     def _work(self, worker: int, epoch: int, skip: int, left: Any, quarantine: frozenset[int]) -> None:
         loader = self.loader
         try:
-            one_intraop_thread()
+            one_intraop_thread(self.keep)
             times = loader.stage_times
             fill = BatchFill(loader.batch_size, pin=loader.pin_memory and _cuda(), collate_fn=loader.collate_fn,
                              buffers=self.run.buffers)

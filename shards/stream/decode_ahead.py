@@ -15,6 +15,7 @@ thread run mode (``shards.loader.threads``), whose workers share one pool.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator
@@ -22,12 +23,29 @@ from typing import Any, Callable, Iterator
 AHEAD_PER_THREAD = 2  # samples in flight per decode thread: one decoding, one queued behind it
 
 
-def one_intraop_thread() -> None:
+def one_intraop_thread(keep: int) -> None:
     """A decode thread runs torch's kernels on its own thread: a parallel region per decode would put two teams of
-    threads on every core (torch's thread count is per thread, so the training thread keeps its own)."""
+    threads on every core.
+
+    Why ``keep`` (the count the creating thread sees, put back at once): torch's count is per thread only once a
+    thread has run torch; one that has not yet (the training thread of a script that builds the loader first) takes
+    the count last set anywhere. Setting 1 here made the whole training step run on one core, which changed its
+    numbers and broke exact resume. Putting ``keep`` back from here would undo this thread's 1, so a short thread
+    of its own does it."""
     import torch
 
     torch.set_num_threads(1)
+    torch.get_num_threads()  # this thread's first ask fixes its count (at 1); asked after the restore, it took keep
+    restore = threading.Thread(target=torch.set_num_threads, args=(keep,), name="shardcache-thread-count")
+    restore.start()
+    restore.join()
+
+
+def intraop_threads() -> int:
+    """The calling thread's torch thread count (its first call fixes it for that thread: see ``one_intraop_thread``)."""
+    import torch
+
+    return torch.get_num_threads()
 
 
 class DecodeAhead:
@@ -38,11 +56,12 @@ class DecodeAhead:
         self.threads = threads
         self.ahead = ahead if ahead is not None else AHEAD_PER_THREAD * threads
         self._pool: ThreadPoolExecutor | None = None
+        self._keep = intraop_threads()  # the creating thread's count (the pool starts later, from a loader thread)
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shardcache-decode",
-                                            initializer=one_intraop_thread)
+                                            initializer=one_intraop_thread, initargs=(self._keep,))
         return self._pool
 
     def results(self, jobs: Iterator[tuple], decode: Callable[[Any, int, int], Any], watch: Any = None,
