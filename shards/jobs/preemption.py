@@ -10,7 +10,8 @@ The handlers are installed only by a command's entry (``stop_signals``, a contex
 previous handlers on the way out), never by a dataset or a loader. A DataLoader worker forked while they are
 installed inherits them: there they do nothing, so a signal sent to every process of the job (Slurm signals the
 whole step) does not kill a worker before the main process has saved; the main process stops its workers as it
-always does. A second SIGINT while stopping raises ``KeyboardInterrupt`` (the impatient Ctrl-C Ctrl-C); the
+always does. (torch sets its own SIGTERM handler in each worker, which dies of a SIGTERM not sent by its parent;
+``shards.loader.worker_processes.OrphanGuard`` takes SIGTERM back in every worker.) A second SIGINT while stopping raises ``KeyboardInterrupt`` (the impatient Ctrl-C Ctrl-C); the
 checkpoint being written then is left as it was, since every checkpoint write is atomic.
 """
 
