@@ -11,6 +11,7 @@ Nothing heavy is imported, so the command line can share the vocabularies below 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -122,8 +123,8 @@ class OptimOptions:
         _choice("optim.loss", self.loss, LOSSES)
         _positive("optim.epochs", self.epochs)
         _positive("optim.batch_size", self.batch_size)
-        if self.lr is not None and not self.lr > 0:
-            raise InputError(f"optim.lr={self.lr!r} must be > 0")
+        if self.lr is not None and not 0 < self.lr < math.inf:
+            raise InputError(f"optim.lr={self.lr!r} must be a finite number > 0")
         _not_negative("optim.warmup_epochs", self.warmup_epochs)
         _not_negative("optim.weight_decay", self.weight_decay)
         _fraction("optim.label_smoothing", self.label_smoothing)
@@ -275,8 +276,8 @@ def _positive(name: str, value: int) -> None:
 
 
 def _not_negative(name: str, value: float) -> None:
-    if not value >= 0:
-        raise InputError(f"{name}={value!r} must be >= 0")
+    if not 0 <= value < math.inf:
+        raise InputError(f"{name}={value!r} must be a finite number >= 0")
 
 
 def _fraction(name: str, value: float) -> None:

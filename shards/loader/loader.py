@@ -109,6 +109,9 @@ def make_loader(dataset: Any, batch_size: int = 256, *, mode: RunMode | str | di
                               persistent_workers=persistent_workers)
     check_process_options(mode, dataset, named=named, worker_init_fn=worker_init_fn,
                           multiprocessing_context=multiprocessing_context, timeout=timeout, collate_fn=collate_fn)
+    for name, value in (("drop_last", drop_last), ("pin_memory", pin_memory), ("stage_times", stage_times)):
+        if value is not None and not isinstance(value, bool):  # "no" and 0 are not False: never read as truthy
+            raise InputError(f"{name}={value!r}: must be True or False")
     if drop_last is None:
         drop_last = dataset.config.shuffle
     if pin_memory is None:

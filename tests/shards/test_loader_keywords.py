@@ -217,3 +217,10 @@ def test_a_mode_is_read_by_the_one_parse_and_a_misspelt_one_refused(images):
     assert "is not one of processes, threads, in-process, auto" in refusal(images, mode="thread:2")
     assert "decoders= in every run mode" in refusal(images, mode="processes:2,threads=2")
     assert "mode must be a run mode, not a count" in refusal(images, mode=2)
+
+
+@pytest.mark.parametrize("name", ["pin_memory", "drop_last", "stage_times"])
+def test_switches_are_true_or_false_not_anything_truthy(images, name):
+    for value in ("no", 0, 1, "False"):
+        message = refusal(images, num_workers=0, **{name: value})
+        assert message.endswith(f"{name}={value!r}: must be True or False")

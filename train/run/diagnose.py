@@ -318,7 +318,7 @@ def one_class_verdict(matrix: Sequence[Sequence[float]], names: Sequence[str] | 
     return _verdict("one_class", "bad", (
         f"the model predicts {name!r} for {predicted[top]:,.0f} of {total:,.0f} val images ({predicted[top] / total:.0%}): "
         f"it has collapsed to one class; usually the learning rate is too high (lower --lr{now}) or the classes "
-        "are very unbalanced (--balanced, --class-weights)"))
+        "are very unbalanced (--balanced-sampler, --class-weighted-loss)"))
 
 
 def loss_verdict(train_loss: float | None, val_loss: float | None, classes: int) -> dict[str, str] | None:
