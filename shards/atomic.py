@@ -67,16 +67,23 @@ def free_space(folder: str | os.PathLike) -> str:
 @contextlib.contextmanager
 def on_disk_full(folder: str | os.PathLike, writing: str | None = None) -> Iterator[None]:
     """Turn a full disk or quota met inside into one ``DiskFullError`` naming ``folder`` (and the file being
-    written) with the space left there; every other error passes unchanged."""
+    written) with the space left there, and a folder that refuses writes (permissions, a read-only or immutable
+    file system) into one ``InputError`` naming it; every other error passes unchanged."""
     try:
         yield
     except Exception as exc:
         cause = None if isinstance(exc, ShardcacheError) else disk_full_cause(exc)
         if cause is None:
+            if isinstance(exc, OSError) and exc.errno in NOT_WRITABLE:
+                raise InputError(f"cannot write here{f' ({writing})' if writing else ''}: {exc.strerror or exc}",
+                                 path=str(folder)) from None
             raise
         what = "disk quota exceeded" if cause == errno.EDQUOT else "no space left on device"
         raise DiskFullError(f"{what}{f' writing {writing}' if writing else ''} ({free_space(folder)}); {AGAIN}",
                             path=str(folder), cause_errno=cause) from None
+
+
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 def disk_full_cause(exc: BaseException) -> int | None:
@@ -121,6 +128,19 @@ def check_local_output(out: str | os.PathLike, option: str = "--out") -> None:
                          "or mounted folder, then copy the result there")
 
 
+def make_output_folder(folder: str | os.PathLike) -> Path:
+    """``folder`` and its parents, made where missing; one that cannot be (a file in the way, no permission, a
+    read-only or virtual file system) is ``InputError`` naming it, exit 2, never an ``OSError`` traceback."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise InputError("is a file, not a folder", path=str(folder)) from None
+    except OSError as exc:
+        raise InputError(f"cannot make the folder ({exc.strerror or exc})", path=str(folder)) from None
+    return folder
+
+
 def owned_folder(out: str | os.PathLike, rel: str) -> Path:
     """``out / rel`` (a ``/``-separated folder name), each level made here or found as a real folder, never a
     symlink; ``rel`` empty: ``out`` itself (which the user named, and may be a link).
@@ -130,7 +150,7 @@ def owned_folder(out: str | os.PathLike, rel: str) -> Path:
     ``OUT/.pack`` symlink must not carry plans, locks or part files outside ``--out``; one that exists is used only
     if ``lstat`` says it is a real folder, else ``InputError`` naming it."""
     folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
+    make_output_folder(folder)
     for part in (p for p in rel.split("/") if p):
         if part in (".", ".."):
             raise InputError(f"names the folder {rel!r}, which leaves the output folder", path=str(out))
@@ -139,6 +159,8 @@ def owned_folder(out: str | os.PathLike, rel: str) -> Path:
             os.mkdir(folder)
         except FileExistsError:
             pass
+        except OSError as exc:
+            raise InputError(f"cannot make the folder ({exc.strerror or exc})", path=str(folder)) from None
         mode = os.lstat(folder).st_mode
         if not stat.S_ISDIR(mode):
             what = "a symbolic link" if stat.S_ISLNK(mode) else "not a folder"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from shards.atomic import write_json_atomic
+from shards.atomic import make_output_folder, write_json_atomic
 from shards.door.bounded_read import read_json_file
 from shards.errors import ManifestError, OutputExistsError
 from shards.jobs.owned import refuse_clobber, remove_owned
@@ -87,7 +87,7 @@ def start_run(plan: RunPlan, cfg: TrainConfig, mixture: Mapping[str, Any] | None
     which ``shards report`` shows; a resumed run reads back only the config's own fields), the run record (the data
     calls this start made, for ``shards lineage``) and the feature scale (``SCALE_FILE``; the checkpoints carry it
     too, as the model's buffers)."""
-    plan.folder.mkdir(parents=True, exist_ok=True)
+    make_output_folder(plan.folder)
     if plan.clear:
         remove_owned(plan.folder, plan.clear)
     if scale is not None:
