@@ -277,8 +277,12 @@ class Watchdog:
         return "\n".join(lines) + "\n"
 
     def _write_dump(self, report: str) -> str:
-        folder = self.stack_dir or self.folder
-        path = os.path.join(folder, f"worker-stacks-{os.getpid()}-{self.dumps}.txt")
+        """The report a message names: in ``stack_dir``, else the temp folder (as the thread mode's), never in
+        ``self.folder``, which goes with the loader: the file a stall's error names must outlive the process."""
+        folder = self.stack_dir or tempfile.gettempdir()
+        name = f"worker-stacks-{os.getpid()}-{self.dumps}.txt" if self.stack_dir else \
+            f"worker-stacks-{os.getpid()}-{time.time_ns()}-{self.dumps}.txt"
+        path = os.path.join(folder, name)
         write_text_shared(path, report)
         return path
 

@@ -204,3 +204,24 @@ def test_persistent_workers_with_batches_in_ring_slots_run_every_epoch(tmp_path)
         got = [labels.tolist() for _, labels in watched]
         assert got == expected and sum(map(len, got)) == 16
     assert watched.run.ring is not None  # the batches did go through the ring
+
+
+@pytest.mark.slow  # a worker that exits, restarted twice
+def test_without_a_stack_dir_the_named_dump_outlives_the_loader(data, reference, caplog):
+    """The dumps a warning or an error names went to the loader's own temp folder, removed with the loader: a
+    script that failed on a stall pointed at a file gone by the time anyone looked."""
+    bad = reference[9]
+    loader = open_loader(data, FaultyDecoder(bad, "exit"), events=[], stall_timeout=5)
+    with caplog.at_level("WARNING", logger="shards.loader.watchdog"):
+        epoch_keys(loader)
+    named = [line.rsplit("stacks in ", 1)[1] for line in caplog.messages if "stacks in " in line]
+    assert named, caplog.messages
+    del loader
+    import gc
+
+    gc.collect()
+    try:
+        assert all(Path(path).is_file() and f"[sample {bad}]" in Path(path).read_text() for path in named)
+    finally:
+        for path in named:
+            Path(path).unlink(missing_ok=True)
