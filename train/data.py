@@ -8,6 +8,8 @@ any training starts.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -102,6 +104,17 @@ class RunData:
             return None
         return {"class_map": cfg.data.class_map, "classes": self.classes, "epoch_size": mixture.epoch_size,
                 "sources": mixture.composition(self.classes)}
+
+    def data_identity(self) -> str | None:
+        """A digest of what the run trains on as its manifest records it (the features' config and every shard's
+        sha256; an image dataset's shards), kept in each checkpoint: a ``--resume`` over features recomputed or a
+        dataset repacked since would train on a mixture of the two, so it is refused (``Checkpoints.restore``)."""
+        manifest = self.manifest
+        if not isinstance(manifest, (FeatureManifest, DatasetManifest)):
+            return None
+        record = {"config_hash": getattr(manifest, "config_hash", None),
+                  "shards": {name: [s.sha256 for s in split.shards] for name, split in sorted(manifest.splits.items())}}
+        return hashlib.sha256(json.dumps(record, sort_keys=True).encode("utf-8")).hexdigest()
 
     def feature_config(self) -> dict[str, Any]:
         """What a user of the trained head needs to reproduce its inputs (backbone, weights, transform)."""

@@ -17,7 +17,9 @@ import torch
 
 from shards.cli.common import EXIT_PREEMPTED
 from shards.jobs.preemption import Preempted, StopRequest, stop_signals
+from shards.errors import InputError
 from tests.stop_requests import StopAfter
+from tests.train.conftest import write_feature_folder
 from tests.train.configs import train_config
 from train.distributed import DistContext
 from train.run.checkpoint import load_checkpoint
@@ -199,3 +201,29 @@ def test_two_ranks_stop_together_when_rank_0_alone_is_signalled_and_resume_step_
                              timeout=TIMEOUT_S, env=ENV)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_run(tmp_path / "whole", run)
+
+
+@pytest.mark.slow
+def test_a_resume_over_features_recomputed_since_is_refused(tmp_path: Path):
+    """Epochs before the stop on one set of features, the rest on another, and nothing said: the run records what
+    it trains on (``data_identity`` in each checkpoint) and a resume over other features is one line, exit 2."""
+    folder = write_feature_folder(tmp_path / "cache", shard_sizes={"train": [70, 45, 29, 17], "val": [37, 24]},
+                                  classes=("ant", "bee", "cat", "dog"))
+    run = tmp_path / "run"
+    with pytest.raises(Preempted):
+        train(run_config(folder, run), stop=StopAfter(13))
+    write_feature_folder(tmp_path / "cache", shard_sizes={"train": [70, 45, 29, 17], "val": [37, 24]},
+                         classes=("ant", "bee", "cat", "dog"), seed=1)  # recomputed: other numbers, same keys
+    with pytest.raises(InputError, match=r"--resume: .*last.pt was trained on other data than .* holds now") as caught:
+        train(run_config(folder, run, resume=True))
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.slow
+def test_a_resume_over_the_same_features_goes_on(feature_folder: Path, tmp_path: Path):
+    run = tmp_path / "run"
+    with pytest.raises(Preempted):
+        train(run_config(feature_folder, run), stop=StopAfter(5))
+    assert load_checkpoint(run / "last.pt")["data_identity"]
+    train(run_config(feature_folder, run, resume=True))
+    assert (run / "model.pt").is_file()

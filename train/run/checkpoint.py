@@ -108,6 +108,7 @@ class Checkpoints:
             "scheduler": run.scheduler.state_dict(), "scaler": run.scaler.state_dict(),
             "loader": loader_state, "train_state": run.state.to_dict(), "rng": capture_rng_state(),
             "config": run.cfg.to_dict(), "classes": list(run.data.classes),
+            "data_identity": run.data.data_identity(),
         }
 
     def save_last(self, *, mid_epoch: bool) -> None:
@@ -129,6 +130,11 @@ class Checkpoints:
     def restore(self, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
         """Put ``checkpoint`` back into the run; the loader state it held (None at an epoch's end)."""
         run = self.run
+        saved, now = checkpoint.get("data_identity"), run.data.data_identity()  # None: a checkpoint from before
+        if saved is not None and now is not None and saved != now:
+            raise InputError(f"--resume: {run.plan.resume_from} was trained on other data than {run.cfg.data.path} "
+                             "holds now (its features were recomputed or its shards repacked since); the resumed "
+                             "run would train on a mixture of the two: start a new run (--overwrite)")
         run.model.load_state_dict(checkpoint["model"])
         run.optimizer.load_state_dict(checkpoint["optimizer"])
         run.scheduler.load_state_dict(checkpoint["scheduler"])
