@@ -6,17 +6,20 @@ functions take explicit configs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from typing import Any, Callable
 
 import click
 
 from shards.errors import InputError, ShardcacheError
-from shards.jobs.preemption import Preempted
+from shards.jobs.preemption import STOP_SIGNALS, Preempted
 from shards.jobs.progress import setup_logging
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -46,22 +49,47 @@ def handle_errors(func: Callable) -> Callable:
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         try:
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
         except InputError as exc:
             click.echo(f"error: {error_line(exc)}", err=True)
-            sys.exit(EXIT_USAGE)
+            settle(EXIT_USAGE)
         except ShardcacheError as exc:
             click.echo(f"error: {error_line(exc)}", err=True)
-            sys.exit(EXIT_FAILED)
+            settle(EXIT_FAILED)
         except Preempted as exc:
             if exc.line:
                 click.echo(exc.line, err=True)
-            sys.exit(EXIT_PREEMPTED)
+            settle(EXIT_PREEMPTED)
         except KeyboardInterrupt:
             click.echo("error: interrupted", err=True)
-            sys.exit(EXIT_INTERRUPTED)
+            settle(EXIT_INTERRUPTED)
+        settle_on_signal(EXIT_OK)
+        return result
 
     return wrapper
+
+
+def settle(code: int) -> None:
+    """Exit with ``code``, a stop signal during the exit included (``settle_on_signal``)."""
+    settle_on_signal(code)
+    sys.exit(code)
+
+
+def settle_on_signal(code: int) -> None:
+    """The command's outcome is decided and said: a stop signal from now on (during the interpreter's teardown,
+    which torch makes take seconds) ends the process with ``code``, not as killed by the signal (143), which a
+    requeue script reads as a failure after the result was already printed."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def leave(signum: int, frame: object) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, leave)
 
 
 def quiet_option(func: Callable) -> Callable:

@@ -1,0 +1,38 @@
+"""Once a command's outcome is decided and said (its JSON printed, or its one error line), a stop signal during the
+interpreter's teardown ends the process with that outcome's code: it ended as killed by SIGTERM (143) about 1.7 s
+after train-from-shards had printed its result, which a requeue script reads as a failure."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = """
+import atexit, os, signal, sys, time
+sys.path.insert(0, {root!r})
+from shards.cli.common import settle, settle_on_signal
+
+def teardown():  # what torch's teardown gives a scheduler time for: a signal arrives meanwhile
+    os.kill(os.getpid(), signal.{sig})
+    time.sleep(2)
+    print("not reached")
+
+atexit.register(teardown)
+print("result")
+if sys.argv[1] == "done":
+    settle_on_signal(0)
+else:
+    settle(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("outcome,code", [("done", 0), ("75", 75), ("2", 2)])
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1", "SIGINT"])
+def test_a_stop_signal_after_the_outcome_exits_with_its_code(outcome, code, sig):
+    done = subprocess.run([sys.executable, "-c", SCRIPT.format(root=str(ROOT), sig=sig), outcome],
+                          capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (code, "result\n")
