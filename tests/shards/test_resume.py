@@ -203,3 +203,43 @@ def test_decoder_gets_a_per_sample_seed_that_a_resume_replays(folder):
     resumed = dataset()
     resumed.load_state_dict(interrupted.state_dict())
     assert [seed for seed, _ in resumed] == full[9:]
+
+
+def numpy_and_python_augment(image):
+    """An albumentations-style transform: its randomness from NumPy's and Python's global generators."""
+    import random
+
+    import numpy as np
+
+    return torch.tensor([np.random.rand(), random.random()])
+
+
+@pytest.mark.parametrize("mode", [pytest.param(WorkerProcesses(2, persistent=False), marks=SLOW), "in-process"],
+                         ids=["processes", "in-process"])
+def test_numpy_and_python_draws_are_seeded_per_sample_and_leave_the_callers_state(folder, mode):
+    """A resumed epoch fed the same keys with other augmentations (the transform's draws were not seeded), and in
+    the training process the transform moved the caller's own NumPy and Python random state."""
+    import random
+
+    import numpy as np
+
+    def loader():
+        dataset = shards.open_dataset(folder, transform=numpy_and_python_augment, return_keys=True, seed=7)
+        return shards.make_loader(dataset, batch_size=3, mode=None if mode == "in-process" else mode,
+                                  num_workers=0 if mode == "in-process" else None, drop_last=False)
+
+    np.random.seed(11)
+    random.seed(11)
+    numpy_before, python_before = np.random.get_state()[1].copy(), random.getstate()
+    full = [(b[0], list(b[2])) for b in loader()]
+    assert np.array_equal(np.random.get_state()[1], numpy_before) and random.getstate() == python_before
+    interrupted = loader()
+    iterator = iter(interrupted)
+    for _ in range(3):
+        next(iterator)
+    state = interrupted.state_dict()
+    np.random.seed(99)  # whatever the caller draws meanwhile, the augmentations stay
+    resumed = [(b[0], list(b[2])) for b in _loaded(loader(), state)]
+    assert [k for _, k in resumed] == [k for _, k in full[3:]]
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(resumed, full[3:]))
+    assert len({tuple(row.tolist()) for batch, _ in full for row in batch}) == sum(len(k) for _, k in full)
