@@ -224,3 +224,17 @@ def test_switches_are_true_or_false_not_anything_truthy(images, name):
     for value in ("no", 0, 1, "False"):
         message = refusal(images, num_workers=0, **{name: value})
         assert message.endswith(f"{name}={value!r}: must be True or False")
+
+
+@pytest.mark.parametrize("mode", ["in-process", "threads:2"])
+def test_a_dataset_of_pil_images_is_refused_at_the_first_batch_with_the_fix(images, mode):
+    """What a PyTorch user writes first: no transform. torch's default_collate stopped with a traceback from inside
+    a worker; here one line says what to give. A collate_fn that takes PIL images runs."""
+    loader = make_loader(images, batch_size=4, mode=None if mode == "in-process" else mode,
+                         num_workers=0 if mode == "in-process" else None)
+    with pytest.raises(InputError, match=r"the dataset yields PIL images .*transform='eval'.*"
+                                         r"collate_fn=shards\.pad_collate") as caught:
+        next(iter(loader))
+    assert "\n" not in str(caught.value)
+    padded = next(iter(make_loader(images, batch_size=4, num_workers=0, collate_fn=pad_collate)))
+    assert padded["images"].dtype == torch.uint8 and len(padded["labels"]) == 4
