@@ -14,6 +14,7 @@ from shards.cli.common import (
     EXIT_FAILED, S3_OPTION_NAMES, cache_option, class_names, emit_json, handle_errors, overwrite_option, quiet_option,
     s3_options, seed_option, shard_source_option, version_option, workers_option)
 from shards.cli.sections import SectionedCommand
+from shards.cli.usage import OneLineUsage
 from shards.check.inspect import batch_report, format_mixture, format_summary, mixture_report, save_grid, summarize
 from shards.check.verify import verify_dataset
 from shards.check.verify_core import DEFAULT_SAMPLES_PER_SHARD
@@ -23,7 +24,7 @@ from shards.select.mixture import CLASS_MAPS, MixOptions, SourceSpec, Subset
 COMMANDS_GROUP = "shards.commands"  # entry points: commands other packages add (shards index, from preprocess)
 
 
-class _Commands(click.Group):
+class _Commands(OneLineUsage, click.Group):
     """The group's own commands plus those registered under the ``shards.commands`` entry-point group: ``shards``
     imports nothing from the job packages (tests/test_layout.py), yet ``shards index`` runs one of their jobs."""
 

@@ -17,11 +17,13 @@ from typing import Any, Mapping, Sequence
 
 import click
 
+from shards.cli.usage import OneLineUsage
+
 
 COMMON_TITLE = "Most used"
 
 
-class SectionedCommand(click.Command):
+class SectionedCommand(OneLineUsage, click.Command):
     """A ``click.Command`` whose options print under titled sections, in the order given, after the ``common``
     ones; ``examples`` print after the description."""
 
