@@ -74,7 +74,7 @@ def on_disk_full(folder: str | os.PathLike, writing: str | None = None) -> Itera
     except Exception as exc:
         cause = None if isinstance(exc, ShardcacheError) else disk_full_cause(exc)
         if cause is None:
-            if isinstance(exc, OSError) and exc.errno in NOT_WRITABLE:
+            if isinstance(exc, OSError) and exc.errno in NOT_WRITABLE and _inside(exc.filename, folder):
                 raise InputError(f"cannot write here{f' ({writing})' if writing else ''}: {exc.strerror or exc}",
                                  path=str(folder)) from None
             raise
@@ -84,6 +84,15 @@ def on_disk_full(folder: str | os.PathLike, writing: str | None = None) -> Itera
 
 
 NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _inside(filename: object, folder: str | os.PathLike) -> bool:
+    """Whether an error's file is in ``folder``: a permission refused on a file read elsewhere (a source) is not
+    this folder refusing writes, and is not reported as if it were."""
+    if not isinstance(filename, (str, bytes, os.PathLike)):
+        return False
+    path, root = os.path.abspath(os.fsdecode(filename)), os.path.abspath(folder)
+    return os.path.commonpath([path, root]) == root
 
 
 def disk_full_cause(exc: BaseException) -> int | None:

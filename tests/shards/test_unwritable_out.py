@@ -34,16 +34,20 @@ def test_a_folder_that_cannot_be_made_is_named_in_one_line(tmp_path):
 def test_a_write_the_folder_refuses_is_named_in_one_line(tmp_path, code):
     with pytest.raises(InputError) as caught:
         with on_disk_full(tmp_path, "config.json"):
-            raise OSError(code, "refused")
+            raise OSError(code, "refused", str(tmp_path / "config.json.tmp"))
     assert str(caught.value) == f"{tmp_path}: cannot write here (config.json): refused"
-    with pytest.raises(OSError):  # anything else passes unchanged
-        with on_disk_full(tmp_path):
-            raise OSError(errno.EIO, "input/output error")
+    for other in (OSError(errno.EIO, "input/output error", str(tmp_path / "x")),  # anything else passes unchanged
+                  OSError(code, "refused", "/elsewhere/source.jpg"),  # a read refused elsewhere is not this folder
+                  OSError(code, "refused")):
+        with pytest.raises(OSError) as passed:
+            with on_disk_full(tmp_path):
+                raise other
+        assert not isinstance(passed.value, InputError)
 
 
 def test_a_permission_refused_mid_write_leaves_no_temp_file(tmp_path, monkeypatch):
-    def refuse(*_args, **_kwargs):
-        raise PermissionError(errno.EACCES, "Permission denied")
+    def refuse(source, *_args, **_kwargs):  # as os.replace raises it: naming the file
+        raise PermissionError(errno.EACCES, "Permission denied", str(source))
 
     monkeypatch.setattr("shards.atomic.os.replace", refuse)
     with pytest.raises(InputError, match="cannot write here"):
