@@ -6,20 +6,18 @@ functions take explicit configs.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import logging
 import os
-import signal
 import sys
-import threading
 from typing import Any, Callable
 
 import click
 
 from shards.errors import InputError, ShardcacheError
-from shards.jobs.preemption import STOP_SIGNALS, Preempted
+from shards.cli.exits import settle, settle_on_signal
+from shards.jobs.preemption import Preempted
 from shards.jobs.progress import setup_logging
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -67,29 +65,6 @@ def handle_errors(func: Callable) -> Callable:
         return result
 
     return wrapper
-
-
-def settle(code: int) -> None:
-    """Exit with ``code``, a stop signal during the exit included (``settle_on_signal``)."""
-    settle_on_signal(code)
-    sys.exit(code)
-
-
-def settle_on_signal(code: int) -> None:
-    """The command's outcome is decided and said: a stop signal from now on (during the interpreter's teardown,
-    which torch makes take seconds) ends the process with ``code``, not as killed by the signal (143), which a
-    requeue script reads as a failure after the result was already printed."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def leave(signum: int, frame: object) -> None:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
-
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, leave)
 
 
 def quiet_option(func: Callable) -> Callable:

@@ -14,7 +14,7 @@ from shards.cli.common import (
     EXIT_FAILED, S3_OPTION_NAMES, cache_option, class_names, emit_json, handle_errors, overwrite_option, quiet_option,
     s3_options, seed_option, shard_source_option, version_option, workers_option)
 from shards.cli.sections import SectionedCommand
-from shards.cli.usage import OneLineUsage
+from shards.cli.exits import OneLineUsage
 from shards.check.inspect import batch_report, format_mixture, format_summary, mixture_report, save_grid, summarize
 from shards.check.verify import verify_dataset
 from shards.check.verify_core import DEFAULT_SAMPLES_PER_SHARD

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 import click
 
-from shards.cli.usage import OneLineUsage
+from shards.cli.exits import OneLineUsage
 
 
 COMMON_TITLE = "Most used"

@@ -62,13 +62,16 @@ class Run(ABC):
         return asked
 
 
-def yields_pil_images(dataset: Any) -> bool:
-    """Whether ``dataset``'s samples are PIL images: the standard decoder with no transform (torch's
-    ``default_collate`` stopped at the first batch, with a traceback from inside a worker)."""
+def check_batchable(dataset: Any, collate_fn: Callable | None) -> None:
+    """Refuse PIL images (the standard decoder with no transform) to the default collate in one line naming the
+    fixes: torch's ``default_collate`` stopped at the first batch, with a traceback from inside a worker."""
     from shards.image.decode import ImageDecoder
 
     decoder = getattr(dataset, "decoder", None)
-    return type(decoder) is ImageDecoder and decoder.transform is None
+    if collate_fn is None and type(decoder) is ImageDecoder and decoder.transform is None:
+        raise InputError("the dataset yields PIL images (open_dataset without a transform), which no batch holds: "
+                         "give open_dataset a transform (transform='eval' or 'train', or a torchvision transform "
+                         "ending in ToTensor/PILToTensor), or make_loader collate_fn=shards.pad_collate")
 
 
 class RunMode(ABC):
@@ -210,10 +213,7 @@ class Loader:
     def __iter__(self) -> Iterator[Any]:
         # A generator of the loader's own, so an iteration keeps its loader alive (``next(iter(make_loader(...)))``);
         # the run refers back to its loader only weakly.
-        if self.collate_fn is None and yields_pil_images(self.dataset):
-            raise InputError("the dataset yields PIL images (open_dataset without a transform), which no batch holds: "
-                             "give open_dataset a transform (transform='eval' or 'train', or a torchvision transform "
-                             "ending in ToTensor/PILToTensor), or make_loader collate_fn=shards.pad_collate")
+        check_batchable(self.dataset, self.collate_fn)
         yield from fed_batches(self.audit, self.run.batches)
 
     def __len__(self) -> int:

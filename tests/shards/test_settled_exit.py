@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import atexit, os, signal, sys, time
 sys.path.insert(0, {root!r})
-from shards.cli.common import settle, settle_on_signal
+from shards.cli.exits import settle, settle_on_signal
 
 def teardown():  # what torch's teardown gives a scheduler time for: a signal arrives meanwhile
     os.kill(os.getpid(), signal.{sig})

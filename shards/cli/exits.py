@@ -1,16 +1,26 @@
-"""Usage errors in one line: ``error: <what is wrong> (see 'pack-shards --help')``, exit 2.
+"""How a console script ends: usage errors in one line, and its exit code kept through a late stop signal.
 
 click prints a usage error as three lines (the usage, a "Try --help" line, the error), where every other refusal
 here is one ``error:`` line a log or a scheduler's mail shows whole; a script that greps for ``error:`` found
-nothing. Every console script's command class takes this mixin, so its option errors read as its input errors do.
+nothing. Every console script's command class takes ``OneLineUsage``, so its option errors read as its input
+errors do: ``error: <what is wrong> (see 'pack-shards --help')``, exit 2.
+
+Once a command's outcome is decided and said (``settle``), a stop signal during the interpreter's teardown ends
+the process with that outcome's code.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import sys
+import threading
 from typing import Any
 
 import click
+
+from shards.jobs.preemption import STOP_SIGNALS
 
 
 class OneLineUsage:
@@ -33,3 +43,26 @@ class OneLineUsage:
             click.echo("error: aborted", err=True)
             sys.exit(1)
         sys.exit(value if isinstance(value, int) else 0)  # click's own exits (--help, --version) return their code
+
+
+def settle(code: int) -> None:
+    """Exit with ``code``, a stop signal during the exit included (``settle_on_signal``)."""
+    settle_on_signal(code)
+    sys.exit(code)
+
+
+def settle_on_signal(code: int) -> None:
+    """The command's outcome is decided and said: a stop signal from now on (during the interpreter's teardown,
+    which torch makes take seconds) ends the process with ``code``, not as killed by the signal (143), which a
+    requeue script reads as a failure after the result was already printed."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def leave(signum: int, frame: object) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, leave)
