@@ -10,7 +10,6 @@ import functools
 import json
 import logging
 import os
-import sys
 from typing import Any, Callable
 
 import click
