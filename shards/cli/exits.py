@@ -11,6 +11,7 @@ the process with that outcome's code.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -52,11 +53,26 @@ def settle(code: int) -> None:
 
 
 def settle_on_signal(code: int) -> None:
-    """The command's outcome is decided and said: a stop signal from now on (during the interpreter's teardown,
-    which torch makes take seconds) ends the process with ``code``, not as killed by the signal (143), which a
-    requeue script reads as a failure after the result was already printed."""
-    if threading.current_thread() is not threading.main_thread():
+    """The command's outcome is decided and said: a stop signal during the interpreter's teardown (which torch makes
+    take seconds) ends the process with ``code``, not as killed by the signal (143), which a requeue script reads
+    as a failure after the result was already printed.
+
+    The handlers go in when the teardown starts (an exit hook registered after torch's, so it runs before them):
+    a command invoked in a process that goes on (a test, a notebook) leaves that process's signals as they were."""
+    _OUTCOME[:] = [code]
+    if not _OUTCOME_HOOKED:
+        _OUTCOME_HOOKED.append(True)
+        atexit.register(_leave_on_stop_signals)
+
+
+_OUTCOME: list[int] = []  # the exit code of the last command settled in this process
+_OUTCOME_HOOKED: list[bool] = []
+
+
+def _leave_on_stop_signals() -> None:
+    if threading.current_thread() is not threading.main_thread() or not _OUTCOME:
         return
+    code = _OUTCOME[0]
 
     def leave(signum: int, frame: object) -> None:
         for stream in (sys.stdout, sys.stderr):

@@ -36,3 +36,16 @@ def test_a_stop_signal_after_the_outcome_exits_with_its_code(outcome, code, sig)
     done = subprocess.run([sys.executable, "-c", SCRIPT.format(root=str(ROOT), sig=sig), outcome],
                           capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout) == (code, "result\n")
+
+
+def test_a_command_invoked_in_a_process_that_goes_on_leaves_its_signal_handlers_alone(tmp_path):
+    import signal
+
+    from click.testing import CliRunner
+
+    from preprocess.pack.cli import pack_shards_command
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    result = CliRunner().invoke(pack_shards_command, [str(tmp_path / "missing"), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2
+    assert {sig: signal.getsignal(sig) for sig in before} == before  # handlers go in only at the exit
