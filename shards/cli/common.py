@@ -60,7 +60,7 @@ def handle_errors(func: Callable) -> Callable:
         except KeyboardInterrupt:
             click.echo("error: interrupted", err=True)
             settle(EXIT_INTERRUPTED)
-        settle_on_signal(EXIT_OK)
+        settle_on_signal()
         return result
 
     return wrapper
@@ -162,8 +162,10 @@ def class_names(text: str | None, option: str = "--classes") -> list[str] | None
 
 
 def emit_json(result: Any) -> None:
-    """The machine-readable result: one JSON line on stdout."""
+    """The machine-readable result: one JSON line on stdout. The outcome is decided once it is printed: a stop
+    signal in the seconds the command still takes to close its loaders ends it with 0 (``settle_on_signal``)."""
     click.echo(json.dumps(result, sort_keys=True, default=str))
+    settle_on_signal()
 
 
 def s3_options(func: Callable) -> Callable:

@@ -12,8 +12,6 @@ the process with that outcome's code.
 from __future__ import annotations
 
 import atexit
-import contextlib
-import os
 import signal
 import sys
 import threading
@@ -31,6 +29,8 @@ class OneLineUsage:
              standalone_mode: bool = True, **extra: Any) -> Any:
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)  # type: ignore[misc]
+        if args is None:  # the process's own command line: a console script, which ends when the command does
+            _ENTRY.append(True)
         try:
             value = super().main(args, prog_name, complete_var, False, **extra)  # type: ignore[misc]
         except click.UsageError as exc:
@@ -48,37 +48,31 @@ class OneLineUsage:
 
 def settle(code: int) -> None:
     """Exit with ``code``, a stop signal during the exit included (``settle_on_signal``)."""
-    settle_on_signal(code)
+    settle_on_signal()
     sys.exit(code)
 
 
-def settle_on_signal(code: int) -> None:
-    """The command's outcome is decided and said: a stop signal during the interpreter's teardown (which torch makes
-    take seconds) ends the process with ``code``, not as killed by the signal (143), which a requeue script reads
-    as a failure after the result was already printed.
+def settle_on_signal() -> None:
+    """The command's outcome is decided and said: a stop signal during the seconds it still takes to end (closing
+    DataLoader workers, torch's teardown) no longer kills it, so it ends with its own exit code, not as killed by
+    the signal (143), which a requeue script reads as a failure after the result was already printed.
 
-    The handlers go in when the teardown starts (an exit hook registered after torch's, so it runs before them):
-    a command invoked in a process that goes on (a test, a notebook) leaves that process's signals as they were."""
-    _OUTCOME[:] = [code]
-    if not _OUTCOME_HOOKED:
-        _OUTCOME_HOOKED.append(True)
-        atexit.register(_leave_on_stop_signals)
+    The signals are ignored, not handled: Python puts the default action back on every signal it handles as it
+    finalizes, and the last second of torch's teardown comes after that; an ignored signal stays ignored. In a
+    console script that starts at once. A command invoked in a process that goes on (a test's ``CliRunner``, a
+    notebook) gets it only from an exit hook, so that process's signals stay as they were while it runs."""
+    if _ENTRY:
+        _ignore_stop_signals()
+    elif not _HOOKED:
+        _HOOKED.append(True)
+        atexit.register(_ignore_stop_signals)
 
 
-_OUTCOME: list[int] = []  # the exit code of the last command settled in this process
-_OUTCOME_HOOKED: list[bool] = []
+_HOOKED: list[bool] = []  # the exit hook is registered (once a process)
+_ENTRY: list[bool] = []  # set when a command runs as the process's own command line (``OneLineUsage.main``)
 
 
-def _leave_on_stop_signals() -> None:
-    if threading.current_thread() is not threading.main_thread() or not _OUTCOME:
-        return
-    code = _OUTCOME[0]
-
-    def leave(signum: int, frame: object) -> None:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
-
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, leave)
+def _ignore_stop_signals() -> None:
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)

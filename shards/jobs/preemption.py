@@ -77,4 +77,5 @@ def stop_signals(what: str = "the job") -> Iterator[StopRequest]:
         yield request
     finally:
         for sig, old in previous.items():
-            signal.signal(sig, old)
+            if signal.getsignal(sig) is handler:  # one set inside the block (a settled exit code's) stays
+                signal.signal(sig, old)

@@ -18,13 +18,14 @@ from shards.cli.exits import settle, settle_on_signal
 
 def teardown():  # what torch's teardown gives a scheduler time for: a signal arrives meanwhile
     os.kill(os.getpid(), signal.{sig})
-    time.sleep(2)
-    print("not reached")
+    time.sleep(0.2)
 
 atexit.register(teardown)
 print("result")
+from shards.cli import exits
+exits._ENTRY.append(True)  # as a console script runs
 if sys.argv[1] == "done":
-    settle_on_signal(0)
+    settle_on_signal()
 else:
     settle(int(sys.argv[1]))
 """
