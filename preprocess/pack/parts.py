@@ -64,30 +64,22 @@ def part_path(out: Path, shard_name: str) -> Path:
 
 
 def existing_plan_digest(out: Path) -> str | None:
-    """The plan digest of whatever ``out`` holds ("" for something unrecognisable, None for nothing of ours)."""
+    """The plan digest of whatever ``out`` holds ("" for something unrecognisable, None for nothing of ours). A
+    damaged ``dataset.json`` over a plan is unrecognisable too: only ``--overwrite`` repairs it (a rerun would stop
+    at it), and one that is not ours at all (no shardcache format) is nothing of ours."""
+    manifest: Any = None
+    if (out / DATASET_FILE).is_file():
+        try:
+            manifest = load_dataset_manifest(out)
+        except ShardcacheError:
+            return "" if declares_ours(out / DATASET_FILE) or (out / STATE_DIR / PLAN_FILE).is_file() else None
     plan_file = out / STATE_DIR / PLAN_FILE
     if plan_file.is_file():
         try:
-            digest = plan_shape(read_json_file(plan_file), str(plan_file))["plan_sha256"]
+            return plan_shape(read_json_file(plan_file), str(plan_file))["plan_sha256"]
         except ValueError:  # unreadable or of another shape (a ManifestError is a ValueError)
             return ""
-        if (out / DATASET_FILE).is_file() and _unreadable_manifest(out):
-            return ""  # a damaged manifest over a finished plan: only --overwrite repairs it (a rerun would stop)
-        return digest
-    if (out / DATASET_FILE).is_file():
-        try:
-            return str(load_dataset_manifest(out).packing.get("plan_sha256", ""))
-        except ShardcacheError:
-            return "" if declares_ours(out / DATASET_FILE) else None  # a damaged one of ours, or the user's file
-    return None
-
-
-def _unreadable_manifest(out: Path) -> bool:
-    try:
-        load_dataset_manifest(out)
-    except ShardcacheError:
-        return True
-    return False
+    return None if manifest is None else str(manifest.packing.get("plan_sha256", ""))
 
 
 def is_published_name(name: str) -> bool:

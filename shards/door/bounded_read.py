@@ -32,7 +32,7 @@ import pickle
 import re
 import stat
 from contextlib import contextmanager
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterable, Iterator
 
 from shards.errors import CorruptDataError, InputError, ManifestError, MissingInputError, ShardcacheError
 from shards.units import human_bytes
@@ -79,12 +79,20 @@ def _deeper_than(value: Any, limit: int) -> bool:
     return False
 
 
+def first_repeat(names: Iterable[str]) -> str | None:
+    """The first name that ``names`` gives a second time (a JSON object's key, a CSV header's column), or None."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            return name
+        seen.add(name)
+    return None
+
+
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     value = dict(pairs)
     if len(value) != len(pairs):
-        seen: set[str] = set()
-        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
-        raise ValueError(f"key {twice[:80]!r} appears twice in one object")
+        raise ValueError(f"key {first_repeat(key for key, _ in pairs)[:80]!r} appears twice in one object")
     return value
 
 

@@ -71,21 +71,24 @@ def decode_image(data: bytes, *, draft_size: tuple[int, int] | None = None) -> I
 
 
 @contextlib.contextmanager
-def _seeded_python_and_numpy(seed: int) -> Iterator[None]:
-    """Python's ``random`` and NumPy's global generator seeded to the sample's ``seed`` for the block, and put back
-    after: transforms written for albumentations or by hand draw from them, not from torch's. Unseeded, a resumed
-    epoch fed other augmentations than an uninterrupted one (the keys matched, the pixels did not), and in the
-    training process (``InProcess``) the transform moved the caller's own random state. About 30 us a sample."""
+def _seeded_python_and_numpy(seed: int, restore: bool) -> Iterator[None]:
+    """Python's ``random`` and NumPy's global generator seeded to the sample's ``seed`` for the block: transforms
+    written for albumentations or by hand draw from them, not from torch's. Unseeded, a resumed epoch fed other
+    augmentations than an uninterrupted one (the keys matched, the pixels did not).
+
+    ``restore``: put the caller's states back after (the training process, ``InProcess``, where the transform
+    moved them): about 90 us a sample, NumPy's state copy most of it; a worker process only seeds, about 6 us."""
     import numpy as np
 
-    python_state, numpy_state = random.getstate(), np.random.get_state()
+    states = (random.getstate(), np.random.get_state()) if restore else None
     random.seed(seed)
     np.random.seed(seed % 2**32)
     try:
         yield
     finally:
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
+        if states is not None:
+            random.setstate(states[0])
+            np.random.set_state(states[1])
 
 
 class ImageDecoder:
@@ -136,9 +139,10 @@ class ImageDecoder:
 
         if isinstance(self.transform, PilTransform):
             return self.transform(image, seed)
-        if self.draws_nothing and get_worker_info() is None:
+        here = get_worker_info() is None  # the training process: its random states are the caller's
+        if self.draws_nothing and here:
             return self.transform(image)
-        with _GLOBAL_GENERATOR, torch.random.fork_rng(devices=[]), _seeded_python_and_numpy(seed):
+        with _GLOBAL_GENERATOR, torch.random.fork_rng(devices=[]), _seeded_python_and_numpy(seed, restore=here):
             # The CPU generator only: torch.manual_seed would also reseed CUDA, which fork_rng(devices=[]) leaves.
             torch.default_generator.manual_seed(seed)
             return self.transform(image)

@@ -23,7 +23,6 @@ import functools
 import os
 import signal
 import threading
-import time
 import weakref
 from dataclasses import InitVar, dataclass
 from typing import Any, Callable, Iterator
@@ -118,8 +117,8 @@ class OrphanGuard:
     worker of two had not reached its loop) takes its new parent, pid 1, for the old one and waits forever, holding
     whatever it mapped (the decoded-image cache's memory). This guard compares against the pid recorded before the
     fork (whether it is still alive, not whether it is the parent: under forkserver it never is), from a daemon
-    thread, once a second; ``worker_init_fn`` given by the caller still runs. It also keeps a SIGTERM sent to the
-    whole job from ending the worker before the main process has saved its place (``_terms``).
+    thread, once a second; ``worker_init_fn`` given by the caller still runs. The same thread keeps a SIGTERM sent
+    to the whole job from ending the worker before the main process has saved its place.
     """
 
     INTERVAL_S = 1.0
@@ -129,27 +128,23 @@ class OrphanGuard:
         self.then = then
 
     def __call__(self, worker_id: int) -> None:
-        # Before any thread of ours starts (they inherit the mask): SIGTERM waits for _terms, not torch's handler.
+        # Before any thread of ours starts (they inherit the mask): SIGTERM waits for _watch, not torch's handler.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-        threading.Thread(target=self._terms, name="shardcache-sigterm", daemon=True).start()
         threading.Thread(target=self._watch, name="shardcache-orphan-guard", daemon=True).start()
         if self.then is not None:
             self.then(worker_id)
 
-    def _terms(self) -> None:
-        """A SIGTERM from the loader's process (torch ending a worker that did not stop in time) ends the worker at
-        once; one from anyone else is left to the loader's process. Slurm and Kubernetes signal every process of
-        the job: torch's worker handler then killed the workers while the main process was saving its place, and
-        the command ended in torch's "DataLoader worker ... is killed by signal: Terminated" (exit 1, not 75).
-        The main process stops its workers itself, and ``_watch`` ends any whose main process is gone."""
-        while True:
-            if signal.sigwaitinfo({signal.SIGTERM}).si_pid == self.owner:
-                os._exit(0)
-
     def _watch(self) -> None:
+        """End the worker when the loader's process is gone (nobody will read what it makes), or on a SIGTERM from
+        that process (torch ending a worker that did not stop in time). A SIGTERM from anyone else is left to the
+        loader's process: Slurm and Kubernetes signal every process of the job, and torch's worker handler killed
+        the workers while the main process was saving its place, so the command ended in torch's "DataLoader worker
+        ... is killed by signal: Terminated" (exit 1, not 75). The main process stops its workers itself."""
         while pid_alive(self.owner):  # not getppid(): a forkserver or spawn helper may be the worker's parent
-            time.sleep(self.INTERVAL_S)
-        os._exit(1)  # the loader's process is gone: nobody will read what this worker makes
+            term = signal.sigtimedwait({signal.SIGTERM}, self.INTERVAL_S)
+            if term is not None and term.si_pid == self.owner:
+                os._exit(0)
+        os._exit(1)
 
 
 class WorkerFeed(IterableDataset):

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from shards.door.bounded_read import open_regular_file
+from shards.door.bounded_read import first_repeat, open_regular_file
 from shards.errors import InputError
 
 # What a split column's values may be: also shard name prefixes, so short enough for a file name with its suffix.
@@ -41,22 +41,13 @@ def iter_csv_records(path: str | Path, expected: str) -> tuple[list[str], Iterat
             header = [name.strip() for name in next(reader, [])]
         if not header:
             raise InputError(f"empty file (expected a header row {expected})", path=where)
-        twice = _first_repeat(header)
+        twice = first_repeat(header)
         if twice is not None:  # which of the two would a row's cell be? refused, not the last one silently
             raise InputError(f"row 1: column {twice[:80]!r} appears twice in the header", path=where)
     except BaseException:
         handle.close()
         raise
     return header, _records(handle, reader, header, where)
-
-
-def _first_repeat(names: list[str]) -> str | None:
-    seen: set[str] = set()
-    for name in names:
-        if name in seen:
-            return name
-        seen.add(name)
-    return None
 
 
 def _records(handle: io.TextIOWrapper, reader, header: list[str], where: str) -> Iterator[tuple[int, list[str]]]:
